@@ -1,0 +1,5 @@
+import sys
+
+from kernelize.cli import main
+
+sys.exit(main())

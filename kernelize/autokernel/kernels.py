@@ -1,0 +1,190 @@
+"""Kernel specs: the contract between the fusion planner and the three code generators.
+
+A :class:`Kernel` is a loop nest over a ``domain`` (a shape). Its ``body`` is a tiny SSA program of
+:class:`Load` and :class:`Compute` entries, referenced by position (``v0``, ``v1``... in generated code);
+:class:`Store` entries write body values to buffers. Layout ops of the graph never appear here: the
+planner folds them into the ``strides`` / ``offset`` of loads and stores, concat and pad into masked
+loads, gather into an indirect load.
+
+Kinds:
+
+* ``POINTWISE``: every body value is indexed by the whole domain.
+* ``ROW``: the trailing ``row_rank`` domain axes form a row reduced inside one program. Values are either
+  *full* (vary along the row) or *per-row* (results of a reduction, and elementwise ops on those only);
+  see :func:`row_invariant`. Row ops (softmax, log-softmax, layernorm, rmsnorm) take full operands and
+  give full results; reductions (sum, mean, max, min, prod, argmax, argmin) give per-row results.
+* ``MATMUL``: ``body[0]`` is ``Compute(Op.MATMUL, src=(a, b))`` where ``a`` / ``b`` are loads indexed
+  over ``(*batch, M, K)`` / ``(*batch, K, N)`` (their strides have ``len(domain) + 1`` entries); the
+  domain is ``(*batch, M, N)`` and the rest of the body is the elementwise epilogue over it.
+* ``LIBRARY``: ``node`` (conv, pool, or a matmul better left to a library) runs as one torch call on
+  ``inputs``; no body.
+
+Example (``y = x * rsqrt(mean(x*x) + eps) * w`` over rows of 4096, as an rmsnorm row kernel)::
+
+    Kernel(name="k0", kind=ROW, domain=(batch*seq, 4096), row_rank=1,
+           body=(Load(x, strides=(4096, 1)), Load(w, strides=(0, 1)),
+                 Compute(Op.RMSNORM, f32, src=(0, 1), arg=(1e-6, True))),
+           stores=(Store(value=2, buffer=y, strides=(4096, 1)),))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from kernelize.ir.dtypes import DType
+from kernelize.ir.graph import REDUCE, ROW, Node, Op
+from kernelize.ir.shapes import Dim, Shape, shape_str, symbols
+
+
+class KernelKind(StrEnum):
+    POINTWISE = "pointwise"
+    ROW = "row"
+    MATMUL = "matmul"
+    LIBRARY = "library"
+
+
+@dataclass(frozen=True)
+class Indirect:
+    """Adds ``wrap(body[value], size) * stride`` to a load's offset (gather); negative indices wrap once."""
+
+    value: int
+    stride: Dim
+    size: Dim
+
+
+@dataclass(frozen=True)
+class Load:
+    """Read ``buffer`` (a contiguous row-major tensor of ``buffer.shape``) at
+    ``offset + sum(index[d] * strides[d]) + sum(indirect)`` for each domain index.
+
+    ``mask`` lists ``(axis, lo, hi)``: where the domain index on ``axis`` is outside ``[lo, hi)`` nothing is
+    read and the value is ``other`` (pad, concat).
+    """
+
+    buffer: Node
+    strides: tuple[Dim, ...]
+    offset: Dim = 0
+    mask: tuple[tuple[int, Dim, Dim], ...] = ()
+    other: float = 0.0
+    indirect: tuple[Indirect, ...] = ()
+
+    @property
+    def dtype(self) -> DType:
+        return self.buffer.dtype
+
+
+@dataclass(frozen=True)
+class Compute:
+    """One operation on earlier body values (``src`` are body positions), in the IR's op semantics.
+
+    ``dtype`` is the IR dtype of the result (generated code computes 16-bit floats in f32). Besides graph
+    elementwise / reduce / row ops, ``Op.CONCAT`` appears with ``arg = (axis, ends)``: the value is
+    ``src[i]`` for the first ``i`` with ``index[axis] < ends[i]``.
+    """
+
+    op: Op
+    dtype: DType
+    src: tuple[int, ...] = ()
+    arg: Any = None
+
+
+@dataclass(frozen=True)
+class Store:
+    """Write ``body[value]`` to ``buffer`` at ``offset + sum(index[d] * strides[d])`` over the domain.
+
+    In a row kernel a per-row value has stride 0 on the row axes (written once per row).
+    """
+
+    value: int
+    buffer: Node
+    strides: tuple[Dim, ...]
+    offset: Dim = 0
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    kind: KernelKind
+    domain: Shape
+    body: tuple[Load | Compute, ...] = ()
+    stores: tuple[Store, ...] = ()
+    row_rank: int = 0
+    node: Node | None = None  # LIBRARY: the graph op to run
+    inputs: tuple[Node, ...] = ()  # LIBRARY: its operands' buffers
+    # graph values this kernel computes, for printing and pictures
+    computes: tuple[Node, ...] = field(default=(), compare=False)
+
+    @property
+    def reads(self) -> tuple[Node, ...]:
+        """Distinct buffers read, in first-use order (the generated function's input arguments)."""
+        if self.kind is KernelKind.LIBRARY:
+            return tuple(dict.fromkeys(self.inputs))
+        return tuple(dict.fromkeys(e.buffer for e in self.body if isinstance(e, Load)))
+
+    @property
+    def writes(self) -> tuple[Node, ...]:
+        """Distinct buffers written (the generated function's output arguments)."""
+        if self.kind is KernelKind.LIBRARY:
+            return (self.node,)
+        return tuple(dict.fromkeys(s.buffer for s in self.stores))
+
+    @property
+    def symbols(self) -> tuple[str, ...]:
+        """Symbolic dimension names the kernel takes as runtime integer arguments, sorted."""
+        dims: list[Dim] = list(self.domain)
+        for e in (*self.body, *self.stores):
+            if isinstance(e, Load | Store):
+                dims += [*e.strides, e.offset, *(d for m in getattr(e, "mask", ()) for d in m[1:])]
+                dims += [d for i in getattr(e, "indirect", ()) for d in (i.stride, i.size)]
+        return tuple(
+            sorted(symbols(dims) | {n for b in (*self.reads, *self.writes) for n in symbols(b.shape)})
+        )
+
+    def __str__(self) -> str:
+        head = f"{self.name}: {self.kind} over {shape_str(self.domain)}"
+        if self.kind is KernelKind.ROW:
+            head += f" (row = last {self.row_rank})"
+        lines = [head]
+        if self.kind is KernelKind.LIBRARY:
+            lines.append(
+                f"  {self.node.op} {self.node.arg!r}" if self.node.arg is not None else f"  {self.node.op}"
+            )
+        for i, e in enumerate(self.body):
+            if isinstance(e, Load):
+                extra = f" mask={e.mask} other={e.other}" if e.mask else ""
+                extra += f" indirect={[(i.value, i.stride) for i in e.indirect]}" if e.indirect else ""
+                lines.append(
+                    f"  v{i} = load {e.dtype}{shape_str(e.buffer.shape)} strides={e.strides} "
+                    f"offset={e.offset}{extra}"
+                )
+            else:
+                arg = "" if e.arg is None else f" {{{e.arg!r}}}"
+                lines.append(f"  v{i} = {e.op}({', '.join(f'v{s}' for s in e.src)}){arg} : {e.dtype}")
+        for s in self.stores:
+            lines.append(
+                f"  store v{s.value} -> {s.buffer.dtype}{shape_str(s.buffer.shape)} strides={s.strides}"
+            )
+        return "\n".join(lines)
+
+
+def row_invariant(kernel: Kernel) -> list[bool]:
+    """For each body entry of a ROW kernel: True when its value is the same along the whole row."""
+    out: list[bool] = []
+    for e in kernel.body:
+        if isinstance(e, Load):
+            row_strides = e.strides[len(e.strides) - kernel.row_rank :] if kernel.row_rank else ()
+            row_masks = [m for m in e.mask if m[0] >= len(kernel.domain) - kernel.row_rank]
+            out.append(
+                all(s == 0 for s in row_strides) and not row_masks and all(out[i.value] for i in e.indirect)
+            )
+        elif e.op in REDUCE:
+            out.append(True)
+        elif e.op in ROW:
+            out.append(False)
+        elif e.op is Op.CONCAT:
+            out.append(e.arg[0] < len(kernel.domain) - kernel.row_rank and all(out[s] for s in e.src))
+        else:
+            out.append(all(out[s] for s in e.src))
+    return out

@@ -1,0 +1,138 @@
+"""The per-op render table shared by the code generators.
+
+:class:`Renderer` turns one elementwise :class:`~kernelize.autokernel.kernels.Compute` into an expression
+string from its operands' expressions. The base table is C++ (used as is by the CPU and CUDA backends,
+whose template preludes define the ``kz_*`` helpers with the same semantics); the Triton renderer
+overrides entries. Reductions and row ops are rendered by each backend's kernel templates, not here.
+
+Example:
+    >>> r = Renderer()
+    >>> r.expr(Compute(Op.ADD, DType.F32, (0, 1)), ["v0", "v1"])
+    '(v0 + v1)'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+from kernelize.autokernel.kernels import Compute
+from kernelize.ir.dtypes import DType, compute_dtype
+from kernelize.ir.graph import Op
+from kernelize.ir.shapes import Dim, Sym
+
+RenderFn = Callable[["Renderer", Compute, Sequence[str]], str]
+
+
+def _call(name: str) -> RenderFn:
+    return lambda r, e, a: f"{name}({', '.join(a)})"
+
+
+def _infix(sym: str) -> RenderFn:
+    return lambda r, e, a: f"({a[0]} {sym} {a[1]})"
+
+
+class Renderer:
+    """Render table for C-family backends; subclasses override ``OP_RENDER`` entries and type names."""
+
+    # C type used for arithmetic on a value of each IR dtype (16-bit floats compute in f32)
+    CTYPE: ClassVar[dict[DType, str]] = {
+        DType.F32: "float",
+        DType.F64: "double",
+        DType.I8: "int8_t",
+        DType.I16: "int16_t",
+        DType.I32: "int32_t",
+        DType.I64: "int64_t",
+        DType.U8: "uint8_t",
+        DType.BOOL: "bool",
+    }
+
+    OP_RENDER: ClassVar[dict[Op, RenderFn]] = {
+        Op.ABS: _call("kz_abs"),
+        Op.NEG: lambda r, e, a: f"(-{a[0]})",
+        Op.EXP: _call("kz_exp"),
+        Op.LOG: _call("kz_log"),
+        Op.SQRT: _call("kz_sqrt"),
+        Op.RSQRT: _call("kz_rsqrt"),
+        Op.RECIPROCAL: lambda r, e, a: f"({r.literal(1, e.dtype)} / {a[0]})",
+        Op.SIN: _call("kz_sin"),
+        Op.COS: _call("kz_cos"),
+        Op.TANH: _call("kz_tanh"),
+        Op.SIGMOID: _call("kz_sigmoid"),
+        Op.ERF: _call("kz_erf"),
+        Op.SOFTPLUS: _call("kz_softplus"),
+        Op.FLOOR: lambda r, e, a: f"kz_floor({a[0]})" if e.dtype.is_float else a[0],
+        Op.CEIL: lambda r, e, a: f"kz_ceil({a[0]})" if e.dtype.is_float else a[0],
+        Op.ROUND: lambda r, e, a: f"kz_round({a[0]})" if e.dtype.is_float else a[0],
+        Op.SIGN: _call("kz_sign"),
+        Op.NOT: lambda r, e, a: f"(!{a[0]})",
+        Op.CAST: lambda r, e, a: r.cast(a[0], e.dtype),
+        Op.CLAMP: lambda r, e, a: (
+            f"kz_clamp({a[0]}, {r.literal(e.arg[0], e.dtype)}, {r.literal(e.arg[1], e.dtype)})"
+        ),
+        Op.GELU: lambda r, e, a: f"kz_gelu_tanh({a[0]})" if e.arg == "tanh" else f"kz_gelu({a[0]})",
+        Op.ADD: _infix("+"),
+        Op.SUB: _infix("-"),
+        Op.MUL: _infix("*"),
+        Op.DIV: lambda r, e, a: f"({a[0]} / {a[1]})" if e.dtype.is_float else f"kz_idiv({a[0]}, {a[1]})",
+        Op.MIN: _call("kz_min"),
+        Op.MAX: _call("kz_max"),
+        Op.POW: _call("kz_pow"),
+        Op.MOD: lambda r, e, a: (
+            f"kz_fmod({a[0]}, {a[1]})" if e.dtype.is_float else f"kz_imod({a[0]}, {a[1]})"
+        ),
+        Op.EQ: _infix("=="),
+        Op.NE: _infix("!="),
+        Op.LT: _infix("<"),
+        Op.LE: _infix("<="),
+        Op.GT: _infix(">"),
+        Op.GE: _infix(">="),
+        Op.AND: _infix("&&"),
+        Op.OR: _infix("||"),
+        Op.WHERE: lambda r, e, a: f"({a[0]} ? {a[1]} : {a[2]})",
+    }
+
+    def expr(self, e: Compute, args: Sequence[str]) -> str:
+        """The expression computing ``e`` from its operands' expressions."""
+        try:
+            fn = self.OP_RENDER[e.op]
+        except KeyError:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no elementwise rendering for {e.op}"
+            ) from None
+        return fn(self, e, args)
+
+    def ctype(self, dtype: DType) -> str:
+        """The type arithmetic on ``dtype`` values uses."""
+        return self.CTYPE[compute_dtype(dtype)]
+
+    def cast(self, value: str, dtype: DType) -> str:
+        if dtype is DType.BOOL:
+            return f"({value} != 0)"
+        return f"(({self.ctype(dtype)})({value}))"
+
+    def literal(self, value: float | int | bool, dtype: DType) -> str:
+        """A constant of ``dtype``'s compute type."""
+        dtype = compute_dtype(dtype)
+        if dtype is DType.BOOL:
+            return "true" if value else "false"
+        if not dtype.is_float:
+            return f"(({self.ctype(dtype)}){int(value)}LL)" if dtype is DType.I64 else str(int(value))
+        if math.isnan(value):
+            return "NAN" if dtype is DType.F32 else "((double)NAN)"
+        if math.isinf(value):
+            return ("" if value > 0 else "-") + ("INFINITY" if dtype is DType.F32 else "((double)INFINITY)")
+        text = repr(float(value))
+        return text + "f" if dtype is DType.F32 else text
+
+    def sym(self, name: str) -> str:
+        """The runtime argument holding symbolic dimension ``name``."""
+        return f"s_{name}"
+
+    def dim(self, d: Dim) -> str:
+        """An index expression for a size, stride or offset (symbolic parts read runtime arguments)."""
+        if isinstance(d, Sym):
+            parts = ([str(d.coef)] if d.coef != 1 else []) + [self.sym(n) for n in d.names]
+            return "(" + " * ".join(parts) + ")"
+        return str(d)

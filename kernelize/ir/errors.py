@@ -1,0 +1,11 @@
+"""Errors shared by the IR front ends."""
+
+from __future__ import annotations
+
+
+class UnsupportedOpError(NotImplementedError):
+    """A front end met an operation the IR cannot express.
+
+    The message names the operation (torch op or ONNX op type), where it came from (source line, or node
+    name and opset) and what is supported instead.
+    """
