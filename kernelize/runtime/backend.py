@@ -1,0 +1,56 @@
+"""What a code generator gives the runtime: a compiled kernel that launches on torch tensors.
+
+Each backend (``triton``, ``cuda``, ``cpu``) implements :class:`Backend`: ``compile(kernel)`` turns one
+:class:`~kernelize.autokernel.kernels.Kernel` (never ``LIBRARY``: the runtime runs those itself) into a
+:class:`CompiledKernel`. The runtime allocates every buffer, binds symbolic sizes from the inputs and
+calls ``launch(reads, writes, sizes)`` with tensors in the order of ``kernel.reads`` / ``kernel.writes``
+(all contiguous, on the backend's device) and ``sizes`` holding one int per name of ``kernel.symbols``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kernelize.autokernel.kernels import Kernel
+
+Launch = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], Mapping[str, int]], None]
+
+
+class KernelCompileError(RuntimeError):
+    """A generated kernel failed to compile; the message holds the compiler log and numbered source."""
+
+    def __init__(self, kernel_name: str, key: str, log: str, source: str, backend: str):
+        numbered = "\n".join(f"{i + 1:4d} | {line}" for i, line in enumerate(source.splitlines()))
+        super().__init__(f"{backend} kernel {kernel_name} (cache key {key[:16]}) failed to compile:\n{log}\n"
+                         f"--- source ---\n{numbered}")
+        self.kernel_name, self.key, self.log, self.source, self.backend = kernel_name, key, log, source, backend
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """A generated kernel ready to launch."""
+
+    name: str
+    backend: str
+    source: str
+    launch: Launch = field(repr=False)
+    kernel: Kernel | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def source_hash(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+
+class Backend(Protocol):
+    name: str
+
+    def compile(self, kernel: Kernel) -> CompiledKernel: ...
+
+    def device_ok(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` can be handed to this backend's kernels."""
+        ...

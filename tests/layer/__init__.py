@@ -1,0 +1,1 @@
+"""Tests of kernelize.layer (a package, so test module names cannot collide with other test folders)."""

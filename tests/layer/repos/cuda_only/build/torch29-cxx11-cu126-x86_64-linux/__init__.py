@@ -1,0 +1,1 @@
+raise ImportError("this build must never be imported on a CPU-only system")

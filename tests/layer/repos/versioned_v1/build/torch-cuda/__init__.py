@@ -1,0 +1,17 @@
+"""Test kernel repository `versioned`, version 1, build variant torch-cuda."""
+
+from collections import Counter
+
+VERSION = 1
+VARIANT = "torch-cuda"
+CALLS: Counter = Counter()
+
+
+def scale(x):
+    """x * VERSION: the version shows in the result."""
+    return x * VERSION
+
+
+from . import layers  # noqa: E402  (layers reads VERSION)
+
+__all__ = ["CALLS", "VARIANT", "VERSION", "layers", "scale"]

@@ -1,0 +1,17 @@
+"""Test kernel repository `versioned`, version 2, build variant torch-universal."""
+
+from collections import Counter
+
+VERSION = 2
+VARIANT = "torch-universal"
+CALLS: Counter = Counter()
+
+
+def scale(x):
+    """x * VERSION: the version shows in the result."""
+    return x * VERSION
+
+
+from . import layers  # noqa: E402  (layers reads VERSION)
+
+__all__ = ["CALLS", "VARIANT", "VERSION", "layers", "scale"]
