@@ -180,6 +180,8 @@ class Constant:
 
     def __post_init__(self) -> None:
         t = self.tensor.detach().cpu().contiguous()
+        if t.numel() == 1:  # one element is "contiguous" with any strides, but view(uint8) needs stride 1
+            t = t.clone(memory_format=torch.contiguous_format)
         object.__setattr__(self, "tensor", t)
         h = hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
@@ -328,6 +330,8 @@ class Graph:
         if len(shape) < x.rank:
             raise ShapeError(f"cannot broadcast {shape_str(x.shape)} to lower rank {shape_str(shape)}")
         if x.rank < len(shape):
+            if x.op is Op.BROADCAST:  # broadcast of broadcast: widen the original instead
+                x = x.src[0]
             x = self.view(x, (1,) * (len(shape) - x.rank) + x.shape)
         if any(a != b and a != 1 for a, b in zip(x.shape, shape)):
             raise ShapeError(f"cannot broadcast {shape_str(x.shape)} to {shape_str(shape)}")
@@ -425,7 +429,7 @@ class Graph:
             return x
         if any(isinstance(d, Sym) and (lo or hi) for d, (lo, hi) in zip(x.shape, pads)):
             raise ShapeError(f"cannot pad a symbolic dimension of {shape_str(x.shape)}")
-        shape = tuple(d + lo + hi for d, (lo, hi) in zip(x.shape, pads))
+        shape = tuple(d + lo + hi if lo or hi else d for d, (lo, hi) in zip(x.shape, pads))
         return self.push(Op.PAD, x.dtype, shape, (x,), (pads, float(value)))
 
     # -- heavy ops ----------------------------------------------------------------------------------------

@@ -1,4 +1,13 @@
-"""Readable text form of a graph: one line per value, ``%i = op(%a, %b) {arg} : dtype[shape]``."""
+"""Readable text form of a graph: one line per value, ``%i = op(%a, %b) {arg} : dtype[shape]``.
+
+Example:
+    >>> print(g)  # doctest: +SKIP
+    graph(%0 x: f32[batch, 64]) {
+      %0 = input 'x' : f32[batch, 64]
+      %1 = softmax(%0) {1} : f32[batch, 64]
+      return %1
+    }
+"""
 
 from __future__ import annotations
 
@@ -12,13 +21,21 @@ if TYPE_CHECKING:
 
 
 def format_node(graph: Graph, node: Node) -> str:
-    srcs = ", ".join(f"%{graph.index(s)}" for s in node.src)
-    arg = "" if node.arg is None else f" {{{node.arg!r}}}" if not isinstance(node.arg, str) else f" {node.arg!r}"
-    return f"%{graph.index(node)} = {node.op}({srcs}){arg} : {node.dtype}{shape_str(node.shape)}"
+    """One node as ``%i = op(%a, %b) {arg} : dtype[shape]`` (sources without parentheses)."""
+    head = f"%{graph.index(node)} = {node.op}"
+    if node.src:
+        head += "(" + ", ".join(f"%{graph.index(s)}" for s in node.src) + ")"
+    if isinstance(node.arg, str):
+        head += f" {node.arg!r}"
+    elif node.arg is not None:
+        head += f" {{{node.arg!r}}}"
+    return f"{head} : {node.dtype}{shape_str(node.shape)}"
 
 
 def format_graph(graph: Graph) -> str:
-    lines = [f"graph({', '.join(f'%{graph.index(i)}' for i in graph.inputs)}) {{"]
+    """The whole graph: a signature line, one line per node, and the returned values."""
+    sig = ", ".join(f"%{graph.index(i)} {i.arg}: {i.dtype}{shape_str(i.shape)}" for i in graph.inputs)
+    lines = [f"graph({sig}) {{"]
     lines += ["  " + format_node(graph, n) for n in graph.nodes]
     lines.append(f"  return {', '.join(f'%{graph.index(o)}' for o in graph.outputs)}")
     lines.append("}")

@@ -78,7 +78,8 @@ def _unary(fn: Callable) -> Callable:
 
 
 def _slice(n: Node, xs, env) -> torch.Tensor:
-    return xs[0][tuple(slice(a, b, c) for a, b, c in n.arg)]
+    # untouched axes keep (0, size, 1) and a symbolic size is a Sym: bind it (fix from issue 7, kernelize.hub)
+    return xs[0][tuple(slice(*bind((a, b), env), c) for a, b, c in n.arg)]
 
 
 def _gather(n: Node, xs, env) -> torch.Tensor:
@@ -120,7 +121,10 @@ def _pool(n: Node, xs, env) -> torch.Tensor:
             ones, kernel, stride, 0, ceil_mode=ceil_mode, count_include_pad=True, divisor_override=1
         )
         out = s / cnt
-    return out
+    # torch drops a last ceil-mode window only when it starts past the (here pre-padded) input; the IR also
+    # drops one that starts in the right padding, so keep the IR's (never larger) output size
+    oh, ow = bind(n.shape, env)[2:]
+    return out[..., :oh, :ow]
 
 
 def _reduce(fn: Callable) -> Callable:

@@ -1,0 +1,244 @@
+"""Load an ONNX model into a :class:`~kernelize.ir.graph.Graph`.
+
+The model is parsed and checked with the ``onnx`` package; each node goes through a converter from the
+:data:`OPS` table that maps it onto the IR's builder ops (decomposing where the IR has no direct op).
+Values known at load time (initializers, ``Constant``, ``Shape`` of static dims and everything computed from
+those only) are evaluated eagerly by running the same converter on a scratch graph with the reference
+executor, so shape subgraphs (``Shape -> Gather -> Concat -> Reshape``) fold into a plain view. Symbolic
+input dims (``dim_param`` such as ``"batch"``) become :class:`~kernelize.ir.shapes.Sym` dims and flow
+through shape subgraphs as :class:`~kernelize.ir.onnx_context.SymInts`.
+
+The converters live in ``onnx_ops`` (elementwise, casts, reductions, symbolic shape arithmetic),
+``onnx_layout`` (shapes, slicing, gathers, padding, constants), ``onnx_nn`` (matmul/Gemm/Einsum, conv,
+pooling, normalizations, softmax, Resize) and ``onnx_attention`` (Attention, RotaryEmbedding, losses); each
+module exports one ``{op_type: converter}`` table and :data:`OPS` is their union.
+
+Example:
+    >>> g = load_onnx("tests/ir/data/tiny_cnn.onnx")  # doctest: +SKIP
+    >>> out, = evaluate(g, [torch.randn(2, 3, 16, 16)])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import onnx
+import torch
+
+from kernelize.ir.errors import UnsupportedOpError
+from kernelize.ir.graph import DTypeError, Graph, Node
+from kernelize.ir.onnx_attention import ATTENTION_OPS
+from kernelize.ir.onnx_context import (
+    Converter,
+    NodeContext,
+    SymInts,
+    Value,
+    materialize,
+    onnx_type_name,
+    tensor_from_proto,
+    to_dtype,
+)
+from kernelize.ir.onnx_layout import LAYOUT_OPS
+from kernelize.ir.onnx_nn import NN_OPS
+from kernelize.ir.onnx_ops import MATH_OPS, SYM_OPS
+from kernelize.ir.reference import evaluate
+from kernelize.ir.shapes import Dim, ShapeError, Sym
+
+logger = logging.getLogger(__name__)
+
+# op type -> converter, for the default ONNX domain
+OPS: dict[str, Converter] = {**MATH_OPS, **LAYOUT_OPS, **NN_OPS, **ATTENTION_OPS}
+# converters used instead when an input is a symbolic shape (SymInts)
+SYMBOLIC_OPS: dict[str, Converter] = dict(SYM_OPS)
+
+
+def load_onnx(path_or_model: str | os.PathLike | bytes | onnx.ModelProto, *,
+              dynamic_dims: Mapping[str, int | str] | None = None) -> Graph:
+    """Convert an ONNX model into a graph.
+
+    Args:
+        path_or_model: a path to a ``.onnx`` file (external data next to it is loaded), the serialized
+            bytes, or a ``ModelProto``.
+        dynamic_dims: renames or pins input dims. Keys are a ``dim_param`` name (``"batch"``) or
+            ``"<input>:<axis>"`` (``"x:0"``, also for static dims); a value ``str`` makes that dim a symbolic
+            dim of that name, an ``int`` makes it static.
+
+    Returns:
+        The graph, with one input per ONNX graph input (same names, initializers excluded) and one output
+        per ONNX graph output.
+
+    Raises:
+        UnsupportedOpError: an op, attribute value or element type kernelize cannot express; the message
+            names the op type, the node name and the opset.
+        ValueError: a malformed model (unparsable bytes, a checker failure, an undefined value, operands whose
+            shapes do not fit); the message names the model and the node.
+
+    Example:
+        >>> g = load_onnx("model.onnx", dynamic_dims={"x:0": "batch"})  # doctest: +SKIP
+    """
+    model, where = _read(path_or_model)
+    return _Loader(model, where, dict(dynamic_dims or {})).run()
+
+
+def _read(src: str | os.PathLike | bytes | onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
+    if isinstance(src, onnx.ModelProto):
+        model, where = src, f"model {src.graph.name or '<unnamed>'!r}"
+    elif isinstance(src, (bytes, bytearray)):
+        where = f"model bytes ({len(src)} bytes)"
+        try:
+            model = onnx.load_from_string(bytes(src))
+        except Exception as e:  # protobuf raises DecodeError or RuntimeError depending on the backend
+            raise ValueError(f"{where}: not a valid ONNX protobuf: {e}") from e
+    elif isinstance(src, (str, os.PathLike)):
+        path = Path(src)
+        where = f"ONNX file {str(path)!r}"
+        if not path.is_file():
+            raise ValueError(f"{where} does not exist")
+        try:
+            model = onnx.load(str(path))
+        except Exception as e:
+            raise ValueError(f"{where}: not a valid ONNX protobuf ({type(e).__name__}: {e})") from e
+    else:
+        raise TypeError(f"load_onnx takes a path, bytes or onnx.ModelProto, got {type(src).__name__}")
+    if not model.HasField("graph") or not model.graph.output:
+        raise ValueError(f"{where}: not an ONNX model (it has no graph outputs)")
+    try:
+        if model.ByteSize() < 2**31 - 1:  # the checker cannot take protos over 2 GB in memory
+            onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        raise ValueError(f"{where} fails the ONNX checker: {str(e).strip()}") from e
+    return model, where
+
+
+def _sym_name(name: str) -> str:
+    name = re.sub(r"\W", "_", name)
+    return name if name.isidentifier() else f"d_{name}"
+
+
+class _Loader:
+    def __init__(self, model: onnx.ModelProto, where: str, dynamic_dims: dict[str, int | str]) -> None:
+        self.model, self.where, self.dynamic = model, where, dynamic_dims
+        # a model of other domains only has no default opset; its nodes are then unsupported anyway
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+        self.g = Graph()
+        self.values: dict[str, Value] = {}
+
+    def run(self) -> Graph:
+        graph = self.model.graph
+        unknown = sorted(set(self.dynamic) - self._dim_keys())
+        if unknown:
+            raise ValueError(f"dynamic_dims keys {unknown} match no input dim of {self.where} (keys are "
+                             "dim_param names or '<input>:<axis>')")
+        for init in graph.initializer:
+            self.values[init.name] = tensor_from_proto(init, f"initializer {init.name!r} of {self.where}")
+        if graph.sparse_initializer:
+            raise UnsupportedOpError(f"{self.where} has sparse initializers; kernelize does not support them")
+        for vi in graph.input:
+            if vi.name in self.values:
+                logger.debug("input %r has an initializer; treating it as a constant", vi.name)
+                continue
+            self.values[vi.name] = self._input(vi)
+        for index, node in enumerate(graph.node):
+            self._node(index, node)
+        outputs = []
+        for vo in graph.output:
+            if vo.name not in self.values:
+                raise ValueError(f"{self.where}: graph output {vo.name!r} is computed by no node")
+            v = self.values[vo.name]
+            if isinstance(v, SymInts):
+                sizes = [str(d) for d in v.dims]
+                raise UnsupportedOpError(f"graph output {vo.name!r} of {self.where} is a shape with symbolic "
+                                         f"sizes {sizes}; kernelize has no run-time shape op")
+            outputs.append(v if isinstance(v, Node) else materialize(self.g, v))
+        self.g.output(*outputs)
+        logger.debug("loaded %s: %d ONNX nodes (opset %d) -> %d IR nodes", self.where, len(graph.node),
+                     self.opset, len(self.g))
+        return self.g
+
+    # -- inputs -------------------------------------------------------------------------------------------
+    def _input(self, vi: onnx.ValueInfoProto) -> Node:
+        kind = vi.type.WhichOneof("value")
+        if kind != "tensor_type":
+            raise UnsupportedOpError(f"graph input {vi.name!r} of {self.where} is a {kind}; kernelize "
+                                     "supports tensor inputs only")
+        tt = vi.type.tensor_type
+        dtype = to_dtype(tt.elem_type, f"graph input {vi.name!r} of {self.where}")
+        if not tt.HasField("shape"):
+            raise UnsupportedOpError(f"graph input {vi.name!r} of {self.where} has no shape (unknown rank)")
+        dims: list[Dim] = []
+        for axis, d in enumerate(tt.shape.dim):
+            pinned = self.dynamic.get(f"{vi.name}:{axis}", self.dynamic.get(d.dim_param or None))
+            if pinned is not None:
+                dims.append(Sym.of(_sym_name(pinned)) if isinstance(pinned, str) else int(pinned))
+            elif d.HasField("dim_value"):
+                dims.append(int(d.dim_value))
+            else:
+                dims.append(Sym.of(_sym_name(d.dim_param or f"{vi.name}_{axis}")))
+        return self.g.input(vi.name, dims, dtype)
+
+    def _dim_keys(self) -> set[str]:
+        """Every key ``dynamic_dims`` may use: the dim_params and ``input:axis`` of the graph inputs."""
+        keys = set()
+        for vi in self.model.graph.input:
+            for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+                keys |= {f"{vi.name}:{axis}", d.dim_param} - {""}
+        return keys
+
+    # -- nodes --------------------------------------------------------------------------------------------
+    def _node(self, index: int, node: onnx.NodeProto) -> None:
+        values = []
+        for name in node.input:
+            if not name:
+                values.append(None)
+            elif name in self.values:
+                values.append(self.values[name])
+            else:
+                raise ValueError(f"{self.where}: node {node.name or index!r} ({node.op_type}) reads "
+                                 f"{name!r}, which no earlier node, input or initializer defines")
+        ctx = NodeContext(self.g, node, self.opset, values, self.where)
+        if node.domain not in ("", "ai.onnx"):
+            raise ctx.unsupported(f"domain {node.domain!r} is not supported (only the default ONNX domain)")
+        symbolic = any(isinstance(v, SymInts) for v in values)
+        fn = SYMBOLIC_OPS.get(node.op_type) if symbolic else None
+        fn = fn or OPS.get(node.op_type)
+        if fn is None:
+            raise ctx.unsupported(f"this op type is not supported (the {len(OPS)} supported ones are listed "
+                                  "in kernelize.ir.onnx_frontend.OPS)")
+        # every supported op is pure, so a node of constants is folded (random ops are unsupported)
+        fold = not symbolic and all(v is None or isinstance(v, torch.Tensor) for v in values)
+        if fold:
+            ctx.g = Graph()
+        try:
+            out = fn(ctx)
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            if fold:
+                outs = _fold(ctx.g, outs)
+        except UnsupportedOpError:
+            raise
+        except (ShapeError, DTypeError, ValueError, TypeError, IndexError, KeyError, ZeroDivisionError,
+                RuntimeError) as e:  # operands that do not fit the op: a malformed model
+            kind = ShapeError if isinstance(e, ShapeError) else ValueError
+            raise kind(f"{ctx.describe()}: {e}") from e
+        for i, name in enumerate(node.output):
+            if not name:
+                continue
+            if i >= len(outs) or outs[i] is None:
+                raise ctx.unsupported(f"output {i} ({name!r}) is not supported")
+            self.values[name] = outs[i]
+
+
+def _fold(scratch: Graph, outs: list) -> list:
+    """Evaluate the nodes a converter built on a scratch graph of constants; tensors and None pass through."""
+    nodes = [o for o in outs if isinstance(o, Node)]
+    if not nodes:
+        return outs
+    scratch.output(*nodes)
+    vals = iter(evaluate(scratch, []))
+    return [next(vals) if isinstance(o, Node) else o for o in outs]
+
+
+__all__ = ["OPS", "SYMBOLIC_OPS", "UnsupportedOpError", "load_onnx", "onnx_type_name"]

@@ -1,0 +1,65 @@
+"""Strength reduction: cheaper ops with the same value.
+
+Division by a constant becomes multiplication by its reciprocal (floats only: integer division
+truncates), and powers with small constant exponents become multiplications or unary ops.
+
+Example:
+    before                                  after
+    %2 = div(%0, %1) : f32[4]  (%1 = 8.0)   %2 = mul(%0, %1) : f32[4]  (%1 = 0.125)
+    %3 = pow(%2, 2.0) : f32[4]              %3 = mul(%2, %2) : f32[4]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernelize.ir.dtypes import compute_dtype
+from kernelize.ir.graph import Graph, Node, Op, scalar_value
+from kernelize.passes.rewrite import Const, Context, P, Rule, Scalar, Var, const_value, rewrite
+
+
+def _div_const(ctx: Context, x: Node, c: Node) -> Node | None:
+    """x / c -> x * (1 / c): x / 0 and x * inf agree (both +-inf, or nan for 0 / 0)."""
+    if not x.dtype.is_float:
+        return None
+    value = const_value(c)
+    if value is None:
+        return None
+    recip = torch.reciprocal(value.to(torch.float64)).to(compute_dtype(x.dtype).torch).to(x.dtype.torch)
+    return ctx.g.mul(x, ctx.g.const(recip))
+
+
+def _sq(g: Graph, x: Node) -> Node:
+    return g.mul(x, x)
+
+
+# exponent -> how to compute x ** exponent (not 0.5 / -0.5: sqrt(-inf) is nan but pow(-inf, 0.5) is inf)
+_POW = {
+    1.0: lambda g, x: x,
+    2.0: _sq,
+    3.0: lambda g, x: g.mul(_sq(g, x), x),
+    4.0: lambda g, x: _sq(g, _sq(g, x)),
+    -1.0: lambda g, x: g.reciprocal(x),
+    -2.0: lambda g, x: g.reciprocal(_sq(g, x)),
+}
+
+
+def _pow_const(ctx: Context, x: Node, e: Node) -> Node | None:
+    build = _POW.get(scalar_value(e))
+    if build is None or not x.dtype.is_float:
+        return None
+    return build(ctx.g, x)
+
+
+RULES: list[Rule] = [
+    (P(Op.DIV, Var("x"), Const("c")), _div_const),
+    (P(Op.POW, Var("x"), Scalar("e")), _pow_const),
+]
+
+
+def strength(graph: Graph) -> Graph:
+    """Replace division by constants and small constant powers (a pure function)."""
+    return rewrite(graph, RULES, "strength")
+
+
+__all__ = ["RULES", "strength"]

@@ -1,0 +1,65 @@
+"""Strength reduction: division by constants and small powers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernelize.ir import Graph, Op, evaluate, verify
+from kernelize.passes import dce, strength
+
+
+def run(build, dtype="f32", shape=(3, 4)):
+    g = Graph()
+    x = g.input("x", shape, dtype)
+    g.output(build(g, x))
+    out = dce(strength(g))
+    verify(out)
+    return g, out
+
+
+def ops(g):
+    return [n.op for n in g.nodes if n.op not in (Op.INPUT, Op.CONST, Op.VIEW, Op.BROADCAST)]
+
+
+def test_division_by_scalar_becomes_multiplication():
+    g, out = run(lambda g, x: g.div(x, 8.0))
+    assert ops(out) == [Op.MUL]
+    t = torch.randn(3, 4)
+    torch.testing.assert_close(evaluate(out, [t])[0], t / 8.0)
+
+
+def test_division_by_a_constant_tensor_and_by_zero():
+    w = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    g, out = run(lambda g, x: g.div(x, g.const(w)))
+    assert ops(out) == [Op.MUL]
+    t = torch.randn(3, 4)
+    t[0, 3] = 0.0
+    torch.testing.assert_close(evaluate(out, [t])[0], t / w, equal_nan=True)
+
+
+def test_integer_division_and_division_by_variables_stay():
+    _, out = run(lambda g, x: g.div(x, 2), dtype="i32")
+    assert ops(out) == [Op.DIV]
+    _, out = run(lambda g, x: g.div(x, g.exp(x)))
+    assert ops(out) == [Op.EXP, Op.DIV]
+
+
+@pytest.mark.parametrize(
+    "e,want",
+    [
+        (2.0, [Op.MUL]),
+        (3.0, [Op.MUL, Op.MUL]),
+        (4.0, [Op.MUL, Op.MUL]),
+        (-1.0, [Op.RECIPROCAL]),
+        (-2.0, [Op.MUL, Op.RECIPROCAL]),
+        (1.0, []),
+        (0.5, [Op.POW]),
+        (2.5, [Op.POW]),
+    ],
+)
+def test_small_powers(e, want):
+    g, out = run(lambda g, x: g.pow(x, e))
+    assert ops(out) == want
+    t = torch.randn(3, 4)
+    torch.testing.assert_close(evaluate(out, [t])[0], evaluate(g, [t])[0], equal_nan=True)
