@@ -64,3 +64,6 @@ __all__ = [
     "use_kernel_mapping",
     "use_kernelized_func",
 ]
+
+# issue 7 (bundled hub): the mapping from common layer names to the bundled kernel repositories
+from kernelize.hub import default_mapping as default_mapping  # noqa: E402

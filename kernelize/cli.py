@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # subcommand -> "module:function" taking the parsed args; imported lazily so `--help` stays fast
@@ -43,11 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interpret_triton_without_gpu() -> None:
+    """Without a GPU, Triton kernels run on CPU tensors under its interpreter. Triton binds its own library
+    functions to interpreter or compiler when it is first imported (torch's shape code imports it), so the
+    switch must be set before anything of kernelize is imported."""
+    import torch
+
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         format="%(name)s %(levelname)s: %(message)s", level=logging.INFO if args.verbose else logging.WARNING
     )
+    if getattr(args, "backend", None) == "triton":
+        _interpret_triton_without_gpu()
     module, func = COMMANDS[args.command].split(":")
     return int(getattr(importlib.import_module(module), func)(args) or 0)
 

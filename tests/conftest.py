@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from hypothesis import settings
+import os
+import sys
+
+# Without a GPU the generated Triton kernels run on CPU tensors under Triton's interpreter. Triton binds
+# its own library functions (tl.sum, tl.max, ...) to interpreter or compiler when it is first imported,
+# and torch's shape code imports it, so this must happen before any test module imports torch or kernelize.
+if "torch" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # bounded so the whole suite stays fast on 2 cores; tests may lower max_examples further
 settings.register_profile("ci", max_examples=25, deadline=None)

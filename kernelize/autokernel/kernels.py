@@ -13,11 +13,18 @@ Kinds:
   *full* (vary along the row) or *per-row* (results of a reduction, and elementwise ops on those only);
   see :func:`row_invariant`. Row ops (softmax, log-softmax, layernorm, rmsnorm) take full operands and
   give full results; reductions (sum, mean, max, min, prod, argmax, argmin) give per-row results.
-* ``MATMUL``: ``body[0]`` is ``Compute(Op.MATMUL, src=(a, b))`` where ``a`` / ``b`` are loads indexed
+* ``MATMUL``: ``body[0]`` is ``Compute(Op.MATMUL, src=(a, b), arg=K)`` where ``a`` / ``b`` are loads indexed
   over ``(*batch, M, K)`` / ``(*batch, K, N)`` (their strides have ``len(domain) + 1`` entries); the
-  domain is ``(*batch, M, N)`` and the rest of the body is the elementwise epilogue over it.
+  domain is ``(*batch, M, N)`` and the rest of the body is the elementwise epilogue over it. Precisely
+  (as the planner emits it): ``body[1]`` is ``a`` and ``body[2]`` is ``b`` (the only forward references in
+  a body), both with strides over ``(*batch, M, N, K)`` (``a`` has stride 0 on ``N``, ``b`` on ``M``), and
+  ``arg`` is the contracted size ``K``.
 * ``LIBRARY``: ``node`` (conv, pool, or a matmul better left to a library) runs as one torch call on
   ``inputs``; no body.
+
+Reductions and row ops in a ``ROW`` kernel always work over the row: a reduction's ``Compute.arg`` is the
+tuple of row axes of the domain (``x.sum(dim=arg, keepdim=True)`` over domain-shaped values), softmax and
+log-softmax carry the domain axis of the row (the last), norms keep the graph node's ``arg``.
 
 Example (``y = x * rsqrt(mean(x*x) + eps) * w`` over rows of 4096, as an rmsnorm row kernel)::
 
@@ -73,6 +80,16 @@ class Load:
     @property
     def dtype(self) -> DType:
         return self.buffer.dtype
+
+    @property
+    def constant(self) -> bool | int | float | None:
+        """The value when this load reads a single-valued constant (generators inline it as a literal)."""
+        if self.buffer.op is not Op.CONST or self.mask or self.indirect or any(s != 0 for s in self.strides):
+            return None
+        t = self.buffer.arg.tensor
+        if t.numel() == 0 or not bool((t == t.reshape(-1)[0]).all()):
+            return None
+        return t.reshape(-1)[0].item()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,21 @@
+"""Runtime: compiled graphs (a torch callable per graph, backend and device), backends and caches."""
+
+from kernelize.runtime.backend import Backend, CompiledKernel, KernelCompileError
+from kernelize.runtime.compiled import (
+    BACKENDS,
+    CompiledGraph,
+    CompiledModule,
+    compile_graph,
+    print_kernels,
+)
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "CompiledGraph",
+    "CompiledKernel",
+    "CompiledModule",
+    "KernelCompileError",
+    "compile_graph",
+    "print_kernels",
+]

@@ -26,9 +26,17 @@ class KernelCompileError(RuntimeError):
 
     def __init__(self, kernel_name: str, key: str, log: str, source: str, backend: str):
         numbered = "\n".join(f"{i + 1:4d} | {line}" for i, line in enumerate(source.splitlines()))
-        super().__init__(f"{backend} kernel {kernel_name} (cache key {key[:16]}) failed to compile:\n{log}\n"
-                         f"--- source ---\n{numbered}")
-        self.kernel_name, self.key, self.log, self.source, self.backend = kernel_name, key, log, source, backend
+        super().__init__(
+            f"{backend} kernel {kernel_name} (cache key {key[:16]}) failed to compile:\n{log}\n"
+            f"--- source ---\n{numbered}"
+        )
+        self.kernel_name, self.key, self.log, self.source, self.backend = (
+            kernel_name,
+            key,
+            log,
+            source,
+            backend,
+        )
 
 
 @dataclass(frozen=True)

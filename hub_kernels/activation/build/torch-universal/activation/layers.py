@@ -1,0 +1,178 @@
+"""Activation layers: the math once, as plain torch; `forward` runs the kernels kernelize generates from it.
+
+Each `*_math` function is the definition (and the reference); each layer class is a stateless kernel
+layer whose forward hands that function to `kernelize.hub.run`, which traces it once per signature and
+runs the fused kernel for the tensor's device. Backward recomputes the same math with autograd.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernelize import hub
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+# ---- the math (plain torch; traced into kernels) ---------------------------------------------------------
+def silu_and_mul_math(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] with d = x.shape[-1] // 2."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_and_mul_math(x: torch.Tensor) -> torch.Tensor:
+    """gelu(x[..., :d]) * x[..., d:] (exact, erf-based gelu)."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d]) * x[..., d:]
+
+
+def gelu_tanh_and_mul_math(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x[..., :d]) * x[..., d:] (tanh-approximated gelu)."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def fast_gelu_math(x: torch.Tensor) -> torch.Tensor:
+    """0.5 x (1 + tanh(0.7978845608 x (1 + 0.044715 x^2)))."""
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+def quick_gelu_math(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def new_gelu_math(x: torch.Tensor) -> torch.Tensor:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GPT-2's gelu)."""
+    return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def silu_mul_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: the gated MLP's activation with gate and up projections as separate tensors."""
+    return F.silu(gate) * up
+
+
+def gelu_mul_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate) * up
+
+
+def gelu_tanh_mul_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# hidden_act name (transformers' config.hidden_act) -> gated math; other activations keep the module's own
+GATED_MATH = {
+    "silu": silu_mul_math,
+    "swish": silu_mul_math,
+    "gelu": gelu_mul_math,
+    "gelu_pytorch_tanh": gelu_tanh_mul_math,
+    "gelu_new": gelu_tanh_mul_math,
+}
+
+
+# ---- functional API (as in kernels-community/activation) --------------------------------------------------
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return hub.run(None, silu_and_mul_math, [x])
+
+
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return hub.run(None, gelu_and_mul_math, [x])
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return hub.run(None, gelu_tanh_and_mul_math, [x])
+
+
+def fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    return hub.run(None, fast_gelu_math, [x])
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return hub.run(None, quick_gelu_math, [x])
+
+
+def new_gelu(x: torch.Tensor) -> torch.Tensor:
+    return hub.run(None, new_gelu_math, [x])
+
+
+# ---- kernel layers ----------------------------------------------------------------------------------------
+class SiluAndMul(nn.Module):
+    """silu(x[..., :d]) * x[..., d:] in one kernel."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hub.run(self, silu_and_mul_math, [x])
+
+
+class GeluAndMul(nn.Module):
+    """gelu(x[..., :d]) * x[..., d:] in one kernel."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hub.run(self, gelu_and_mul_math, [x])
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(x[..., :d]) * x[..., d:] in one kernel."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hub.run(self, gelu_tanh_and_mul_math, [x])
+
+
+class FastGELU(nn.Module):
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hub.run(self, fast_gelu_math, [x])
+
+
+class QuickGELU(nn.Module):
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hub.run(self, quick_gelu_math, [x])
+
+
+class NewGELU(nn.Module):
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hub.run(self, new_gelu_math, [x])
+
+
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)) for Llama-style MLPs (LlamaMLP, Qwen2MLP, MistralMLP...).
+
+    The projections stay torch matmuls; act(gate) * up runs as one generated kernel instead of two eager
+    passes plus a temporary. State read from the replaced module: `gate_proj`, `up_proj`, `down_proj`, and the
+    activation from `config.hidden_act` (or `hidden_act`), default silu. An activation without gated math here
+    falls back to the module's own `act_fn`.
+    """
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = getattr(getattr(self, "config", None), "hidden_act", None) or getattr(
+            self, "hidden_act", "silu"
+        )
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        math_fn = GATED_MATH.get(act) if isinstance(act, str) else None
+        if math_fn is None:
+            return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(hub.run(self, math_fn, [gate, up]))

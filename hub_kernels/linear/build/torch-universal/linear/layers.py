@@ -1,0 +1,92 @@
+"""Linear layers with a fused epilogue: `act(x @ weight.T + bias)` as one matmul kernel.
+
+The math once, as plain torch; `forward` runs the kernel generated from it (a matmul kernel whose
+epilogue adds the bias and applies the activation before the single store). State from the replaced
+module: `weight` (out_features, in_features) and `bias` (may be None), as in `torch.nn.Linear`.
+The backward recomputes the same math with autograd (`kernelize.hub.run`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernelize import hub
+
+
+# ---- the math (plain torch; traced into kernels) ---------------------------------------------------------
+def linear_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return x @ weight.t() + bias
+
+
+def linear_nobias_math(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight.t()
+
+
+def linear_relu_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The seed's fused kernel: relu(x @ W.T + b)."""
+    return torch.relu(x @ weight.t() + bias)
+
+
+def linear_gelu_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x @ weight.t() + bias)
+
+
+def linear_silu_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.silu(x @ weight.t() + bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"):
+    """Functional API: `act(x @ weight.T + bias)` with act in none, relu, gelu, silu."""
+    if bias is None:
+        if activation != "none":
+            raise ValueError(f"linear(activation={activation!r}) needs a bias in this repository.")
+        return hub.run(None, linear_nobias_math, [x], [weight])
+    return hub.run(None, _ACT[activation], [x], [weight, bias])
+
+
+_ACT = {"none": linear_math, "relu": linear_relu_math, "gelu": linear_gelu_math, "silu": linear_silu_math}
+
+
+# ---- kernel layers ----------------------------------------------------------------------------------------
+class Linear(nn.Module):
+    """`x @ weight.T + bias` (replaces `torch.nn.Linear`)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return hub.run(self, linear_nobias_math, [input], [self.weight])
+        return hub.run(self, linear_math, [input], [self.weight, self.bias])
+
+
+class LinearReLU(nn.Module):
+    """`relu(x @ weight.T + bias)` for a module holding `weight` and `bias` whose forward is exactly that."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return hub.run(self, linear_relu_math, [input], [self.weight, self.bias])
+
+
+class LinearGELU(nn.Module):
+    """`gelu(x @ weight.T + bias)`."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return hub.run(self, linear_gelu_math, [input], [self.weight, self.bias])
+
+
+class LinearSiLU(nn.Module):
+    """`silu(x @ weight.T + bias)`."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return hub.run(self, linear_silu_math, [input], [self.weight, self.bias])

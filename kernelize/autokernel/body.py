@@ -1,0 +1,308 @@
+"""Lower one fusion group to a :class:`~kernelize.autokernel.kernels.Kernel` body.
+
+Starting from the values the group stores, each value is expanded at an index map (an
+:class:`~kernelize.autokernel.indexing.Affine` over the domain): layout ops compose into the map,
+materialized values become :class:`Load` s, everything else a :class:`Compute`. Concat evaluates each
+branch with a shifted map and masked loads, pad is a masked load with ``other``, gather an indirect load
+whose index is a body value. Entries are hash-consed, so a value used twice is computed once. The walk
+uses an explicit stack: a chain of thousands of ops does not recurse.
+
+When a map cannot pass a layout op (a view splitting a varying index, an offset that is no single
+symbolic size), :class:`Materialize` names the value to write to memory instead; the planner then plans
+again with that value materialized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kernelize.autokernel.indexing import Affine, NotAffine
+from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.partition import POINTWISE_OPS, Group, is_axis, operand_sel
+from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, SOURCE, Node, Op
+from kernelize.ir.shapes import shape_str
+
+Masks = tuple[tuple[int, int, int], ...]
+Key = tuple[Node, Affine, Masks]
+
+
+class Materialize(Exception):
+    """Plan again with ``node`` written to memory (a layout value gets a copy kernel)."""
+
+    def __init__(self, node: Node, why: str, more: tuple[Node, ...] = ()):
+        super().__init__(f"materialize {node}: {why}")
+        self.node = node
+        self.more = more  # further values to materialize in the same round
+
+
+def _and_masks(masks: Masks, extra: Sequence[tuple[int, int, int]]) -> Masks:
+    bounds: dict[int, tuple[int, int]] = {a: (lo, hi) for a, lo, hi in masks}
+    for a, lo, hi in extra:
+        if a in bounds:
+            lo, hi = max(lo, bounds[a][0]), min(hi, bounds[a][1])
+        bounds[a] = (lo, hi)
+    return tuple((a, lo, hi) for a, (lo, hi) in sorted(bounds.items()))
+
+
+def _unit(m: Affine, k: int, ndom: int, node: Node) -> tuple[int, int, int]:
+    """``coord[k] = sign * index[d] + off`` for one domain axis ``d``, ``sign`` = +-1 and a static offset:
+    ``(d, sign, off)``. Anything else cannot be masked by index ranges: materialize ``node``."""
+    row = m.rows[k]
+    nz = [c for c, r in enumerate(row) if r != 0]
+    if (
+        not m.plain(k)
+        or len(nz) != 1
+        or nz[0] >= ndom
+        or row[nz[0]] not in (1, -1)
+        or not isinstance(m.off[k], int)
+    ):
+        raise Materialize(node, f"axis {k} is not a plain domain axis here")
+    return nz[0], row[nz[0]], m.off[k]
+
+
+def _range(sign: int, off: int, lo: int, hi: int) -> tuple[int, int]:
+    """The domain indices ``i`` with ``lo <= sign * i + off < hi``."""
+    return (lo - off, hi - off) if sign == 1 else (off - hi + 1, off - lo + 1)
+
+
+class BodyBuilder:
+    """Builds the body and stores of one group; see the module docstring."""
+
+    def __init__(self, group: Group, buffers: set[Node], stop: set[Node], order: Mapping[Node, int]):
+        self.g = group
+        self.order = order
+        self.ndom = len(group.domain)
+        self.buffers = buffers
+        self.stop = stop
+        self.body: list[Load | Compute] = []
+        self.memo: dict[Key, int] = {}
+        self.entries: dict[Load | Compute, int] = {}
+        self.computed: list[Node] = []
+        self.maps = {
+            m: Affine.select([e if is_axis(e) else None for e in s], self.ndom).norm(m.shape)
+            for m, s in group.sel.items()
+        }
+
+    # -- driver -----------------------------------------------------------------------------------------
+    def value(self, v: Node, m: Affine, masks: Masks = ()) -> int:
+        """The body position of ``v`` read at map ``m`` under ``masks`` (emitting what it needs)."""
+        stack: list[Key] = [(v, m, masks)]
+        while stack:
+            key = stack[-1]
+            if key in self.memo:
+                stack.pop()
+                continue
+            need = self._step(key)
+            if isinstance(need, int):
+                self.memo[key] = need
+                stack.pop()
+            else:
+                stack.extend(reversed([k for k in need if k not in self.memo]))
+        return self.memo[(v, m, masks)]
+
+    def _have(self, keys: Sequence[Key]) -> list[int] | list[Key]:
+        missing = [k for k in keys if k not in self.memo]
+        return missing if missing else [self.memo[k] for k in keys]
+
+    def _emit(self, e: Load | Compute) -> int:
+        if e not in self.entries:
+            self.entries[e] = len(self.body)
+            self.body.append(e)
+        return self.entries[e]
+
+    def _materialize(self, e: NotAffine) -> Materialize:
+        """What to write to memory so the map that failed at ``e.node`` is not needed: its operand, or the
+        layout value itself (a copy kernel) when the operand is in memory already."""
+        src = e.node.src[0]
+        return Materialize(e.node if self._is_buffer(src) else src, str(e))
+
+    def _is_buffer(self, v: Node) -> bool:
+        return v.op in SOURCE or v in self.buffers or v in self.stop
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def _step(self, key: Key) -> int | list[Key]:
+        v, m, masks = key
+        member = v in self.maps and self.maps[v] == m and not masks
+        if v.op in LAYOUT and (v not in self.stop or (member and v in self.g.sel)):
+            if v.op is Op.VIEW and self._is_buffer(v.src[0]) and v.src[0] not in self.maps:
+                return self._load(v.src[0], m, masks, flat_shape=v.shape)
+            try:
+                return self._alias((v.src[0], m.through(v), masks))
+            except NotAffine as e:
+                raise self._materialize(e) from None
+        if self._is_buffer(v) and v not in self.maps:
+            return self._load(v, m, masks)
+        if not member and v.op not in POINTWISE_OPS:
+            raise AssertionError(
+                f"{v} is needed at another map than its group's in {shape_str(self.g.domain)}"
+            )
+        if member and v not in self.computed:
+            self.computed.append(v)
+        return self._compute(v, m, masks)
+
+    def _alias(self, child: Key) -> int | list[Key]:
+        got = self._have([child])
+        return got[0] if isinstance(got[0], int) else got
+
+    def _load(
+        self,
+        buf: Node,
+        m: Affine,
+        masks: Masks,
+        other: float | None = None,
+        flat_shape: Sequence | None = None,
+    ) -> int:
+        if buf.op is Op.CONST and other is None and Load(buf, (0,) * self.ndom).constant is not None:
+            return self._emit(Load(buf, (0,) * self.ndom))
+        if other is None:
+            # masked lanes of a concat branch are never used; 1 keeps an integer division there from trapping
+            other = 1.0 if masks and buf.dtype.is_int else 0.0
+        try:
+            strides, offset = m.flat(buf.shape if flat_shape is None else flat_shape, buf)
+        except NotAffine as e:
+            if e.node.op in LAYOUT and e.node is not buf:
+                raise self._materialize(e) from None
+            raise NotImplementedError(f"cannot index {buf} with a strided load: {e}") from None
+        dom = list(strides[: self.ndom])
+        indirect = []
+        for j, (val, size) in enumerate(m.virt):
+            s = strides[self.ndom + j]
+            if val is None:
+                dom.append(s)
+            elif s != 0:
+                indirect.append(Indirect(val, s, size))
+        return self._emit(Load(buf, tuple(dom), offset, masks, float(other), tuple(indirect)))
+
+    def _resolve(self, v: Node, m: Affine) -> tuple[Node, Affine, Sequence | None]:
+        """Walk layout ops down to a materialized value: (buffer, map, shape to flatten by)."""
+        while v.op in LAYOUT and v not in self.stop:
+            if v.op is Op.VIEW and self._is_buffer(v.src[0]) and v.src[0] not in self.maps:
+                return v.src[0], m, v.shape
+            try:
+                m = m.through(v)
+            except NotAffine as e:
+                raise self._materialize(e) from None
+            v = v.src[0]
+        if not self._is_buffer(v):
+            raise Materialize(v, "read through a masked or matmul load")
+        return v, m, None
+
+    # -- computes ---------------------------------------------------------------------------------------
+    def _compute(self, v: Node, m: Affine, masks: Masks) -> int | list[Key]:
+        op = v.op
+        if op in ELEMENTWISE:
+            got = self._have([(s, m, masks) for s in v.src])
+            if not isinstance(got[0], int):
+                return got
+            return self._emit(Compute(op, v.dtype, tuple(got), v.arg))
+        if op in REDUCE or op in (Op.SOFTMAX, Op.LOG_SOFTMAX, Op.LAYERNORM, Op.RMSNORM):
+            return self._row_op(v, m, masks)
+        if op is Op.CONCAT:
+            return self._concat(v, m, masks)
+        if op is Op.PAD:
+            return self._pad(v, m, masks)
+        if op is Op.GATHER:
+            return self._gather(v, m, masks)
+        raise AssertionError(f"{op} inside a {self.g.kind} kernel")
+
+    def _row_op(self, v: Node, m: Affine, masks: Masks) -> int | list[Key]:
+        sel = self.g.sel[v]
+        keys = []
+        for i, s in enumerate(v.src):
+            osel = operand_sel(v, i, sel)
+            assert osel is not None
+            keys.append(
+                (s, Affine.select([e if is_axis(e) else None for e in osel], self.ndom).norm(s.shape), ())
+            )
+        got = self._have(keys)
+        if not isinstance(got[0], int):
+            return got
+        if v.op in REDUCE:
+            arg = self.g.row_axes
+        elif v.op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
+            arg = self.ndom - 1
+        else:
+            arg = v.arg
+        return self._emit(Compute(v.op, v.dtype, tuple(got), arg))
+
+    def _concat(self, v: Node, m: Affine, masks: Masks) -> int | list[Key]:
+        axis = v.arg
+        d, sign, off = _unit(m, axis, self.ndom, v)
+        keys, ends, start = [], [], 0
+        for s in v.src:
+            size = s.shape[axis]
+            lo, hi = _range(sign, off, start, start + size)
+            mi = m.replace(axis, m.rows[axis], off - start)
+            keys.append((s, mi.norm(s.shape), _and_masks(masks, [(d, lo, hi)])))
+            ends.append(hi)
+            start += size
+        got = self._have(keys)
+        if not isinstance(got[0], int):
+            return got
+        if sign == -1:  # a flipped concat meets its branches in reverse order along the domain axis
+            got, ends = got[::-1], ends[::-1]
+        return self._emit(Compute(Op.CONCAT, v.dtype, tuple(got), (d, tuple(ends))))
+
+    def _pad(self, v: Node, m: Affine, masks: Masks) -> int:
+        pads, value = v.arg
+        src = v.src[0]
+        extra = []
+        for k, (lo, hi) in enumerate(pads):
+            if lo or hi:
+                d, sign, off = _unit(m, k, self.ndom, v)
+                extra.append((d, *_range(sign, off, lo, lo + src.shape[k])))
+                m = m.replace(k, m.rows[k], off - lo)
+        buf, bm, shape = self._resolve(src, m.norm(src.shape))
+        return self._load(buf, bm, _and_masks(masks, extra), other=value, flat_shape=shape)
+
+    def _gather(self, v: Node, m: Affine, masks: Masks) -> int | list[Key]:
+        x, index = v.src
+        a, r = v.arg, index.rank
+        ikey = (index, m.sub(range(a, a + r)).norm(index.shape), masks)
+        if ikey not in self.memo:
+            return [ikey]
+        zero = (0,) * m.ncols
+        base = m._new(
+            (*m.rows[:a], zero, *m.rows[a + r :]),
+            (*m.off[:a], 0, *m.off[a + r :]),
+            (*m.parts[:a], None, *m.parts[a + r :]),
+        )
+        xm, col = base.with_virtual(self.memo[ikey], x.shape[a])
+        xm = xm.replace(a, tuple(int(c == col) for c in range(xm.ncols)), 0)
+        return self._alias((x, xm, masks))
+
+    # -- kernels ----------------------------------------------------------------------------------------
+    def matmul_prefix(self, mm: Node) -> None:
+        """body[0] = matmul(body[1], body[2]) with both loads over (*batch, M, N, K)."""
+        n = self.ndom
+        a, b = mm.src
+        kdim = a.shape[-1]
+        self.body.append(Compute(Op.MATMUL, mm.dtype, (1, 2), kdim))
+        for x, (row_of_m, row_of_k) in ((a, (n - 2, n)), (b, (n, n - 1))):
+            rows = [tuple(int(c == k) for c in range(n + 1)) for k in range(n - 2)]
+            rows += [
+                tuple(int(c == row_of_m) for c in range(n + 1)),
+                tuple(int(c == row_of_k) for c in range(n + 1)),
+            ]
+            xm = Affine(tuple(rows), (0,) * n, n + 1, ((None, kdim),)).norm(x.shape)
+            buf, bm, shape = self._resolve(x, xm)
+            try:
+                strides, offset = bm.flat(buf.shape if shape is None else shape, buf)
+            except NotAffine as e:
+                raise self._materialize(e) if e.node.op in LAYOUT else Materialize(x, str(e)) from None
+            self.body.append(Load(buf, tuple(strides), offset))
+        self.memo[(mm, self.maps[mm], ())] = 0
+        self.computed.append(mm)
+
+    def kernel(self, stores: Sequence[Node]) -> Kernel:
+        g = self.g
+        if g.kind is KernelKind.MATMUL:
+            self.matmul_prefix(next(m for m in g.sel if m.op is Op.MATMUL))
+        out = []
+        for s in stores:
+            m = self.maps[s]
+            idx = self.value(s, m)
+            strides, offset = m.flat(s.shape, s)
+            out.append(Store(idx, s, tuple(strides[: self.ndom]), offset))
+        computes = tuple(sorted(self.computed, key=lambda n: self.order[n]))
+        return Kernel("", g.kind, g.domain, tuple(self.body), tuple(out), g.row_rank, computes=computes)

@@ -1,0 +1,353 @@
+"""The fusion planner: ``plan(graph) -> Plan``, the graph cut into kernels in execution order.
+
+Rules (Kyanite's autokernel rules, and better):
+
+1. layout ops (view, broadcast, permute, slice, flip) are strides and offsets of loads and stores, never
+   kernels, unless a consumer truly needs a dense copy (a matmul / library operand that is a view of a
+   computed value is read through strides; a view no affine map can express gets a copy kernel);
+2. any tree of elementwise ops over any number of operands is one kernel (broadcast = stride 0);
+   single-valued constants are loads with all strides 0 (``Load.constant``), which generators inline;
+3. reductions and row ops (softmax, log-softmax, layernorm, rmsnorm) absorb their elementwise prologue and
+   epilogue (a residual add before, weight / activation / cast after, the residual sum as a second
+   output), as do several reductions over the same row (an unrecognised layernorm's mean and variance);
+4. a matmul absorbs its elementwise epilogue (bias, activation, residual add, scale);
+5. concat and pad are masked loads, gather an indirect load, each fused like any elementwise op;
+6. conv, pool (and matmul under ``PlanSettings(matmul="library")``) are LIBRARY kernels run by the
+   runtime with torch; their elementwise neighbours fuse into the generated kernels around them.
+
+A value is written to memory iff it is a graph output (or the value under an output's layout view), an
+operand of a matmul / library op / pad, or read by another kernel and not cheap to recompute there
+(:func:`kernelize.autokernel.legality.can_absorb`).
+
+Example:
+    >>> g = Graph(); x = g.input("x", ("tokens", 64), "f32"); r = g.input("r", ("tokens", 64), "f32")
+    >>> w = g.input("w", (64,), "f32"); h = g.add(x, r); g.output(h, g.rmsnorm(h, w))
+    >>> p = plan(g); len(p.kernels), [len(k.stores) for k in p.kernels]
+    (1, [2])
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+
+from kernelize.autokernel.body import BodyBuilder, Materialize
+from kernelize.autokernel.canon import sink_views
+from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.autokernel.legality import can_absorb
+from kernelize.autokernel.partition import (
+    POINTWISE_OPS,
+    Ctx,
+    Group,
+    Partition,
+    base,
+    kind_of,
+    new_group,
+)
+from kernelize.ir.graph import LAYOUT, REDUCE, ROW, SOURCE, Graph, Node, Op
+from kernelize.ir.shapes import shape_str
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Switches of the planner.
+
+    Attributes:
+        matmul: ``"generate"`` (MATMUL kernels with the epilogue fused) or ``"library"`` (torch runs the
+            matmul; its epilogue becomes a POINTWISE kernel).
+        fuse: False puts every op in a kernel of its own (to test code generators op by op); layout ops
+            still fold into loads, and nothing is recomputed.
+        fuse_epilogue: matmul kernels absorb elementwise consumers.
+        fuse_prologue: reductions and row ops absorb elementwise producers.
+        recompute: cheap shared values are recomputed by their readers instead of stored.
+        recompute_max_ops: the largest tree a reader recomputes.
+        sink_views: compute elementwise ops after a reshaped matmul / reduction in its index space
+            (:func:`kernelize.autokernel.canon.sink_views`), so they fuse into it.
+        horizontal: POINTWISE (or ROW, same rows) kernels over the same domain that read a common value
+            merge (one launch, the value read once).
+    """
+
+    matmul: Literal["generate", "library"] = "generate"
+    fuse: bool = True
+    fuse_epilogue: bool = True
+    fuse_prologue: bool = True
+    recompute: bool = True
+    recompute_max_ops: int = 8
+    sink_views: bool = True
+    horizontal: bool = True
+
+    def __post_init__(self) -> None:
+        if self.matmul not in ("generate", "library"):
+            raise ValueError(f"PlanSettings.matmul must be 'generate' or 'library', got {self.matmul!r}")
+        if self.recompute_max_ops < 0:
+            raise ValueError(f"PlanSettings.recompute_max_ops must be >= 0, got {self.recompute_max_ops}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Kernels in execution order. Buffers are graph values: inputs and constants come from outside,
+    every other buffer is written by exactly one kernel; a graph output is a buffer or a layout view of one.
+
+    ``graph`` is the graph the kernels refer to: the planned graph, or an equivalent canonical form of it
+    (:func:`kernelize.autokernel.canon.sink_views`) with the same inputs and outputs.
+    """
+
+    graph: Graph
+    kernels: tuple[Kernel, ...]
+    settings: PlanSettings = field(default_factory=PlanSettings)
+
+    @property
+    def buffers(self) -> tuple[Node, ...]:
+        """Values kernels write, in execution order."""
+        return tuple(b for k in self.kernels for b in k.writes)
+
+    def producer(self, node: Node) -> Kernel | None:
+        """The kernel writing ``node`` (None for inputs and constants)."""
+        for k in self.kernels:
+            if node in k.writes:
+                return k
+        return None
+
+    def name(self, node: Node) -> str:
+        """``%i`` as the graph printer names values (``x`` for an input named x)."""
+        if node.op is Op.INPUT:
+            return str(node.arg)
+        return f"%{self.graph.index(node)}" if node in self.graph else repr(node)
+
+    def __str__(self) -> str:
+        lines = [f"plan: {len(self.kernels)} kernels for {len(self.graph)} graph values"]
+        for k in self.kernels:
+            reads = ", ".join(f"{self.name(b)}{shape_str(b.shape)}" for b in k.reads)
+            writes = ", ".join(f"{self.name(b)}{shape_str(b.shape)}" for b in k.writes)
+            comp = ", ".join(f"{self.name(n)}={n.op}" for n in k.computes)
+            lines.append(f"{k.name} [{k.kind}]  reads {reads or '-'}  writes {writes or '-'}")
+            lines.append(f"  computes {comp or '-'}")
+            lines += ["  " + line for line in str(k).splitlines()]
+        outs = ", ".join(self.name(o) for o in self.graph.outputs)
+        lines.append(f"outputs: {outs}")
+        return "\n".join(lines)
+
+
+def plan(graph: Graph, settings: PlanSettings | None = None) -> Plan:
+    """Partition ``graph`` into kernels (see the module docstring for the rules).
+
+    Args:
+        graph: the graph to plan (not modified; ``Plan.graph`` may be an equivalent canonical copy).
+        settings: planner switches; ``PlanSettings()`` by default.
+
+    Raises:
+        NotImplementedError: a layout the kernel spec cannot index (a flip of a symbolic dimension).
+
+    Example:
+        >>> p = plan(graph, PlanSettings(matmul="library"))  # doctest: +SKIP
+        >>> [k.kind for k in p.kernels]  # doctest: +SKIP
+        ['library', 'pointwise']
+    """
+    settings = settings or PlanSettings()
+    if settings.sink_views and settings.fuse:
+        graph = sink_views(graph)
+    forced: set[Node] = set()
+    for _ in range(len(graph.nodes) + 1):
+        try:
+            kernels = _plan_once(graph, settings, forced)
+        except Materialize as e:
+            assert e.node not in forced, f"planner loops materializing {e.node}"
+            logger.debug("%s", e)
+            forced.update((e.node, *e.more))
+            continue
+        logger.debug(
+            "planned %d graph values into %d kernels (%d values materialized by request)",
+            len(graph.nodes),
+            len(kernels),
+            len(forced),
+        )
+        return Plan(graph, kernels, settings)
+    raise AssertionError("planner did not converge")
+
+
+def live_nodes(graph: Graph) -> set[Node]:
+    """Values the outputs depend on (dead code gets no kernel and forces no buffer)."""
+    live: set[Node] = set()
+    stack = list(graph.outputs)
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.src)
+    return live
+
+
+def _users(graph: Graph, stop: set[Node], live: set[Node]) -> dict[Node, list[Node]]:
+    users: dict[Node, list[Node]] = {n: [] for n in graph.nodes}
+    for n in graph.nodes:
+        if n.op in SOURCE or (n.op in LAYOUT and n not in stop) or n not in live:
+            continue
+        for s in dict.fromkeys(n.src):
+            b = base(s, stop)
+            if n not in users[b]:
+                users[b].append(n)
+    return users
+
+
+def _partition(
+    graph: Graph, settings: PlanSettings, stop: set[Node], users: dict[Node, list[Node]], live: set[Node]
+) -> Partition:
+    library_mm = settings.matmul == "library"
+    part = Partition(Ctx(graph, users, stop))
+    prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2, KernelKind.LIBRARY: 3}
+    for n in graph.nodes:
+        if n.op in SOURCE or (n.op in LAYOUT and n not in stop) or n not in live:
+            continue
+        kind = kind_of(n, library_mm)
+        g = new_group(len(part.parent), n, kind)
+        if n in stop:
+            g.copy = True
+        part.add(g, [base(s, stop) for s in n.src])
+        if not settings.fuse or kind is KernelKind.LIBRARY:
+            continue
+        edges = [(i, base(s, stop)) for i, s in enumerate(n.src)]
+        edges = [(i, q) for i, q in edges if q in part.of]
+        edges.sort(key=lambda e: prio[part.group(e[1]).kind])
+        for i, q in edges:
+            pk = part.group(q).kind
+            if pk is KernelKind.MATMUL and not settings.fuse_epilogue:
+                continue
+            if (n.op in REDUCE or n.op in ROW) and pk is KernelKind.POINTWISE and not settings.fuse_prologue:
+                continue
+            part.try_merge(q, n, i)
+    if settings.fuse and settings.horizontal:
+        part.merge_siblings()
+    return part
+
+
+def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple[Kernel, ...]:
+    stop = {f for f in forced if f.op in LAYOUT}
+    live = live_nodes(graph)
+    users = _users(graph, stop, live)
+    part = _partition(graph, settings, stop, users, live)
+
+    # values that must be in memory whatever the fusion
+    pinned: set[Node] = {f for f in forced if f.op not in SOURCE}
+    for n in graph.nodes:
+        if n not in live:
+            continue
+        if n.op in (Op.MATMUL, Op.CONV, Op.POOL):
+            pinned.update(base(s, stop) for s in n.src)
+        elif n.op is Op.PAD:
+            pinned.add(base(n.src[0], stop))
+    pinned.update(base(o, stop) for o in graph.outputs)
+    pinned = {p for p in pinned if p.op not in SOURCE}
+
+    group_of = {n: part.group(n) for n in part.of}
+    buffers = set(pinned) | stop
+    for q, us in users.items():
+        if q in group_of and any(group_of.get(u) is not group_of[q] for u in us):
+            buffers.add(q)
+    if settings.recompute and settings.fuse:
+        outputs = set(graph.outputs)
+        for q in graph.nodes:
+            if (
+                q in buffers
+                and q not in pinned
+                and q.op in POINTWISE_OPS
+                and can_absorb(
+                    q,
+                    group_of[q].sel,
+                    users,
+                    outputs=outputs,
+                    is_buffer=lambda x: x in buffers,
+                    stop=stop,
+                    max_ops=settings.recompute_max_ops,
+                )
+            ):
+                buffers.discard(q)
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    kernels: list[Kernel] = []
+    todo: list[Materialize] = []
+    for g in part.groups.values():
+        try:
+            kernels.extend(_lower(g, buffers, stop, order))
+        except Materialize as e:  # collect all of this round's, then plan again once
+            todo.append(e)
+    if todo:
+        raise Materialize(todo[0].node, str(todo[0]), more=tuple(e.node for e in todo[1:]))
+    return _schedule(kernels, order)
+
+
+def _lower(g: Group, buffers: set[Node], stop: set[Node], order: Mapping[Node, int]) -> list[Kernel]:
+    stores = sorted((m for m in g.sel if m in buffers), key=order.__getitem__)
+    if not stores:
+        return []
+    if g.kind is KernelKind.LIBRARY:
+        (node,) = g.sel
+        inputs = tuple(base(s, stop) for s in node.src)
+        return [Kernel("", KernelKind.LIBRARY, node.shape, node=node, inputs=inputs, computes=(node,))]
+    return [BodyBuilder(g, buffers, stop, order).kernel(stores)]
+
+
+def _schedule(kernels: Sequence[Kernel], order: Mapping[Node, int]) -> tuple[Kernel, ...]:
+    """Topological order of kernels by the buffers they exchange (ties: graph order); names k0, k1..."""
+    writer = {b: i for i, k in enumerate(kernels) for b in k.writes}
+    deps = [{writer[b] for b in k.reads if b in writer} - {i} for i, k in enumerate(kernels)]
+    for k in kernels:
+        for b in k.reads:
+            assert b.op in SOURCE or b in writer, f"kernel reads {b}, which nobody writes"
+    key = [min(order[b] for b in k.writes) for k in kernels]
+    done: set[int] = set()
+    out: list[Kernel] = []
+    ready = sorted((i for i in range(len(kernels)) if not deps[i]), key=key.__getitem__)
+    users: dict[int, list[int]] = {i: [] for i in range(len(kernels))}
+    for i, d in enumerate(deps):
+        for j in d:
+            users[j].append(i)
+    left = [len(d) for d in deps]
+    heap = [(key[i], i) for i in ready]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        done.add(i)
+        out.append(replace(kernels[i], name=f"k{len(out)}"))
+        for j in users[i]:
+            left[j] -= 1
+            if left[j] == 0:
+                heapq.heappush(heap, (key[j], j))
+    assert len(out) == len(kernels), "kernels depend on each other in a cycle"
+    return tuple(out)
+
+
+def library_operands(
+    kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]
+) -> list[torch.Tensor]:
+    """The operand tensors of a LIBRARY kernel: its buffers seen through the node's layout views."""
+    from kernelize.ir.reference import _EVAL
+
+    vals = dict(values)
+    out = []
+    for s in kernel.node.src:
+        path = []
+        v = s
+        while v not in vals:
+            assert v.op in LAYOUT, f"library operand {v} is neither a buffer nor a view of one"
+            path.append(v)
+            v = v.src[0]
+        for lay in reversed(path):
+            vals[lay] = _EVAL[lay.op](lay, [vals[lay.src[0]]], dict(env))
+        out.append(vals[s])
+    return out
+
+
+def run_library(kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]) -> torch.Tensor:
+    """Run a LIBRARY kernel with the reference implementation of its op."""
+    from kernelize.ir.reference import _EVAL
+
+    node = kernel.node
+    out = _EVAL[node.op](node, library_operands(kernel, values, env), dict(env))
+    return out.to(node.dtype.torch).contiguous()

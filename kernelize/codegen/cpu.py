@@ -1,0 +1,594 @@
+"""The CPU backend: one C++ function per kernel, compiled with the system compiler and called via ctypes.
+
+The source comes from the shared render table (:class:`~kernelize.codegen.render.Renderer`; the prelude
+``templates/cpu_prelude.h`` defines the ``kz_*`` helpers) and the skeletons ``templates/cpu_*.cpp``:
+
+* pointwise kernels run tiles of (one outer index, up to ``BLOCK`` inner elements) across OpenMP threads,
+  the inner axis a ``#pragma omp simd`` loop (unit stride when the layout allows; adjacent axes whose
+  strides chain are merged first, so a contiguous elementwise kernel is one flat loop);
+* row kernels give each thread whole rows and read a row in passes that stay in cache: the statistics of
+  the row's reductions and row ops (simd reductions; independent ones share a pass), then one write pass;
+* matmul kernels accumulate one output row at a time with the epilogue fused.
+
+16-bit floats are loaded and stored as 16 bits and computed in f32. Static sizes and strides are baked in;
+symbolic dims and the thread count (``torch.get_num_threads()``) are call arguments. Shared objects go
+through the disk cache (:mod:`kernelize.runtime.diskcache`), keyed by source, compiler version, flags and
+host CPU.
+
+Example:
+    >>> ck = CpuBackend().compile(kernel)  # doctest: +SKIP
+    >>> ck.launch([x, w], [y], {"batch": 4})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
+from kernelize.codegen.render import Renderer
+from kernelize.codegen.template import fill, load_template
+from kernelize.ir.dtypes import DType
+from kernelize.ir.graph import Op
+from kernelize.ir.shapes import Dim, Sym, numel
+from kernelize.runtime.backend import CompiledKernel, KernelCompileError
+from kernelize.runtime.diskcache import get_or_build
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 8192  # inner elements per pointwise tile
+PARALLEL_MIN = 32768  # below this many elements one thread beats waking the team
+DEFAULT_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-w",
+)
+
+
+class CompilerNotFoundError(RuntimeError):
+    """No C++ compiler was found for the CPU backend."""
+
+
+def _dmul(a: Dim, b: Dim) -> Dim:
+    return b * a if isinstance(b, Sym) else a * b
+
+
+class CpuRenderer(Renderer):
+    """The base C++ table as is; the CPU adds storage types (16-bit floats as bit patterns)."""
+
+    STORAGE = {
+        DType.F32: "float",
+        DType.F64: "double",
+        DType.BF16: "kz_bf16",
+        DType.F16: "kz_f16",
+        DType.I8: "int8_t",
+        DType.I16: "int16_t",
+        DType.I32: "int32_t",
+        DType.I64: "int64_t",
+        DType.U8: "uint8_t",
+        DType.BOOL: "bool",
+    }
+
+    def storage(self, dtype: DType) -> str:
+        return self.STORAGE[dtype]
+
+
+# ---- kernel normalisation -------------------------------------------------------------------------------
+def _accesses(k: Kernel) -> list[Load | Store]:
+    return [e for e in k.body if isinstance(e, Load)] + list(k.stores)
+
+
+def _merge_axes(k: Kernel) -> Kernel:
+    """Merge adjacent domain axes whose strides chain in every access (``s[d] == s[d+1] * n[d+1]``).
+
+    Only within the outer axes and within the row axes, and only without masks, concat or indirect loads
+    (whose indexing names axes). A contiguous ``[b, s, h]`` pointwise kernel becomes one flat loop.
+    """
+    if k.kind not in (KernelKind.POINTWISE, KernelKind.ROW):
+        return k
+    if any(isinstance(e, Compute) and e.op is Op.CONCAT for e in k.body) or any(
+        isinstance(e, Load) and (e.mask or e.indirect) for e in k.body
+    ):
+        return k
+    domain = list(k.domain)
+    accs = [list(a.strides) for a in _accesses(k)]
+    split = len(domain) - k.row_rank if k.kind is KernelKind.ROW else 0
+    d = len(domain) - 2
+    while d >= 0:
+        same_group = (d + 1 < split) or (d >= split)
+        if same_group and all(s[d] == _dmul(s[d + 1], domain[d + 1]) for s in accs):
+            domain[d : d + 2] = [_dmul(domain[d], domain[d + 1])]
+            for s in accs:
+                s[d : d + 2] = [s[d + 1]]
+            if d < split:
+                split -= 1
+        d -= 1
+    if len(domain) == len(k.domain):
+        return k
+    it = iter(accs)
+    body = tuple(replace(e, strides=tuple(next(it))) if isinstance(e, Load) else e for e in k.body)
+    stores = tuple(replace(s, strides=tuple(next(it))) for s in k.stores)
+    row_rank = len(domain) - split if k.kind is KernelKind.ROW else 0
+    return replace(k, domain=tuple(domain), body=body, stores=stores, row_rank=row_rank)
+
+
+def _normalize(k: Kernel) -> Kernel:
+    """Rank-0 domains become ``[1]``; then axes are merged where the layout allows."""
+    if not k.domain:
+        body = tuple(replace(e, strides=(0,)) if isinstance(e, Load) else e for e in k.body)
+        k = replace(k, domain=(1,), body=body, stores=tuple(replace(s, strides=(0,)) for s in k.stores))
+    return _merge_axes(k)
+
+
+# ---- source generation ----------------------------------------------------------------------------------
+class _Writer:
+    """Renders one kernel's C++ source."""
+
+    def __init__(self, kernel: Kernel, renderer: CpuRenderer) -> None:
+        self.k = kernel
+        self.r = renderer
+        self.rank = len(kernel.domain)
+        self.ptr: dict = {}
+        params = []
+        for n, b in enumerate(kernel.reads):
+            self.ptr[b] = f"kz_in{n}"
+            params.append(f"const {renderer.storage(b.dtype)}* __restrict kz_in{n}")
+        for n, b in enumerate(kernel.writes):
+            self.ptr[b] = f"kz_out{n}"
+            params.append(f"{renderer.storage(b.dtype)}* __restrict kz_out{n}")
+        params += [f"int64_t {renderer.sym(s)}" for s in kernel.symbols]
+        self.params = "".join(p + ", " for p in params)
+        self.fn_name = "kz_" + "".join(c if c.isalnum() else "_" for c in kernel.name)
+
+    # -- indexing -------------------------------------------------------------------------------------
+    def n(self, axis: int) -> str:
+        return self.r.dim(self.k.domain[axis])
+
+    def outer_index(self, outer_axes: int, flat: str, indent: str) -> list[str]:
+        """Decompose ``flat`` into the indices ``i0..`` of the first ``outer_axes`` axes."""
+        lines = []
+        if outer_axes == 0:
+            return lines
+        if outer_axes == 1:
+            return [f"{indent}const int64_t i0 = {flat};"]
+        lines.append(f"{indent}int64_t kz_rem = {flat};")
+        for d in range(outer_axes - 1, 0, -1):
+            lines.append(f"{indent}const int64_t i{d} = kz_rem % {self.n(d)}; kz_rem /= {self.n(d)};")
+        lines.append(f"{indent}const int64_t i0 = kz_rem;")
+        return lines
+
+    def bases(self, outer_axes: int, indent: str) -> list[str]:
+        """Per access, the offset contributed by the outer axes (computed once per tile or row)."""
+        lines = []
+        for name, a in self.named_accesses():
+            terms = [self.r.dim(a.offset)] + [
+                f"i{d} * {self.r.dim(a.strides[d])}" for d in range(outer_axes) if a.strides[d] != 0
+            ]
+            lines.append(f"{indent}const int64_t {name} = {' + '.join(terms)};")
+        return lines
+
+    def named_accesses(self) -> list[tuple[str, Load | Store]]:
+        out = [(f"kz_l{i}", e) for i, e in enumerate(self.k.body) if isinstance(e, Load)]
+        return out + [(f"kz_s{i}", s) for i, s in enumerate(self.k.stores)]
+
+    def index(self, base: str, a: Load | Store, loop_axes: Sequence[int]) -> str:
+        terms = [base]
+        for d in loop_axes:
+            s = a.strides[d]
+            if s == 0:
+                continue
+            terms.append(f"i{d}" if s == 1 else f"i{d} * {self.r.dim(s)}")
+        for ind in getattr(a, "indirect", ()):
+            terms.append(
+                f"kz_wrap((int64_t)v{ind.value}, {self.r.dim(ind.size)}, &kz_err) * {self.r.dim(ind.stride)}"
+            )
+        return " + ".join(terms)
+
+    # -- values -----------------------------------------------------------------------------------------
+    def load(self, i: int, e: Load, loop_axes: Sequence[int]) -> str:
+        expr = f"kz_ld({self.ptr[e.buffer]}, {self.index(f'kz_l{i}', e, loop_axes)})"
+        if e.mask:
+            cond = " && ".join(
+                f"i{ax} >= {self.r.dim(lo)} && i{ax} < {self.r.dim(hi)}" for ax, lo, hi in e.mask
+            )
+            expr = f"(({cond}) ? {expr} : {self.r.literal(e.other, e.dtype)})"
+        return expr
+
+    def value(self, i: int, loop_axes: Sequence[int], full: Mapping[int, str]) -> str:
+        """``const T v<i> = ...;`` for an elementwise value, a load, a concat or a row op's full result."""
+        e = self.k.body[i]
+        ct = self.r.ctype(e.dtype)
+        if isinstance(e, Load):
+            expr = self.load(i, e, loop_axes)
+        elif i in full:
+            expr = full[i]
+        elif e.op is Op.CONCAT:
+            axis, ends = e.arg
+            expr = f"v{e.src[-1]}"
+            for s, end in zip(reversed(e.src[:-1]), reversed(ends[: len(e.src) - 1])):
+                expr = f"(i{axis} < {self.r.dim(end)} ? v{s} : {expr})"
+        else:
+            expr = self.r.expr(e, [f"v{s}" for s in e.src])
+        return f"const {ct} v{i} = {expr};"
+
+    def deps(self, i: int) -> list[int]:
+        e = self.k.body[i]
+        if isinstance(e, Load):
+            return [ind.value for ind in e.indirect]
+        return list(e.src)
+
+    def closure(self, roots: Sequence[int], skip: Sequence[bool]) -> list[int]:
+        """Body entries needed to compute ``roots``, without those marked ``skip`` (already scalars)."""
+        seen: set[int] = set()
+        stack = [r for r in roots if not skip[r]]
+        while stack:
+            i = stack.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            stack.extend(s for s in self.deps(i) if not skip[s] and s not in seen)
+        return sorted(seen)
+
+    def store(self, s_idx: int, s: Store, loop_axes: Sequence[int]) -> str:
+        return f"kz_st({self.ptr[s.buffer]}, {self.index(f'kz_s{s_idx}', s, loop_axes)}, v{s.value});"
+
+    # -- kernels ------------------------------------------------------------------------------------------
+    def pointwise(self) -> str:
+        k, last = self.k, self.rank - 1
+        no_skip = [False] * len(k.body)
+        body = [self.value(i, [last], {}) for i in self.closure([s.value for s in k.stores], no_skip)]
+        body += [self.store(j, s, [last]) for j, s in enumerate(k.stores)]
+        ind = " " * 8
+        outer = self.outer_index(last, "kz_o", ind) + self.bases(last, ind)
+        static_inner = isinstance(k.domain[last], int) and k.domain[last] <= BLOCK
+        return fill(
+            load_template("cpu_pointwise.cpp"),
+            PRELUDE=load_template("cpu_prelude.h"),
+            NAME=self.fn_name,
+            DOMAIN=str(list(map(str, k.domain))),
+            BLOCK=str(BLOCK),
+            PARAMS=self.params,
+            INNER=self.n(last),
+            OUTER=self.r.dim(numel(k.domain[:last])),
+            PARALLEL_MIN=str(PARALLEL_MIN),
+            OUTER_INDEX="\n".join(outer),
+            J=f"i{last}",
+            J0="0" if static_inner else "kz_j0",
+            J1=str(k.domain[last]) if static_inner else "kz_j1",
+            BODY="\n".join(" " * 12 + line for line in body),
+        )
+
+    def matmul(self) -> str:
+        k = self.k
+        mi = next(i for i, e in enumerate(k.body) if isinstance(e, Compute) and e.op is Op.MATMUL)
+        mm = k.body[mi]
+        ia, ib = mm.src
+        a, b = k.body[ia], k.body[ib]
+        if not (isinstance(a, Load) and isinstance(b, Load)) or a.mask or b.mask or a.indirect or b.indirect:
+            raise NotImplementedError(f"cpu matmul kernel {k.name}: operands must be plain strided loads")
+        rank = self.rank
+        last = rank - 1
+        ct = self.r.ctype(mm.dtype)
+        ind = " " * 8
+        outer = self.outer_index(last, "kz_o", ind) + self.bases(last, ind)
+
+        def operand(i: int, e: Load, loop: list[int]) -> str:
+            idx = self.index(f"kz_l{i}", e, loop)
+            ks = e.strides[rank] if len(e.strides) > rank else e.strides[-1]
+            return f"kz_ld({self.ptr[e.buffer]}, {idx}" + (
+                f" + kz_kk * {self.r.dim(ks)})" if ks != 0 else ")"
+            )
+
+        skip = [False] * len(k.body)
+        skip[ia] = skip[ib] = skip[mi] = True
+        body = [f"const {ct} v{mi} = kz_acc[i{last}];"]
+        body += [self.value(i, [last], {}) for i in self.closure([s.value for s in k.stores], skip)]
+        body += [self.store(j, s, [last]) for j, s in enumerate(k.stores)]
+        return fill(
+            load_template("cpu_matmul.cpp"),
+            PRELUDE=load_template("cpu_prelude.h"),
+            NAME=self.fn_name,
+            DOMAIN=str(list(map(str, k.domain))),
+            PARAMS=self.params,
+            OUTER=self.r.dim(numel(k.domain[:last])),
+            N=self.n(last),
+            K=self.r.dim(_contraction(k, mm, a)),
+            PARALLEL_MIN=str(PARALLEL_MIN),
+            OUTER_INDEX="\n".join(outer),
+            ACC_T=ct,
+            A_LOAD=operand(ia, a, []),
+            B_LOAD=operand(ib, b, [last]),
+            J=f"i{last}",
+            BODY="\n".join(" " * 12 + line for line in body),
+        )
+
+    def row(self) -> str:
+        from kernelize.codegen.cpu_row import render_row
+
+        k = self.k
+        split = self.rank - k.row_rank
+        ind = " " * 8
+        outer = self.outer_index(split, "kz_o", ind) + self.bases(split, ind)
+        return fill(
+            load_template("cpu_row.cpp"),
+            PRELUDE=load_template("cpu_prelude.h"),
+            NAME=self.fn_name,
+            DOMAIN=str(list(map(str, k.domain))),
+            ROW_RANK=str(k.row_rank),
+            PARAMS=self.params,
+            OUTER=self.r.dim(numel(k.domain[:split])),
+            ROWLEN=self.r.dim(numel(k.domain[split:])),
+            PARALLEL_MIN=str(PARALLEL_MIN),
+            OUTER_INDEX="\n".join(outer),
+            ROW="\n".join(ind + line for line in render_row(self, row_invariant(k))),
+        )
+
+
+def _contraction(k: Kernel, mm: Compute, a: Load) -> Dim:
+    """The contraction size K: ``mm.arg`` when the planner sets it, else the computed matmul node, else
+    the axis of A's (contiguous) buffer whose stride is A's K stride."""
+    if isinstance(mm.arg, int | Sym):
+        return mm.arg
+    for n in k.computes:
+        if n.op is Op.MATMUL:
+            return n.src[0].shape[-1]
+    stride: Dim = 1
+    for d in range(len(a.buffer.shape) - 1, -1, -1):
+        if a.buffer.shape[d] != 1 and stride == a.strides[-1]:
+            return a.buffer.shape[d]
+        stride = _dmul(stride, a.buffer.shape[d])
+    raise NotImplementedError(f"cpu matmul kernel {k.name}: cannot tell the contraction size from {a}")
+
+
+def render(kernel: Kernel, renderer: CpuRenderer | None = None) -> tuple[str, str]:
+    """The C++ source of ``kernel`` and its exported function name."""
+    if kernel.kind is KernelKind.LIBRARY:
+        raise ValueError(f"kernel {kernel.name} is a LIBRARY kernel: the runtime runs those with torch")
+    w = _Writer(_normalize(kernel), renderer or CpuRenderer())
+    if kernel.kind is KernelKind.POINTWISE:
+        return w.pointwise(), w.fn_name
+    if kernel.kind is KernelKind.ROW:
+        return w.row(), w.fn_name
+    return w.matmul(), w.fn_name
+
+
+# ---- compiler and loading -------------------------------------------------------------------------------
+@functools.cache
+def compiler() -> tuple[str, str]:
+    """The C++ compiler (``$KERNELIZE_CXX``, else ``$CXX``, else g++ / c++ / clang++) and its version."""
+    names = [os.environ.get("KERNELIZE_CXX"), os.environ.get("CXX"), "g++", "c++", "clang++"]
+    for name in filter(None, names):
+        path = shutil.which(name)
+        if path:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
+            return path, out.stdout.splitlines()[0] if out.stdout else name
+    raise CompilerNotFoundError(
+        "the cpu backend needs a C++ compiler with OpenMP and none was found (looked for $KERNELIZE_CXX, "
+        "$CXX, g++, c++, clang++); install one (e.g. `apt-get install g++`) or set KERNELIZE_CXX to its path"
+    )
+
+
+@functools.cache
+def _host_id() -> str:
+    """What -march=native depends on: machine and CPU flags (a cache shared by different hosts stays safe)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "model name")):
+                flags += line
+                if line.startswith("flags"):
+                    break
+    except OSError:
+        flags = platform.processor()
+    return f"{platform.machine()} {flags}"
+
+
+def flags() -> tuple[str, ...]:
+    """Compiler flags: ``$KERNELIZE_CPU_FLAGS`` (shell syntax) or :data:`DEFAULT_FLAGS`."""
+    env = os.environ.get("KERNELIZE_CPU_FLAGS")
+    return tuple(shlex.split(env)) if env else DEFAULT_FLAGS
+
+
+_LOADED: dict[str, ctypes.CDLL] = {}
+_LOCK = threading.Lock()
+
+
+def build_shared_object(source: str, kernel_name: str = "kernel") -> Path:
+    """Compile ``source`` to a shared object through the disk cache; returns its path."""
+    cxx, version = compiler()
+    opts = flags()
+    parts = (source, version, " ".join(opts), _host_id())
+
+    def build(out: Path) -> None:
+        cmd = [cxx, *opts, "-x", "c++", "-", "-o", str(out)]
+        proc = subprocess.run(cmd, input=source, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            from kernelize.runtime.diskcache import cache_key
+
+            log = f"$ {' '.join(cmd)}\n{proc.stderr}"
+            raise KernelCompileError(kernel_name, cache_key(parts), log, source, "cpu")
+
+    return get_or_build(parts, build, ".so")
+
+
+def load(path: Path) -> ctypes.CDLL:
+    with _LOCK:
+        lib = _LOADED.get(str(path))
+        if lib is None:
+            lib = _LOADED[str(path)] = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+        return lib
+
+
+# Fresh large outputs cost more in page faults than the kernel itself (a 64 MiB torch.empty is first
+# touched by the kernel: ~16k 4 KiB faults). Before launch, large outputs get MADV_HUGEPAGE on their
+# 2 MiB-aligned span, so the kernel's first touch faults 2 MiB pages (measured in benchmarks/cpu_layers.py).
+HUGEPAGE_MIN = 1 << 22
+_MADV_HUGEPAGE = 14
+_HUGE = 1 << 21
+
+
+def _madvise_fn():
+    if platform.system() != "Linux" or os.environ.get("KERNELIZE_CPU_HUGEPAGES", "1") == "0":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _madvise_fn()
+
+
+def hint_hugepages(t: torch.Tensor) -> None:
+    """Ask for transparent huge pages under ``t``'s memory (a no-op for small tensors or off Linux)."""
+    nbytes = t.numel() * t.element_size()
+    if _madvise is None or nbytes < HUGEPAGE_MIN:
+        return
+    start = t.data_ptr()
+    lo, hi = (start + _HUGE - 1) & ~(_HUGE - 1), (start + nbytes) & ~(_HUGE - 1)
+    if hi > lo:
+        _madvise(lo, hi - lo, _MADV_HUGEPAGE)
+
+
+class OutputPool:
+    """Recycles large CPU buffers of one compiled graph once nothing but the pool holds them.
+
+    A fresh 64 MiB ``torch.empty`` costs ~5-10 ms in page faults on first touch (more than an RMSNorm
+    over it); a buffer the caller has dropped can be handed out again instead. A slot (one per written
+    buffer of the graph) is reused only when its tensor has no other Python reference, no view and no
+    C++ owner (autograd); otherwise a fresh tensor replaces it. Small buffers go straight to
+    ``torch.empty`` (malloc reuses those already). Memory held: at most one set of the graph's buffers.
+
+    Example:
+        >>> pool = OutputPool()
+        >>> a = pool.empty("y", (1024, 1024), torch.float32); p = a.data_ptr(); del a
+        >>> pool.empty("y", (1024, 1024), torch.float32).data_ptr() == p
+        True
+    """
+
+    MIN_BYTES = 1 << 20
+
+    def __init__(self) -> None:
+        self._slots: dict = {}
+        self._lock = threading.Lock()
+
+    def empty(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if nbytes < self.MIN_BYTES or _storage_use_count is None:
+            return torch.empty(shape, dtype=dtype)
+        with self._lock:
+            t = self._slots.get(key)
+            # refs: the slot, `t`, getrefcount's argument; storage: the tensor and the temporary storage
+            if (
+                t is not None
+                and t.dtype == dtype
+                and tuple(t.shape) == shape
+                and sys.getrefcount(t) == 3
+                and t._use_count() == 1
+                and _storage_use_count(t.untyped_storage()._cdata) == 2
+            ):
+                return t
+            t = torch.empty(shape, dtype=dtype)
+            hint_hugepages(t)
+            self._slots[key] = t
+            return t
+
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _launcher(fn, kernel: Kernel):
+    symbols = kernel.symbols
+    n_reads, n_writes = len(kernel.reads), len(kernel.writes)
+    get_threads = torch.get_num_threads
+
+    def launch(
+        reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]
+    ) -> None:
+        assert len(reads) == n_reads and len(writes) == n_writes, "launch arity"
+        for w in writes:
+            hint_hugepages(w)
+        rc = fn(
+            *[t.data_ptr() for t in reads],
+            *[t.data_ptr() for t in writes],
+            *[sizes[s] for s in symbols],
+            get_threads(),
+        )
+        if rc:
+            raise IndexError(f"cpu kernel {kernel.name}: a gather index is out of range")
+
+    return launch
+
+
+class CpuBackend:
+    """Generates, compiles (disk-cached) and launches C++ kernels on CPU tensors.
+
+    Example:
+        >>> ck = CpuBackend().compile(kernel)  # doctest: +SKIP
+        >>> ck.launch(reads, writes, sizes)  # doctest: +SKIP
+    """
+
+    name = "cpu"
+
+    def __init__(self, renderer: CpuRenderer | None = None) -> None:
+        self.renderer = renderer or CpuRenderer()
+
+    @property
+    def plan_settings(self):
+        """Matmuls go to torch (MKL / oneDNN) with the epilogue as a pointwise kernel: measured 2.3x faster
+        at 256x1024x1024 and 7x at 2048^3 than the generated row-at-a-time matmul kernel (2 threads)."""
+        from kernelize.autokernel.plan import PlanSettings
+
+        return PlanSettings(matmul="library")
+
+    def device_ok(self, device: torch.device) -> bool:
+        return torch.device(device).type == "cpu"
+
+    def compile(self, kernel: Kernel) -> CompiledKernel:
+        source, fn_name = render(kernel, self.renderer)
+        path = build_shared_object(source, kernel.name)
+        fn = getattr(load(path), fn_name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = (
+            [ctypes.c_void_p] * (len(kernel.reads) + len(kernel.writes))
+            + [ctypes.c_int64] * len(kernel.symbols)
+            + [ctypes.c_int]
+        )
+        return CompiledKernel(kernel.name, self.name, source, _launcher(fn, kernel), kernel)
+
+
+__all__ = [
+    "BLOCK",
+    "OutputPool",
+    "CompilerNotFoundError",
+    "CpuBackend",
+    "CpuRenderer",
+    "build_shared_object",
+    "compiler",
+    "render",
+]

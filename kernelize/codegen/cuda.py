@@ -1,0 +1,527 @@
+"""The CUDA C backend: kernel specs -> CUDA C from ``templates/cuda_*.cu`` -> NVRTC cubin -> driver launch.
+
+Each :class:`~kernelize.autokernel.kernels.Kernel` kind has a template with ``$NAME$`` holes:
+
+* ``POINTWISE`` -> ``cuda_pointwise.cu``: a grid-stride loop; operands are read through compile-time
+  strides (broadcast axes have stride 0, symbolic sizes are ``int64_t s_<name>`` arguments), gathers are
+  indirect loads, pads and concats are masked loads.
+* ``ROW`` -> ``cuda_row.cu``: one block per row. Every reduction or row op of the body is one pass over the
+  row (``cuda_row_pass.cu``) feeding an accumulator from ``cuda_prelude.cuh`` (online max/sum for
+  softmax and log-softmax, Welford for layernorm, fp32 sum of squares for rmsnorm, sum/prod/max/min/arg
+  for reductions), combined across the block (warp shuffles, then shared memory); a last pass computes
+  the full values (the normalized row, its fused epilogue) and stores them. A residual add before a norm
+  is simply part of the body, so it is fused for free.
+* ``MATMUL`` -> ``cuda_matmul.cu``: a 64x64 shared-memory tiled matmul with the elementwise epilogue
+  (bias, activation) applied to the accumulator before the one store.
+
+The fused scalar body comes from :class:`CudaRenderer`, the shared C++ render table of
+:mod:`kernelize.codegen.render` (the prelude defines its ``kz_*`` helpers for device code), so this
+backend and the Triton one render the same ops from one table.
+
+Example:
+    >>> src = CudaBackend().render(kernel)  # doctest: +SKIP  (no GPU needed)
+    >>> ck = CudaBackend(arch="sm_90").compile(kernel)  # doctest: +SKIP  (NVRTC, cached cubin)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
+from kernelize.codegen.render import Renderer
+from kernelize.codegen.template import fill, load_template
+from kernelize.ir.dtypes import DType
+from kernelize.ir.graph import REDUCE, ROW, Node, Op
+from kernelize.ir.shapes import Dim, Sym, bind, numel
+from kernelize.runtime.backend import CompiledKernel
+
+logger = logging.getLogger(__name__)
+
+# indices stay 32-bit unless an extent may not fit (symbolic sizes are unbounded)
+_I32_LIMIT = 2**31 - 2**26
+
+
+class CudaRenderer(Renderer):
+    """The shared C++ render table with CUDA storage types and 16-bit rounding casts."""
+
+    STORAGE: ClassVar[dict[DType, str]] = {
+        **Renderer.CTYPE,
+        DType.F16: "__half",
+        DType.BF16: "__nv_bfloat16",
+    }
+
+    def cast(self, value: str, dtype: DType) -> str:
+        # a cast to a 16-bit float inside a kernel rounds there, as the reference does
+        if dtype is DType.F16:
+            return f"kz_round_f16((float)({value}))"
+        if dtype is DType.BF16:
+            return f"kz_round_bf16((float)({value}))"
+        return super().cast(value, dtype)
+
+    def storage(self, dtype: DType) -> str:
+        """The C type of a buffer element of ``dtype``."""
+        return self.STORAGE[dtype]
+
+
+# -- row statistics: accumulator type, per-element update, and what the pass leaves behind -----------------
+
+
+def _acc_type(r: CudaRenderer, dtype: DType) -> str:
+    """Accumulation type of sums/products: f32 for 16-bit and f32, f64, int64 for integers and bool."""
+    if dtype.is_float:
+        return r.ctype(dtype)
+    return "int64_t"
+
+
+@dataclass(frozen=True)
+class _Stat:
+    acc: Callable[[CudaRenderer, Compute, DType], str]  # accumulator C type (given the source dtype)
+    update: str  # update expression; {acc}, {x} (source value), {j} (row index)
+    finish: str  # statements after the block reduction; {acc}, {v} (value name), {ct} (result C type), {k}
+    elem: str | None = None  # element formula of a row op; {x}, {k}, plus operand names
+
+
+_STATS: dict[Op, _Stat] = {
+    Op.SUM: _Stat(
+        lambda r, e, s: f"KzSum<{_acc_type(r, s)}>",
+        "{acc}.add(({at}){x})",
+        "const {ct} {v} = kz_cvt<{ct}>({acc}.v);",
+    ),
+    Op.MEAN: _Stat(
+        lambda r, e, s: f"KzSum<{_acc_type(r, s)}>",
+        "{acc}.add(({at}){x})",
+        "const {ct} {v} = ({ct})({acc}.v / ({at})rowlen);",
+    ),
+    Op.PROD: _Stat(
+        lambda r, e, s: f"KzProd<{_acc_type(r, s)}>",
+        "{acc}.add(({at}){x})",
+        "const {ct} {v} = kz_cvt<{ct}>({acc}.v);",
+    ),
+    Op.REDUCE_MAX: _Stat(
+        lambda r, e, s: f"KzExt<{r.ctype(s)}, true>", "{acc}.add({x})", "const {ct} {v} = {acc}.v;"
+    ),
+    Op.REDUCE_MIN: _Stat(
+        lambda r, e, s: f"KzExt<{r.ctype(s)}, false>", "{acc}.add({x})", "const {ct} {v} = {acc}.v;"
+    ),
+    Op.ARGMAX: _Stat(
+        lambda r, e, s: f"KzArg<{r.ctype(s)}, true>",
+        "{acc}.add({x}, (long long)j)",
+        "const {ct} {v} = ({ct}){acc}.i;",
+    ),
+    Op.ARGMIN: _Stat(
+        lambda r, e, s: f"KzArg<{r.ctype(s)}, false>",
+        "{acc}.add({x}, (long long)j)",
+        "const {ct} {v} = ({ct}){acc}.i;",
+    ),
+    Op.SOFTMAX: _Stat(
+        lambda r, e, s: f"KzSoftmax<{r.ctype(s)}>",
+        "{acc}.add({x})",
+        "const {ct} m{k} = {acc}.m, s{k} = {acc}.s;",
+        "(kz_exp({x} - m{k}) / s{k})",
+    ),
+    Op.LOG_SOFTMAX: _Stat(
+        lambda r, e, s: f"KzSoftmax<{r.ctype(s)}>",
+        "{acc}.add({x})",
+        "const {ct} m{k} = {acc}.m, l{k} = kz_log({acc}.s);",
+        "(({x} - m{k}) - l{k})",
+    ),
+    Op.LAYERNORM: _Stat(
+        lambda r, e, s: f"KzWelford<{r.ctype(s)}>",
+        "{acc}.add({x})",
+        "const {ct} mu{k} = {acc}.mean, rs{k} = kz_rsqrt({acc}.m2 / {acc}.n + {eps});",
+        "(({x} - mu{k}) * rs{k})",
+    ),
+    Op.RMSNORM: _Stat(
+        lambda r, e, s: f"KzSum<{r.ctype(s)}>",
+        "{acc}.add({x} * {x})",
+        "const {ct} rs{k} = kz_rsqrt({acc}.v / ({ct})rowlen + {eps});",
+        "({x} * rs{k})",
+    ),
+}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _fits_i32(extents: Sequence[Dim]) -> bool:
+    return all(isinstance(e, int) and e < _I32_LIMIT for e in extents)
+
+
+def _c_name(name: str) -> str:
+    return "kz_" + re.sub(r"\W", "_", name)
+
+
+@dataclass(frozen=True)
+class CudaSource:
+    """Generated CUDA C of one kernel and how to launch it (shared by the GPU path and host emulation).
+
+    Attributes:
+        name: the ``extern "C"`` entry point; source: the complete translation unit.
+        block: threads per block; params: ``(C type, name)`` of each parameter, in call order
+            (``kernel.reads``, then ``kernel.writes``, then ``kernel.symbols`` as ``int64_t``).
+    """
+
+    kernel: Kernel
+    name: str
+    source: str
+    block: int
+    params: tuple[tuple[str, str], ...]
+
+    def grid(self, sizes: Mapping[str, int], max_blocks: int = 1 << 16) -> tuple[int, int, int]:
+        """The launch grid for bound symbolic ``sizes``; ``max_blocks`` caps grid-stride kernels."""
+        k = self.kernel
+        dom = bind(k.domain, sizes)
+        if k.kind is KernelKind.POINTWISE:
+            return (max(1, min(math.ceil(math.prod(dom) / self.block), max_blocks)), 1, 1)
+        if k.kind is KernelKind.ROW:
+            return (max(1, min(math.prod(dom[: len(dom) - k.row_rank]), max_blocks)), 1, 1)
+        m, n = dom[-2], dom[-1]
+        return (math.ceil(n / 64), math.ceil(m / 64), math.prod(dom[:-2]))
+
+
+class _Gen:
+    """Renders one kernel; names: operands ``a<i>`` / ``o<i>``, values ``v<i>``, domain indices ``i<d>``."""
+
+    def __init__(self, kernel: Kernel, r: CudaRenderer) -> None:
+        self.k, self.r = kernel, r
+        reads, writes = kernel.reads, kernel.writes
+        aliased = bool(set(reads) & set(writes))
+        restrict = "" if aliased else " __restrict__"
+        self.params: list[tuple[str, str]] = []
+        self.rname: dict[Node, str] = {}
+        self.wname: dict[Node, str] = {}
+        for i, b in enumerate(reads):
+            self.rname[b] = f"a{i}"
+            self.params.append((f"const {r.storage(b.dtype)}*{restrict}", f"a{i}"))
+        for i, b in enumerate(writes):
+            self.wname[b] = f"o{i}"
+            self.params.append((f"{r.storage(b.dtype)}*{restrict}", f"o{i}"))
+        for s in kernel.symbols:
+            self.params.append(("const int64_t", r.sym(s)))
+        extents = [numel(kernel.domain), *(numel(b.shape) for b in (*reads, *writes))]
+        self.idx = "int" if _fits_i32(extents) else "long long"
+        self.rank = len(kernel.domain)
+
+    # -- pieces ---------------------------------------------------------------------------------------------
+    def decompose(self, var: str, dims: Sequence[Dim], names: Sequence[str], indent: str) -> str:
+        """Row-major split of linear index ``var`` over ``dims`` into the index variables ``names``."""
+        if not dims:
+            return ""
+        if len(dims) == 1:
+            return f"{indent}const idx_t {names[0]} = {var};"
+        tmp = f"{var}_r"
+        lines = [f"{indent}idx_t {tmp} = {var};"]
+        for pos in range(len(dims) - 1, -1, -1):
+            d, n = dims[pos], names[pos]
+            if d == 1:
+                lines.append(f"{indent}const idx_t {n} = 0;")
+            elif pos == 0:
+                lines.append(f"{indent}const idx_t {n} = {tmp};")
+            else:
+                ds = self.r.dim(d)
+                lines.append(f"{indent}const idx_t {n} = {tmp} % {ds};")
+                lines.append(f"{indent}{tmp} /= {ds};")
+        return "\n".join(lines)
+
+    def offset(self, e: Load | Store, idx: Sequence[str]) -> str:
+        terms = [] if e.offset == 0 else [f"(idx_t){self.r.dim(e.offset)}"]
+        for s, ix in zip(e.strides, idx):
+            if s != 0:
+                terms.append(ix if s == 1 else f"{ix} * {self.r.dim(s)}")
+        for ind in getattr(e, "indirect", ()):
+            terms.append(f"(idx_t)kz_wrap(v{ind.value}, {self.r.dim(ind.size)}) * {self.r.dim(ind.stride)}")
+        return " + ".join(terms) or "0"
+
+    def load(self, e: Load, idx: Sequence[str]) -> str:
+        value = f"kz_ld({self.rname[e.buffer]}[{self.offset(e, idx)}])"
+        if not e.mask:
+            return value
+        conds = " && ".join(
+            f"{idx[ax]} >= {self.r.dim(lo)} && {idx[ax]} < {self.r.dim(hi)}" for ax, lo, hi in e.mask
+        )
+        return f"(({conds}) ? {value} : {self.r.literal(e.other, e.dtype)})"
+
+    def store(self, s: Store, idx: Sequence[str]) -> str:
+        st = self.r.storage(s.buffer.dtype)
+        return f"{self.wname[s.buffer]}[{self.offset(s, idx)}] = kz_cvt<{st}>(v{s.value});"
+
+    def value(self, i: int, idx: Sequence[str]) -> str:
+        """The declaration of full (per-element) body value ``i``."""
+        e = self.k.body[i]
+        if isinstance(e, Load):
+            if e.constant is not None:  # a single-valued constant: a literal, no memory traffic
+                return f"const {self.r.ctype(e.dtype)} v{i} = {self.r.literal(e.constant, e.dtype)};"
+            return f"const {self.r.ctype(e.dtype)} v{i} = {self.load(e, idx)};"
+        ct = self.r.ctype(e.dtype)
+        if e.op is Op.CONCAT:
+            axis, ends = e.arg
+            expr = f"v{e.src[-1]}"
+            for s, end in zip(reversed(e.src[:-1]), reversed(ends[: len(e.src) - 1])):
+                expr = f"({idx[axis]} < {self.r.dim(end)} ? v{s} : {expr})"
+            return f"const {ct} v{i} = {expr};"
+        if e.op in ROW:
+            return f"const {ct} v{i} = {self.row_elem(i, e)};"
+        if e.op in REDUCE or e.op is Op.MATMUL:
+            raise NotImplementedError(
+                f"cuda backend: {e.op} cannot be an element value of kernel {self.k.name}"
+            )
+        return f"const {ct} v{i} = {self.r.expr(e, [f'v{s}' for s in e.src])};"
+
+    def operand_index(self, e: Load, batch: list[str], m: str, n: str) -> list[str]:
+        """Index names of a matmul operand load: strides over ``(*batch, M, N, K)`` (the planner's form,
+        A with stride 0 on N and B on M) or ``(*batch, M, K)`` / ``(*batch, K, N)``."""
+        if len(e.strides) == len(batch) + 3:
+            return [*batch, m, n, "ik"]
+        return [*batch, m, "ik"] if n == "0" else [*batch, "ik", n]
+
+    def row_elem(self, i: int, e: Compute) -> str:
+        expr = _STATS[e.op].elem.format(x=f"v{e.src[0]}", k=i)
+        if e.op is Op.LAYERNORM:
+            _, has_w, has_b = e.arg
+            expr = f"({expr} * v{e.src[1]})" if has_w else expr
+            expr = f"({expr} + v{e.src[1 + has_w]})" if has_b else expr
+        elif e.op is Op.RMSNORM and e.arg[1]:
+            expr = f"({expr} * v{e.src[1]})"
+        return expr
+
+    def closure(self, roots: Sequence[int], full: Sequence[bool]) -> list[int]:
+        """Full body values needed for ``roots`` (per-row values are in scope already), in body order."""
+        need, stack = set(), [r for r in roots if full[r]]
+        while stack:
+            i = stack.pop()
+            if i in need:
+                continue
+            need.add(i)
+            e = self.k.body[i]
+            deps = list(e.src) if isinstance(e, Compute) else [d.value for d in e.indirect]
+            stack += [d for d in deps if full[d]]
+        return sorted(need)
+
+    # -- kinds ----------------------------------------------------------------------------------------------
+    def common(self, block: int) -> dict[str, str]:
+        return {
+            "KERNEL": str(self.k).splitlines()[0],
+            "BLOCK": str(block),
+            "PRELUDE": load_template("cuda_prelude.cuh"),
+            "NAME": _c_name(self.k.name),
+            "PARAMS": ", ".join(f"{t} {n}" for t, n in self.params),
+            "IDX": self.idx,
+        }
+
+    def pointwise(self) -> tuple[str, int]:
+        block, ind = 256, " " * 4
+        idx = [f"i{d}" for d in range(self.rank)]
+        body = [ind + self.value(i, idx) for i in range(len(self.k.body))]
+        stores = [ind + self.store(s, idx) for s in self.k.stores]
+        src = fill(
+            load_template("cuda_pointwise.cu"),
+            **self.common(block),
+            NUMEL=self.r.dim(numel(self.k.domain)),
+            INDEX=self.decompose("i", self.k.domain, idx, ind),
+            BODY="\n".join(body),
+            STORES="\n".join(stores),
+        )
+        return src, block
+
+    def row(self) -> tuple[str, int]:
+        k, r = self.k, self.r
+        outer, inner = k.domain[: self.rank - k.row_rank], k.domain[self.rank - k.row_rank :]
+        rowlen = numel(inner)
+        block = min(512, max(32, _pow2(rowlen))) if isinstance(rowlen, int) else 256
+        idx = [f"i{d}" for d in range(self.rank)]
+        full = [not inv for inv in row_invariant(k)]
+        ind, ind2 = " " * 4, " " * 6
+        inner_index = self.decompose("j", inner, idx[len(outer) :], ind2)
+        lines: list[str] = []
+        for i, e in enumerate(k.body):
+            stat = isinstance(e, Compute) and (e.op in REDUCE or e.op in ROW)
+            if not stat:
+                if not full[i]:
+                    lines.append(ind + self.value(i, idx))
+                continue
+            src_dtype = k.body[e.src[0]].dtype
+            spec = _STATS[e.op]
+            acc, ct = f"acc{i}", r.ctype(e.dtype)
+            fmt = {
+                "acc": acc,
+                "x": f"v{e.src[0]}",
+                "k": i,
+                "v": f"v{i}",
+                "ct": ct,
+                "at": _acc_type(r, src_dtype),
+                "eps": r.literal(e.arg[0], e.dtype) if e.op in (Op.LAYERNORM, Op.RMSNORM) else "",
+                "j": "j",
+            }
+            acc_t = spec.acc(r, e, src_dtype)
+            lines.append(
+                fill(
+                    load_template("cuda_row_pass.cu"),
+                    PASS=str(i),
+                    WHAT=f"v{i} = {e.op}(v{e.src[0]})",
+                    ACC_DECL=f"{acc_t} {acc} = {acc_t}::init();",
+                    INNER_INDEX=inner_index,
+                    BODY="\n".join(ind2 + self.value(j, idx) for j in self.closure([e.src[0]], full)),
+                    UPDATE=f"{ind2}{acc} = " + spec.update.format(**fmt) + ";",
+                    FINISH=f"{ind}{acc} = kz_block_reduce({acc});\n{ind}" + spec.finish.format(**fmt),
+                ).rstrip("\n")
+            )
+        full_stores = [s for s in k.stores if full[s.value]]
+        if full_stores:
+            lines.append(f"{ind}// output pass")
+            lines.append(f"{ind}for (idx_t j = threadIdx.x; j < rowlen; j += blockDim.x) {{")
+            lines.append(inner_index)
+            lines += [ind2 + self.value(j, idx) for j in self.closure([s.value for s in full_stores], full)]
+            lines += [ind2 + self.store(s, idx) for s in full_stores]
+            lines.append(f"{ind}}}")
+        row_stores = [s for s in k.stores if not full[s.value]]
+        if row_stores:
+            lines.append(f"{ind}if (threadIdx.x == 0) {{")
+            lines += [ind2 + self.store(s, idx) for s in row_stores]
+            lines.append(f"{ind}}}")
+        src = fill(
+            load_template("cuda_row.cu"),
+            **self.common(block),
+            NROWS=r.dim(numel(outer)),
+            ROWLEN=r.dim(rowlen),
+            OUTER_INDEX=self.decompose("row", outer, idx[: len(outer)], ind),
+            ROW_BODY="\n".join(lines),
+        )
+        return src, block
+
+    def matmul(self) -> tuple[str, int]:
+        k, r = self.k, self.r
+        mi = next(i for i, e in enumerate(k.body) if isinstance(e, Compute) and e.op is Op.MATMUL)
+        mm = k.body[mi]
+        a, b = (k.body[s] for s in mm.src)
+        if not (isinstance(a, Load) and isinstance(b, Load)) or a.mask or b.mask or a.indirect or b.indirect:
+            raise NotImplementedError(f"cuda matmul kernel {k.name}: operands must be plain strided loads")
+        nb = self.rank - 2
+        idx = [f"i{d}" for d in range(self.rank)]
+        batch = idx[:nb]
+        ind = " " * 6
+        skip = {mi, *mm.src}
+        body = [ind + self.value(i, idx) for i in range(len(k.body)) if i not in skip]
+        src = fill(
+            load_template("cuda_matmul.cu"),
+            **{key: v for key, v in self.common(256).items() if key != "BLOCK"},
+            ACC_T=r.ctype(mm.dtype),
+            M=r.dim(k.domain[-2]),
+            N=r.dim(k.domain[-1]),
+            K=r.dim(_contraction(k, mm, a)),
+            BATCH_INDEX=self.decompose("bz", k.domain[:nb], batch, "  "),
+            A=f"{self.rname[a.buffer]}[{self.offset(a, self.operand_index(a, batch, 'im', '0'))}]",
+            B=f"{self.rname[b.buffer]}[{self.offset(b, self.operand_index(b, batch, '0', 'in'))}]",
+            IM=idx[-2],
+            IN=idx[-1],
+            MM=f"v{mi}",
+            BODY="\n".join(body),
+            STORES="\n".join(ind + self.store(s, idx) for s in k.stores),
+        )
+        return src, 256
+
+
+def _contraction(k: Kernel, mm: Compute, a: Load) -> Dim:
+    """The contraction size K of a matmul kernel.
+
+    The spec does not name it: take ``mm.arg`` when the planner puts it there, else the computed matmul
+    node, else the axis of A's (contiguous) buffer whose stride is A's K stride.
+    """
+    if isinstance(mm.arg, int | Sym):
+        return mm.arg
+    for n in k.computes:
+        if n.op is Op.MATMUL:
+            return n.src[0].shape[-1]
+    shape, sk = a.buffer.shape, a.strides[-1]
+    stride: Dim = 1
+    for d in range(len(shape) - 1, -1, -1):
+        if shape[d] != 1 and stride == sk:
+            return shape[d]
+        stride = stride * shape[d]
+    raise NotImplementedError(f"cuda matmul kernel {k.name}: cannot tell the contraction size from {a}")
+
+
+def render(kernel: Kernel, renderer: CudaRenderer | None = None) -> CudaSource:
+    """Generate the CUDA C of ``kernel`` (no GPU or NVRTC needed)."""
+    gen = _Gen(kernel, renderer or CudaRenderer())
+    kinds = {KernelKind.POINTWISE: gen.pointwise, KernelKind.ROW: gen.row, KernelKind.MATMUL: gen.matmul}
+    if kernel.kind not in kinds:
+        raise ValueError(
+            f"cuda backend cannot generate {kernel.kind} kernel {kernel.name}: the runtime runs it"
+        )
+    source, block = kinds[kernel.kind]()
+    return CudaSource(kernel, _c_name(kernel.name), source, block, tuple(gen.params))
+
+
+class CudaBackend:
+    """Backend ``"cuda"``: CUDA C compiled with NVRTC for one architecture, launched on torch's stream.
+
+    Args:
+        arch: ``"sm_80"``-style target; default: the current GPU's, or ``sm_80`` without one.
+    """
+
+    name = "cuda"
+    DEFAULT_ARCH = "sm_80"
+
+    def __init__(self, arch: str | None = None) -> None:
+        from kernelize.codegen.nvrtc import device_arch
+
+        if arch is None:
+            arch = (
+                device_arch(torch.cuda.current_device()) if torch.cuda.is_available() else self.DEFAULT_ARCH
+            )
+        self.arch = arch
+
+    def render(self, kernel: Kernel) -> str:
+        """The CUDA C source of ``kernel`` (for ``kernelize inspect --kernels --backend cuda``)."""
+        return render(kernel).source
+
+    def device_ok(self, device: torch.device) -> bool:
+        return torch.device(device).type == "cuda"
+
+    def compile(self, kernel: Kernel) -> CompiledKernel:
+        """Render and compile ``kernel`` to a cubin (disk-cached); raises KernelCompileError on failure."""
+        from kernelize.codegen.nvrtc import CubinModule, compile_cubin, require_driver, sm_count
+
+        src = render(kernel)
+        cubin = compile_cubin(src.source, src.name, self.arch)
+        logger.debug(
+            "cuda kernel %s: %d-line source, %d-byte %s cubin",
+            kernel.name,
+            src.source.count("\n"),
+            len(cubin),
+            self.arch,
+        )
+        module = CubinModule(cubin, src.name)
+        arg_types = [ctypes.c_void_p if "*" in t else ctypes.c_int64 for t, _ in src.params]
+
+        def launch(
+            reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]
+        ) -> None:
+            require_driver()
+            tensors = [*reads, *writes]
+            off_gpu = [i for i, t in enumerate(tensors) if not t.is_cuda]
+            if off_gpu:
+                raise ValueError(
+                    f"cuda kernel {kernel.name}: argument {off_gpu[0]} is on {tensors[off_gpu[0]].device}; "
+                    "every tensor must be on the CUDA device (move it with .cuda())"
+                )
+            dev = tensors[0].device.index or 0 if tensors else torch.cuda.current_device()
+            values = [t.data_ptr() for t in tensors] + [int(sizes[s]) for s in kernel.symbols]
+            grid = src.grid(sizes, sm_count(dev) * max(1, 2048 // src.block))
+            if grid[0] * grid[1] * grid[2] == 0:
+                return
+            module.launch(grid, (src.block, 1, 1), list(zip(values, arg_types)), dev)
+
+        return CompiledKernel(kernel.name, self.name, src.source, launch, kernel)
+
+
+__all__ = ["CudaBackend", "CudaRenderer", "CudaSource", "render"]

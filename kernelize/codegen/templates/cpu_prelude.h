@@ -1,0 +1,237 @@
+// kernelize CPU prelude: the kz_* helpers the shared render table calls, with the reference semantics
+// of kernelize/ir/reference.py. Everything is static inline and branch-free where it sits in hot loops,
+// so `#pragma omp simd` loops vectorise (AVX2 / AVX-512 with -march=native).
+//
+// Storage types: f32 float, f64 double, bf16 kz_bf16 and f16 kz_f16 (16-bit patterns), ints as <stdint.h>,
+// bool as bool. 16-bit floats are widened to float on load and rounded to nearest even on store.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KZ_INLINE static inline __attribute__((always_inline))
+
+// ---- 16-bit loads and stores (integer bit tricks: gcc vectorises these, not _Float16 conversions) --------
+struct kz_bf16 { uint16_t u; };
+struct kz_f16 { uint16_t u; };
+KZ_INLINE float kz_bf16_to_f32(kz_bf16 h) { return __builtin_bit_cast(float, (uint32_t)h.u << 16); }
+KZ_INLINE kz_bf16 kz_f32_to_bf16(float f) {
+    uint32_t u = __builtin_bit_cast(uint32_t, f);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+    uint32_t nan = (u >> 16) | 0x40u;                             // keep NaN a (quiet) NaN
+    kz_bf16 h;
+    h.u = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+    return h;
+}
+KZ_INLINE float kz_f16_to_f32(kz_f16 h) {  // exact for every bit pattern (F. Giesen's magic-number method)
+    uint32_t o = (uint32_t)(h.u & 0x7fffu) << 13;
+    uint32_t e = o & 0x0f800000u;
+    o += (uint32_t)(127 - 15) << 23;
+    uint32_t inf = o + ((uint32_t)(128 - 16) << 23);
+    float den = __builtin_bit_cast(float, o + (1u << 23)) - __builtin_bit_cast(float, 113u << 23);
+    uint32_t r = e == 0x0f800000u ? inf : (e == 0 ? __builtin_bit_cast(uint32_t, den) : o);
+    return __builtin_bit_cast(float, r | ((uint32_t)(h.u & 0x8000u) << 16));
+}
+KZ_INLINE kz_f16 kz_f32_to_f16(float f) {  // round to nearest even, overflow to inf, NaN stays NaN
+    uint32_t u = __builtin_bit_cast(uint32_t, f);
+    uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint32_t special = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    float dm = __builtin_bit_cast(float, 126u << 23);
+    uint32_t sub = __builtin_bit_cast(uint32_t, __builtin_bit_cast(float, u) + dm) - (126u << 23);
+    uint32_t nrm = (u + ((uint32_t)(15 - 127) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
+    uint32_t r = u >= (143u << 23) ? special : (u < (113u << 23) ? sub : nrm);
+    kz_f16 h;
+    h.u = (uint16_t)(r | (sign >> 16));
+    return h;
+}
+
+KZ_INLINE float kz_ld(const float* p, int64_t i) { return p[i]; }
+KZ_INLINE double kz_ld(const double* p, int64_t i) { return p[i]; }
+KZ_INLINE float kz_ld(const kz_bf16* p, int64_t i) { return kz_bf16_to_f32(p[i]); }
+KZ_INLINE float kz_ld(const kz_f16* p, int64_t i) { return kz_f16_to_f32(p[i]); }
+KZ_INLINE int8_t kz_ld(const int8_t* p, int64_t i) { return p[i]; }
+KZ_INLINE int16_t kz_ld(const int16_t* p, int64_t i) { return p[i]; }
+KZ_INLINE int32_t kz_ld(const int32_t* p, int64_t i) { return p[i]; }
+KZ_INLINE int64_t kz_ld(const int64_t* p, int64_t i) { return p[i]; }
+KZ_INLINE uint8_t kz_ld(const uint8_t* p, int64_t i) { return p[i]; }
+KZ_INLINE bool kz_ld(const bool* p, int64_t i) { return p[i]; }
+
+template <class T, class V> KZ_INLINE void kz_st(T* p, int64_t i, V v) { p[i] = (T)v; }
+KZ_INLINE void kz_st(kz_bf16* p, int64_t i, float v) { p[i] = kz_f32_to_bf16(v); }
+KZ_INLINE void kz_st(kz_f16* p, int64_t i, float v) { p[i] = kz_f32_to_f16(v); }
+KZ_INLINE void kz_st(bool* p, int64_t i, float v) { p[i] = v != 0.0f; }
+KZ_INLINE void kz_st(bool* p, int64_t i, double v) { p[i] = v != 0.0; }
+
+// ---- min / max / clamp: NaN propagates (torch.minimum / maximum / clamp) --------------------------------
+template <class T> KZ_INLINE T kz_min(T a, T b) { return a < b ? a : b; }
+template <class T> KZ_INLINE T kz_max(T a, T b) { return a > b ? a : b; }
+KZ_INLINE float kz_min(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
+KZ_INLINE float kz_max(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
+KZ_INLINE double kz_min(double a, double b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }
+KZ_INLINE double kz_max(double a, double b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }
+template <class T, class L> KZ_INLINE T kz_clamp(T x, L lo, L hi) { return kz_min(kz_max(x, (T)lo), (T)hi); }
+
+// ---- integer division and modulo (no trap on zero: the result is 0) -------------------------------------
+template <class T> KZ_INLINE T kz_idiv(T a, T b) { return b == 0 ? (T)0 : (T)(a / b); }  // truncates
+template <class T> KZ_INLINE T kz_imod(T a, T b) {                                      // floor mod
+    if (b == 0) return 0;
+    T r = (T)(a % b);
+    return (r != 0 && ((r < 0) != (b < 0))) ? (T)(r + b) : r;
+}
+KZ_INLINE bool kz_imod(bool a, bool b) { return b ? false : a; }
+KZ_INLINE float kz_fmod(float a, float b) { return fmodf(a, b); }
+KZ_INLINE double kz_fmod(double a, double b) { return fmod(a, b); }
+
+// ---- simple unary ---------------------------------------------------------------------------------------
+template <class T> KZ_INLINE T kz_abs(T x) { return x < 0 ? (T)-x : x; }
+KZ_INLINE float kz_abs(float x) { return fabsf(x); }
+KZ_INLINE double kz_abs(double x) { return fabs(x); }
+KZ_INLINE bool kz_abs(bool x) { return x; }
+template <class T> KZ_INLINE T kz_sign(T x) { return (T)((x > 0) - (x < 0)); }
+KZ_INLINE float kz_sign(float x) { return (float)((x > 0.0f) - (x < 0.0f)); }  // NaN -> 0 like torch
+KZ_INLINE double kz_sign(double x) { return (double)((x > 0.0) - (x < 0.0)); }
+KZ_INLINE bool kz_sign(bool x) { return x; }
+KZ_INLINE float kz_floor(float x) { return floorf(x); }
+KZ_INLINE double kz_floor(double x) { return floor(x); }
+KZ_INLINE float kz_ceil(float x) { return ceilf(x); }
+KZ_INLINE double kz_ceil(double x) { return ceil(x); }
+KZ_INLINE float kz_round(float x) { return rintf(x); }  // half to even, like torch.round
+KZ_INLINE double kz_round(double x) { return rint(x); }
+KZ_INLINE float kz_sqrt(float x) { return sqrtf(x); }
+KZ_INLINE double kz_sqrt(double x) { return sqrt(x); }
+KZ_INLINE float kz_rsqrt(float x) { return 1.0f / sqrtf(x); }
+KZ_INLINE double kz_rsqrt(double x) { return 1.0 / sqrt(x); }
+KZ_INLINE float kz_log(float x) { return logf(x); }
+KZ_INLINE double kz_log(double x) { return log(x); }
+KZ_INLINE float kz_sin(float x) { return sinf(x); }
+KZ_INLINE double kz_sin(double x) { return sin(x); }
+KZ_INLINE float kz_cos(float x) { return cosf(x); }
+KZ_INLINE double kz_cos(double x) { return cos(x); }
+KZ_INLINE float kz_pow(float a, float b) { return powf(a, b); }
+KZ_INLINE double kz_pow(double a, double b) { return pow(a, b); }
+template <class T> KZ_INLINE T kz_pow(T a, T b) {  // integer power by squaring; negative exponent -> 0
+    if (b < 0) return (T)(a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0));
+    T r = 1;
+    while (b) { if (b & 1) r = (T)(r * a); a = (T)(a * a); b = (T)(b >> 1); }
+    return r;
+}
+
+// ---- exp and friends: vectorisable float versions (~1 ulp), libm for double ------------------------------
+KZ_INLINE float kz_exp(float x) {
+    // exp(x) = 2^k * exp(r), k = rint(x / ln2), r = x - k ln2 (Cody-Waite), Cephes polynomial for exp(r).
+    float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+    float k = rintf(xc * 1.44269504088896341f);
+    float r = fmaf(k, -0.693359375f, xc);
+    r = fmaf(k, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    // 2^k in two normal factors so results down to the denormal range and up to overflow are right
+    int32_t ki = (int32_t)k;
+    int32_t k1 = ki >> 1, k2 = ki - k1;
+    float s1 = __builtin_bit_cast(float, (uint32_t)(k1 + 127) << 23);
+    float s2 = __builtin_bit_cast(float, (uint32_t)(k2 + 127) << 23);
+    float out = y * s1 * s2;
+    return x != x ? x : out;
+}
+KZ_INLINE double kz_exp(double x) { return exp(x); }
+// exp of x <= 0 (softmax's x - max): one scale factor; results below FLT_MIN (x < -87.3) are 0, not
+// denormals (they vanish next to the row's exp(0) = 1 anyway); NaN stays NaN
+KZ_INLINE float kz_exp_neg(float x) {
+    float xc = x < -87.3f ? -87.3f : x;
+    float k = rintf(xc * 1.44269504088896341f);
+    float r = fmaf(k, -0.693359375f, xc);
+    r = fmaf(k, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    float s = __builtin_bit_cast(float, (uint32_t)((int32_t)k + 127) << 23);
+    float out = y * s;
+    return x < -87.3f ? 0.0f : (x != x ? x : out);
+}
+KZ_INLINE double kz_exp_neg(double x) { return exp(x); }
+
+KZ_INLINE float kz_tanh(float x) {
+    // Eigen's rational 13/6 approximation on [-7.9, 7.9] (|error| < 3e-7, no exp, one division)
+    const float c = 7.90531110763549805f;
+    float xc = x < -c ? -c : (x > c ? c : x);  // NaN passes through
+    float x2 = xc * xc;
+    float p = fmaf(x2, -2.76076847742355e-16f, 2.00018790482477e-13f);
+    p = fmaf(p, x2, -8.60467152213735e-11f);
+    p = fmaf(p, x2, 5.12229709037114e-08f);
+    p = fmaf(p, x2, 1.48572235717979e-05f);
+    p = fmaf(p, x2, 6.37261928875436e-04f);
+    p = fmaf(p, x2, 4.89352455891786e-03f);
+    float q = fmaf(x2, 1.19825839466702e-06f, 1.18534705686654e-04f);
+    q = fmaf(q, x2, 2.26843463243900e-03f);
+    q = fmaf(q, x2, 4.89352518554385e-03f);
+    float r = p * xc / q;
+    return fabsf(x) < 0.0004f ? x : r;
+}
+KZ_INLINE double kz_tanh(double x) { return tanh(x); }
+
+KZ_INLINE float kz_sigmoid(float x) { return 1.0f / (1.0f + kz_exp(-x)); }
+KZ_INLINE double kz_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+KZ_INLINE float kz_erf(float x) {
+    // |x| < 0.5: Taylor series; else Abramowitz-Stegun 7.1.26 (abs error < 1.5e-7)
+    float ax = fabsf(x), z = x * x;
+    float small = x * fmaf(fmaf(fmaf(fmaf(fmaf(-8.54832702e-4f, z, 5.22397762e-3f), z, -2.68661706e-2f), z,
+                                     1.12837917e-1f), z, -3.76126389e-1f), z, 1.12837917f);
+    float t = 1.0f / fmaf(0.3275911f, ax, 1.0f);
+    float poly = fmaf(fmaf(fmaf(fmaf(1.061405429f, t, -1.453152027f), t, 1.421413741f), t, -0.284496736f), t,
+                      0.254829592f) * t;
+    float big = copysignf(1.0f - poly * kz_exp(-z), x);
+    return ax < 0.5f ? small : big;
+}
+KZ_INLINE double kz_erf(double x) { return erf(x); }
+
+KZ_INLINE float kz_gelu(float x) { return 0.5f * x * (1.0f + kz_erf(x * 0.70710678118654752f)); }
+KZ_INLINE double kz_gelu(double x) { return 0.5 * x * (1.0 + erf(x * 0.70710678118654752)); }
+KZ_INLINE float kz_gelu_tanh(float x) {
+    float inner = 0.79788456080286536f * fmaf(0.044715f * x, x * x, x);
+    return 0.5f * x * (1.0f + kz_tanh(inner));
+}
+KZ_INLINE double kz_gelu_tanh(double x) {
+    return 0.5 * x * (1.0 + tanh(0.79788456080286536 * (x + 0.044715 * x * x * x)));
+}
+// torch's softplus (beta 1): linear above the threshold 20
+KZ_INLINE float kz_softplus(float x) { return x > 20.0f ? x : log1pf(kz_exp(x)); }
+KZ_INLINE double kz_softplus(double x) { return x > 20.0 ? x : log1p(exp(x)); }
+
+// ---- indirect (gather) index: negative wraps once; out of range sets the error flag and reads element 0 --
+KZ_INLINE int64_t kz_wrap(int64_t i, int64_t size, int* err) {
+    int64_t j = i < 0 ? i + size : i;
+    if (j < 0 || j >= size) { *err = 1; return 0; }
+    return j;
+}
+
+// ---- per-thread scratch rows (row kernels keep a row of intermediate values in cache); never freed, they
+// grow to the longest row seen by each thread
+template <class T> static T* kz_scratch(int slot, int64_t n) {
+    static thread_local T* buf[4] = {0, 0, 0, 0};
+    static thread_local int64_t cap[4] = {0, 0, 0, 0};
+    if (n > cap[slot]) {
+        free(buf[slot]);
+        buf[slot] = (T*)aligned_alloc(64, (size_t)((n * (int64_t)sizeof(T) + 63) / 64 * 64));
+        cap[slot] = n;
+    }
+    return buf[slot];
+}
+
+// ---- reduction identities for integer max / min
+template <class T> KZ_INLINE T kz_lowest() { return (T)(-1) > (T)0 ? (T)0 : (T)((uint64_t)1 << (sizeof(T) * 8 - 1)); }
+template <class T> KZ_INLINE T kz_highest() { return (T)(-1) > (T)0 ? (T)(-1) : (T)~kz_lowest<T>(); }
+
+// ---- 0-size-safe row helpers ----------------------------------------------------------------------------
+KZ_INLINE float kz_div_or_nan(float a, int64_t n) { return n ? a / (float)n : NAN; }
+KZ_INLINE double kz_div_or_nan(double a, int64_t n) { return n ? a / (double)n : (double)NAN; }

@@ -1,0 +1,526 @@
+"""Triton code generator: one readable ``@triton.jit`` function per :class:`Kernel`.
+
+Rendering is split the usual way: :class:`TritonRenderer` overrides the shared per-op table with Triton
+expressions, the kernel skeletons live in ``templates/triton_*.py.tmpl`` and :func:`render` fills their
+holes with the index, load, compute and store lines of one kernel. Generated names are deterministic
+(``v<i>`` for body values, ``<input>_ptr`` / ``in<i>_ptr`` / ``out<i>_ptr`` for buffers, ``s_<name>`` for
+symbolic dims), so the same kernel spec always gives the same source and the same cache key.
+
+Kernel shapes:
+
+* POINTWISE: ``BLOCK`` flat indices per program over the whole domain.
+* ROW: one row per program. While the row fits one block (up to 64K elements) it is loaded once and
+  reduced in registers; beyond that, or for a symbolic row size, the loop form walks the row in blocks
+  (online max/sum for softmax, running sums for norms), recomputing loads rather than staging them.
+* MATMUL: ``BM x BN`` tiles with an f32 accumulator over ``BK`` steps, then the elementwise epilogue.
+
+Symbolic dims are runtime ``int`` arguments marked ``do_not_specialize``, so one compiled kernel serves
+every batch and sequence length. ``IDX64`` (a ``constexpr`` chosen at launch) widens index math to int64
+only when a tensor has 2**31 elements or more.
+
+Example:
+    >>> src = TritonBackend().render(kernel)  # doctest: +SKIP
+    >>> ck = TritonBackend().compile(kernel); ck.launch([x, w], [y], {"batch": 4})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
+from kernelize.codegen.render import Renderer, _call
+from kernelize.codegen.template import fill, load_template
+from kernelize.codegen.triton_rows import RowRenderer, row_block
+from kernelize.ir.dtypes import HALF, DType, compute_dtype
+from kernelize.ir.graph import REDUCE, ROW, Op
+from kernelize.ir.shapes import Dim, bind, numel
+from kernelize.runtime.backend import CompiledKernel, KernelCompileError
+from kernelize.runtime.cache import KERNELS
+
+logger = logging.getLogger(__name__)
+
+TL = {
+    DType.F16: "tl.float16",
+    DType.BF16: "tl.bfloat16",
+    DType.F32: "tl.float32",
+    DType.F64: "tl.float64",
+    DType.I8: "tl.int8",
+    DType.I16: "tl.int16",
+    DType.I32: "tl.int32",
+    DType.I64: "tl.int64",
+    DType.U8: "tl.uint8",
+    DType.BOOL: "tl.int1",
+}
+# pointer element types for triton.compile signatures
+SIG = {
+    DType.F16: "fp16",
+    DType.BF16: "bf16",
+    DType.F32: "fp32",
+    DType.F64: "fp64",
+    DType.I8: "i8",
+    DType.I16: "i16",
+    DType.I32: "i32",
+    DType.I64: "i64",
+    DType.U8: "u8",
+    DType.BOOL: "i1",
+}
+_NAN = "tl.PropagateNan.ALL"
+
+
+def _minmax(fn: str):
+    def render(r: Renderer, e: Compute, a: Sequence[str]) -> str:
+        nan = f", propagate_nan={_NAN}" if e.dtype.is_float else ""
+        return f"tl.{fn}({a[0]}, {a[1]}{nan})"
+
+    return render
+
+
+def _clamp(r: Renderer, e: Compute, a: Sequence[str]) -> str:
+    lo, hi = e.arg
+    nan = f", propagate_nan={_NAN}" if e.dtype.is_float else ""
+    out = a[0]
+    if lo != float("-inf"):
+        out = f"tl.maximum({out}, {r.literal(lo, e.dtype)}{nan})"
+    if hi != float("inf"):
+        out = f"tl.minimum({out}, {r.literal(hi, e.dtype)}{nan})"
+    return out
+
+
+class TritonRenderer(Renderer):
+    """Triton expressions for elementwise ops (helpers ``kz_*`` live in ``triton_prelude.py.tmpl``)."""
+
+    OP_RENDER = {
+        **Renderer.OP_RENDER,
+        Op.ABS: _call("tl.abs"),
+        Op.EXP: _call("tl.exp"),
+        Op.LOG: _call("tl.log"),
+        Op.SQRT: lambda r, e, a: f"tl.sqrt_rn({a[0]})" if e.dtype is DType.F32 else f"tl.sqrt({a[0]})",
+        Op.RSQRT: _call("tl.rsqrt"),
+        Op.SIN: _call("tl.sin"),
+        Op.COS: _call("tl.cos"),
+        Op.TANH: _call("kz_tanh"),
+        Op.SIGMOID: _call("tl.sigmoid"),
+        Op.ERF: _call("tl.math.erf"),
+        Op.SOFTPLUS: _call("kz_softplus"),
+        Op.FLOOR: lambda r, e, a: f"tl.floor({a[0]})" if e.dtype.is_float else a[0],
+        Op.CEIL: lambda r, e, a: f"tl.ceil({a[0]})" if e.dtype.is_float else a[0],
+        Op.ROUND: lambda r, e, a: f"kz_round({a[0]})" if e.dtype.is_float else a[0],
+        Op.SIGN: _call("kz_sign"),
+        Op.NOT: lambda r, e, a: f"({a[0]} == 0)",
+        Op.CLAMP: _clamp,
+        Op.DIV: lambda r, e, a: f"({a[0]} / {a[1]})" if e.dtype.is_float else f"({a[0]} // {a[1]})",
+        Op.MIN: _minmax("minimum"),
+        Op.MAX: _minmax("maximum"),
+        Op.POW: _call("kz_pow"),
+        Op.MOD: lambda r, e, a: f"({a[0]} % {a[1]})" if e.dtype.is_float else f"kz_imod({a[0]}, {a[1]})",
+        Op.AND: lambda r, e, a: f"({a[0]} & {a[1]})",
+        Op.OR: lambda r, e, a: f"({a[0]} | {a[1]})",
+        Op.WHERE: lambda r, e, a: f"tl.where({a[0]}, {a[1]}, {a[2]})",
+    }
+
+    def ctype(self, dtype: DType) -> str:
+        return TL[compute_dtype(dtype)]
+
+    def cast(self, value: str, dtype: DType) -> str:
+        if dtype is DType.BOOL:
+            return f"({value} != 0)"
+        if dtype in HALF:  # an explicit cast rounds, even though arithmetic stays in f32
+            return f"{value}.to({TL[dtype]}).to(tl.float32)"
+        return f"{value}.to({TL[dtype]})"
+
+    def literal(self, value: float | int | bool, dtype: DType) -> str:
+        dtype = compute_dtype(dtype)
+        if dtype is DType.BOOL:
+            return "True" if value else "False"
+        if not dtype.is_float:
+            return str(int(value))
+        value = float(value)
+        if value != value:
+            return 'float("nan")'
+        if value in (float("inf"), float("-inf")):
+            return 'float("inf")' if value > 0 else 'float("-inf")'
+        return repr(value)
+
+
+class _Ctx:
+    """Index expressions of one kernel shape: per domain axis an expression (None: always 0) and whether
+    it varies inside the program's tile."""
+
+    def __init__(
+        self, axes: list[str | None], vec: list[bool], shape: str, groups: Sequence[set[int]] = ()
+    ) -> None:
+        self.axes, self.vec, self.shape = axes, vec, shape
+        # the axes spanning each dimension of the tile: an offset needs one of each to have the tile's shape
+        self.groups = list(groups) or [{i for i, v in enumerate(vec) if v}]
+
+    def is_vec(self, used: set[int]) -> bool:
+        return any(self.vec[a] for a in used)
+
+    def is_full(self, used: set[int]) -> bool:
+        return all(used & g for g in self.groups)
+
+
+def _index_lines(
+    domain: Sequence[Dim], base: str, prefix: str, r: Renderer, keep_ones: bool = False
+) -> tuple[list[str], list]:
+    """Unflatten ``base`` (a flat index over ``domain``) into per-axis names, innermost first; size-1 axes
+    get no name (their index is 0) unless ``keep_ones``."""
+    lines: list[str] = []
+    names: list[str | None] = [None] * len(domain)
+    live = [i for i, d in enumerate(domain) if d != 1 or keep_ones]
+    rest = base
+    for j, i in enumerate(reversed(live)):
+        name = f"{prefix}{i}"
+        if j == len(live) - 1:
+            lines.append(f"    {name} = {rest}")
+        else:
+            lines.append(f"    {name} = {rest} % {r.dim(domain[i])}")
+            lines.append(f"    {prefix}r{i} = {rest} // {r.dim(domain[i])}")
+            rest = f"{prefix}r{i}"
+        names[i] = name
+    return lines, names
+
+
+class KernelSource:
+    """Renders one kernel to source; ``args`` are the function's pointer and size parameters in order."""
+
+    def __init__(self, kernel: Kernel, renderer: TritonRenderer | None = None) -> None:
+        self.k = kernel
+        self.r = renderer or TritonRenderer()
+        self.ptr: dict[Any, str] = {}
+        taken: set[str] = set()
+        for i, b in enumerate(kernel.reads):
+            name = f"{b.arg}_ptr" if b.op is Op.INPUT and str(b.arg).isidentifier() else f"in{i}_ptr"
+            if name in taken:
+                name = f"in{i}_ptr"
+            self.ptr[b] = name
+            taken.add(name)
+        for i, b in enumerate(kernel.writes):
+            self.ptr[("w", b)] = f"out{i}_ptr"
+        self.args = [self.ptr[b] for b in kernel.reads] + [f"out{i}_ptr" for i in range(len(kernel.writes))]
+        self.args += [self.r.sym(s) for s in kernel.symbols]
+        self.vec: dict[int, bool] = {}
+
+    # -- shared pieces ------------------------------------------------------------------------------------
+    def offset(
+        self, ctx: _Ctx, strides: Sequence[Dim], offset: Dim, extra: Sequence[str] = ()
+    ) -> tuple[str, set[int]]:
+        """The offset expression and the domain axes it uses."""
+        terms = [] if offset == 0 else [self.r.dim(offset)]
+        used: set[int] = set()
+        for a, (ax, st) in enumerate(zip(ctx.axes, strides)):
+            if ax is None or st == 0:
+                continue
+            terms.append(ax if st == 1 else f"{ax} * {self.r.dim(st)}")
+            used.add(a)
+        terms += extra
+        return (" + ".join(terms) or "0"), used
+
+    def load(self, i: int, e: Load, ctx: _Ctx, base_mask: str, indent: str = "    ") -> str:
+        const = e.constant
+        if const is not None:  # a single-valued constant: inline it (its pointer stays an unused argument)
+            self.vec[i] = False
+            return f"{indent}v{i} = tl.full([], {self.r.literal(const, e.dtype)}, {self.r.ctype(e.dtype)})"
+        extra, ind_vec = [], False
+        for ind in e.indirect:
+            v, size = f"v{ind.value}", self.r.dim(ind.size)
+            extra.append(f"tl.where({v} < 0, {v} + {size}, {v}) * {self.r.dim(ind.stride)}")
+            ind_vec |= self.vec[ind.value]
+        off, used = self.offset(ctx, e.strides, e.offset, extra)
+        full = ind_vec or ctx.is_full(used)
+        vec, masks = ind_vec or ctx.is_vec(used), []
+        for axis, lo, hi in e.mask:
+            ax = ctx.axes[axis] or "0"
+            vec |= ctx.axes[axis] is not None and ctx.vec[axis]
+            if lo != 0:
+                masks.append(f"({ax} >= {self.r.dim(lo)})")
+            if not (isinstance(hi, int) and hi >= _static(self.k.domain[axis])):
+                masks.append(f"({ax} < {self.r.dim(hi)})")
+        if vec and not full:
+            off = f"{off} + zero"
+        ptr = f"{self.ptr[e.buffer]} + {off}"
+        if vec:
+            masks = [base_mask, *masks]
+        other = self.r.literal(e.other, e.dtype)
+        text = f"tl.load({ptr}, mask={' & '.join(masks)}, other={other})" if masks else f"tl.load({ptr})"
+        if e.dtype in HALF:
+            text += ".to(tl.float32)"
+        self.vec[i] = vec
+        return f"{indent}v{i} = {text}"
+
+    def compute(self, i: int, e: Compute, ctx: _Ctx, indent: str = "    ") -> str:
+        args = [f"v{s}" for s in e.src]
+        if e.op is Op.CONCAT:
+            axis, ends = e.arg
+            ax = ctx.axes[axis] or "0"
+            expr = args[-1]
+            for a, end in zip(reversed(args[:-1]), reversed(ends[: len(args) - 1])):
+                expr = f"tl.where({ax} < {self.r.dim(end)}, {a}, {expr})"
+            self.vec[i] = any(self.vec[s] for s in e.src) or (ctx.axes[axis] is not None and ctx.vec[axis])
+            return f"{indent}v{i} = {expr}"
+        self.vec[i] = any(self.vec[s] for s in e.src)
+        return f"{indent}v{i} = {self.r.expr(e, args)}"
+
+    def store(self, s: Store, ctx: _Ctx, mask: str, indent: str = "    ") -> str:
+        off, used = self.offset(ctx, s.strides, s.offset)
+        vec = ctx.is_vec(used) or self.vec[s.value]
+        if vec and not ctx.is_full(used):
+            off = f"{off} + zero"
+        value = f"v{s.value}"
+        if self._value_dtype(s.value) != s.buffer.dtype:
+            value = f"{value}.to({TL[s.buffer.dtype]})"
+        ptr = f"{self.ptr[('w', s.buffer)]} + {off}"
+        if not vec:
+            return f"{indent}tl.store({ptr}, {value})"
+        if not self.vec[s.value]:
+            value = f"tl.broadcast_to({value}, {ctx.shape})"
+        return f"{indent}tl.store({ptr}, {value}, mask={mask})"
+
+    def _value_dtype(self, i: int) -> DType:
+        e = self.k.body[i]
+        return compute_dtype(e.dtype if isinstance(e, Load) else e.dtype)
+
+    def header(self, tmpl: str, index: list[str], body: list[str], **holes: str) -> str:
+        nospec = [self.r.sym(s) for s in self.k.symbols]
+        doc = str(self.k).replace('"""', "'''").replace("\n", "\n    ")
+        kernel = fill(
+            load_template(tmpl),
+            NAME=self.k.name,
+            ARGS="".join(f"{a}, " for a in self.args),
+            NOSPEC=repr(nospec),
+            DOC=doc,
+            INDEX="\n".join(index),
+            BODY="\n".join(body),
+            **holes,
+        )
+        return fill(load_template("triton_prelude.py.tmpl"), KERNEL=self.k.name) + kernel
+
+    # -- kernel shapes ------------------------------------------------------------------------------------
+    def pointwise(self) -> str:
+        k = self.k
+        index, names = _index_lines(k.domain, "lin", "i", self.r)
+        ctx = _Ctx(names, [True] * len(names), "[BLOCK]")
+        body = self._elementwise(ctx, range(len(k.body)))
+        body += [self.store(s, ctx, "mask") for s in k.stores]
+        return self.header("triton_pointwise.py.tmpl", index, body, NUMEL=self.r.dim(numel(k.domain)))
+
+    def _elementwise(self, ctx: _Ctx, entries) -> list[str]:
+        lines = []
+        for i in entries:
+            e = self.k.body[i]
+            if isinstance(e, Load):
+                lines.append(self.load(i, e, ctx, "mask"))
+            elif e.op in REDUCE or e.op in ROW or e.op is Op.MATMUL:
+                raise NotImplementedError(f"{self.k.name}: {e.op} in a {self.k.kind} kernel")
+            else:
+                lines.append(self.compute(i, e, ctx))
+        return lines
+
+    def matmul(self) -> str:
+        k = self.k
+        mm = [i for i, e in enumerate(k.body) if isinstance(e, Compute) and e.op is Op.MATMUL]
+        if len(mm) != 1:
+            raise NotImplementedError(f"{k.name}: a matmul kernel needs exactly one MATMUL, found {len(mm)}")
+        mi = mm[0]
+        e = k.body[mi]
+        a, b = (k.body[s] for s in e.src)
+        if not (isinstance(a, Load) and isinstance(b, Load)) or a.mask or b.mask or a.indirect or b.indirect:
+            raise NotImplementedError(f"{k.name}: matmul operands must be plain strided loads")
+        if a.dtype not in (DType.F16, DType.BF16, DType.F32):
+            raise NotImplementedError(f"{k.name}: Triton matmul of {a.dtype} (use a library kernel)")
+        nb = len(k.domain) - 2
+        # operand strides run over (*batch, M, N, K): a ignores N, b ignores M
+        if {len(a.strides), len(b.strides)} != {nb + 3} or a.strides[nb + 1] != 0 or b.strides[nb] != 0:
+            raise NotImplementedError(f"{k.name}: matmul operand strides must be over (*batch, M, N, K)")
+        kdim = _matmul_k(k, e)
+        batch, bnames = _index_lines(k.domain[:nb], "bid", "b", self.r) if nb else ([], [])
+        ctx = _Ctx([*bnames, "rm[:, None]", "rn[None, :]"], [False] * nb + [True, True], "[BM, BN]",
+                   [{nb}, {nb + 1}])
+        a_off, _ = self.offset(_Ctx(bnames, [False] * nb, ""), a.strides[:nb], a.offset)
+        b_off, _ = self.offset(_Ctx(bnames, [False] * nb, ""), b.strides[:nb], b.offset)
+        body = []
+        for i, x in enumerate(k.body):
+            if i in e.src:
+                self.vec[i] = True
+            elif i == mi:
+                self.vec[i] = True
+                body.append(f"    v{i} = acc")
+            elif isinstance(x, Load):
+                body.append(self.load(i, x, ctx, "mask"))
+            else:
+                body += self._elementwise(ctx, [i])
+        body += [self.store(s, ctx, "mask") for s in k.stores]
+        r = self.r.dim
+        return self.header(
+            "triton_matmul.py.tmpl", batch, body,
+            M=r(k.domain[-2]), N=r(k.domain[-1]), K=r(kdim),
+            A_PTR=self.ptr[a.buffer], A_OFF=a_off, A_SM=r(a.strides[nb]), A_SK=r(a.strides[nb + 2]),
+            B_PTR=self.ptr[b.buffer], B_OFF=b_off, B_SK=r(b.strides[nb + 2]), B_SN=r(b.strides[nb + 1]),
+            PRECISION=', input_precision="ieee"' if a.dtype is DType.F32 else '',
+        )
+
+    def row(self) -> str:
+        return RowRenderer(self).render()
+
+
+def _static(d: Dim) -> float:
+    return d if isinstance(d, int) else float("inf")
+
+
+def _matmul_k(k: Kernel, e: Compute) -> Dim:
+    """The contracted size: ``Compute.arg`` when the planner sets it, else from the matmul graph node."""
+    if isinstance(e.arg, int) or (e.arg is not None and hasattr(e.arg, "names")):
+        return e.arg
+    for n in k.computes:
+        if n.op is Op.MATMUL:
+            return n.src[0].shape[-1]
+    raise NotImplementedError(f"{k.name}: matmul needs its K size (Compute.arg or kernel.computes)")
+
+
+def render(kernel: Kernel) -> str:
+    """The full Triton module source for ``kernel`` (prelude helpers + one ``@triton.jit`` function)."""
+    src = KernelSource(kernel)
+    if kernel.kind is KernelKind.POINTWISE:
+        return src.pointwise()
+    if kernel.kind is KernelKind.ROW:
+        return src.row()
+    if kernel.kind is KernelKind.MATMUL:
+        return src.matmul()
+    raise ValueError(f"{kernel.name}: {kernel.kind} kernels are run by the runtime, not generated")
+
+
+# -- launch ------------------------------------------------------------------------------------------------
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# (largest block, num_warps) rules for row kernels, like Liger's calculate_settings
+ROW_WARPS = ((2048, 4), (8192, 8), (65536, 16))
+POINTWISE_BLOCK, POINTWISE_WARPS = 1024, 4
+MATMUL_BLOCKS = (64, 64, 32)
+
+
+def row_warps(block: int) -> int:
+    return next(w for limit, w in ROW_WARPS if block < limit or limit == ROW_WARPS[-1][0])
+
+
+def launch_config(kernel: Kernel, sizes: Mapping[str, int]) -> tuple[tuple[int, ...], dict[str, int]]:
+    """The grid and the ``constexpr`` / ``num_warps`` keyword arguments for one launch."""
+    dom = bind(kernel.domain, sizes)
+    if kernel.kind is KernelKind.POINTWISE:
+        n = numel(dom)
+        block = min(POINTWISE_BLOCK, max(16, next_power_of_2(n)))
+        return ((n + block - 1) // block,), {"BLOCK": block, "num_warps": POINTWISE_WARPS}
+    if kernel.kind is KernelKind.ROW:
+        rows, size = numel(dom[: len(dom) - kernel.row_rank]), numel(dom[len(dom) - kernel.row_rank :])
+        block = row_block(kernel, size)
+        return (rows,), {"BLOCK": block, "num_warps": row_warps(block)}
+    m, n, batch = dom[-2], dom[-1], numel(dom[:-2])
+    bm, bn, bk = (min(b, max(16, next_power_of_2(x))) for b, x in zip(MATMUL_BLOCKS, (m, n, 1 << 30)))
+    grid = (((m + bm - 1) // bm) * ((n + bn - 1) // bn), batch)
+    upcast = interpreting() and any(isinstance(e, Load) and e.dtype is DType.BF16 for e in kernel.body)
+    return grid, {"BM": bm, "BN": bn, "BK": bk, "UPCAST": upcast, "num_warps": 4}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KERNELIZE_CACHE_DIR")
+    path = Path(root) / "triton" if root else Path.home() / ".cache" / "kernelize" / "triton"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_module(source: str, name: str, interpret: bool) -> ModuleType:
+    """Write ``source`` to the cache dir and import it (``triton.jit`` needs a real file to inspect)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = cache_dir() / f"{name}_{digest}.py"
+    if not path.exists() or path.read_text() != source:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(source)
+        tmp.replace(path)
+    mod_name = f"kernelize_triton_{name}_{digest}_{'interp' if interpret else 'jit'}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        sys.modules[mod_name] = module
+        spec.loader.exec_module(module)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return module
+
+
+class TritonBackend:
+    """Backend ``"triton"``: renders, loads and launches Triton kernels (CUDA, or CPU under the interpreter).
+
+    Example:
+        >>> ck = TritonBackend().compile(kernel)  # doctest: +SKIP
+        >>> print(ck.source)  # doctest: +SKIP
+    """
+
+    name = "triton"
+
+    def render(self, kernel: Kernel) -> str:
+        return render(kernel)
+
+    def device_ok(self, device: torch.device) -> bool:
+        device = torch.device(device)
+        if device.type == "cuda":
+            return torch.cuda.is_available()
+        return device.type == "cpu" and interpreting()
+
+    def compile(self, kernel: Kernel) -> CompiledKernel:
+        source = render(kernel)
+        interpret = interpreting()
+        key = (hashlib.sha256(source.encode()).hexdigest(), "interpret" if interpret else "cuda")
+        try:
+            module = KERNELS.get_or_build(key, lambda: load_module(source, kernel.name, interpret))
+        except Exception as e:  # a syntax or template error in generated code: show the numbered source
+            raise KernelCompileError(kernel.name, key[0], f"{type(e).__name__}: {e}", source, "triton") from e
+        fn = getattr(module, kernel.name)
+        symbols = kernel.symbols
+
+        def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
+            grid, meta = launch_config(kernel, sizes)
+            big = max((t.numel() for t in (*reads, *writes)), default=0)
+            idx64 = big >= 2**31 - 1 or numel(bind(kernel.domain, sizes)) >= 2**31 - 1 - 65536
+            fn[grid](*reads, *writes, *(int(sizes[s]) for s in symbols), IDX64=idx64, **meta)
+
+        return CompiledKernel(kernel.name, "triton", source, launch, kernel)
+
+
+def compile_ahead(
+    kernel: Kernel | CompiledKernel, arch: int = 90, sizes: Mapping[str, int] | None = None
+) -> dict:
+    """See :func:`kernelize.codegen.triton_aot.compile_ahead` (PTX and cubin for ``sm_<arch>``)."""
+    from kernelize.codegen.triton_aot import compile_ahead as run
+
+    return run(kernel, arch, sizes)
+
+
+def compile_ahead_many(kernels, archs=(80, 90), sizes=None) -> list[dict[int, dict]]:
+    """See :func:`kernelize.codegen.triton_aot.compile_ahead_many`."""
+    from kernelize.codegen.triton_aot import compile_ahead_many as run
+
+    return run(kernels, archs, sizes)
+
+__all__ = [
+    "TritonBackend", "TritonRenderer", "compile_ahead", "compile_ahead_many", "launch_config", "render"
+]

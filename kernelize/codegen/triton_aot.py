@@ -1,0 +1,146 @@
+"""Ahead-of-time compilation of generated Triton kernels for NVIDIA GPUs, without a GPU.
+
+``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32))`` lowers a
+kernel to PTX and cubin. Constexprs take the values a launch would pick; symbolic sizes are ``i32``.
+
+Example:
+    >>> asm = compile_ahead(kernel, arch=90)  # doctest: +SKIP
+    >>> asm["cubin"][:4], ".target sm_90" in asm["ptx"]  # doctest: +SKIP
+    (b'\\x7fELF', True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from kernelize.autokernel.kernels import Kernel
+from kernelize.codegen.triton import (
+    SIG,
+    KernelSource,
+    cache_dir,
+    interpreting,
+    launch_config,
+    load_module,
+    render,
+)
+from kernelize.runtime.backend import CompiledKernel, KernelCompileError
+
+
+def _aot_job(kernel: Kernel, arch: int, sizes: Mapping[str, int] | None) -> dict:
+    """What ``triton.compile`` needs for one kernel: module path, function name, signature, constexprs."""
+    source = render(kernel)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = cache_dir() / f"{kernel.name}_{digest}.py"
+    if not path.exists():
+        path.write_text(source)
+    sizes = dict(sizes or {s: 64 for s in kernel.symbols})
+    _, meta = launch_config(kernel, sizes)
+    num_warps = meta.pop("num_warps")
+    sig = {KernelSource(kernel).ptr[b]: "*" + SIG[b.dtype] for b in kernel.reads}
+    sig.update({f"out{i}_ptr": "*" + SIG[b.dtype] for i, b in enumerate(kernel.writes)})
+    sig.update({f"s_{s}": "i32" for s in kernel.symbols})
+    consts = {**meta, "IDX64": False}
+    if "UPCAST" in consts:
+        consts["UPCAST"] = False  # the GPU path, whatever this process runs
+    sig.update({c: "constexpr" for c in consts})
+    return {"path": str(path), "name": kernel.name, "signature": sig, "constexprs": consts, "arch": arch,
+            "num_warps": num_warps, "source": source}
+
+
+def _aot_compile(job: dict) -> dict:
+    """Compile one job in this process (Triton must not be in interpreter mode here)."""
+    import time
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    t0 = time.perf_counter()
+    fn = getattr(load_module(Path(job["path"]).read_text(), job["name"], interpret=False), job["name"])
+    src = ASTSource(fn, job["signature"], constexprs=job["constexprs"])
+    compiled = triton.compile(src, target=GPUTarget("cuda", job["arch"], 32),
+                              options={"num_warps": job["num_warps"]})
+    return {"ptx": compiled.asm["ptx"], "cubin": compiled.asm["cubin"], "seconds": time.perf_counter() - t0}
+
+
+def _aot_worker() -> None:
+    """Subprocess entry: JSON jobs on stdin, JSON results on stdout (cubin as hex)."""
+    import json
+
+    out = []
+    for job in json.load(sys.stdin):
+        try:
+            r = _aot_compile(job)
+            out.append({"ptx": r["ptx"], "cubin": r["cubin"].hex(), "seconds": r["seconds"]})
+        except Exception as e:  # reported per kernel by the parent, with the source
+            out.append({"error": f"{type(e).__name__}: {e}"})
+    sys.stdout.write(json.dumps(out))
+
+
+def compile_ahead_many(
+    kernels: Sequence[Kernel | CompiledKernel], archs: Sequence[int] = (80, 90),
+    sizes: Mapping[str, int] | None = None,
+) -> list[dict[int, dict]]:
+    """Compile kernels for NVIDIA GPUs without one: per kernel, ``{arch: {"ptx", "cubin", "seconds"}}``.
+
+    Triton's own library functions are bound to the interpreter when ``TRITON_INTERPRET`` was set at import,
+    so under the interpreter the compilation runs in one child process with it unset.
+
+    Raises:
+        KernelCompileError: a kernel did not lower to PTX / cubin (with its numbered source).
+
+    Example:
+        >>> (asm,) = compile_ahead_many([kernel], archs=(90,))  # doctest: +SKIP
+        >>> asm[90]["cubin"][:4]  # doctest: +SKIP
+        b'\\x7fELF'
+    """
+    import json
+    import subprocess
+
+    ks = [k.kernel if isinstance(k, CompiledKernel) else k for k in kernels]
+    jobs = [_aot_job(k, arch, sizes) for k in ks for arch in archs]
+    if not interpreting():
+        results = []
+        for job in jobs:
+            try:
+                results.append(_aot_compile(job))
+            except Exception as e:
+                results.append({"error": f"{type(e).__name__}: {e}"})
+    else:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        cmd = [sys.executable, "-c", "from kernelize.codegen.triton_aot import _aot_worker; _aot_worker()"]
+        payload = json.dumps([{k: v for k, v in j.items() if k != "source"} for j in jobs])
+        proc = subprocess.run(cmd, input=payload, capture_output=True, text=True, env=env, check=False)
+        if proc.returncode:
+            raise RuntimeError(f"Triton ahead-of-time compile process failed:\n{proc.stderr[-4000:]}")
+        results = json.loads(proc.stdout)
+        for r in results:
+            if "cubin" in r:
+                r["cubin"] = bytes.fromhex(r["cubin"])
+    out: list[dict[int, dict]] = [{} for _ in ks]
+    for n, (job, r) in enumerate(zip(jobs, results)):
+        if "error" in r:
+            raise KernelCompileError(job["name"], f"sm_{job['arch']}", r["error"], job["source"], "triton")
+        out[n // len(archs)][job["arch"]] = r
+    return out
+
+
+def compile_ahead(
+    kernel: Kernel | CompiledKernel, arch: int = 90, sizes: Mapping[str, int] | None = None
+) -> dict:
+    """Compile one kernel for ``sm_<arch>``: ``{"ptx": str, "cubin": bytes, "seconds": float}``.
+
+    Constexprs take the values a launch with ``sizes`` (default: 64 for every symbol) would pick.
+
+    Example:
+        >>> compile_ahead(kernel, arch=80)["cubin"][:4]  # doctest: +SKIP
+        b'\\x7fELF'
+    """
+    return compile_ahead_many([kernel], (arch,), sizes)[0][arch]
+
+
+__all__ = ["compile_ahead", "compile_ahead_many"]

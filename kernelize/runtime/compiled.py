@@ -1,0 +1,340 @@
+"""Compile a graph into a torch callable: plan, generate and compile every kernel, then launch in order.
+
+:func:`compile_graph` plans the graph (``kernelize.autokernel.plan``), compiles each generated kernel
+with a backend from :data:`BACKENDS`, and returns a :class:`CompiledGraph`. Calling it checks the inputs
+(dtype, shape, device), allocates outputs and intermediates with ``torch.empty``, runs ``LIBRARY``
+kernels (convolution, pooling, library matmuls) with torch and launches the generated ones. Every call
+goes through one ``torch.library`` custom op, ``kernelize::run_graph``, whose fake implementation
+computes output shapes from the graph, so ``torch.compile(fullgraph=True)`` traces through a model that
+calls a compiled graph.
+
+Example:
+    >>> g = Graph(); x = g.input("x", ("batch", 64), "f32"); g.output(g.softmax(x))
+    >>> cg = compile_graph(g, backend="cpu")  # doctest: +SKIP
+    >>> y, = cg(torch.randn(3, 64))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.ir.graph import LAYOUT, Graph, Node, Op
+from kernelize.ir.reference import _EVAL, bind_inputs, evaluate
+from kernelize.ir.shapes import bind
+from kernelize.runtime.backend import Backend, CompiledKernel
+from kernelize.runtime.cache import GRAPHS, graph_fingerprint
+
+logger = logging.getLogger(__name__)
+
+
+class _LazyBackend:
+    """A backend factory imported on first use (``"module:Class"``), so importing the runtime stays cheap."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self) -> Backend:
+        module, cls = self.path.split(":")
+        return getattr(importlib.import_module(module), cls)()
+
+    def __repr__(self) -> str:
+        return f"_LazyBackend({self.path!r})"
+
+
+# backend name -> factory; "reference" is not here: it runs `kernelize.ir.evaluate` without a plan
+BACKENDS: dict[str, Callable[[], Backend]] = {
+    "triton": _LazyBackend("kernelize.codegen.triton:TritonBackend"),
+    "cuda": _LazyBackend("kernelize.codegen.cuda:CudaBackend"),
+    "cpu": _LazyBackend("kernelize.codegen.cpu:CpuBackend"),
+}
+BACKEND_NAMES = ("reference", *BACKENDS)
+
+# key -> CompiledGraph, for the custom op (which can only take strings and tensors)
+_REGISTRY: dict[str, CompiledGraph] = {}
+
+
+def default_device(backend: str) -> torch.device:
+    """CUDA for the GPU backends when a GPU exists, CPU otherwise."""
+    if backend in ("triton", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def make_backend(name: str) -> Backend:
+    try:
+        factory = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; choose one of {list(BACKEND_NAMES)}") from None
+    return factory()
+
+
+def compile_graph(
+    graph: Graph,
+    backend: str = "triton",
+    device: torch.device | str | None = None,
+    *,
+    plan: Any = None,
+    cache: bool = True,
+) -> CompiledGraph:
+    """Plan ``graph``, compile every kernel with ``backend`` and return a callable on torch tensors.
+
+    Args:
+        graph: the graph to run (from ``trace``, ``load_onnx`` or the builder).
+        backend: ``"triton"``, ``"cuda"``, ``"cpu"`` or ``"reference"`` (the eager oracle, no kernels).
+        device: where inputs live and kernels run; CUDA for the GPU backends when available, else CPU.
+        plan: a ready plan (anything with ``.kernels``, or a sequence of kernels) instead of ``plan(graph)``.
+        cache: reuse the CompiledGraph of an identical graph, backend and device compiled before.
+
+    Raises:
+        ValueError: unknown backend, or a device the backend cannot run on (the message says what to do).
+
+    Example:
+        >>> cg = compile_graph(graph, backend="cpu")  # doctest: +SKIP
+        >>> outs = cg(x, w)  # doctest: +SKIP
+    """
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKEND_NAMES)}")
+    device = torch.device(device) if device is not None else default_device(backend)
+    if plan is not None or not cache:
+        return _build(graph, backend, device, plan)
+    key = (graph_fingerprint(graph), backend, str(device))
+    return GRAPHS.get_or_build(key, lambda: _build(graph, backend, device, None))
+
+
+def _build(graph: Graph, backend: str, device: torch.device, plan: Any) -> CompiledGraph:
+    if backend == "reference":
+        return CompiledGraph(graph, "reference", device, plan=None, kernels=[], compiled={})
+    impl = make_backend(backend)
+    if not impl.device_ok(device):
+        hint = (
+            " (set TRITON_INTERPRET=1 before importing the model code to run Triton kernels on CPU tensors)"
+            if backend == "triton" and device.type == "cpu"
+            else ""
+        )
+        raise ValueError(f"backend {backend!r} cannot run on device {device}{hint}; pass another device=")
+    if plan is None:
+        try:
+            from kernelize.autokernel.plan import plan as make_plan
+        except ImportError as e:  # the planner ships separately; say so instead of a bare ImportError
+            raise RuntimeError(f"compile_graph needs kernelize.autokernel.plan ({e}); pass plan=") from e
+        # (issue 6) a backend may ask for its own plan settings: the cpu backend leaves matmuls to torch
+        plan = make_plan(graph, getattr(impl, "plan_settings", None))
+    kernels = list(plan.kernels if hasattr(plan, "kernels") else plan)
+    graph = getattr(plan, "graph", None) or graph
+    compiled: dict[str, CompiledKernel] = {}
+    for k in kernels:
+        if k.kind is not KernelKind.LIBRARY:
+            compiled[k.name] = impl.compile(k)
+    logger.debug("compiled %d kernels (%d generated) with %s", len(kernels), len(compiled), backend)
+    return CompiledGraph(graph, backend, device, plan=plan, kernels=kernels, compiled=compiled)
+
+
+@dataclass(frozen=True)
+class _Step:
+    kernel: Kernel
+    compiled: CompiledKernel | None
+    free: tuple[Node, ...]  # buffers dead after this step
+
+
+class CompiledGraph:
+    """A graph compiled for one backend and device; call it like ``kernelize.ir.evaluate``.
+
+    Attributes:
+        graph: the graph it runs (the plan's graph).
+        backend: backend name; device: where inputs must live.
+        plan: the fusion plan (None for the reference backend).
+        kernels: the generated kernels' :class:`CompiledKernel` (source, hash) in launch order.
+        key: the name this graph is registered under for the ``kernelize::run_graph`` custom op.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        backend: str,
+        device: torch.device,
+        plan: Any,
+        kernels: Sequence[Kernel],
+        compiled: Mapping[str, CompiledKernel],
+    ) -> None:
+        self.graph, self.backend, self.device, self.plan = graph, backend, device, plan
+        self.kernels: list[CompiledKernel] = [compiled[k.name] for k in kernels if k.name in compiled]
+        self.key = f"{graph_fingerprint(graph)}:{backend}:{device}:{id(self):x}"
+        self._consts = {n: n.arg.tensor.to(device) for n in graph.nodes if n.op is Op.CONST}
+        # liveness: drop an intermediate after the last kernel that reads it
+        last: dict[Node, int] = {}
+        for i, k in enumerate(kernels):
+            for b in k.reads:
+                last[b] = i
+        keep = set(graph.inputs) | set(graph.outputs) | set(self._consts)
+        self._steps = [
+            _Step(k, compiled.get(k.name), tuple(b for b, j in last.items() if j == i and b not in keep))
+            for i, k in enumerate(kernels)
+        ]
+        # (issue 6, CPU engineer) fresh large CPU outputs cost more in page faults than the kernels: the cpu
+        # backend's OutputPool hands a buffer out again once the caller has dropped it
+        self._pool = None
+        if backend == "cpu" and device.type == "cpu":
+            from kernelize.codegen.cpu import OutputPool
+
+            self._pool = OutputPool()
+        _REGISTRY[self.key] = self
+
+    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        """Run on ``inputs`` (in ``graph.inputs`` order); returns the outputs as a list.
+
+        Under ``torch.compile`` the call is the ``kernelize::run_graph`` custom op (traced through its fake
+        implementation); in eager mode it skips the dispatcher, which costs about 50 us per call.
+        """
+        if torch.compiler.is_compiling():
+            return list(torch.ops.kernelize.run_graph(self.key, list(inputs)))
+        return self.run(inputs)
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The eager implementation behind the custom op."""
+        env = bind_inputs(self.graph, inputs)
+        for node, t in zip(self.graph.inputs, inputs):
+            if t.device.type != self.device.type:
+                raise ValueError(
+                    f"input {node.arg!r} is on {t.device} but this graph was compiled for {self.device} "
+                    f"({self.backend} backend); move the input with .to({str(self.device)!r})"
+                )
+        if self.backend == "reference":
+            return _no_alias(evaluate(self.graph, list(inputs)), inputs)
+        vals: dict[Node, torch.Tensor] = dict(self._consts)
+        vals.update((n, t.contiguous()) for n, t in zip(self.graph.inputs, inputs))
+        for step in self._steps:
+            k = step.kernel
+            if k.kind is KernelKind.LIBRARY:
+                vals[k.node] = self._library(k, vals, env)
+            else:
+                reads = [_materialize(b, vals, env) for b in k.reads]
+                if self._pool is not None:  # cpu backend: recycle large buffers the caller dropped
+                    writes = [self._pool.empty(b, bind(b.shape, env), b.dtype.torch) for b in k.writes]
+                else:
+                    writes = [torch.empty(bind(b.shape, env), dtype=b.dtype.torch, device=self.device)
+                              for b in k.writes]
+                if any(w.numel() for w in writes):
+                    step.compiled.launch(reads, writes, {s: env[s] for s in k.symbols})
+                vals.update(zip(k.writes, writes))
+            for b in step.free:
+                vals.pop(b, None)
+        return _no_alias([_materialize(o, vals, env).contiguous() for o in self.graph.outputs], inputs)
+
+    def _library(self, k: Kernel, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
+        node = k.node
+        args = [_materialize(s, vals, env) for s in node.src]
+        if node.op is Op.MATMUL and node.dtype.is_float and self.device.type == "cuda":
+            out = torch.matmul(*args)  # cuBLAS accumulates 16-bit inputs in f32 already
+        else:
+            out = _EVAL[node.op](node, args, env)
+        return out.to(node.dtype.torch).contiguous()
+
+    def __repr__(self) -> str:
+        return (f"CompiledGraph({self.backend} on {self.device}, {len(self._steps)} steps, "
+                f"{len(self.kernels)} generated kernels)")
+
+
+def _materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
+    """The tensor of ``node``: a buffer, or a layout view / constant computed from buffers (no recursion)."""
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in vals:
+            stack.pop()
+            continue
+        missing = [s for s in n.src if s not in vals]
+        if missing:
+            assert n.op in LAYOUT or n.op is Op.CONST, f"{n} is neither computed by a kernel nor a view"
+            stack.extend(missing)
+            continue
+        stack.pop()
+        vals[n] = _EVAL[n.op](n, [vals[s] for s in n.src], env)
+    return vals[node]
+
+
+def _no_alias(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Custom ops may not return inputs or the same tensor twice: copy those."""
+    seen = {t.data_ptr() for t in inputs if t.numel()}
+    out = []
+    for t in outs:
+        if not t.numel():
+            t = torch.empty_like(t)  # empty tensors may still share storage with an input
+        elif t.data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.data_ptr())
+        out.append(t)
+    return out
+
+
+@torch.library.custom_op("kernelize::run_graph", mutates_args=())
+def run_graph(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run the CompiledGraph registered under ``key`` (the op ``torch.compile`` sees)."""
+    try:
+        cg = _REGISTRY[key]
+    except KeyError:
+        raise RuntimeError(f"no compiled graph registered under {key!r}") from None
+    return cg.run(inputs)
+
+
+@run_graph.register_fake
+def _run_graph_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    cg = _REGISTRY[key]
+    env = bind_inputs(cg.graph, inputs)
+    device = inputs[0].device if inputs else cg.device
+    return [torch.empty(bind(o.shape, env), dtype=o.dtype.torch, device=device) for o in cg.graph.outputs]
+
+
+class CompiledModule(nn.Module):
+    """An ``nn.Module`` whose forward runs a CompiledGraph (one output -> a tensor, several -> a tuple).
+
+    Example:
+        >>> m = CompiledModule(compile_graph(graph, backend="cpu"))  # doctest: +SKIP
+        >>> y = m(x)  # doctest: +SKIP
+    """
+
+    def __init__(self, compiled: CompiledGraph) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        outs = self.compiled(*inputs)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def print_kernels(graph: Graph, backend: str = "triton", file: TextIO | None = None) -> None:
+    """Print the fusion plan of ``graph`` and the generated source of each kernel (``inspect --kernels``)."""
+    file = file or sys.stdout
+    impl = make_backend(backend)
+    from kernelize.autokernel.plan import plan as make_plan
+
+    p = make_plan(graph)
+    kernels = list(p.kernels)
+    print(f"# plan: {len(kernels)} kernels", file=file)
+    for k in kernels:
+        print(str(k), file=file)
+    for k in kernels:
+        if k.kind is KernelKind.LIBRARY:
+            print(f"\n# {k.name}: library call ({k.node.op}) run by the runtime with torch", file=file)
+            continue
+        src = impl.render(k) if hasattr(impl, "render") else impl.compile(k).source
+        print(f"\n# ---- {k.name} ({backend}, {k.kind}) ----\n{src}", file=file)
+
+
+__all__ = [
+    "BACKENDS",
+    "CompiledGraph",
+    "CompiledModule",
+    "compile_graph",
+    "default_device",
+    "print_kernels",
+    "run_graph",
+]

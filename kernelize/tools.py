@@ -1,0 +1,157 @@
+"""Implementations of the ``kernelize inspect`` and ``kernelize run`` subcommands (see ``kernelize.cli``).
+
+Example:
+    $ kernelize inspect model.onnx --optimize --svg model.svg
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def format_op_counts(counts: Counter) -> str:
+    """Op counts as an aligned two-column table, most frequent first."""
+    rows = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    width = max((len(op) for op, _ in rows), default=2)
+    lines = [f"{'op':<{width}}  count", f"{'-' * width}  -----"]
+    lines += [f"{op:<{width}}  {n:>5}" for op, n in rows]
+    lines.append(f"{'total':<{width}}  {sum(counts.values()):>5}")
+    return "\n".join(lines)
+
+
+def inspect_main(args: argparse.Namespace) -> int:
+    """``kernelize inspect model.onnx [--optimize] [--svg out.svg] [--kernels --backend B]``.
+
+    Loads the model, prints its graph and op counts, optionally optimizes it first, writes an SVG and
+    prints the fusion plan and generated kernels. Returns the process exit code.
+    """
+    from kernelize.ir import format_graph, graph_to_svg, op_counts, optimize
+    from kernelize.ir.onnx_frontend import load_onnx  # lazily: keeps `kernelize --help` fast
+
+    path = Path(args.model)
+    if not path.is_file():
+        print(f"kernelize inspect: {path}: no such file", file=sys.stderr)
+        return 2
+    graph = load_onnx(path)
+    before = len(graph)
+    if args.optimize:
+        graph = optimize(graph)
+        print(f"# optimized: {before} -> {len(graph)} nodes")
+    print(format_graph(graph))
+    print()
+    print(format_op_counts(op_counts(graph)))
+    if args.svg:
+        out = graph_to_svg(args.svg, graph, title=path.name)
+        print(f"\nwrote {out}")
+    if getattr(args, "kernels", False):
+        print_kernels = _print_kernels()
+        print()
+        print_kernels(graph, args.backend)
+    return 0
+
+
+def _print_kernels():
+    """``kernelize.runtime.print_kernels(graph, backend)``, provided by the runtime (another module)."""
+    try:
+        from kernelize.runtime import print_kernels
+    except ImportError as e:
+        raise RuntimeError(
+            "kernelize inspect --kernels needs kernelize.runtime.print_kernels(graph, backend), "
+            f"which this installation does not provide ({e})"
+        ) from e
+    return print_kernels
+
+
+# run_main below (`kernelize run`) belongs to the runtime's owner.
+
+__all__ = ["format_op_counts", "inspect_main"]
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """``kernelize run model.onnx --backend B [--inputs file.npz] [--repeat N]``.
+
+    Runs the model through ``compile_graph`` with backend ``B`` and prints each output's shape, the largest
+    difference from the reference executor, and the time per run. Random inputs bind every symbolic dim
+    to 2. Triton on a machine without a GPU runs under its interpreter (``TRITON_INTERPRET=1``).
+    """
+    import os
+    import time
+
+    import numpy as np
+    import torch
+
+    path = Path(args.model)
+    if not path.is_file():
+        print(f"kernelize run: {path}: no such file", file=sys.stderr)
+        return 2
+    if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        print("# no GPU: running Triton kernels under the interpreter (slow; TRITON_INTERPRET=1)")
+    from kernelize.ir import evaluate, optimize
+    from kernelize.ir.onnx_frontend import load_onnx
+    from kernelize.ir.shapes import bind
+    from kernelize.runtime.compiled import compile_graph, default_device
+
+    graph = load_onnx(path)
+    device = default_device(args.backend)
+    if args.inputs:
+        arrays = np.load(args.inputs)
+        missing = [i.arg for i in graph.inputs if i.arg not in arrays]
+        if missing:
+            print(
+                f"kernelize run: {args.inputs} lacks inputs {missing} (has {list(arrays)})", file=sys.stderr
+            )
+            return 2
+        inputs = [
+            torch.from_numpy(np.ascontiguousarray(arrays[i.arg])).to(i.dtype.torch) for i in graph.inputs
+        ]
+    else:
+        gen = torch.Generator().manual_seed(0)
+        env = {s: 2 for i in graph.inputs for d in i.shape if not isinstance(d, int) for s in d.names}
+        inputs = [_random_input(bind(i.shape, env), i.dtype, gen) for i in graph.inputs]
+    want = evaluate(graph, inputs)
+    cg = compile_graph(graph if args.backend == "reference" else optimize(graph), args.backend, device)
+    xs = [t.to(device) for t in inputs]
+    got = cg(*xs)  # warm-up: compiles and loads kernels
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    repeat = max(1, args.repeat)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        got = cg(*xs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3 / repeat
+    n_lib = sum(1 for k in (cg.plan.kernels if cg.plan is not None else ()) if k.kind == "library")
+    print(
+        f"model {path.name}: backend {args.backend} on {device}, {len(cg.kernels)} generated kernels"
+        f" + {n_lib} library calls"
+    )
+    for node, g, w in zip(graph.outputs, got, want):
+        g = g.cpu()
+        diff = (
+            (g.double() - w.double()).abs().max().item()
+            if g.numel() and g.dtype != torch.bool
+            else (float((g != w).sum()) if g.numel() else 0.0)
+        )
+        print(f"output {list(g.shape)} {node.dtype}: max |diff| vs reference = {diff:.3g}")
+    print(f"time: {ms:.3f} ms per run ({repeat} runs)")
+    return 0
+
+
+def _random_input(shape: tuple[int, ...], dtype, gen):
+    import torch
+
+    if dtype.is_float:
+        return torch.randn(shape, generator=gen).to(dtype.torch)
+    if dtype.torch == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    return torch.randint(0, 8, shape, generator=gen).to(dtype.torch)
+
+
+__all__ += ["run_main"]

@@ -1,0 +1,70 @@
+"""Sinking reshapes below elementwise epilogues."""
+
+from __future__ import annotations
+
+import torch
+
+from kernelize.autokernel.canon import sink_views
+from kernelize.ir import Graph, Op, evaluate
+
+
+def test_epilogue_after_a_reshaped_matmul_moves_into_its_index_space():
+    g = Graph()
+    x, w, b = g.input("x", (10, 16), "f32"), g.input("w", (16, 8), "f32"), g.input("b", (8,), "f32")
+    y = g.view(g.matmul(x, w), (2, 5, 8))
+    g.output(g.tanh(g.add(y, b)))
+    c = sink_views(g)
+    assert c is not g and [i.arg for i in c.inputs] == ["x", "w", "b"]
+    (out,) = c.outputs
+    assert out.op is Op.VIEW and out.src[0].op is Op.TANH and out.src[0].shape == (10, 8)
+    xs = [torch.randn(10, 16), torch.randn(16, 8), torch.randn(8)]
+    torch.testing.assert_close(evaluate(c, xs)[0], evaluate(g, xs)[0])
+
+
+def test_nothing_to_sink_returns_the_graph_and_unstrided_operands_block_it():
+    g = Graph()
+    x = g.input("x", (4, 6), "f32")
+    g.output(g.exp(x))
+    assert sink_views(g) is g
+    g = Graph()
+    x, t = g.input("x", (6, 4), "f32"), g.input("t", (4, 6), "f32")
+    e = g.view(g.exp(x), (4, 6))
+    g.output(g.add(e, g.permute(g.view(t, (6, 4)), (1, 0))))  # no strides read t as [6, 4] permuted
+    assert sink_views(g) is g
+
+
+def test_batched_matmul_over_merged_heads_runs_over_the_unmerged_batch():
+    g = Graph()
+    q, k = g.input("q", (2, 3, 5, 8), "f32"), g.input("k", (2, 3, 5, 8), "f32")
+    kt = g.permute(k, (0, 1, 3, 2))
+    s = g.view(g.matmul(g.view(q, (6, 5, 8)), g.view(kt, (6, 8, 5))), (2, 3, 5, 5))
+    g.output(g.softmax(s))
+    c = sink_views(g)
+    (mm,) = [n for n in c.nodes if n.op is Op.MATMUL]
+    assert mm.shape == (2, 3, 5, 5) and c.outputs[0].src[0] is mm
+    xs = [torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)]
+    torch.testing.assert_close(evaluate(c, xs)[0], evaluate(g, xs)[0])
+
+
+def test_norm_follows_a_reshape_that_keeps_its_axis():
+    g = Graph()
+    x, r, w = g.input("x", (6, 8), "f32"), g.input("r", (2, 3, 8), "f32"), g.input("w", (8,), "f32")
+    h = g.add(g.view(g.exp(x), (2, 3, 8)), r)
+    g.output(g.rmsnorm(h, w), g.softmax(h, 2))
+    c = sink_views(g)
+    norm, soft = (o.src[0] for o in c.outputs)
+    assert norm.op is Op.RMSNORM and norm.shape == (6, 8) and soft.op is Op.SOFTMAX and soft.arg == 1
+    xs = [torch.randn(6, 8), torch.randn(2, 3, 8), torch.randn(8)]
+    for a, b in zip(evaluate(c, xs), evaluate(g, xs)):
+        torch.testing.assert_close(a, b)
+
+
+def test_pad_of_a_computed_value_becomes_concats_of_constant_blocks():
+    g = Graph()
+    x = g.input("x", ("n", 5), "f32")
+    g.output(g.pad(g.exp(x), [(0, 0), (2, 1)], 7.0), g.pad(x, [(0, 0), (1, 1)]))
+    c = sink_views(g)
+    assert c.outputs[0].op is Op.CONCAT and c.outputs[1].op is Op.PAD  # a pad of an input stays a pad
+    xs = [torch.randn(3, 5)]
+    for a, b in zip(evaluate(c, xs), evaluate(g, xs)):
+        torch.testing.assert_close(a, b)

@@ -1,0 +1,614 @@
+"""Differential tests of the CPU backend against the reference executor (``kernelize.ir.evaluate``).
+
+Kernels come from two places: ``kernel_of`` below, a small single-kernel lowering of a graph (layout ops
+to strides, like the planner does) that lets us aim at exact layouts (broadcast, transposed, sliced,
+flipped, padded, concatenated, gathered operands); and the real planner through ``compile_graph`` once
+it is importable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store, row_invariant
+from kernelize.codegen.cpu import CompilerNotFoundError, CpuBackend, render
+from kernelize.ir.dtypes import DType
+from kernelize.ir.graph import ELEMENTWISE, REDUCE, ROW, Graph, Node, Op
+from kernelize.ir.reference import bind_inputs, evaluate
+from kernelize.ir.shapes import Sym, bind
+
+BACKEND = CpuBackend()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cache_dir(tmp_path_factory):
+    old = os.environ.get("KERNELIZE_CACHE_DIR")
+    os.environ["KERNELIZE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kzcache"))
+    yield
+    if old is None:
+        os.environ.pop("KERNELIZE_CACHE_DIR", None)
+    else:
+        os.environ["KERNELIZE_CACHE_DIR"] = old
+
+
+# ---- a one-kernel lowering of small graphs ---------------------------------------------------------------
+def _contig(shape):
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc = d * acc if isinstance(d, Sym) else acc * d
+    return tuple(reversed(strides))
+
+
+def _view_strides(src_shape, src_strides, shape):
+    """Strides of a view that only inserts or removes size-1 axes (enough for these tests)."""
+    it = [(d, s) for d, s in zip(src_shape, src_strides) if d != 1]
+    out, j = [], 0
+    for d in shape:
+        if d == 1:
+            out.append(0)
+        else:
+            assert j < len(it) and it[j][0] == d, f"unsupported view {src_shape} -> {shape}"
+            out.append(it[j][1])
+            j += 1
+    return tuple(out)
+
+
+def kernel_of(g: Graph, kind: KernelKind = KernelKind.POINTWISE, domain=None, row_rank: int = 0) -> Kernel:
+    """Lower ``g`` (inputs, layout ops, elementwise / row / reduce ops, all outputs over one domain) to one
+    kernel; buffers are the graph inputs and outputs."""
+    domain = tuple(domain or g.outputs[0].shape)
+    rank = len(domain)
+    body: list = []
+    where: dict[Node, tuple] = {}  # node -> ("buf", buffer, strides, offset) | ("val", body index)
+    loads: dict[Node, int] = {}  # node read from a buffer -> its load's body index
+    for n in g.nodes:
+        if n.op in (Op.INPUT, Op.CONST):
+            pad = rank - n.rank
+            where[n] = ("buf", n, (0,) * pad + _contig(n.shape), 0)
+            continue
+        if n.op in (Op.VIEW, Op.BROADCAST, Op.PERMUTE, Op.SLICE, Op.FLIP):
+            src = where[n.src[0]]
+            if src[0] == "val":  # a broadcast of a per-row value is that value
+                where[n] = src
+                continue
+            _, buf, strides, off = src
+            strides = strides[len(strides) - n.src[0].rank :]
+            if n.op is Op.VIEW:
+                strides = _view_strides(n.src[0].shape, strides, n.shape)
+            elif n.op is Op.BROADCAST:
+                strides = tuple(0 if a != b else s for a, b, s in zip(n.src[0].shape, n.shape, strides))
+            elif n.op is Op.PERMUTE:
+                strides = tuple(strides[p] for p in n.arg)
+            elif n.op is Op.SLICE:
+                off += sum(a * s for (a, _, _), s in zip(n.arg, strides))
+                strides = tuple(s * c for (_, _, c), s in zip(n.arg, strides))
+            else:  # flip
+                off += sum((n.shape[a] - 1) * strides[a] for a in n.arg)
+                strides = tuple(-s if a in n.arg else s for a, s in enumerate(strides))
+            where[n] = ("buf", buf, (0,) * (rank - n.rank) + strides, off)
+            continue
+        ids = []
+        for s in n.src:
+            w = where[s]
+            if w[0] == "buf":
+                if s not in loads:
+                    body.append(Load(w[1], w[2], w[3]))
+                    loads[s] = len(body) - 1
+                w = ("val", loads[s])
+            ids.append(w[1])
+        body.append(Compute(n.op, n.dtype, tuple(ids), n.arg))
+        where[n] = ("val", len(body) - 1)
+    stores = []
+    for o in g.outputs:
+        w = where[o]
+        if w[0] == "buf":
+            body.append(Load(w[1], w[2], w[3]))
+            w = ("val", len(body) - 1)
+        strides = (0,) * (rank - o.rank) + _contig(o.shape)
+        strides = tuple(0 if d == 1 else s for d, s in zip((1,) * (rank - o.rank) + o.shape, strides))
+        stores.append(Store(w[1], o, strides))
+    return Kernel("k", kind, domain, tuple(body), tuple(stores), row_rank=row_rank)
+
+
+def run(kernel: Kernel, g: Graph, inputs):
+    env = bind_inputs(g, inputs)
+    ck = BACKEND.compile(kernel)
+    outs = [torch.empty(bind(o.shape, env), dtype=o.dtype.torch) for o in kernel.writes]
+    buffers = {n: t.contiguous() for n, t in zip(g.inputs, inputs)}
+    buffers.update({n: n.arg.tensor for n in g.nodes if n.op is Op.CONST})
+    ck.launch([buffers[b] for b in kernel.reads], outs, {s: env[s] for s in kernel.symbols})
+    return dict(zip(kernel.writes, outs))
+
+
+TOL = {DType.F32: (1e-5, 1e-5), DType.F64: (1e-9, 1e-9), DType.BF16: (2e-2, 2e-2), DType.F16: (2e-3, 2e-3)}
+
+
+def check(kernel: Kernel, g: Graph, inputs, tol=None):
+    got = run(kernel, g, inputs)
+    want = evaluate(g, inputs)
+    for o, w in zip(g.outputs, want):
+        x = got[o]
+        if o.dtype.is_float:
+            rtol, atol = tol or TOL[o.dtype]
+            torch.testing.assert_close(x.double(), w.double(), rtol=rtol, atol=atol, equal_nan=True)
+        else:
+            assert torch.equal(x, w), (x, w)
+
+
+def rand(shape, dtype: DType, lo=-3.0, hi=3.0):
+    if dtype is DType.BOOL:
+        return torch.rand(shape) > 0.5
+    if dtype.is_int:
+        return torch.randint(-50 if dtype is not DType.U8 else 0, 50, shape, dtype=dtype.torch)
+    return (torch.rand(shape, dtype=torch.float64) * (hi - lo) + lo).to(dtype.torch)
+
+
+# ---- pointwise -------------------------------------------------------------------------------------------
+UNARY_F = [
+    Op.ABS,
+    Op.NEG,
+    Op.EXP,
+    Op.LOG,
+    Op.SQRT,
+    Op.RSQRT,
+    Op.RECIPROCAL,
+    Op.SIN,
+    Op.COS,
+    Op.TANH,
+    Op.SIGMOID,
+    Op.ERF,
+    Op.SOFTPLUS,
+    Op.FLOOR,
+    Op.CEIL,
+    Op.ROUND,
+    Op.SIGN,
+]
+BINARY_F = [Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MIN, Op.MAX, Op.POW, Op.MOD]
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.BF16, DType.F64])
+def test_every_float_op(dtype):
+    g = Graph()
+    a = g.input("a", (7, 33), dtype)
+    b = g.input("b", (7, 33), dtype)
+    outs = [g.unary(op, g.abs(a) if op in (Op.LOG, Op.SQRT, Op.RSQRT) else a) for op in UNARY_F]
+    outs += [g.binary(op, g.abs(a) if op is Op.POW else a, b) for op in BINARY_F]
+    outs += [g.gelu(a), g.gelu(a, "tanh"), g.clamp(a, -0.5, 0.7), g.where(g.lt(a, b), a, b)]
+    outs += [g.cast(g.gt(a, b), dtype), g.cast(g.cast(a, DType.I32), dtype)]
+    g.output(*outs)
+    x, y = rand((7, 33), dtype), rand((7, 33), dtype)
+    check(kernel_of(g), g, [x, y])
+
+
+@pytest.mark.parametrize("dtype", [DType.I32, DType.I64, DType.I8, DType.U8])
+def test_integer_ops(dtype):
+    g = Graph()
+    a = g.input("a", (5, 17), dtype)
+    b = g.input("b", (5, 17), dtype)
+    ops = [Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MOD, Op.MIN, Op.MAX]
+    g.output(*[g.binary(op, a, b) for op in ops], g.abs(a), g.sign(a), g.eq(a, b), g.ge(a, b))
+    x = rand((5, 17), dtype)
+    y = rand((5, 17), dtype)
+    y = torch.where(y == 0, torch.ones_like(y), y)
+    check(kernel_of(g), g, [x, y])
+
+
+def test_special_values():
+    g = Graph()
+    a = g.input("a", (16,), DType.F32)
+    b = g.input("b", (16,), DType.F32)
+    # gelu is left out: torch gives nan at +inf, the formula (and this backend) gives inf
+    g.output(
+        g.exp(a),
+        g.tanh(a),
+        g.sigmoid(a),
+        g.softplus(a),
+        g.erf(a),
+        g.min(a, b),
+        g.max(a, b),
+        g.sign(a),
+        g.round(a),
+        g.binary(Op.MOD, a, b),
+    )
+    vals = [
+        0.0,
+        -0.0,
+        math.inf,
+        -math.inf,
+        math.nan,
+        1e4,
+        -1e4,
+        88.5,
+        -100.0,
+        2.5,
+        -0.5,
+        20.5,
+        1e-3,
+        -7.0,
+        3,
+        5,
+    ]
+    x = torch.tensor(vals)
+    y = torch.tensor(list(reversed(vals)))
+    check(kernel_of(g), g, [x, y])
+
+
+def test_16bit_round_trip_is_exact():
+    """Every f16 and bf16 bit pattern loads to f32 and stores back bit for bit (NaNs stay NaN)."""
+    for dtype in (DType.F16, DType.BF16):
+        g = Graph()
+        a = g.input("a", (65536,), dtype)
+        g.output(g.cast(g.cast(a, DType.F32), dtype), g.cast(a, DType.F32))
+        x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype.torch)
+        got = run(kernel_of(g), g, [x])
+        back, wide = (got[o] for o in g.outputs)
+        assert torch.equal(wide.view(torch.int32)[~x.isnan()], x.float().view(torch.int32)[~x.isnan()])
+        assert torch.equal(back.view(torch.int16)[~x.isnan()], x.view(torch.int16)[~x.isnan()])
+        assert back[x.isnan()].isnan().all()
+    # f32 -> 16 bit rounding (ties to even, overflow, denormals) against torch
+    f = torch.cat(
+        [
+            torch.randn(100000) * torch.exp(torch.randn(100000) * 8),
+            torch.tensor([65504.0, 65520.0, 65519.99, 6e-8, 2.98e-8, 3.4e38, 1 + 2**-8, 1 + 3 * 2**-8]),
+        ]
+    )
+    for dtype in (DType.F16, DType.BF16):
+        g = Graph()
+        a = g.input("a", (f.numel(),), DType.F32)
+        g.output(g.cast(a, dtype))
+        (out,) = run(kernel_of(g), g, [f]).values()
+        assert torch.equal(out.view(torch.int16), f.to(dtype.torch).view(torch.int16))
+
+
+def test_broadcast_transposed_sliced_flipped_operands():
+    g = Graph()
+    x = g.input("x", (6, 40), DType.F32)
+    t = g.input("t", (40, 6), DType.F32)  # read transposed
+    col = g.input("col", (6, 1), DType.F32)  # broadcast along the inner axis
+    row = g.input("row", (40,), DType.F32)  # broadcast along the outer axis
+    wide = g.input("wide", (6, 90), DType.F32)  # strided slice
+    y = g.add(g.mul(x, g.transpose(t)), g.mul(col, row))
+    y = g.add(y, g.slice(wide, 1, 5, 85, 2))
+    y = g.sub(y, g.flip(x, [1]))
+    g.output(y)
+    ins = [rand(s, DType.F32) for s in [(6, 40), (40, 6), (6, 1), (40,), (6, 90)]]
+    k = kernel_of(g)
+    assert any(isinstance(e, Load) and e.strides[-1] == 0 for e in k.body)
+    check(k, g, ins)
+
+
+def test_axis_merging_makes_one_flat_loop():
+    g = Graph()
+    x = g.input("x", (3, 5, 7), DType.F32)
+    g.output(g.exp(x))
+    src, _ = render(kernel_of(g))
+    assert "for (int64_t i0 = 0; i0 < 105;" in src and "kz_rem" not in src  # one flat axis
+    check(kernel_of(g), g, [rand((3, 5, 7), DType.F32)])
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (1, 1), (1,), (3, 4097), (70000,)])
+def test_awkward_shapes(shape):
+    g = Graph()
+    x = g.input("x", shape, DType.F32)
+    w = g.input("w", shape[-1:], DType.F32)
+    g.output(g.mul(g.sigmoid(x), w))
+    check(kernel_of(g), g, [rand(shape, DType.F32), rand(shape[-1:], DType.F32)])
+
+
+def test_symbolic_dims_one_kernel_serves_every_size():
+    g = Graph()
+    x = g.input("x", ("batch", "seq", 8), DType.F32)
+    g.output(g.mul(g.mul(x, g.sigmoid(x)), 2.0))
+    k = kernel_of(g)
+    assert k.symbols == ("batch", "seq")
+    for shape in [(1, 1, 8), (3, 5, 8), (2, 0, 8), (7, 1000, 8)]:
+        check(k, g, [rand(shape, DType.F32)])
+
+
+def test_scalar_domain():
+    g = Graph()
+    a = g.input("a", (), DType.F32)
+    g.output(g.exp(a))
+    check(kernel_of(g), g, [torch.tensor(0.5)])
+
+
+def test_masked_and_concat_and_gather_loads():
+    # pad along the inner axis (masked load), concat of two inputs, gather through an index buffer
+    x = torch.randn(4, 10)
+    yv = torch.randn(4, 6)
+    idx = torch.tensor([3, -1, 0, 9, 2], dtype=torch.int64)
+    g = Graph()
+    gx = g.input("x", (4, 10), DType.F32)
+    gy = g.input("y", (4, 6), DType.F32)
+    gi = g.input("i", (5,), DType.I64)
+    cat = g.concat([g.pad(gx, [(0, 0), (2, 1)], 0.5), gy], 1)
+    gath = g.gather(gx, gi, 1)
+    g.output(cat, gath)
+    body = (
+        Load(gx, (10, 1), -2, mask=((1, 2, 12),), other=0.5),  # pad by 2 on the left, 1 on the right
+        Load(gy, (6, 1), -13, mask=((1, 13, 19),)),
+        Compute(Op.CONCAT, DType.F32, (0, 1), (1, (13, 19))),
+        Load(gi, (0, 1)),
+    )
+    k1 = Kernel("cat", KernelKind.POINTWISE, (4, 19), body[:3], (Store(2, cat, (19, 1)),))
+    k2 = Kernel(
+        "gather",
+        KernelKind.POINTWISE,
+        (4, 5),
+        (body[3], Load(gx, (10, 0), indirect=(Indirect(0, 1, 10),))),
+        (Store(1, gath, (5, 1)),),
+    )
+    want_cat, want_gather = evaluate(g, [x, yv, idx])
+    out = torch.empty(4, 19)
+    BACKEND.compile(k1).launch([x, yv], [out], {})
+    torch.testing.assert_close(out, want_cat)
+    out = torch.empty(4, 5)
+    BACKEND.compile(k2).launch([idx, x], [out], {})
+    torch.testing.assert_close(out, want_gather)
+    with pytest.raises(IndexError, match="gather index"):
+        BACKEND.compile(k2).launch([torch.tensor([0, 1, 2, 3, 10]), x], [out], {})
+
+
+# ---- row kernels -----------------------------------------------------------------------------------------
+def _row_graph(kind: str, dtype: DType, n, with_params=True):
+    g = Graph()
+    x = g.input("x", ("rows", n), dtype)
+    if kind == "rmsnorm":
+        w = g.input("w", (n,), dtype) if with_params else None
+        g.output(g.rmsnorm(x, w, 1e-6))
+    elif kind == "add_rmsnorm":
+        r = g.input("r", ("rows", n), dtype)
+        w = g.input("w", (n,), dtype)
+        h = g.add(x, r)
+        g.output(h, g.rmsnorm(h, w, 1e-6))
+    elif kind == "layernorm":
+        w = g.input("w", (n,), dtype) if with_params else None
+        b = g.input("b", (n,), dtype) if with_params else None
+        g.output(g.layernorm(x, w, b, 1e-5))
+    elif kind == "softmax":
+        g.output(g.softmax(g.mul(x, 0.5)))
+    elif kind == "log_softmax":
+        g.output(g.log_softmax(x))
+    elif kind == "reduce":
+        g.output(
+            g.reduce(Op.SUM, x, -1, keepdim=True),
+            g.reduce(Op.REDUCE_MAX, x, -1, keepdim=True),
+            g.reduce(Op.MEAN, x, -1, keepdim=True),
+            g.reduce(Op.ARGMAX, x, -1, keepdim=True),
+            g.reduce(Op.REDUCE_MIN, x, -1, keepdim=True),
+            g.reduce(Op.ARGMIN, x, -1, keepdim=True),
+        )
+    elif kind == "explicit_softmax":  # reductions feeding elementwise ops feeding a reduction
+        m = g.reduce(Op.REDUCE_MAX, x, -1, keepdim=True)
+        e = g.exp(g.sub(x, m))
+        g.output(g.div(e, g.reduce(Op.SUM, e, -1, keepdim=True)))
+    return g
+
+
+ROW_KINDS = ["rmsnorm", "add_rmsnorm", "layernorm", "softmax", "log_softmax", "reduce", "explicit_softmax"]
+
+
+@pytest.mark.parametrize("kind", ROW_KINDS)
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16, DType.F16])
+def test_row_kernels(kind, dtype):
+    g = _row_graph(kind, dtype, 300)
+    k = kernel_of(g, KernelKind.ROW, (Sym.of("rows"), 300), row_rank=1)
+    per_row = [inv for inv, e in zip(row_invariant(k), k.body) if isinstance(e, Compute)]
+    assert any(per_row) == (kind in ("reduce", "explicit_softmax"))
+    ins = [rand(tuple(bind(i.shape, {"rows": 9})), dtype) for i in g.inputs]
+    tol = {DType.F32: (1e-5, 1e-5), DType.BF16: (3e-2, 3e-2), DType.F16: (3e-3, 3e-3)}[dtype]
+    if kind == "reduce" and dtype is not DType.F32:
+        ins = [i.float().round().to(dtype.torch) for i in ins]  # argmax ties are well defined
+        tol = (1e-2, 1e-1)
+    check(k, g, ins, tol)
+
+
+@pytest.mark.parametrize("n", [1, 7, 4097, 300_000])
+def test_row_lengths_including_longer_than_cache(n):
+    g = _row_graph("softmax", DType.F32, n)
+    k = kernel_of(g, KernelKind.ROW, (Sym.of("rows"), n), row_rank=1)
+    check(k, g, [rand((3, n), DType.F32, -30, 30)])
+    g = _row_graph("layernorm", DType.F32, n)
+    k = kernel_of(g, KernelKind.ROW, (Sym.of("rows"), n), row_rank=1)
+    check(k, g, [rand((3, n), DType.F32) + 100, rand((n,), DType.F32), rand((n,), DType.F32)], (1e-4, 1e-4))
+
+
+def test_row_edge_values():
+    g = _row_graph("softmax", DType.F32, 5)
+    k = kernel_of(g, KernelKind.ROW, (Sym.of("rows"), 5), row_rank=1)
+    x = torch.tensor(
+        [
+            [0.0, 1.0, math.nan, 2.0, 3.0],
+            [-math.inf] * 5,
+            [math.inf, 0, 0, 0, 0],
+            [1e4, -1e4, 0, 0, 1e4],
+            [-0.0, 0.0, 0, 0, 0],
+        ]
+    )
+    check(k, g, [x])
+    g = _row_graph("reduce", DType.F32, 5)
+    k = kernel_of(g, KernelKind.ROW, (Sym.of("rows"), 5), row_rank=1)
+    check(k, g, [x])
+
+
+def test_row_rank_two_and_transposed_rows():
+    g = Graph()
+    x = g.input("x", (4, 6, 8), DType.F32)
+    y = g.permute(x, (0, 2, 1))  # rows read with a stride
+    s = g.reduce(Op.SUM, y, (1, 2), keepdim=True)
+    g.output(g.mul(y, s))
+    k = kernel_of(g, KernelKind.ROW, (4, 8, 6), row_rank=2)
+    check(k, g, [rand((4, 6, 8), DType.F32)], (1e-4, 1e-4))
+
+
+def test_matmul_with_epilogue():
+    g = Graph()
+    a = g.input("a", (2, 5, 7), DType.F32)
+    b = g.input("b", (7, 3), DType.F32)
+    bias = g.input("bias", (3,), DType.F32)
+    mm = g.matmul(a, b)
+    g.output(g.gelu(g.add(mm, bias)))
+    body = (
+        Load(a, (35, 7, 0, 1)),
+        Load(b, (0, 0, 1, 3)),
+        Compute(Op.MATMUL, DType.F32, (0, 1)),
+        Load(bias, (0, 0, 1)),
+        Compute(Op.ADD, DType.F32, (2, 3)),
+        Compute(Op.GELU, DType.F32, (4,), "none"),
+    )
+    k = Kernel("mm", KernelKind.MATMUL, (2, 5, 3), body, (Store(5, g.outputs[0], (15, 3, 1)),))
+    check(k, g, [rand((2, 5, 7), DType.F32), rand((7, 3), DType.F32), rand((3,), DType.F32)], (1e-4, 1e-4))
+
+
+# ---- hypothesis: random elementwise graphs over random layouts ---------------------------------------------
+_UN = [Op.NEG, Op.EXP, Op.TANH, Op.SIGMOID, Op.ABS, Op.SIN, Op.ERF]
+_BIN = [Op.ADD, Op.SUB, Op.MUL, Op.MAX, Op.MIN]
+
+
+@st.composite
+def _graphs(draw):
+    dtype = draw(st.sampled_from([DType.F32, DType.F16, DType.BF16]))
+    rank = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.sampled_from([1, 2, 3, 7, 64, 129]), min_size=rank, max_size=rank)))
+    g = Graph()
+    vals, ins = [], []
+    for i in range(draw(st.integers(1, 3))):
+        layout = draw(st.sampled_from(["plain", "bcast", "perm"] if rank > 1 else ["plain", "bcast"]))
+        if layout == "plain":
+            x = g.input(f"x{i}", shape, dtype)
+            ins.append(shape)
+            vals.append(x)
+        elif layout == "bcast":
+            s = tuple(1 if j % 2 == i % 2 else d for j, d in enumerate(shape))
+            x = g.input(f"x{i}", s, dtype)
+            ins.append(s)
+            vals.append(g.broadcast(x, shape))
+        else:
+            s = tuple(reversed(shape))
+            x = g.input(f"x{i}", s, dtype)
+            ins.append(s)
+            vals.append(g.permute(x, tuple(reversed(range(rank)))))
+    for _ in range(draw(st.integers(1, 6))):
+        if draw(st.booleans()) or len(vals) == 1:
+            vals.append(g.unary(draw(st.sampled_from(_UN)), draw(st.sampled_from(vals))))
+        else:
+            a, b = draw(st.sampled_from(vals)), draw(st.sampled_from(vals))
+            vals.append(g.binary(draw(st.sampled_from(_BIN)), a, b))
+    g.output(vals[-1])
+    return g, dtype, ins
+
+
+@settings(max_examples=25, deadline=None)
+@given(_graphs())
+def test_random_elementwise_graphs(case):
+    g, dtype, shapes = case
+    ins = [rand(s, dtype, -2, 2) for s in shapes]
+    tol = {DType.F32: (1e-4, 1e-4), DType.F16: (1e-2, 1e-2), DType.BF16: (5e-2, 5e-2)}[dtype]
+    if g.outputs[0].op in ELEMENTWISE or g.outputs[0].op not in REDUCE | ROW:
+        check(kernel_of(g), g, ins, tol)
+
+
+# ---- errors and plumbing ---------------------------------------------------------------------------------
+def test_compile_error_carries_log_and_source(monkeypatch):
+    from kernelize.codegen import cpu
+    from kernelize.runtime.backend import KernelCompileError
+
+    monkeypatch.setattr(cpu, "flags", lambda: (*cpu.DEFAULT_FLAGS, "-include", "kz_no_such_header.h"))
+    g = Graph()
+    x = g.input("x", (3,), DType.F32)
+    g.output(g.exp(x))
+    with pytest.raises(KernelCompileError) as info:
+        BACKEND.compile(kernel_of(g))
+    assert "kz_no_such_header.h" in info.value.log and 'extern "C"' in str(info.value)
+
+
+def test_missing_compiler_is_a_clear_error():
+    code = (
+        "import os; os.environ['KERNELIZE_CXX']='no-such-cxx'; os.environ['CXX']='no-such-cxx';"
+        "os.environ['PATH']='/nonexistent';"
+        "from kernelize.codegen.cpu import compiler, CompilerNotFoundError\n"
+        "try:\n    compiler()\nexcept CompilerNotFoundError as e:\n    print('OK', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("OK") and "KERNELIZE_CXX" in out
+    assert issubclass(CompilerNotFoundError, RuntimeError)
+
+
+def test_thread_count_follows_torch():
+    g = Graph()
+    x = g.input("x", (64, 4096), DType.F32)
+    g.output(g.exp(x))
+    k = kernel_of(g)
+    src, _ = render(k)
+    assert "num_threads(kz_nthreads)" in src
+    old = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            check(k, g, [rand((64, 4096), DType.F32)])
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_compile_graph_end_to_end():
+    plan = pytest.importorskip("kernelize.autokernel.plan", reason="planner not merged yet")
+    from kernelize.runtime.compiled import compile_graph
+
+    g = _row_graph("add_rmsnorm", DType.BF16, 256)
+    cg = compile_graph(g, backend="cpu", cache=False)
+    x, r, w = (rand(s, DType.BF16) for s in [(5, 256), (5, 256), (256,)])
+    for got, want in zip(cg(x, r, w), evaluate(g, [x, r, w])):
+        torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+    assert plan is not None and all(k.backend == "cpu" for k in cg.kernels)
+
+
+def test_output_pool_recycles_only_dropped_buffers():
+    from kernelize.codegen.cpu import OutputPool
+
+    pool = OutputPool()
+    shape = (1024, 512)
+    a = pool.empty("y", shape, torch.float32)
+    b = pool.empty("y", shape, torch.float32)  # `a` is still referenced: a fresh buffer
+    assert b.data_ptr() != a.data_ptr()
+    view = b[0]  # a view keeps `b`'s memory in use even without the name
+    ptr_b = b.data_ptr()
+    del b
+    c = pool.empty("y", shape, torch.float32)
+    assert c.data_ptr() != ptr_b and view.data_ptr() == ptr_b
+    ptr_c = c.data_ptr()
+    del c
+    d = pool.empty("y", shape, torch.float32)  # dropped with no view: handed out again
+    assert d.data_ptr() == ptr_c
+    e = pool.empty("y", (1024, 256), torch.float32)  # another shape: fresh
+    assert e.data_ptr() != d.data_ptr()
+    small = pool.empty("s", (4,), torch.float32)
+    assert small.shape == (4,) and "s" not in pool._slots  # small buffers bypass the pool
+    assert a.shape == shape
+
+
+def test_compiled_graph_outputs_are_never_shared_with_the_caller():
+    from kernelize.runtime.compiled import compile_graph
+
+    plan = pytest.importorskip("kernelize.autokernel.plan", reason="planner not merged yet")
+    assert plan is not None
+    g = _row_graph("softmax", DType.F32, 4096)
+    cg = compile_graph(g, backend="cpu", cache=False)
+    x1, x2 = torch.randn(64, 4096), torch.randn(64, 4096)
+    (y1,) = cg(x1)
+    (y2,) = cg(x2)  # y1 is held: y2 must be a different buffer
+    assert y1.data_ptr() != y2.data_ptr()
+    torch.testing.assert_close(y1, torch.softmax(x1 * 0.5, -1))
+    ptr = y2.data_ptr()
+    del y2
+    (y3,) = cg(x1)  # y2 was dropped: its buffer comes back, with the right values
+    assert y3.data_ptr() == ptr
+    torch.testing.assert_close(y3, y1)

@@ -1,0 +1,188 @@
+"""The runtime: compile_graph, CompiledGraph calls (checks, buffers, library kernels, outputs), the
+torch.library custom op under torch.compile, the graph cache, print_kernels and ``kernelize run``."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+import torch
+
+from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
+from kernelize.ir import evaluate, optimize
+from kernelize.ir.dtypes import DType
+from kernelize.ir.graph import Graph, Op
+from kernelize.ir.shapes import ShapeError, Sym
+from kernelize.runtime import BACKENDS, CompiledModule, compile_graph, print_kernels
+from kernelize.runtime.cache import GRAPHS, graph_fingerprint
+
+B = Sym.of("batch")
+
+
+def _norm_graph(eps: float = 1e-6) -> Graph:
+    g = Graph()
+    x = g.input("x", (B, 32), "f32")
+    w = g.input("w", (32,), "f32")
+    h = g.mul(g.sigmoid(x), x)
+    g.output(g.rmsnorm(h, w, eps), h)
+    return g
+
+
+def test_reference_backend_is_evaluate_and_module_wrapper():
+    g = _norm_graph()
+    cg = compile_graph(g, backend="reference")
+    xs = [torch.randn(3, 32), torch.randn(32)]
+    for a, b in zip(cg(*xs), evaluate(g, xs)):
+        torch.testing.assert_close(a, b)
+    y, h = CompiledModule(cg)(*xs)
+    torch.testing.assert_close(h, evaluate(g, xs)[1])
+
+
+def test_inputs_are_checked_with_clear_errors():
+    cg = compile_graph(_norm_graph(), backend="triton", device="cpu")
+    with pytest.raises(TypeError, match="input 'x' must have dtype torch.float32"):
+        cg(torch.randn(3, 32).double(), torch.randn(32))
+    with pytest.raises(ShapeError, match="input 'w'"):
+        cg(torch.randn(3, 32), torch.randn(31))
+    with pytest.raises(ValueError, match="takes 2 inputs"):
+        cg(torch.randn(3, 32))
+    with pytest.raises(ValueError, match="compiled for cpu"):
+        cg.run([torch.randn(3, 32, device="meta"), torch.randn(32, device="meta")])
+
+
+def test_unknown_backend_and_unusable_device(monkeypatch):
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        compile_graph(_norm_graph(), backend="tpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        compile_graph(_norm_graph(), backend="triton", device="cpu", cache=False)
+    assert set(BACKENDS) == {"triton", "cuda", "cpu"}
+
+
+def test_triton_plan_end_to_end_with_symbolic_batch():
+    g = _norm_graph()
+    cg = compile_graph(g, backend="triton", device="cpu")
+    assert [str(k.kind) for k in cg.plan.kernels] == ["row"] and len(cg.kernels) == 1
+    assert "def k0(" in cg.kernels[0].source
+    for b in (1, 5, 2):
+        xs = [torch.randn(b, 32), torch.randn(32)]
+        for a, w in zip(cg(*xs), evaluate(g, xs)):
+            torch.testing.assert_close(a, w)
+    # non-contiguous inputs are made contiguous by the runtime
+    xt = torch.randn(32, 4).T
+    torch.testing.assert_close(cg(xt, torch.ones(32))[1], evaluate(g, [xt.contiguous(), torch.ones(32)])[1])
+
+
+def test_library_kernel_views_liveness_and_aliasing():
+    """conv (library) -> relu (generated); outputs include a view of a buffer and an input itself."""
+    g = Graph()
+    x = g.input("x", (B, 2, 6, 6), "f32")
+    w = g.input("w", (4, 2, 3, 3), "f32")
+    c = g.conv(x, w)
+    zero = g.scalar(0.0, "f32")
+    y = g.max(c, zero)
+    flat = g.view(y, (B, 64))
+    g.output(flat, x)
+    lib = Kernel("conv", KernelKind.LIBRARY, c.shape, node=c, inputs=(x, w))
+    relu = Kernel("relu", KernelKind.POINTWISE, c.shape,
+                  (Load(c, (64, 16, 4, 1)), Load(zero, (0, 0, 0, 0)), Compute(Op.MAX, DType.F32, (0, 1))),
+                  (Store(2, y, (64, 16, 4, 1)),))
+    cg = compile_graph(g, backend="triton", device="cpu", plan=[lib, relu])
+    assert cg._steps[1].free == (c,)  # the conv output dies after the relu kernel reads it
+    xs = [torch.randn(2, 2, 6, 6), torch.randn(4, 2, 3, 3)]
+    got = cg(*xs)
+    want = evaluate(g, xs)
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1], xs[0]) and got[1].data_ptr() != xs[0].data_ptr()  # copied, not aliased
+
+
+def test_graph_cache_and_fingerprint():
+    a, b, c = _norm_graph(), _norm_graph(), _norm_graph(eps=1e-5)
+    assert graph_fingerprint(a) == graph_fingerprint(b) != graph_fingerprint(c)
+    cg1 = compile_graph(a, backend="triton", device="cpu")
+    before = GRAPHS.hits
+    cg2 = compile_graph(b, backend="triton", device="cpu")
+    assert cg1 is cg2 and GRAPHS.hits == before + 1
+    assert compile_graph(c, backend="triton", device="cpu") is not cg1
+
+
+def test_torch_compile_fullgraph_traces_through_the_custom_op():
+    g = _norm_graph()
+    cg = compile_graph(g, backend="triton", device="cpu")
+
+    def model(x, w):
+        y, h = cg(x * 2, w)
+        return y + h
+
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    xs = [torch.randn(3, 32), torch.randn(32)]
+    want = sum(evaluate(g, [xs[0] * 2, xs[1]]))
+    torch.testing.assert_close(compiled(*xs), want)
+    # the fake implementation gives shapes and dtypes without running anything
+    with torch._subclasses.FakeTensorMode():
+        y, h = torch.ops.kernelize.run_graph(cg.key, [torch.empty(7, 32), torch.empty(32)])
+    assert y.shape == (7, 32) and h.dtype == torch.float32
+
+
+def test_print_kernels_shows_plan_and_source():
+    out = io.StringIO()
+    print_kernels(optimize(_norm_graph()), "triton", file=out)
+    text = out.getvalue()
+    assert "# plan: 1 kernels" in text and "@triton.jit" in text and "tl.rsqrt" in text
+
+
+def _tiny_onnx(path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    w = helper.make_tensor("w", TensorProto.FLOAT, [8, 4], torch.randn(8, 4).flatten().tolist())
+    b = helper.make_tensor("b", TensorProto.FLOAT, [4], torch.randn(4).tolist())
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
+             helper.make_node("Relu", ["a"], ["r"]), helper.make_node("Softmax", ["r"], ["y"], axis=-1)]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])
+    graph = helper.make_graph(nodes, "tiny", [x], [y], [w, b])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_run_main_compares_with_reference(tmp_path, capsys):
+    from kernelize.tools import run_main
+
+    model = tmp_path / "tiny.onnx"
+    _tiny_onnx(model)
+    for backend in ("reference", "triton"):
+        assert run_main(Namespace(model=str(model), backend=backend, inputs=None, repeat=2)) == 0
+        out = capsys.readouterr().out
+        assert "output [2, 4] f32: max |diff| vs reference" in out and "ms per run" in out
+        diff = float(out.split("vs reference = ")[1].split()[0])
+        assert diff < 1e-5
+    import numpy as np
+
+    np.savez(tmp_path / "in.npz", x=np.ones((3, 8), dtype=np.float32))
+    args = Namespace(model=str(model), backend="triton", inputs=str(tmp_path / "in.npz"), repeat=1)
+    assert run_main(args) == 0
+    assert "output [3, 4]" in capsys.readouterr().out
+
+
+def test_cli_run_sets_the_interpreter_itself(tmp_path):
+    model = tmp_path / "tiny.onnx"
+    _tiny_onnx(model)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "kernelize", "run", str(model), "--backend", "triton",
+                           "--repeat", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "interpreter" in proc.stdout and "max |diff| vs reference" in proc.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_on_gpu_matches_reference():
+    g = _norm_graph()
+    cg = compile_graph(g, backend="triton", device="cuda")
+    xs = [torch.randn(64, 32, device="cuda"), torch.randn(32, device="cuda")]
+    for a, w in zip(cg(*xs), evaluate(g, [x.cpu() for x in xs])):
+        torch.testing.assert_close(a.cpu(), w, rtol=1e-4, atol=1e-5)
