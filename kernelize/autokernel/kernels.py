@@ -37,9 +37,9 @@ Example (``y = x * rsqrt(mean(x*x) + eps) * w`` over rows of 4096, as an rmsnorm
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
+from kernelize._compat import StrEnum
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
 from kernelize.ir.shapes import Dim, Shape, shape_str, symbols

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import torch
+
+from kernelize._compat import StrEnum
 
 
 class DType(StrEnum):

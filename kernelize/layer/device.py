@@ -12,9 +12,10 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
+
+from kernelize._compat import StrEnum
 
 if TYPE_CHECKING:
     import torch

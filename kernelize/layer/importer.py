@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from kernelize._compat import add_note
+
 __all__ = ["import_variant", "kernel_layers", "read_metadata"]
 
 logger = logging.getLogger(__name__)
@@ -110,7 +112,7 @@ def import_variant(variant_dir: Path, *, package_name: str | None = None) -> Mod
         except BaseException as exc:
             for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
                 del sys.modules[loaded]
-            exc.add_note(f"while importing the kernel package at {package_dir}")
+            add_note(exc, f"while importing the kernel package at {package_dir}")
             raise
         logger.debug("Imported kernel package %s as %s", package_dir, name)
         _IMPORTED[package_dir] = module

@@ -17,6 +17,8 @@ from enum import Flag, auto
 from types import MappingProxyType, MethodType
 from typing import TYPE_CHECKING
 
+from kernelize._compat import add_note
+
 from .device import CAPABILITY_ENV, Device, DeviceType, device_capability, device_type_of, infer_device
 from .device import parse_device_type as _parse_device_type
 from .mapping import Registry, current_mapping
@@ -184,7 +186,8 @@ def _decide(path: str, module: nn.Module, ctx: _Context) -> tuple[KernelChoice, 
         layer = repo.load()
     except Exception as exc:
         if KernelizeFallback.CANNOT_LOAD not in ctx.permitted:
-            exc.add_note(
+            add_note(
+                exc,
                 f"kernelize: while loading {repo} for `{path}` (layer `{layer_name}`, "
                 f"device {ctx.device_text}, mode {ctx.mode}); "
                 "use_fallback=KernelizeFallback.ALL keeps the original forward instead."

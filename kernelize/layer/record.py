@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING
+
+from kernelize._compat import StrEnum
 
 from .mode import Mode
 

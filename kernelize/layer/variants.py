@@ -13,8 +13,9 @@ import platform
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
+
+from kernelize._compat import StrEnum
 
 __all__ = [
     "Backend",

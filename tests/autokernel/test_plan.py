@@ -558,3 +558,13 @@ def test_random_graphs_match_the_reference(case, settings_):
     g, inputs = case
     note(str(g))
     check(g, inputs, settings_, tol=1e-4)
+
+
+@pytest.mark.slow
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graphs(), st.sampled_from(SETTINGS))
+def test_random_graphs_match_the_reference_exhaustive(case, settings_):
+    """`make test-slow`: the same property as above, 20x the examples (about 10 minutes)."""
+    g, inputs = case
+    note(str(g))
+    check(g, inputs, settings_, tol=1e-4)

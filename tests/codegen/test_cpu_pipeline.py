@@ -108,6 +108,14 @@ def graphs(draw):
     return steps, dtype, rows, cols, draw(st.integers(0, 2**16))
 
 
+@pytest.mark.slow
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graphs(), st.booleans())
+def test_random_graphs_exhaustive(case, noncontig):
+    """`make test-slow`: the property of `test_random_graphs`, 20x the examples (each compiles C++)."""
+    test_random_graphs.hypothesis.inner_test(case, noncontig)
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graphs(), st.booleans())
 def test_random_graphs(case, noncontig):
