@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,25 @@ class _Step:
     kernel: Kernel
     compiled: CompiledKernel | None
     free: tuple[Node, ...]  # buffers dead after this step
+    # (perf) the kernel's buffers and symbols, computed once: `Kernel.reads` / `writes` / `symbols` are
+    # properties that walk the body on every access
+    reads: tuple[Node, ...] = ()
+    writes: tuple[Node, ...] = ()
+    symbols: tuple[str, ...] = ()
+    library: bool = False
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """Everything a call derives from its input shapes (cached per distinct shapes, dtypes, devices)."""
+
+    env: dict[str, int]
+    shapes: tuple[tuple[tuple[int, ...], ...], ...]  # per step, the shapes of the buffers it writes
+    sizes: tuple[dict[str, int], ...]  # per step, its symbol values
+    launch: tuple[bool, ...]  # per step, whether anything is written (empty outputs skip the launch)
+
+
+_BOUND_CACHE_MAX = 256  # distinct input signatures remembered per compiled graph
 
 
 class CompiledGraph:
@@ -176,9 +196,18 @@ class CompiledGraph:
                 last[b] = i
         keep = set(graph.inputs) | set(graph.outputs) | set(self._consts)
         self._steps = [
-            _Step(k, compiled.get(k.name), tuple(b for b, j in last.items() if j == i and b not in keep))
+            _Step(
+                k,
+                compiled.get(k.name),
+                tuple(b for b, j in last.items() if j == i and b not in keep),
+                k.reads,
+                k.writes,
+                k.symbols,
+                k.kind is KernelKind.LIBRARY,
+            )
             for i, k in enumerate(kernels)
         ]
+        self._bound: dict[tuple, _Bound] = {}
         # (issue 6, CPU engineer) fresh large CPU outputs cost more in page faults than the kernels: the cpu
         # backend's OutputPool hands a buffer out again once the caller has dropped it
         self._pool = None
@@ -200,6 +229,44 @@ class CompiledGraph:
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The eager implementation behind the custom op."""
+        bound = self._bind(inputs)
+        env = bound.env
+        if self.backend == "reference":
+            return _no_alias(evaluate(self.graph, list(inputs)), inputs)
+        vals: dict[Node, torch.Tensor] = dict(self._consts)
+        vals.update((n, t.contiguous()) for n, t in zip(self.graph.inputs, inputs))
+        pool = self._pool
+        for step, shapes, sizes, launch in zip(self._steps, bound.shapes, bound.sizes, bound.launch):
+            if step.library:
+                k = step.kernel
+                vals[k.node] = self._library(k, vals, env)
+            else:
+                reads = [vals[b] if b in vals else _materialize(b, vals, env) for b in step.reads]
+                if pool is not None:  # cpu backend: recycle large buffers the caller dropped
+                    writes = [pool.empty(b, shape, b.dtype.torch) for b, shape in zip(step.writes, shapes)]
+                else:
+                    writes = [torch.empty(shape, dtype=b.dtype.torch, device=self.device)
+                              for b, shape in zip(step.writes, shapes)]
+                if launch:
+                    step.compiled.launch(reads, writes, sizes)
+                vals.update(zip(step.writes, writes))
+            for b in step.free:
+                vals.pop(b, None)
+        return _no_alias([_materialize(o, vals, env).contiguous() for o in self.graph.outputs], inputs)
+
+    def _bind(self, inputs: Sequence[torch.Tensor]) -> _Bound:
+        """The symbol bindings and per-step shapes for ``inputs``, checked once per distinct input signature.
+
+        (perf) A repeated signature (dtypes, shapes, devices) skips the checks and the shape arithmetic; a
+        new one goes through ``bind_inputs`` (which raises the errors for wrong inputs) and the device check.
+        """
+        try:
+            key = tuple((t.dtype, t.shape, t.device) for t in inputs)
+        except AttributeError:  # not a tensor: bind_inputs says which input
+            key = None
+        bound = self._bound.get(key) if key is not None else None
+        if bound is not None:
+            return bound
         env = bind_inputs(self.graph, inputs)
         for node, t in zip(self.graph.inputs, inputs):
             if t.device.type != self.device.type:
@@ -207,27 +274,18 @@ class CompiledGraph:
                     f"input {node.arg!r} is on {t.device} but this graph was compiled for {self.device} "
                     f"({self.backend} backend); move the input with .to({str(self.device)!r})"
                 )
-        if self.backend == "reference":
-            return _no_alias(evaluate(self.graph, list(inputs)), inputs)
-        vals: dict[Node, torch.Tensor] = dict(self._consts)
-        vals.update((n, t.contiguous()) for n, t in zip(self.graph.inputs, inputs))
-        for step in self._steps:
-            k = step.kernel
-            if k.kind is KernelKind.LIBRARY:
-                vals[k.node] = self._library(k, vals, env)
-            else:
-                reads = [_materialize(b, vals, env) for b in k.reads]
-                if self._pool is not None:  # cpu backend: recycle large buffers the caller dropped
-                    writes = [self._pool.empty(b, bind(b.shape, env), b.dtype.torch) for b in k.writes]
-                else:
-                    writes = [torch.empty(bind(b.shape, env), dtype=b.dtype.torch, device=self.device)
-                              for b in k.writes]
-                if any(w.numel() for w in writes):
-                    step.compiled.launch(reads, writes, {s: env[s] for s in k.symbols})
-                vals.update(zip(k.writes, writes))
-            for b in step.free:
-                vals.pop(b, None)
-        return _no_alias([_materialize(o, vals, env).contiguous() for o in self.graph.outputs], inputs)
+        shapes = tuple(tuple(bind(b.shape, env) for b in st.writes) for st in self._steps)
+        bound = _Bound(
+            env,
+            shapes,
+            tuple({s: env[s] for s in st.symbols} for st in self._steps),
+            tuple(any(math.prod(sh) for sh in per) for per in shapes),
+        )
+        if key is not None:
+            if len(self._bound) >= _BOUND_CACHE_MAX:
+                self._bound.clear()
+            self._bound[key] = bound
+        return bound
 
     def _library(self, k: Kernel, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
         node = k.node

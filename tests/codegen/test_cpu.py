@@ -612,3 +612,49 @@ def test_compiled_graph_outputs_are_never_shared_with_the_caller():
     (y3,) = cg(x1)  # y2 was dropped: its buffer comes back, with the right values
     assert y3.data_ptr() == ptr
     torch.testing.assert_close(y3, y1)
+
+
+# ---- exp without denormal arithmetic (perf): results must stay the exact ones --------------------------
+def test_exp_denormal_range_is_exact():
+    """Results below FLT_MIN are built from integer bits, not denormal multiplies: still correctly rounded."""
+    g = Graph()
+    a = g.input("a", ("n",), DType.F32)
+    g.output(g.exp(a), g.sigmoid(a), g.erf(a))
+    x = torch.cat([torch.linspace(-110.0, -80.0, 30001), torch.tensor([-math.inf, -87.3365, -103.97, 88.72])])
+    got = run(kernel_of(g, KernelKind.POINTWISE, (Sym.of("n"),)), g, [x])
+    e, sig, erf = (got[o] for o in g.outputs)
+    want = torch.exp(x.double())
+    # within 2 ulp of the true value at every scale: denormal ulps are 2^-149
+    ulp = torch.maximum(want.abs() * 2.0**-23, torch.full_like(want, 2.0**-149))
+    assert ((e.double() - want).abs() <= 2 * ulp).all()
+    sub = (x < -87.4) & (x > -103.2)
+    assert (e[x < -87.4] < 1.2e-38).all() and (e[sub] > 0).all()  # real denormals, not flushed to 0
+    assert e[-4] == 0.0 and torch.isinf(torch.exp(torch.tensor(88.8))) and e[-1] > 3e38
+    torch.testing.assert_close(sig.double(), torch.sigmoid(x.double()), rtol=1e-6, atol=1e-30)
+    assert torch.equal(erf, torch.sign(x))
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+def test_masked_softmax_matches_reference(dtype):
+    """softmax(x * scale + mask) with a causal -inf mask, very negative (finite) scores and whole masked
+    rows, through the real planner (one row kernel) against the reference."""
+    from kernelize.runtime.compiled import compile_graph
+
+    n = 64
+    g = Graph()
+    x = g.input("x", ("rows", n), dtype)
+    m = g.input("m", ("rows", n), DType.F32)
+    g.output(g.softmax(g.add(g.mul(g.cast(x, DType.F32), 0.125), m)))
+    causal = torch.full((n, n), -math.inf).triu(1)
+    scores = rand((n, n), DType.F32, -20, 20)
+    scores[3] = -1e4  # very negative finite logits: every exp(x - max) underflows but the max
+    scores[5, ::2] = -200.0
+    mask = causal.clone()
+    mask[7, :] = -1e30  # a fully "masked" row with finite values: uniform
+    ins = [scores.to(dtype.torch), mask]
+    (got,) = compile_graph(g, backend="cpu")(*ins)
+    (want,) = evaluate(g, ins)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=atol)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float().sum(-1), torch.ones(n), rtol=1e-2, atol=1e-2)

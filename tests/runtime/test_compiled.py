@@ -186,3 +186,27 @@ def test_triton_on_gpu_matches_reference():
     xs = [torch.randn(64, 32, device="cuda"), torch.randn(32, device="cuda")]
     for a, w in zip(cg(*xs), evaluate(g, [x.cpu() for x in xs])):
         torch.testing.assert_close(a.cpu(), w, rtol=1e-4, atol=1e-5)
+
+
+def test_repeated_shapes_reuse_the_bindings_and_new_ones_are_still_checked():
+    """(perf) The per-shape bindings cache: the same signature runs without re-checking, a new shape is
+    bound afresh, and wrong inputs after a cached call still raise the same errors."""
+    g = _norm_graph()
+    cg = compile_graph(g, backend="cpu")
+    for rows in (3, 3, 5, 3, 1):
+        xs = [torch.randn(rows, 32), torch.randn(32)]
+        for a, b in zip(cg(*xs), evaluate(g, xs)):
+            torch.testing.assert_close(a, b)
+    assert len(cg._bound) == 3
+    with pytest.raises(TypeError, match="input 'x' must have dtype torch.float32"):
+        cg(torch.randn(3, 32).double(), torch.randn(32))
+    with pytest.raises(ShapeError, match="input 'w'"):
+        cg(torch.randn(3, 32), torch.randn(31))
+    with pytest.raises(ValueError, match="takes 2 inputs"):
+        cg(torch.randn(3, 32))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        cg(torch.randn(3, 32), [1.0] * 32)
+    with pytest.raises(ValueError, match="compiled for cpu"):
+        cg.run([torch.randn(3, 32, device="meta"), torch.randn(32, device="meta")])
+    xs = [torch.randn(0, 32), torch.randn(32)]  # empty outputs skip the launch
+    assert [tuple(o.shape) for o in cg(*xs)] == [(0, 32), (0, 32)]

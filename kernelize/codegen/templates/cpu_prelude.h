@@ -15,12 +15,16 @@
 struct kz_bf16 { uint16_t u; };
 struct kz_f16 { uint16_t u; };
 KZ_INLINE float kz_bf16_to_f32(kz_bf16 h) { return __builtin_bit_cast(float, (uint32_t)h.u << 16); }
-KZ_INLINE kz_bf16 kz_f32_to_bf16(float f) {
+// round to nearest even; a NaN stays a (quiet) NaN. The select is on 32-bit values and narrowed once at the
+// end: gcc vectorises this form with ~10% fewer instructions than selecting between 16-bit results
+KZ_INLINE uint16_t kz_f32_to_bf16_bits(float f) {
     uint32_t u = __builtin_bit_cast(uint32_t, f);
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
-    uint32_t nan = (u >> 16) | 0x40u;                             // keep NaN a (quiet) NaN
+    uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(r >> 16);
+}
+KZ_INLINE kz_bf16 kz_f32_to_bf16(float f) {
     kz_bf16 h;
-    h.u = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+    h.u = kz_f32_to_bf16_bits(f);
     return h;
 }
 KZ_INLINE float kz_f16_to_f32(kz_f16 h) {  // exact for every bit pattern (F. Giesen's magic-number method)
@@ -48,7 +52,11 @@ KZ_INLINE kz_f16 kz_f32_to_f16(float f) {  // round to nearest even, overflow to
 
 KZ_INLINE float kz_ld(const float* p, int64_t i) { return p[i]; }
 KZ_INLINE double kz_ld(const double* p, int64_t i) { return p[i]; }
-KZ_INLINE float kz_ld(const kz_bf16* p, int64_t i) { return kz_bf16_to_f32(p[i]); }
+// bf16 loads and stores through uint16_t: with the struct, gcc loads each vector twice (measured ~12% on a
+// bf16 SiLU-and-mul)
+KZ_INLINE float kz_ld(const kz_bf16* p, int64_t i) {
+    return __builtin_bit_cast(float, (uint32_t)((const uint16_t*)p)[i] << 16);
+}
 KZ_INLINE float kz_ld(const kz_f16* p, int64_t i) { return kz_f16_to_f32(p[i]); }
 KZ_INLINE int8_t kz_ld(const int8_t* p, int64_t i) { return p[i]; }
 KZ_INLINE int16_t kz_ld(const int16_t* p, int64_t i) { return p[i]; }
@@ -58,7 +66,7 @@ KZ_INLINE uint8_t kz_ld(const uint8_t* p, int64_t i) { return p[i]; }
 KZ_INLINE bool kz_ld(const bool* p, int64_t i) { return p[i]; }
 
 template <class T, class V> KZ_INLINE void kz_st(T* p, int64_t i, V v) { p[i] = (T)v; }
-KZ_INLINE void kz_st(kz_bf16* p, int64_t i, float v) { p[i] = kz_f32_to_bf16(v); }
+KZ_INLINE void kz_st(kz_bf16* p, int64_t i, float v) { ((uint16_t*)p)[i] = kz_f32_to_bf16_bits(v); }
 KZ_INLINE void kz_st(kz_f16* p, int64_t i, float v) { p[i] = kz_f32_to_f16(v); }
 KZ_INLINE void kz_st(bool* p, int64_t i, float v) { p[i] = v != 0.0f; }
 KZ_INLINE void kz_st(bool* p, int64_t i, double v) { p[i] = v != 0.0; }
@@ -118,11 +126,10 @@ template <class T> KZ_INLINE T kz_pow(T a, T b) {  // integer power by squaring;
 }
 
 // ---- exp and friends: vectorisable float versions (~1 ulp), libm for double ------------------------------
-KZ_INLINE float kz_exp(float x) {
-    // exp(x) = 2^k * exp(r), k = rint(x / ln2), r = x - k ln2 (Cody-Waite), Cephes polynomial for exp(r).
-    float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+// exp(r) for the reduced argument r = x - k ln2, |r| <= ln2 / 2 (Cephes polynomial); k = rint(x / ln2)
+KZ_INLINE float kz_exp_reduced(float xc, float* k_out) {
     float k = rintf(xc * 1.44269504088896341f);
-    float r = fmaf(k, -0.693359375f, xc);
+    float r = fmaf(k, -0.693359375f, xc);  // Cody-Waite: ln2 in two parts
     r = fmaf(k, 2.12194440e-4f, r);
     float p = 1.9875691500e-4f;
     p = fmaf(p, r, 1.3981999507e-3f);
@@ -130,32 +137,45 @@ KZ_INLINE float kz_exp(float x) {
     p = fmaf(p, r, 4.1665795894e-2f);
     p = fmaf(p, r, 1.6666665459e-1f);
     p = fmaf(p, r, 5.0000001201e-1f);
-    float y = fmaf(p, r * r, r) + 1.0f;
-    // 2^k in two normal factors so results down to the denormal range and up to overflow are right
+    *k_out = k;
+    return fmaf(p, r * r, r) + 1.0f;
+}
+KZ_INLINE float kz_pow2i(int32_t k) { return __builtin_bit_cast(float, (uint32_t)(k + 127) << 23); }  // normal k
+// exp over the whole float range, denormal results included, without denormal arithmetic: x86 takes a
+// microcode assist (~100x slower per element) whenever an operation produces or reads a denormal, and
+// every masked (-inf / very negative) score would produce one. Normal results are y * 2^k with 2^k split
+// into two normal factors (k reaches 128 next to overflow) and k clamped so this lane never goes
+// denormal; denormal results (k <= -126) are y * 2^(k + 149), the result in units of 2^-149 (a normal
+// float), rounded to an integer n < 2^24 whose bit pattern is exactly the denormal n * 2^-149. Bit for bit
+// the same results as the straightforward y * 2^k1 * 2^k2 (checked over every float in [-120, 100]).
+KZ_INLINE float kz_exp(float x) {
+    float k;
+    float y = kz_exp_reduced(x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x), &k);
     int32_t ki = (int32_t)k;
-    int32_t k1 = ki >> 1, k2 = ki - k1;
-    float s1 = __builtin_bit_cast(float, (uint32_t)(k1 + 127) << 23);
-    float s2 = __builtin_bit_cast(float, (uint32_t)(k2 + 127) << 23);
-    float out = y * s1 * s2;
+    int32_t kn = ki < -125 ? -125 : ki;
+    int32_t k1 = kn >> 1;
+    float nrm = y * kz_pow2i(k1) * kz_pow2i(kn - k1);
+    int32_t kd = ki > -126 ? -126 : ki;
+    float den = __builtin_bit_cast(float, (int32_t)rintf(y * kz_pow2i(kd + 149)));
+    float out = ki < -125 ? den : nrm;
     return x != x ? x : out;
 }
 KZ_INLINE double kz_exp(double x) { return exp(x); }
+// exp for internal uses whose result is only added to 1 (sigmoid, erf): the argument is clamped to
+// [-86, 89], so nothing goes denormal; exp(-86) = 4.5e-38 vanishes next to 1 exactly like the true value.
+KZ_INLINE float kz_exp_near1(float x) {
+    float k;
+    float y = kz_exp_reduced(x < -86.0f ? -86.0f : (x > 89.0f ? 89.0f : x), &k);
+    int32_t ki = (int32_t)k;
+    int32_t k1 = ki >> 1;
+    return y * kz_pow2i(k1) * kz_pow2i(ki - k1);  // NaN passes the clamps and stays NaN: no select needed
+}
 // exp of x <= 0 (softmax's x - max): one scale factor; results below FLT_MIN (x < -87.3) are 0, not
 // denormals (they vanish next to the row's exp(0) = 1 anyway); NaN stays NaN
 KZ_INLINE float kz_exp_neg(float x) {
-    float xc = x < -87.3f ? -87.3f : x;
-    float k = rintf(xc * 1.44269504088896341f);
-    float r = fmaf(k, -0.693359375f, xc);
-    r = fmaf(k, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    float y = fmaf(p, r * r, r) + 1.0f;
-    float s = __builtin_bit_cast(float, (uint32_t)((int32_t)k + 127) << 23);
-    float out = y * s;
+    float k;
+    float y = kz_exp_reduced(x < -87.3f ? -87.3f : x, &k);  // k >= -126 and y > 1 there: never denormal
+    float out = y * kz_pow2i((int32_t)k);
     return x < -87.3f ? 0.0f : (x != x ? x : out);
 }
 KZ_INLINE double kz_exp_neg(double x) { return exp(x); }
@@ -179,7 +199,7 @@ KZ_INLINE float kz_tanh(float x) {
 }
 KZ_INLINE double kz_tanh(double x) { return tanh(x); }
 
-KZ_INLINE float kz_sigmoid(float x) { return 1.0f / (1.0f + kz_exp(-x)); }
+KZ_INLINE float kz_sigmoid(float x) { return 1.0f / (1.0f + kz_exp_near1(-x)); }
 KZ_INLINE double kz_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 KZ_INLINE float kz_erf(float x) {
@@ -190,7 +210,7 @@ KZ_INLINE float kz_erf(float x) {
     float t = 1.0f / fmaf(0.3275911f, ax, 1.0f);
     float poly = fmaf(fmaf(fmaf(fmaf(1.061405429f, t, -1.453152027f), t, 1.421413741f), t, -0.284496736f), t,
                       0.254829592f) * t;
-    float big = copysignf(1.0f - poly * kz_exp(-z), x);
+    float big = copysignf(1.0f - poly * kz_exp_near1(-z), x);
     return ax < 0.5f ? small : big;
 }
 KZ_INLINE double kz_erf(double x) { return erf(x); }
