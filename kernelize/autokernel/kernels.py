@@ -42,6 +42,7 @@ from typing import Any
 from kernelize._compat import StrEnum
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
+from kernelize.ir.printer import format_arg
 from kernelize.ir.shapes import Dim, Shape, shape_str, symbols
 
 
@@ -165,9 +166,8 @@ class Kernel:
             head += f" (row = last {self.row_rank})"
         lines = [head]
         if self.kind is KernelKind.LIBRARY:
-            lines.append(
-                f"  {self.node.op} {self.node.arg!r}" if self.node.arg is not None else f"  {self.node.op}"
-            )
+            arg = "" if self.node.arg is None else f" {format_arg(self.node.arg)}"
+            lines.append(f"  {self.node.op}{arg}")
         for i, e in enumerate(self.body):
             if isinstance(e, Load):
                 extra = f" mask={e.mask} other={e.other}" if e.mask else ""
@@ -177,7 +177,7 @@ class Kernel:
                     f"offset={e.offset}{extra}"
                 )
             else:
-                arg = "" if e.arg is None else f" {{{e.arg!r}}}"
+                arg = "" if e.arg is None else f" {{{format_arg(e.arg)}}}"
                 lines.append(f"  v{i} = {e.op}({', '.join(f'v{s}' for s in e.src)}){arg} : {e.dtype}")
         for s in self.stores:
             lines.append(

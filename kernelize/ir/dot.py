@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, SOURCE, Graph, Node, Op
+from kernelize.ir.printer import format_arg
 from kernelize.ir.shapes import shape_str
 
 # category -> (fill colour, legend label), in legend order
@@ -54,7 +55,7 @@ def _label(graph: Graph, node: Node) -> str:
     head = f"%{i} {node.arg}" if node.op is Op.INPUT else f"%{i} {node.op}"
     lines = [head, f"{node.dtype}{shape_str(node.shape)}"]
     if node.arg is not None and node.op is not Op.INPUT:
-        arg = repr(node.arg) if not isinstance(node.arg, str) else node.arg
+        arg = format_arg(node.arg) if not isinstance(node.arg, str) else node.arg
         lines.append(arg if len(arg) <= MAX_ARG_CHARS else arg[: MAX_ARG_CHARS - 3] + "...")
     return "\\n".join(_escape(s) for s in lines)
 

@@ -20,6 +20,17 @@ if TYPE_CHECKING:
     from kernelize.ir.graph import Graph, Node
 
 
+def format_arg(arg: object) -> str:
+    """An op's attribute for reading: floats with 7 significant digits (a f32 ``1e-6`` prints as ``1e-06``,
+    not ``9.999999974752427e-07``), containers recursively, everything else by ``repr``."""
+    if isinstance(arg, float):
+        return f"{arg:.7g}"
+    if isinstance(arg, tuple):
+        inner = ", ".join(format_arg(a) for a in arg)
+        return f"({inner},)" if len(arg) == 1 else f"({inner})"
+    return repr(arg)
+
+
 def format_node(graph: Graph, node: Node) -> str:
     """One node as ``%i = op(%a, %b) {arg} : dtype[shape]`` (sources without parentheses)."""
     head = f"%{graph.index(node)} = {node.op}"
@@ -28,7 +39,7 @@ def format_node(graph: Graph, node: Node) -> str:
     if isinstance(node.arg, str):
         head += f" {node.arg!r}"
     elif node.arg is not None:
-        head += f" {{{node.arg!r}}}"
+        head += f" {{{format_arg(node.arg)}}}"
     return f"{head} : {node.dtype}{shape_str(node.shape)}"
 
 
