@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -26,6 +26,7 @@ import torch
 
 import kernelize
 from kernelize import Mode, hub
+from kernelize.demo import kernelize_demo_model, median_times_ms
 from kernelize.models.llama_demo import LlamaDemo, LlamaDemoConfig
 
 VARIANTS = ("eager", "kernelized", "torch.compile", "kernelized+torch.compile")
@@ -93,9 +94,7 @@ def bench_model(name: str, model: torch.nn.Module, inputs: tuple, repeat: int) -
 
     with torch.inference_mode():
         expected = logits(model)
-        kernelized = copy.deepcopy(model)
-        with kernelize.use_kernel_mapping(hub.default_mapping()):
-            kernelize.kernelize(kernelized, device="cpu", mode=Mode.INFERENCE)
+        kernelized = kernelize_demo_model(copy.deepcopy(model))
         kz_compile = copy.deepcopy(model)
         with kernelize.use_kernel_mapping(hub.default_mapping()):
             kernelize.kernelize(kz_compile, device="cpu", mode=Mode.INFERENCE | Mode.TORCH_COMPILE)
@@ -111,16 +110,10 @@ def bench_model(name: str, model: torch.nn.Module, inputs: tuple, repeat: int) -
             got = logits(m)  # compiles (kernels or torch.compile)
             result["first_call_s"][variant] = time.perf_counter() - start
             result["max_abs_diff"][variant] = (got - expected).abs().max().item()
-            logits(m)  # warm-up
-        # round robin: each round runs every variant once, so load drifting on a shared machine hits all alike
-        samples: dict[str, list[float]] = {v: [] for v in models}
-        for _ in range(repeat):
-            for variant, m in models.items():
-                start = time.perf_counter()
-                logits(m)
-                samples[variant].append((time.perf_counter() - start) * 1e3)
+        result["times_ms"] = median_times_ms(
+            {v: functools.partial(logits, m) for v, m in models.items()}, repeat
+        )
         for variant in models:
-            result["times_ms"][variant] = statistics.median(samples[variant])
             print(f"  {name:<18} {variant:<26} {result['times_ms'][variant]:9.2f} ms", file=sys.stderr)
     t = result["times_ms"]
     result["speedup_vs_eager"] = {v: t["eager"] / t[v] for v in VARIANTS}

@@ -39,8 +39,8 @@ def inspect_main(args: argparse.Namespace) -> int:
         print(f"kernelize inspect: {path}: no such file", file=sys.stderr)
         return 2
     graph = load_onnx(path)
-    before = len(graph)
     if args.optimize:
+        before = len(graph)
         graph = optimize(graph)
         print(f"# optimized: {before} -> {len(graph)} nodes")
     print(format_graph(graph))
@@ -49,23 +49,12 @@ def inspect_main(args: argparse.Namespace) -> int:
     if args.svg:
         out = graph_to_svg(args.svg, graph, title=path.name)
         print(f"\nwrote {out}")
-    if getattr(args, "kernels", False):
-        print_kernels = _print_kernels()
+    if args.kernels:
+        from kernelize.runtime import print_kernels
+
         print()
         print_kernels(graph, args.backend)
     return 0
-
-
-def _print_kernels():
-    """``kernelize.runtime.print_kernels(graph, backend)``, provided by the runtime (another module)."""
-    try:
-        from kernelize.runtime import print_kernels
-    except ImportError as e:
-        raise RuntimeError(
-            "kernelize inspect --kernels needs kernelize.runtime.print_kernels(graph, backend), "
-            f"which this installation does not provide ({e})"
-        ) from e
-    return print_kernels
 
 
 # run_main below (`kernelize run`) belongs to the runtime's owner.

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from kernelize.autokernel.indexing import Affine, NotAffine
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
 from kernelize.autokernel.partition import POINTWISE_OPS, Group, is_axis, operand_sel
-from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, SOURCE, Node, Op
+from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, SOURCE, Node, Op
 from kernelize.ir.shapes import shape_str
 
 Masks = tuple[tuple[int, int, int], ...]
@@ -195,7 +195,7 @@ class BodyBuilder:
             if not isinstance(got[0], int):
                 return got
             return self._emit(Compute(op, v.dtype, tuple(got), v.arg))
-        if op in REDUCE or op in (Op.SOFTMAX, Op.LOG_SOFTMAX, Op.LAYERNORM, Op.RMSNORM):
+        if op in REDUCE or op in ROW:
             return self._row_op(v, m, masks)
         if op is Op.CONCAT:
             return self._concat(v, m, masks)

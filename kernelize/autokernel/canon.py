@@ -30,6 +30,7 @@ Example (before / after)::
 from __future__ import annotations
 
 from kernelize.autokernel.indexing import Affine, NotAffine
+from kernelize.autokernel.partition import base
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, SOURCE, Graph, Node, Op
 from kernelize.ir.shapes import numel
 
@@ -62,7 +63,7 @@ def sink_views(graph: Graph) -> Graph:
         if n.op is Op.VIEW:
             new[n] = out.view(src[0], n.shape)  # a view of a view is one view
             continue
-        if n.op is Op.PAD and src[0].op not in SOURCE and _base(src[0]).op not in SOURCE:
+        if n.op is Op.PAD and src[0].op not in SOURCE and base(src[0]).op not in SOURCE:
             new[n] = _pad_as_concat(out, src[0], n)
             changed = True
             continue
@@ -135,12 +136,6 @@ def _row_target(n: Node, src: list[Node]) -> Node | None:
         return None
     q = v.src[0]
     return q if q.rank and q.shape[-1] == n.shape[-1] else None
-
-
-def _base(v: Node) -> Node:
-    while v.op in LAYOUT:
-        v = v.src[0]
-    return v
 
 
 def _pad_as_concat(out: Graph, x: Node, n: Node) -> Node:

@@ -37,6 +37,7 @@ Example (``y = x * rsqrt(mean(x*x) + eps) * w`` over rows of 4096, as an rmsnorm
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from kernelize._compat import StrEnum
@@ -134,21 +135,21 @@ class Kernel:
     # graph values this kernel computes, for printing and pictures
     computes: tuple[Node, ...] = field(default=(), compare=False)
 
-    @property
+    @cached_property  # computed once per kernel: the runtime reads these on every launch
     def reads(self) -> tuple[Node, ...]:
         """Distinct buffers read, in first-use order (the generated function's input arguments)."""
         if self.kind is KernelKind.LIBRARY:
             return tuple(dict.fromkeys(self.inputs))
         return tuple(dict.fromkeys(e.buffer for e in self.body if isinstance(e, Load)))
 
-    @property
+    @cached_property
     def writes(self) -> tuple[Node, ...]:
         """Distinct buffers written (the generated function's output arguments)."""
         if self.kind is KernelKind.LIBRARY:
             return (self.node,)
         return tuple(dict.fromkeys(s.buffer for s in self.stores))
 
-    @property
+    @cached_property
     def symbols(self) -> tuple[str, ...]:
         """Symbolic dimension names the kernel takes as runtime integer arguments, sorted."""
         dims: list[Dim] = list(self.domain)

@@ -84,6 +84,13 @@ def chain(v: Node, stop: frozenset[Node] | set[Node] = frozenset()) -> list[Node
     return out
 
 
+def row_axes_of(n: Node) -> tuple[int, ...]:
+    """The axes of ``n.src[0]`` a reduction or row op runs along (norms: the last)."""
+    if n.op in REDUCE:
+        return n.arg
+    return (n.arg,) if n.op in (Op.SOFTMAX, Op.LOG_SOFTMAX) else (n.src[0].rank - 1,)
+
+
 # -- selection maps through ops ---------------------------------------------------------------------------
 def _squeeze_pairs(a: Sequence[Dim], b: Sequence[Dim]) -> list[tuple[int, int]] | None:
     """For a view that only adds / removes size-1 dims: pairs (i in a, j in b) of the other dims."""
@@ -230,7 +237,7 @@ def _anchor_ok(g: Group, n: Node, sel: Sel) -> bool:
     if osel is None:
         return False
     rows = {a for a in g.row_axes if g.domain[a] != 1}
-    axes = n.arg if n.op in REDUCE else (n.arg,) if n.op in (Op.SOFTMAX, Op.LOG_SOFTMAX) else (n.rank - 1,)
+    axes = row_axes_of(n)
     reduced = {osel[k] for k in axes if is_axis(osel[k])}
     kept = {e for k, e in enumerate(osel) if k not in axes and is_axis(e)}
     if n.op in ROW and g.row_rank != 1:
@@ -385,7 +392,7 @@ def new_group(gid: int, n: Node, kind: KernelKind) -> Group:
         g.sel[n] = tuple(range(n.rank))
         return g
     x = n.src[0]
-    axes = n.arg if n.op in REDUCE else (n.arg,) if n.op in (Op.SOFTMAX, Op.LOG_SOFTMAX) else (x.rank - 1,)
+    axes = row_axes_of(n)
     order = [k for k in range(x.rank) if k not in axes] + list(axes)
     pos = {k: j for j, k in enumerate(order)}
     g = Group(gid, kind, tuple(x.shape[k] for k in order), len(axes))

@@ -51,6 +51,7 @@ from kernelize.autokernel.partition import (
 )
 from kernelize.ir.graph import LAYOUT, REDUCE, ROW, SOURCE, Graph, Node, Op
 from kernelize.ir.shapes import shape_str
+from kernelize.passes.dce import live_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -172,23 +173,9 @@ def plan(graph: Graph, settings: PlanSettings | None = None) -> Plan:
     raise AssertionError("planner did not converge")
 
 
-def live_nodes(graph: Graph) -> set[Node]:
-    """Values the outputs depend on (dead code gets no kernel and forces no buffer)."""
-    live: set[Node] = set()
-    stack = list(graph.outputs)
-    while stack:
-        n = stack.pop()
-        if n not in live:
-            live.add(n)
-            stack.extend(n.src)
-    return live
-
-
-def _users(graph: Graph, stop: set[Node], live: set[Node]) -> dict[Node, list[Node]]:
+def _users(graph: Graph, stop: set[Node], computed: Sequence[Node]) -> dict[Node, list[Node]]:
     users: dict[Node, list[Node]] = {n: [] for n in graph.nodes}
-    for n in graph.nodes:
-        if n.op in SOURCE or (n.op in LAYOUT and n not in stop) or n not in live:
-            continue
+    for n in computed:
         for s in dict.fromkeys(n.src):
             b = base(s, stop)
             if n not in users[b]:
@@ -197,14 +184,16 @@ def _users(graph: Graph, stop: set[Node], live: set[Node]) -> dict[Node, list[No
 
 
 def _partition(
-    graph: Graph, settings: PlanSettings, stop: set[Node], users: dict[Node, list[Node]], live: set[Node]
+    graph: Graph,
+    settings: PlanSettings,
+    stop: set[Node],
+    users: dict[Node, list[Node]],
+    computed: Sequence[Node],
 ) -> Partition:
     library_mm = settings.matmul == "library"
     part = Partition(Ctx(graph, users, stop))
     prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2, KernelKind.LIBRARY: 3}
-    for n in graph.nodes:
-        if n.op in SOURCE or (n.op in LAYOUT and n not in stop) or n not in live:
-            continue
+    for n in computed:
         kind = kind_of(n, library_mm)
         g = new_group(len(part.parent), n, kind)
         if n in stop:
@@ -229,9 +218,13 @@ def _partition(
 
 def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple[Kernel, ...]:
     stop = {f for f in forced if f.op in LAYOUT}
-    live = live_nodes(graph)
-    users = _users(graph, stop, live)
-    part = _partition(graph, settings, stop, users, live)
+    live = live_nodes(graph)  # dead code gets no kernel and forces no buffer
+    # values some kernel computes, in graph order (layout ops are index maps unless materialized)
+    computed = [
+        n for n in graph.nodes if n in live and n.op not in SOURCE and (n.op not in LAYOUT or n in stop)
+    ]
+    users = _users(graph, stop, computed)
+    part = _partition(graph, settings, stop, users, computed)
 
     # values that must be in memory whatever the fusion
     pinned: set[Node] = {f for f in forced if f.op not in SOURCE}
@@ -301,19 +294,16 @@ def _schedule(kernels: Sequence[Kernel], order: Mapping[Node, int]) -> tuple[Ker
         for b in k.reads:
             assert b.op in SOURCE or b in writer, f"kernel reads {b}, which nobody writes"
     key = [min(order[b] for b in k.writes) for k in kernels]
-    done: set[int] = set()
     out: list[Kernel] = []
-    ready = sorted((i for i in range(len(kernels)) if not deps[i]), key=key.__getitem__)
     users: dict[int, list[int]] = {i: [] for i in range(len(kernels))}
     for i, d in enumerate(deps):
         for j in d:
             users[j].append(i)
     left = [len(d) for d in deps]
-    heap = [(key[i], i) for i in ready]
+    heap = [(key[i], i) for i in range(len(kernels)) if not deps[i]]
     heapq.heapify(heap)
     while heap:
         _, i = heapq.heappop(heap)
-        done.add(i)
         out.append(replace(kernels[i], name=f"k{len(out)}"))
         for j in users[i]:
             left[j] -= 1

@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
-from kernelize.codegen.render import Renderer
+from kernelize.codegen.render import Renderer, c_name, closure, contraction
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Op
-from kernelize.ir.shapes import Dim, Sym, numel
+from kernelize.ir.shapes import numel
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
 from kernelize.runtime.diskcache import get_or_build
 
@@ -69,28 +69,10 @@ class CompilerNotFoundError(RuntimeError):
     """No C++ compiler was found for the CPU backend."""
 
 
-def _dmul(a: Dim, b: Dim) -> Dim:
-    return b * a if isinstance(b, Sym) else a * b
-
-
 class CpuRenderer(Renderer):
     """The base C++ table as is; the CPU adds storage types (16-bit floats as bit patterns)."""
 
-    STORAGE = {
-        DType.F32: "float",
-        DType.F64: "double",
-        DType.BF16: "kz_bf16",
-        DType.F16: "kz_f16",
-        DType.I8: "int8_t",
-        DType.I16: "int16_t",
-        DType.I32: "int32_t",
-        DType.I64: "int64_t",
-        DType.U8: "uint8_t",
-        DType.BOOL: "bool",
-    }
-
-    def storage(self, dtype: DType) -> str:
-        return self.STORAGE[dtype]
+    STORAGE = {**Renderer.CTYPE, DType.BF16: "kz_bf16", DType.F16: "kz_f16"}
 
 
 # ---- kernel normalisation -------------------------------------------------------------------------------
@@ -116,8 +98,8 @@ def _merge_axes(k: Kernel) -> Kernel:
     d = len(domain) - 2
     while d >= 0:
         same_group = (d + 1 < split) or (d >= split)
-        if same_group and all(s[d] == _dmul(s[d + 1], domain[d + 1]) for s in accs):
-            domain[d : d + 2] = [_dmul(domain[d], domain[d + 1])]
+        if same_group and all(s[d] == s[d + 1] * domain[d + 1] for s in accs):
+            domain[d : d + 2] = [domain[d] * domain[d + 1]]
             for s in accs:
                 s[d : d + 2] = [s[d + 1]]
             if d < split:
@@ -158,7 +140,7 @@ class _Writer:
             params.append(f"{renderer.storage(b.dtype)}* __restrict kz_out{n}")
         params += [f"int64_t {renderer.sym(s)}" for s in kernel.symbols]
         self.params = "".join(p + ", " for p in params)
-        self.fn_name = "kz_" + "".join(c if c.isalnum() else "_" for c in kernel.name)
+        self.fn_name = c_name(kernel.name)
 
     # -- indexing -------------------------------------------------------------------------------------
     def n(self, axis: int) -> str:
@@ -223,31 +205,10 @@ class _Writer:
         elif i in full:
             expr = full[i]
         elif e.op is Op.CONCAT:
-            axis, ends = e.arg
-            expr = f"v{e.src[-1]}"
-            for s, end in zip(reversed(e.src[:-1]), reversed(ends[: len(e.src) - 1])):
-                expr = f"(i{axis} < {self.r.dim(end)} ? v{s} : {expr})"
+            expr = self.r.concat(e, f"i{e.arg[0]}")
         else:
             expr = self.r.expr(e, [f"v{s}" for s in e.src])
         return f"const {ct} v{i} = {expr};"
-
-    def deps(self, i: int) -> list[int]:
-        e = self.k.body[i]
-        if isinstance(e, Load):
-            return [ind.value for ind in e.indirect]
-        return list(e.src)
-
-    def closure(self, roots: Sequence[int], skip: Sequence[bool]) -> list[int]:
-        """Body entries needed to compute ``roots``, without those marked ``skip`` (already scalars)."""
-        seen: set[int] = set()
-        stack = [r for r in roots if not skip[r]]
-        while stack:
-            i = stack.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            stack.extend(s for s in self.deps(i) if not skip[s] and s not in seen)
-        return sorted(seen)
 
     def store(self, s_idx: int, s: Store, loop_axes: Sequence[int]) -> str:
         return f"kz_st({self.ptr[s.buffer]}, {self.index(f'kz_s{s_idx}', s, loop_axes)}, v{s.value});"
@@ -256,7 +217,7 @@ class _Writer:
     def pointwise(self) -> str:
         k, last = self.k, self.rank - 1
         no_skip = [False] * len(k.body)
-        body = [self.value(i, [last], {}) for i in self.closure([s.value for s in k.stores], no_skip)]
+        body = [self.value(i, [last], {}) for i in closure(k, [s.value for s in k.stores], no_skip)]
         body += [self.store(j, s, [last]) for j, s in enumerate(k.stores)]
         ind = " " * 8
         outer = self.outer_index(last, "kz_o", ind) + self.bases(last, ind)
@@ -302,7 +263,7 @@ class _Writer:
         skip = [False] * len(k.body)
         skip[ia] = skip[ib] = skip[mi] = True
         body = [f"const {ct} v{mi} = kz_acc[i{last}];"]
-        body += [self.value(i, [last], {}) for i in self.closure([s.value for s in k.stores], skip)]
+        body += [self.value(i, [last], {}) for i in closure(k, [s.value for s in k.stores], skip)]
         body += [self.store(j, s, [last]) for j, s in enumerate(k.stores)]
         return fill(
             load_template("cpu_matmul.cpp"),
@@ -312,7 +273,7 @@ class _Writer:
             PARAMS=self.params,
             OUTER=self.r.dim(numel(k.domain[:last])),
             N=self.n(last),
-            K=self.r.dim(_contraction(k, mm, a)),
+            K=self.r.dim(contraction(k, mm, a, "cpu")),
             PARALLEL_MIN=str(PARALLEL_MIN),
             OUTER_INDEX="\n".join(outer),
             ACC_T=ct,
@@ -342,22 +303,6 @@ class _Writer:
             OUTER_INDEX="\n".join(outer),
             ROW="\n".join(ind + line for line in render_row(self, row_invariant(k))),
         )
-
-
-def _contraction(k: Kernel, mm: Compute, a: Load) -> Dim:
-    """The contraction size K: ``mm.arg`` when the planner sets it, else the computed matmul node, else
-    the axis of A's (contiguous) buffer whose stride is A's K stride."""
-    if isinstance(mm.arg, int | Sym):
-        return mm.arg
-    for n in k.computes:
-        if n.op is Op.MATMUL:
-            return n.src[0].shape[-1]
-    stride: Dim = 1
-    for d in range(len(a.buffer.shape) - 1, -1, -1):
-        if a.buffer.shape[d] != 1 and stride == a.strides[-1]:
-            return a.buffer.shape[d]
-        stride = _dmul(stride, a.buffer.shape[d])
-    raise NotImplementedError(f"cpu matmul kernel {k.name}: cannot tell the contraction size from {a}")
 
 
 def render(kernel: Kernel, renderer: CpuRenderer | None = None) -> tuple[str, str]:

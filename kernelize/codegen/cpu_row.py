@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kernelize.autokernel.kernels import Compute
+from kernelize.codegen.render import closure, deps
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.shapes import numel
 
@@ -234,8 +235,7 @@ def render_row(w, inv: list[bool]) -> list[str]:
     full: dict[int, str] = {}
     passes: dict[int, list[tuple[int, _Pass]]] = {}
     for i, e in enumerate(k.body):
-        deps = w.deps(i)
-        start = max((stage[s] for s in deps), default=0)
+        start = max((stage[s] for s in deps(e)), default=0)
         if isinstance(e, Compute) and (e.op in REDUCE or e.op in ROW):
             specs = _stat_passes(w, i, e, full, split)
             for j, p in enumerate(specs):
@@ -258,7 +258,7 @@ def render_row(w, inv: list[bool]) -> list[str]:
     for p in range(1, last + 1):
         group = passes.get(p, [])
         operands = [o for _, sp in group for o in sp.operands]
-        body = [w.value(j, row_axes, full) for j in w.closure(operands, inv)]
+        body = [w.value(j, row_axes, full) for j in closure(k, operands, inv)]
         simd = all(sp.simd for _, sp in group)
         for _, sp in group:
             lines += sp.decl
@@ -274,7 +274,7 @@ def render_row(w, inv: list[bool]) -> list[str]:
         scalars(p)
     full_stores = [(j, s) for j, s in enumerate(k.stores) if not inv[s.value]]
     if full_stores:
-        body = [w.value(j, row_axes, full) for j in w.closure([s.value for _, s in full_stores], inv)]
+        body = [w.value(j, row_axes, full) for j in closure(k, [s.value for _, s in full_stores], inv)]
         body += [w.store(j, s, row_axes) for j, s in full_stores]
         lines += _loop(w, split, True, [], body)
     lines += [w.store(j, s, []) for j, s in enumerate(k.stores) if inv[s.value]]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -36,11 +35,11 @@ from typing import ClassVar
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
-from kernelize.codegen.render import Renderer
+from kernelize.codegen.render import Renderer, c_name, closure, contraction
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
-from kernelize.ir.shapes import Dim, Sym, bind, numel
+from kernelize.ir.shapes import Dim, bind, numel
 from kernelize.runtime.backend import CompiledKernel
 
 logger = logging.getLogger(__name__)
@@ -52,11 +51,7 @@ _I32_LIMIT = 2**31 - 2**26
 class CudaRenderer(Renderer):
     """The shared C++ render table with CUDA storage types and 16-bit rounding casts."""
 
-    STORAGE: ClassVar[dict[DType, str]] = {
-        **Renderer.CTYPE,
-        DType.F16: "__half",
-        DType.BF16: "__nv_bfloat16",
-    }
+    STORAGE: ClassVar[dict[DType, str]] = {**Renderer.CTYPE, DType.F16: "__half", DType.BF16: "__nv_bfloat16"}
 
     def cast(self, value: str, dtype: DType) -> str:
         # a cast to a 16-bit float inside a kernel rounds there, as the reference does
@@ -65,10 +60,6 @@ class CudaRenderer(Renderer):
         if dtype is DType.BF16:
             return f"kz_round_bf16((float)({value}))"
         return super().cast(value, dtype)
-
-    def storage(self, dtype: DType) -> str:
-        """The C type of a buffer element of ``dtype``."""
-        return self.STORAGE[dtype]
 
 
 # -- row statistics: accumulator type, per-element update, and what the pass leaves behind -----------------
@@ -154,10 +145,6 @@ def _pow2(n: int) -> int:
 
 def _fits_i32(extents: Sequence[Dim]) -> bool:
     return all(isinstance(e, int) and e < _I32_LIMIT for e in extents)
-
-
-def _c_name(name: str) -> str:
-    return "kz_" + re.sub(r"\W", "_", name)
 
 
 @dataclass(frozen=True)
@@ -263,11 +250,7 @@ class _Gen:
             return f"const {self.r.ctype(e.dtype)} v{i} = {self.load(e, idx)};"
         ct = self.r.ctype(e.dtype)
         if e.op is Op.CONCAT:
-            axis, ends = e.arg
-            expr = f"v{e.src[-1]}"
-            for s, end in zip(reversed(e.src[:-1]), reversed(ends[: len(e.src) - 1])):
-                expr = f"({idx[axis]} < {self.r.dim(end)} ? v{s} : {expr})"
-            return f"const {ct} v{i} = {expr};"
+            return f"const {ct} v{i} = {self.r.concat(e, idx[e.arg[0]])};"
         if e.op in ROW:
             return f"const {ct} v{i} = {self.row_elem(i, e)};"
         if e.op in REDUCE or e.op is Op.MATMUL:
@@ -293,26 +276,13 @@ class _Gen:
             expr = f"({expr} * v{e.src[1]})"
         return expr
 
-    def closure(self, roots: Sequence[int], full: Sequence[bool]) -> list[int]:
-        """Full body values needed for ``roots`` (per-row values are in scope already), in body order."""
-        need, stack = set(), [r for r in roots if full[r]]
-        while stack:
-            i = stack.pop()
-            if i in need:
-                continue
-            need.add(i)
-            e = self.k.body[i]
-            deps = list(e.src) if isinstance(e, Compute) else [d.value for d in e.indirect]
-            stack += [d for d in deps if full[d]]
-        return sorted(need)
-
     # -- kinds ----------------------------------------------------------------------------------------------
     def common(self, block: int) -> dict[str, str]:
         return {
             "KERNEL": str(self.k).splitlines()[0],
             "BLOCK": str(block),
             "PRELUDE": load_template("cuda_prelude.cuh"),
-            "NAME": _c_name(self.k.name),
+            "NAME": c_name(self.k.name),
             "PARAMS": ", ".join(f"{t} {n}" for t, n in self.params),
             "IDX": self.idx,
         }
@@ -338,14 +308,14 @@ class _Gen:
         rowlen = numel(inner)
         block = min(512, max(32, _pow2(rowlen))) if isinstance(rowlen, int) else 256
         idx = [f"i{d}" for d in range(self.rank)]
-        full = [not inv for inv in row_invariant(k)]
+        inv = row_invariant(k)
         ind, ind2 = " " * 4, " " * 6
         inner_index = self.decompose("j", inner, idx[len(outer) :], ind2)
         lines: list[str] = []
         for i, e in enumerate(k.body):
             stat = isinstance(e, Compute) and (e.op in REDUCE or e.op in ROW)
             if not stat:
-                if not full[i]:
+                if inv[i]:
                     lines.append(ind + self.value(i, idx))
                 continue
             src_dtype = k.body[e.src[0]].dtype
@@ -369,20 +339,20 @@ class _Gen:
                     WHAT=f"v{i} = {e.op}(v{e.src[0]})",
                     ACC_DECL=f"{acc_t} {acc} = {acc_t}::init();",
                     INNER_INDEX=inner_index,
-                    BODY="\n".join(ind2 + self.value(j, idx) for j in self.closure([e.src[0]], full)),
+                    BODY="\n".join(ind2 + self.value(j, idx) for j in closure(k, [e.src[0]], inv)),
                     UPDATE=f"{ind2}{acc} = " + spec.update.format(**fmt) + ";",
                     FINISH=f"{ind}{acc} = kz_block_reduce({acc});\n{ind}" + spec.finish.format(**fmt),
                 ).rstrip("\n")
             )
-        full_stores = [s for s in k.stores if full[s.value]]
+        full_stores = [s for s in k.stores if not inv[s.value]]
         if full_stores:
             lines.append(f"{ind}// output pass")
             lines.append(f"{ind}for (idx_t j = threadIdx.x; j < rowlen; j += blockDim.x) {{")
             lines.append(inner_index)
-            lines += [ind2 + self.value(j, idx) for j in self.closure([s.value for s in full_stores], full)]
+            lines += [ind2 + self.value(j, idx) for j in closure(k, [s.value for s in full_stores], inv)]
             lines += [ind2 + self.store(s, idx) for s in full_stores]
             lines.append(f"{ind}}}")
-        row_stores = [s for s in k.stores if not full[s.value]]
+        row_stores = [s for s in k.stores if inv[s.value]]
         if row_stores:
             lines.append(f"{ind}if (threadIdx.x == 0) {{")
             lines += [ind2 + self.store(s, idx) for s in row_stores]
@@ -416,7 +386,7 @@ class _Gen:
             ACC_T=r.ctype(mm.dtype),
             M=r.dim(k.domain[-2]),
             N=r.dim(k.domain[-1]),
-            K=r.dim(_contraction(k, mm, a)),
+            K=r.dim(contraction(k, mm, a, "cuda")),
             BATCH_INDEX=self.decompose("bz", k.domain[:nb], batch, "  "),
             A=f"{self.rname[a.buffer]}[{self.offset(a, self.operand_index(a, batch, 'im', '0'))}]",
             B=f"{self.rname[b.buffer]}[{self.offset(b, self.operand_index(b, batch, '0', 'in'))}]",
@@ -429,26 +399,6 @@ class _Gen:
         return src, 256
 
 
-def _contraction(k: Kernel, mm: Compute, a: Load) -> Dim:
-    """The contraction size K of a matmul kernel.
-
-    The spec does not name it: take ``mm.arg`` when the planner puts it there, else the computed matmul
-    node, else the axis of A's (contiguous) buffer whose stride is A's K stride.
-    """
-    if isinstance(mm.arg, int | Sym):
-        return mm.arg
-    for n in k.computes:
-        if n.op is Op.MATMUL:
-            return n.src[0].shape[-1]
-    shape, sk = a.buffer.shape, a.strides[-1]
-    stride: Dim = 1
-    for d in range(len(shape) - 1, -1, -1):
-        if shape[d] != 1 and stride == sk:
-            return shape[d]
-        stride = stride * shape[d]
-    raise NotImplementedError(f"cuda matmul kernel {k.name}: cannot tell the contraction size from {a}")
-
-
 def render(kernel: Kernel, renderer: CudaRenderer | None = None) -> CudaSource:
     """Generate the CUDA C of ``kernel`` (no GPU or NVRTC needed)."""
     gen = _Gen(kernel, renderer or CudaRenderer())
@@ -458,7 +408,7 @@ def render(kernel: Kernel, renderer: CudaRenderer | None = None) -> CudaSource:
             f"cuda backend cannot generate {kernel.kind} kernel {kernel.name}: the runtime runs it"
         )
     source, block = kinds[kernel.kind]()
-    return CudaSource(kernel, _c_name(kernel.name), source, block, tuple(gen.params))
+    return CudaSource(kernel, c_name(kernel.name), source, block, tuple(gen.params))
 
 
 class CudaBackend:

@@ -4,6 +4,8 @@
 string from its operands' expressions. The base table is C++ (used as is by the CPU and CUDA backends,
 whose template preludes define the ``kz_*`` helpers with the same semantics); the Triton renderer
 overrides entries. Reductions and row ops are rendered by each backend's kernel templates, not here.
+The helpers below the class (entry-point names, body closures, the matmul contraction size) are the
+kernel-spec questions every backend asks the same way.
 
 Example:
     >>> r = Renderer()
@@ -14,10 +16,11 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from kernelize.autokernel.kernels import Compute
+from kernelize.autokernel.kernels import Compute, Kernel, Load
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import Op
 from kernelize.ir.shapes import Dim, Sym
@@ -93,6 +96,9 @@ class Renderer:
         Op.WHERE: lambda r, e, a: f"({a[0]} ? {a[1]} : {a[2]})",
     }
 
+    # C type of a buffer element of each IR dtype; backends with 16-bit floats add their storage types
+    STORAGE: ClassVar[dict[DType, str]] = CTYPE
+
     def expr(self, e: Compute, args: Sequence[str]) -> str:
         """The expression computing ``e`` from its operands' expressions."""
         try:
@@ -106,6 +112,19 @@ class Renderer:
     def ctype(self, dtype: DType) -> str:
         """The type arithmetic on ``dtype`` values uses."""
         return self.CTYPE[compute_dtype(dtype)]
+
+    def storage(self, dtype: DType) -> str:
+        """The C type of a buffer element of ``dtype``."""
+        return self.STORAGE[dtype]
+
+    def concat(self, e: Compute, index: str) -> str:
+        """The value of a concat ``e`` at position ``index`` of its axis: nested selects over its operands."""
+        _, ends = e.arg
+        where = self.OP_RENDER[Op.WHERE]
+        expr = f"v{e.src[-1]}"
+        for s, end in zip(reversed(e.src[:-1]), reversed(ends[: len(e.src) - 1])):
+            expr = where(self, e, [f"{index} < {self.dim(end)}", f"v{s}", expr])
+        return expr
 
     def cast(self, value: str, dtype: DType) -> str:
         if dtype is DType.BOOL:
@@ -136,3 +155,49 @@ class Renderer:
             parts = ([str(d.coef)] if d.coef != 1 else []) + [self.sym(n) for n in d.names]
             return "(" + " * ".join(parts) + ")"
         return str(d)
+
+
+def c_name(kernel_name: str) -> str:
+    """The C identifier of a kernel's entry point (``kz_`` + the name, other characters as ``_``)."""
+    return "kz_" + re.sub(r"\W", "_", kernel_name)
+
+
+def deps(e: Load | Compute) -> Sequence[int]:
+    """The body entries ``e`` reads: a compute's operands, a load's gather indices."""
+    return [ind.value for ind in e.indirect] if isinstance(e, Load) else e.src
+
+
+def closure(kernel: Kernel, roots: Sequence[int], skip: Sequence[bool]) -> list[int]:
+    """Body entries needed to compute ``roots`` (operands and gather indices), in body order, without
+    those marked ``skip`` (values already in scope, e.g. per-row scalars)."""
+    need: set[int] = set()
+    stack = [r for r in roots if not skip[r]]
+    while stack:
+        i = stack.pop()
+        if i in need:
+            continue
+        need.add(i)
+        stack += [d for d in deps(kernel.body[i]) if not skip[d]]
+    return sorted(need)
+
+
+def contraction(kernel: Kernel, mm: Compute, a: Load, backend: str) -> Dim:
+    """The contraction size K of matmul ``mm`` with first operand ``a``.
+
+    The spec does not name it: take ``mm.arg`` when the planner puts it there, else the computed matmul
+    node, else the axis of A's (contiguous) buffer whose stride is A's K stride.
+    """
+    if isinstance(mm.arg, int | Sym):
+        return mm.arg
+    for n in kernel.computes:
+        if n.op is Op.MATMUL:
+            return n.src[0].shape[-1]
+    shape, sk = a.buffer.shape, a.strides[-1]
+    stride: Dim = 1
+    for d in range(len(shape) - 1, -1, -1):
+        if shape[d] != 1 and stride == sk:
+            return shape[d]
+        stride = stride * shape[d]
+    raise NotImplementedError(
+        f"{backend} matmul kernel {kernel.name}: cannot tell the contraction size from {a}"
+    )

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
-from kernelize.codegen.render import Renderer, _call
+from kernelize.codegen.render import Renderer, _call, contraction
 from kernelize.codegen.template import fill, load_template
 from kernelize.codegen.triton_rows import RowRenderer, row_block
 from kernelize.ir.dtypes import HALF, DType, compute_dtype
@@ -261,11 +261,8 @@ class KernelSource:
     def compute(self, i: int, e: Compute, ctx: _Ctx, indent: str = "    ") -> str:
         args = [f"v{s}" for s in e.src]
         if e.op is Op.CONCAT:
-            axis, ends = e.arg
-            ax = ctx.axes[axis] or "0"
-            expr = args[-1]
-            for a, end in zip(reversed(args[:-1]), reversed(ends[: len(args) - 1])):
-                expr = f"tl.where({ax} < {self.r.dim(end)}, {a}, {expr})"
+            axis = e.arg[0]
+            expr = self.r.concat(e, ctx.axes[axis] or "0")
             self.vec[i] = any(self.vec[s] for s in e.src) or (ctx.axes[axis] is not None and ctx.vec[axis])
             return f"{indent}v{i} = {expr}"
         self.vec[i] = any(self.vec[s] for s in e.src)
@@ -342,7 +339,7 @@ class KernelSource:
         # operand strides run over (*batch, M, N, K): a ignores N, b ignores M
         if {len(a.strides), len(b.strides)} != {nb + 3} or a.strides[nb + 1] != 0 or b.strides[nb] != 0:
             raise NotImplementedError(f"{k.name}: matmul operand strides must be over (*batch, M, N, K)")
-        kdim = _matmul_k(k, e)
+        kdim = contraction(k, e, a, "triton")
         batch, bnames = _index_lines(k.domain[:nb], "bid", "b", self.r) if nb else ([], [])
         ctx = _Ctx([*bnames, "rm[:, None]", "rn[None, :]"], [False] * nb + [True, True], "[BM, BN]",
                    [{nb}, {nb + 1}])
@@ -375,16 +372,6 @@ class KernelSource:
 
 def _static(d: Dim) -> float:
     return d if isinstance(d, int) else float("inf")
-
-
-def _matmul_k(k: Kernel, e: Compute) -> Dim:
-    """The contracted size: ``Compute.arg`` when the planner sets it, else from the matmul graph node."""
-    if isinstance(e.arg, int) or (e.arg is not None and hasattr(e.arg, "names")):
-        return e.arg
-    for n in k.computes:
-        if n.op is Op.MATMUL:
-            return n.src[0].shape[-1]
-    raise NotImplementedError(f"{k.name}: matmul needs its K size (Compute.arg or kernel.computes)")
 
 
 def render(kernel: Kernel) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kernelize.autokernel.kernels import Compute, Kernel, Load, row_invariant
+from kernelize.codegen.render import closure
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.shapes import Sym, numel
@@ -184,7 +185,7 @@ class RowRenderer:
         lines += self._scalars(range(len(k.body)), done)
         full_stores = [st for st in k.stores if self.s.vec[st.value]]
         if full_stores:
-            need = self._closure([st.value for st in full_stores])
+            need = closure(self.k, [st.value for st in full_stores], self.inv)
             lines += self._loop_head()
             lines += self._loop_entries(need)
             lines += [self.s.store(st, self.ctx, "mask", indent="        ") for st in full_stores]
@@ -204,19 +205,6 @@ class RowRenderer:
                 lines.append(self.s.compute(i, e, self.ctx))
             done.add(i)
         return lines
-
-    def _closure(self, targets: list[int]) -> list[int]:
-        """Full (row-varying) entries needed to compute ``targets`` inside a loop, in body order."""
-        need, stack = set(), [t for t in targets if not self.inv[t]]
-        while stack:
-            i = stack.pop()
-            if i in need:
-                continue
-            need.add(i)
-            e = self.k.body[i]
-            deps = [ind.value for ind in e.indirect] if isinstance(e, Load) else list(e.src)
-            stack += [d for d in deps if not self.inv[d]]
-        return sorted(need)
 
     def _loop_head(self) -> list[str]:
         head = [
@@ -310,5 +298,5 @@ class RowRenderer:
                     f"        {acc}_v = tl.where(upd, xm, {acc}_v)"]
             fin = [f"    {v}_best = tl.{pick}({acc}_v, axis=0)",
                    f"    {v} = tl.min(tl.where({acc}_v == {v}_best, {acc}_i, {2**62}), axis=0)"]
-        need = self._closure([xi])
+        need = closure(self.k, [xi], self.inv)
         return [*init, *self._loop_head(), *self._loop_entries(need), *step, *fin]

@@ -87,7 +87,7 @@ def to_dot(graph: Graph, hide_constants: bool = False, title: str | None = None)
         digraph kernelize { ...
     """
     hidden = _hidden(graph) if hide_constants else set()
-    outputs = {o: k for k, o in reversed(list(enumerate(graph.outputs)))}
+    outputs = set(graph.outputs)
     lines = [
         "digraph kernelize {",
         "  rankdir=TB;",

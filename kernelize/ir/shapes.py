@@ -75,10 +75,6 @@ def _mk(names: tuple[str, ...], coef: int) -> Dim:
     return Sym(names, coef) if names and coef else coef
 
 
-def dim_str(d: Dim) -> str:
-    return str(d)
-
-
 def shape_str(shape: Sequence[Dim]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 

@@ -44,7 +44,7 @@ def verify(graph: Graph) -> None:
     seen: dict[Node, int] = {}
 
     def bad(node: Node | None, msg: str) -> None:
-        where = _describe(graph, node, seen) if node is not None else "graph"
+        where = _describe(graph, node) if node is not None else "graph"
         problems.append(f"{where}: {msg}")
 
     input_set = set(graph.inputs)
@@ -99,7 +99,7 @@ def _ref(graph: Graph, node: Node) -> str:
     return f"%{i}" if i is not None else f"<foreign {node}>"
 
 
-def _describe(graph: Graph, node: Node, seen: dict[Node, int]) -> str:
+def _describe(graph: Graph, node: Node) -> str:
     try:
         return format_node(graph, node)
     except KeyError:  # an operand outside the graph
@@ -113,16 +113,6 @@ def _check(node: Node) -> str | None:
     ):
         return f"shape {node.shape!r} has a dim that is neither a size >= 0 nor a Sym"
     rule = _RULES.get(node.op)
-    if rule is None:
-        rule = (
-            _unary
-            if node.op in UNARY
-            else _binary
-            if node.op in BINARY
-            else _reduce
-            if node.op in REDUCE
-            else None
-        )
     if rule is None:
         return f"op {node.op} has no verification rule"
     g = Graph()
@@ -314,6 +304,9 @@ _RULES: dict[Op, Callable[[Graph, list[Node], Node], Any]] = {
     Op.LOG_SOFTMAX: _row,
     Op.LAYERNORM: _row,
     Op.RMSNORM: _row,
+    **dict.fromkeys(UNARY, _unary),
+    **dict.fromkeys(BINARY, _binary),
+    **dict.fromkeys(REDUCE, _reduce),
 }
 
 __all__ = ["VerifyError", "verify"]

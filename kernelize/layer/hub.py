@@ -275,6 +275,25 @@ def _download(build: _HubBuild, user_agent: str | dict | None) -> Path:
     return variant_dir
 
 
+def _locate(
+    repo_id: str,
+    revision: str | None,
+    version: int | None,
+    trust_remote_code: TrustRemoteCode,
+    backend: str | None,
+    user_agent: str | dict | None,
+) -> Path | _HubBuild:
+    """The variant folder of a bundled or local `repo_id`, else the Hub build to download (not downloaded)."""
+    if revision is not None and version is not None:
+        raise ValueError(f"Kernel `{repo_id}`: pass either revision= or version=, not both.")
+    system = SystemInfo.detect(backend)
+    local = _local_folder_for(repo_id)
+    if local is not None:
+        return resolve_local_variant(local, system)
+    check_trusted(repo_id, trust_remote_code)
+    return _find_hub_build(repo_id, revision, version, system, user_agent)
+
+
 def resolve_kernel(
     repo_id: str,
     *,
@@ -290,16 +309,11 @@ def resolve_kernel(
         FileNotFoundError: the repository, version, cached files or a fitting build variant are missing.
         ValueError: the repository is not trusted, or both `revision` and `version` are given.
     """
-    if revision is not None and version is not None:
-        raise ValueError(f"Kernel `{repo_id}`: pass either revision= or version=, not both.")
-    system = SystemInfo.detect(backend)
-    local = _local_folder_for(repo_id)
-    if local is not None:
-        return resolve_local_variant(local, system)
-    check_trusted(repo_id, trust_remote_code)
-    build = _find_hub_build(repo_id, revision, version, system, user_agent)
-    logger.debug("Resolved `%s` to revision %s, variant %s", repo_id, build.revision, build.variant)
-    return _download(build, user_agent)
+    found = _locate(repo_id, revision, version, trust_remote_code, backend, user_agent)
+    if isinstance(found, Path):
+        return found
+    logger.debug("Resolved `%s` to revision %s, variant %s", repo_id, found.revision, found.variant)
+    return _download(found, user_agent)
 
 
 def get_kernel(
@@ -388,15 +402,8 @@ def has_kernel(
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     del trust_remote_code, check_arch  # nothing runs, so trust does not matter
-    if revision is not None and version is not None:
-        raise ValueError(f"Kernel `{repo_id}`: pass either revision= or version=, not both.")
-    try:
-        system = SystemInfo.detect(backend)
-        local = _local_folder_for(repo_id)
-        if local is not None:
-            resolve_local_variant(local, system)
-        else:
-            _find_hub_build(repo_id, revision, version, system, None)
+    try:  # a usage error (ValueError, e.g. both revision= and version=) is raised, not taken for "no"
+        _locate(repo_id, revision, version, True, backend, None)
     except (FileNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
         return False
     return True

@@ -44,13 +44,12 @@ def read_metadata(variant_dir: Path) -> dict:
     return {}
 
 
-def _package_dir(variant_dir: Path, package_name: str | None) -> Path:
-    """Find the folder whose `__init__.py` is the kernel's top module."""
+def _package_dir(variant_dir: Path, package_name: str | None, meta_name: object) -> Path:
+    """Find the folder whose `__init__.py` is the kernel's top module (`meta_name`: metadata's `name`)."""
     tried: list[Path] = []
     names: list[str] = []
     if package_name:
         names.append(package_name)
-    meta_name = read_metadata(variant_dir).get("name")
     if isinstance(meta_name, str) and meta_name:
         names.append(meta_name.replace("-", "_"))
     # The seed form names the package folder; the newer form flattens it. Accept either for either call.
@@ -77,9 +76,9 @@ def _package_dir(variant_dir: Path, package_name: str | None) -> Path:
     )
 
 
-def _module_name(package_dir: Path, variant_dir: Path) -> str:
+def _module_name(package_dir: Path, meta_name: object) -> str:
     # Readable part: the kernel's name (the folder of a flattened build is the variant, e.g. torch-universal).
-    name = read_metadata(variant_dir).get("name") or package_dir.name or "kernel"
+    name = meta_name or package_dir.name or "kernel"
     stem = re.sub(r"\W", "_", str(name))
     digest = hashlib.sha1(str(package_dir).encode()).hexdigest()[:12]
     return f"_kernelize_kernel_{stem}_{digest}"
@@ -95,12 +94,14 @@ def import_variant(variant_dir: Path, *, package_name: str | None = None) -> Mod
         >>> import_variant(root).ANSWER
         42
     """
-    package_dir = _package_dir(Path(variant_dir), package_name).resolve()
+    variant_dir = Path(variant_dir)
+    meta_name = read_metadata(variant_dir).get("name")  # read once: it names both the folder and the module
+    package_dir = _package_dir(variant_dir, package_name, meta_name).resolve()
     with _LOCK:
         module = _IMPORTED.get(package_dir)
         if module is not None:
             return module
-        name = _module_name(package_dir, Path(variant_dir))
+        name = _module_name(package_dir, meta_name)
         spec = importlib.util.spec_from_file_location(
             name, package_dir / "__init__.py", submodule_search_locations=[str(package_dir)]
         )

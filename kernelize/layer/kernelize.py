@@ -12,15 +12,22 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Flag, auto
 from types import MappingProxyType, MethodType
 from typing import TYPE_CHECKING
 
 from kernelize._compat import add_note
 
-from .device import CAPABILITY_ENV, Device, DeviceType, device_capability, device_type_of, infer_device
-from .device import parse_device_type as _parse_device_type
+from .device import (
+    CAPABILITY_ENV,
+    Device,
+    DeviceType,
+    device_capability,
+    device_type_of,
+    infer_device,
+    parse_device_type,
+)
 from .mapping import Registry, current_mapping
 from .mode import MODE_FALLBACK_ORDER, Mode, check_kernelize_mode, select_repository
 from .record import FallbackReason, KernelChoice, marked_modules, record_choice
@@ -91,6 +98,8 @@ class _Context:
     registry: Registry
     permitted: KernelizeFallback
     disabled: bool
+    # (id(repo), kernel layer, replaced class) validated in this call; instances of one class share the check.
+    checked: set[tuple[int, type, type]] = field(default_factory=set, compare=False)
 
     @property
     def device_text(self) -> str:
@@ -121,7 +130,7 @@ def _resolve_device(
     if isinstance(device, str):
         # A string is taken literally (`"cuda"` stays CUDA on a HIP build, as in `kernels`).
         index = device.partition(":")[2]
-        return _parse_device_type(device), int(index) if index.isdigit() else None
+        return parse_device_type(device), int(index) if index.isdigit() else None
     if isinstance(device, torch.device):
         return device_type_of(device, torch.version.hip), device.index
     raise TypeError(f"kernelize: device must be a string such as 'cuda' or a torch.device, got {device!r}.")
@@ -194,12 +203,15 @@ def _decide(path: str, module: nn.Module, ctx: _Context) -> tuple[KernelChoice, 
             )
             raise
         return keep(FallbackReason.CANNOT_LOAD, f"{type(exc).__name__}: {exc}")
-    validate_kernel_layer(layer, cls, repo)
+    first_of_class = (id(repo), layer, cls) not in ctx.checked
+    if first_of_class:
+        validate_kernel_layer(layer, cls, repo)
+        ctx.checked.add((id(repo), layer, cls))
     lacks = _lacking(layer, ctx.mode)
     if lacks:
         return keep(FallbackReason.NO_COMPATIBLE_MODE, f"kernel layer `{layer.__qualname__}` {lacks}")
-    mislabelled = _lacking(layer, repo_mode)
-    if mislabelled:
+    mislabelled = _lacking(layer, repo_mode) if first_of_class else ""
+    if mislabelled:  # once per call, not once per instance
         logger.warning(
             "The mapping registers %s for %s, but that kernel layer %s.", repo, repo_mode, mislabelled
         )

@@ -92,11 +92,9 @@ def validate_kernel_layer(layer: object, replaced: type[nn.Module], repo: object
         )
     if "forward" not in members:
         raise TypeError(f"{where}: it does not define forward.")
-    params = list(inspect.signature(layer.forward).parameters.values())
-    ref_params = list(inspect.signature(replaced.forward).parameters.values())
-    signatures = (
-        f"kernel forward{inspect.signature(layer.forward)} vs forward{inspect.signature(replaced.forward)}"
-    )
+    signature, ref_signature = inspect.signature(layer.forward), inspect.signature(replaced.forward)
+    params, ref_params = list(signature.parameters.values()), list(ref_signature.parameters.values())
+    signatures = f"kernel forward{signature} vs forward{ref_signature}"
     if len(params) != len(ref_params):
         raise TypeError(
             f"{where}: forward takes {len(params)} parameters but the replaced forward takes "

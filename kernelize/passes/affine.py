@@ -133,9 +133,10 @@ def _pre_matmul(ctx: Context, mm: Node, a: Node, w: Node) -> Node | None:
     if peeled is None or wv is None or not _float(mm):
         return None
     m, views = peeled
-    if m.op not in (Op.MUL, Op.ADD) or ctx.uses(m) > 1 or _split_const(m) is None:
+    split = _split_const(m) if m.op in (Op.MUL, Op.ADD) and ctx.uses(m) <= 1 else None
+    if split is None:
         return None
-    x, c = _split_const(m)
+    x, c = split
     row = _along(_f64(c), m.rank, m.rank - 1)
     if row is None or row.numel() not in (1, wv.shape[0]):
         return None

@@ -10,17 +10,8 @@ Example:
 
 from __future__ import annotations
 
-from kernelize.ir.graph import Graph, Node
-from kernelize.passes.rewrite import map_nodes
-
-
-def live_nodes(graph: Graph) -> set[Node]:
-    """Nodes some output depends on, found with one reverse walk (no recursion)."""
-    live = set(graph.outputs)
-    for n in reversed(graph.nodes):
-        if n in live:
-            live.update(n.src)
-    return live
+from kernelize.ir.graph import Graph
+from kernelize.passes.rewrite import live_nodes, map_nodes
 
 
 def dce(graph: Graph) -> Graph:

@@ -71,11 +71,13 @@ def _norm(ctx: Context, x: Node, ms: Node, eps: Node) -> Node | None:
 
 
 def _vector(ctx: Context, norm: Node, p: Node) -> Node | None:
-    """``p`` (seen through broadcasts) as a vector along the norm's last axis, if that is what it is."""
+    """``p`` (seen through broadcasts) as a vector along the norm's last axis, if that is what it is and
+    scaling/shifting by it keeps the norm's shape."""
     v = unbroadcast(p)
     d = norm.shape[-1]
     if (
         v.dtype != norm.dtype
+        or ctx.root.shape != norm.shape
         or ctx.uses(norm) > 1
         or any(s != 1 for s in v.shape[:-1])
         or v.shape[-1:] != (d,)
@@ -86,19 +88,17 @@ def _vector(ctx: Context, norm: Node, p: Node) -> Node | None:
 
 def _rms_weight(ctx: Context, n: Node, w: Node) -> Node | None:
     wv = _vector(ctx, n, w)
-    return None if wv is None or ctx.root.shape != n.shape else ctx.g.rmsnorm(n.src[0], wv, n.arg[0])
+    return None if wv is None else ctx.g.rmsnorm(n.src[0], wv, n.arg[0])
 
 
 def _ln_weight(ctx: Context, n: Node, w: Node) -> Node | None:
     wv = _vector(ctx, n, w)
-    return None if wv is None or ctx.root.shape != n.shape else ctx.g.layernorm(n.src[0], wv, None, n.arg[0])
+    return None if wv is None else ctx.g.layernorm(n.src[0], wv, None, n.arg[0])
 
 
 def _ln_bias(ctx: Context, n: Node, b: Node) -> Node | None:
     bv = _vector(ctx, n, b)
-    if bv is None or ctx.root.shape != n.shape:
-        return None
-    return ctx.g.layernorm(n.src[0], n.src[1] if n.arg[1] else None, bv, n.arg[0])
+    return None if bv is None else ctx.g.layernorm(n.src[0], n.src[1] if n.arg[1] else None, bv, n.arg[0])
 
 
 def _unshift(d: Node, axis: int) -> Node:

@@ -205,10 +205,7 @@ def rewrite(graph: Graph, rules: Sequence[Rule], pass_name: str = "rewrite", max
     Dead nodes the rewrites leave behind stay in the result (``dce`` removes them).
     """
     new = Graph()
-    live = set(graph.outputs)  # dead nodes (left by an earlier pass) are not users
-    for n in reversed(graph.nodes):
-        if n in live:
-            live.update(n.src)
+    live = live_nodes(graph)  # dead nodes (left by an earlier pass) are not users
     old_users: dict[Node, int] = {n: 0 for n in graph.nodes}
     for n in graph.nodes:
         for s in dict.fromkeys(n.src) if n in live else ():
@@ -301,6 +298,15 @@ def const_value(node: Node, limit: int = 1 << 24) -> torch.Tensor | None:
     return evaluate(g, [])[0]
 
 
+def live_nodes(graph: Graph) -> set[Node]:
+    """Nodes some output depends on, found with one reverse walk (no recursion)."""
+    live = set(graph.outputs)
+    for n in reversed(graph.nodes):
+        if n in live:
+            live.update(n.src)
+    return live
+
+
 def map_nodes(graph: Graph, keep: Callable[[Node], bool] | None = None) -> Graph:
     """Copy ``graph`` (all inputs; other nodes only where ``keep`` says so) without re-checking."""
     new = Graph()
@@ -327,6 +333,7 @@ __all__ = [
     "Var",
     "const_value",
     "is_const",
+    "live_nodes",
     "map_nodes",
     "rewrite",
     "strip_broadcast",

@@ -144,11 +144,6 @@ class _Step:
     kernel: Kernel
     compiled: CompiledKernel | None
     free: tuple[Node, ...]  # buffers dead after this step
-    # (perf) the kernel's buffers and symbols, computed once: `Kernel.reads` / `writes` / `symbols` are
-    # properties that walk the body on every access
-    reads: tuple[Node, ...] = ()
-    writes: tuple[Node, ...] = ()
-    symbols: tuple[str, ...] = ()
     library: bool = False
 
 
@@ -200,9 +195,6 @@ class CompiledGraph:
                 k,
                 compiled.get(k.name),
                 tuple(b for b, j in last.items() if j == i and b not in keep),
-                k.reads,
-                k.writes,
-                k.symbols,
                 k.kind is KernelKind.LIBRARY,
             )
             for i, k in enumerate(kernels)
@@ -237,19 +229,19 @@ class CompiledGraph:
         vals.update((n, t.contiguous()) for n, t in zip(self.graph.inputs, inputs))
         pool = self._pool
         for step, shapes, sizes, launch in zip(self._steps, bound.shapes, bound.sizes, bound.launch):
+            k = step.kernel
             if step.library:
-                k = step.kernel
                 vals[k.node] = self._library(k, vals, env)
             else:
-                reads = [vals[b] if b in vals else _materialize(b, vals, env) for b in step.reads]
+                reads = [vals[b] if b in vals else _materialize(b, vals, env) for b in k.reads]
                 if pool is not None:  # cpu backend: recycle large buffers the caller dropped
-                    writes = [pool.empty(b, shape, b.dtype.torch) for b, shape in zip(step.writes, shapes)]
+                    writes = [pool.empty(b, shape, b.dtype.torch) for b, shape in zip(k.writes, shapes)]
                 else:
                     writes = [torch.empty(shape, dtype=b.dtype.torch, device=self.device)
-                              for b, shape in zip(step.writes, shapes)]
+                              for b, shape in zip(k.writes, shapes)]
                 if launch:
                     step.compiled.launch(reads, writes, sizes)
-                vals.update(zip(step.writes, writes))
+                vals.update(zip(k.writes, writes))
             for b in step.free:
                 vals.pop(b, None)
         return _no_alias([_materialize(o, vals, env).contiguous() for o in self.graph.outputs], inputs)
@@ -274,11 +266,11 @@ class CompiledGraph:
                     f"input {node.arg!r} is on {t.device} but this graph was compiled for {self.device} "
                     f"({self.backend} backend); move the input with .to({str(self.device)!r})"
                 )
-        shapes = tuple(tuple(bind(b.shape, env) for b in st.writes) for st in self._steps)
+        shapes = tuple(tuple(bind(b.shape, env) for b in st.kernel.writes) for st in self._steps)
         bound = _Bound(
             env,
             shapes,
-            tuple({s: env[s] for s in st.symbols} for st in self._steps),
+            tuple({s: env[s] for s in st.kernel.symbols} for st in self._steps),
             tuple(any(math.prod(sh) for sh in per) for per in shapes),
         )
         if key is not None:
