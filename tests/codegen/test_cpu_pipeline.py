@@ -100,6 +100,11 @@ def graphs(draw):
         op = None
         if step == "unary":
             op = draw(st.sampled_from(_UN))
+            if op is Op.EXP and dtype is not DType.F32 and (step, op) in steps:
+                # exp of a stored 16-bit exp: where the plan materialises the intermediate (e.g. before a
+                # flip), its rounding (0.4% in bf16) is amplified by the exponent (exp(13.6): 5%),
+                # which the once-rounded f32 oracle cannot model; one exp per 16-bit chain keeps it exact
+                op = Op.NEG
         elif step == "binary":
             op = draw(st.sampled_from(_BIN))
         elif step == "reduce":
