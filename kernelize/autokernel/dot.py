@@ -9,12 +9,10 @@ Example:
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 from kernelize.autokernel.plan import Plan
-from kernelize.ir.dot import CATEGORIES, _escape, _label, category
+from kernelize.ir.dot import CATEGORIES, _escape, _label, category, write_svg
 from kernelize.ir.graph import Node, Op
 
 # cluster background per kernel kind
@@ -83,28 +81,8 @@ def plan_to_svg(path: str | Path, plan: Plan, hide_constants: bool = True, title
     Raises:
         RuntimeError: ``dot`` is not installed, or it failed (its error output is included).
     """
-    exe = shutil.which("dot")
-    if exe is None:
-        raise RuntimeError(
-            "plan_to_svg needs Graphviz `dot`, which is not on PATH: install graphviz "
-            "(apt-get install graphviz, brew install graphviz) or render the text of "
-            "kernelize.autokernel.plan_to_dot(plan) elsewhere"
-        )
-    proc = subprocess.run(
-        [exe, "-Tsvg"],
-        input=plan_to_dot(plan, hide_constants, title).encode(),
-        capture_output=True,
-        timeout=120,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"Graphviz dot failed with exit code {proc.returncode}:\n{proc.stderr.decode(errors='replace')}"
-        )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(proc.stdout)
-    return path
+    return write_svg(path, plan_to_dot(plan, hide_constants, title), "plan_to_svg",
+                     "kernelize.autokernel.plan_to_dot(plan)")
 
 
 __all__ = ["plan_to_dot", "plan_to_svg"]

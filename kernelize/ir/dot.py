@@ -133,28 +133,31 @@ def graph_to_svg(
     Example:
         >>> graph_to_svg("out/rmsnorm.svg", trace(RMSNorm(64), torch.randn(2, 64)))  # doctest: +SKIP
     """
+    return write_svg(path, to_dot(graph, hide_constants, title), "graph_to_svg", "kernelize.ir.to_dot(graph)")
+
+
+def write_svg(path: str | Path, dot_text: str, caller: str, text_api: str) -> Path:
+    """Run Graphviz ``dot`` on ``dot_text`` and write the SVG to ``path`` (folders created); return the path.
+
+    ``caller`` and ``text_api`` name the public function and its text-only twin in the error messages.
+    """
     exe = shutil.which("dot")
     if exe is None:
         raise RuntimeError(
-            "graph_to_svg needs Graphviz `dot`, which is not on PATH: install graphviz "
+            f"{caller} needs Graphviz `dot`, which is not on PATH: install graphviz "
             "(apt-get install graphviz, brew install graphviz, conda install graphviz) or "
-            "render the text of kernelize.ir.to_dot(graph) elsewhere"
+            f"render the text of {text_api} elsewhere"
         )
-    path = Path(path)
-    proc = subprocess.run(
-        [exe, "-Tsvg"],
-        input=to_dot(graph, hide_constants, title).encode(),
-        capture_output=True,
-        timeout=120,
-        check=False,
-    )
+    proc = subprocess.run([exe, "-Tsvg"], input=dot_text.encode(), capture_output=True, timeout=120,
+                          check=False)
     if proc.returncode != 0:
         raise RuntimeError(
             f"Graphviz dot failed with exit code {proc.returncode}:\n{proc.stderr.decode(errors='replace')}"
         )
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(proc.stdout)
     return path
 
 
-__all__ = ["CATEGORIES", "category", "graph_to_svg", "to_dot"]
+__all__ = ["CATEGORIES", "category", "graph_to_svg", "to_dot", "write_svg"]
