@@ -2,8 +2,9 @@
 
 A repo id resolves, in order:
 
-1. `kernelize/<name>`: the bundled repository `hub_kernels/<name>` (next to the package in a source
-   checkout, or `$KERNELIZE_HUB_DIR/<name>`). No network; trusted.
+1. `kernelize/<name>`: the bundled repository `<name>` of `bundled_hub_dir()` (`kernelize/hub_kernels` in
+   an installed wheel, `hub_kernels/` in a source checkout, or `$KERNELIZE_HUB_DIR`). `<name>` must be a
+   plain name of a folder there (`check_repo_id`). No network; trusted.
 2. `LOCAL_KERNELS=org/name=/path:org2/name2=/path2`: a folder on disk replaces the repository. Trusted
    (the user chose the folder).
 3. The Hugging Face Hub, through `huggingface_hub` (repo type `kernel`, then `model`). Only the selected
@@ -15,6 +16,7 @@ A repo id resolves, in order:
 from __future__ import annotations
 
 import fnmatch
+import importlib.resources
 import logging
 import os
 from collections.abc import Collection
@@ -56,10 +58,18 @@ TrustRemoteCode = bool | Collection[str]
 
 
 def bundled_hub_dir() -> Path:
-    """The folder of the bundled repositories: `$KERNELIZE_HUB_DIR`, else `hub_kernels/` in the checkout."""
+    """The folder of the bundled repositories.
+
+    `$KERNELIZE_HUB_DIR` if set; else `kernelize/hub_kernels` inside an installed package (the wheel ships
+    `hub_kernels/` there as package data); else `hub_kernels/` at the top of a source checkout (also what an
+    editable install uses).
+    """
     override = os.environ.get("KERNELIZE_HUB_DIR", "").strip()
     if override:
         return Path(override)
+    packaged = importlib.resources.files("kernelize") / "hub_kernels"
+    if isinstance(packaged, Path) and packaged.is_dir():  # not for zip imports: kernels import from files
+        return packaged
     import kernelize
 
     return Path(kernelize.__file__).parents[1] / "hub_kernels"
