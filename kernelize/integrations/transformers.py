@@ -110,42 +110,47 @@ def _activation_layers() -> Any:
     return get_kernel("kernelize/activation").layers
 
 
-def _hidden_act(module: nn.Module) -> object:
-    return getattr(getattr(module, "config", None), "hidden_act", None) or getattr(
-        module, "hidden_act", "silu"
-    )
-
-
 def _mlp(module: nn.Module) -> Recognition | None:
     fused = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_up_proj", "down_proj"))
     split = all(
         isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")
     )
     if not (fused or split):
+        looks_like = type(module).__name__.endswith("MLP")
         return (
             _eager("mlp", "no gate_proj/up_proj/down_proj or gate_up_proj/down_proj linears")
-            if type(module).__name__.endswith("MLP")
+            if looks_like
             else None
         )
-    act, layers = _hidden_act(module), _activation_layers()
-    table = layers.GATED_PAIR_MATH if fused else layers.GATED_MATH
-    if act not in table:
-        return _eager("mlp", f"activation {act!r} has no gated kernel math (known: {', '.join(table)})")
-    hidden = module.down_proj.out_features
     if module.down_proj.weight.is_meta:
         return _eager("mlp", "weights on the meta device: cannot probe the MLP")
+    layers = _activation_layers()
+    table = layers.GATED_PAIR_MATH if fused else layers.GATED_MATH
     w = module.down_proj.weight
     with torch.no_grad():
-        x = torch.randn(2, hidden, generator=torch.Generator().manual_seed(2)).to(w.device, w.dtype)
-        got = type(module).forward(module, x)
-        if fused:
-            want = module.down_proj(table[act](module.gate_up_proj(x)))
-        else:
-            want = module.down_proj(table[act](module.gate_proj(x), module.up_proj(x)))
-    if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-4):
-        return _eager("mlp", f"forward is not down_proj({act}(gate) * up) (probed)")
-    name = "FusedGatedMLP" if fused else "GatedMLP"
-    return Recognition("mlp", name, f"down_proj({act}(gate) * up) (probed)")
+        x = torch.randn(2, module.down_proj.out_features, generator=torch.Generator().manual_seed(2))
+        x = x.to(w.device, w.dtype)
+        got = type(module).forward(module, x).float()
+        for act in _activation_candidates(module, table):
+            if fused:
+                want = module.down_proj(table[act](module.gate_up_proj(x)))
+            else:
+                want = module.down_proj(table[act](module.gate_proj(x), module.up_proj(x)))
+            if got.shape == want.shape and torch.allclose(got, want.float(), rtol=1e-3, atol=1e-4):
+                name = "FusedGatedMLP" if fused else "GatedMLP"
+                return Recognition("mlp", name, f"down_proj({act}(gate) * up) (probed)", {"hidden_act": act})
+    config = getattr(module, "config", None)
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    known = ", ".join(dict.fromkeys(table))
+    detail = f"no gated activation ({known}) reproduces the forward; the config's activation is {act!r}"
+    return _eager("mlp", f"{detail} (probed)")
+
+
+def _activation_candidates(module: nn.Module, table: Mapping[str, Any]) -> list[str]:
+    """The config's activation names first (`hidden_act`, Gemma-2's `hidden_activation`), then the rest."""
+    config = getattr(module, "config", None)
+    named = [getattr(config, n, None) for n in ("hidden_activation", "hidden_act")]
+    return list(dict.fromkeys([n for n in named if n in table] + list(table)))
 
 
 # ---- attention --------------------------------------------------------------------------------------------

@@ -85,9 +85,9 @@ GATED_PAIR_MATH = {
 
 
 def _hidden_act(module: nn.Module) -> object:
-    return getattr(getattr(module, "config", None), "hidden_act", None) or getattr(
-        module, "hidden_act", "silu"
-    )
+    """The activation: the instance's `hidden_act` (kernelize_model's probe sets it), else the config's."""
+    own = module.__dict__.get("hidden_act")
+    return own or getattr(getattr(module, "config", None), "hidden_act", None) or "silu"
 
 
 # ---- functional API (as in kernels-community/activation) --------------------------------------------------
