@@ -87,7 +87,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
     },
     "rotary": {"RotaryEmbedding": "RotaryEmbedding", "rotary_pos_emb": "ApplyRotaryPosEmb"},
     "softmax": {"Softmax": "Softmax", "ScaledMaskedSoftmax": "ScaledMaskedSoftmax"},
-    "llm": {"CausalSelfAttention": "CausalSelfAttention"},
+    "llm": {"CausalSelfAttention": "CausalSelfAttention", "PreNormDecoderLayer": "PreNormDecoderLayer"},
     "linear": {
         "Linear": "Linear",
         "LinearReLU": "LinearReLU",

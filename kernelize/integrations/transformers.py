@@ -11,6 +11,7 @@ with transformers, switches the model to it, and calls `kernelize` with the bund
 | `gate_proj`, `up_proj`, `down_proj`, gated activation (probed) | `GatedMLP` | `kernelize/activation` |
 | `gate_up_proj`, `down_proj` (Phi-3), gated activation (probed) | `FusedGatedMLP` | `kernelize/activation` |
 | q/k/v/o or qkv/o linears + rotary (probed: neox or interleaved) | `CausalSelfAttention` | `kernelize/llm` |
+| norm, attn, `residual +`, norm, mlp, `residual +` (source order) | `PreNormDecoderLayer` | `kernelize/llm` |
 
 A module that looks like one of these but does not match is left eager, and `kernelize.inspect(model)`
 says why; so does a replaced attention module whose calls took the eager path (see
@@ -234,9 +235,54 @@ def _attention_blocker(module: nn.Module) -> str | None:
     return None
 
 
+# ---- decoder layers: residual add + norm ------------------------------------------------------------------
+_DECODER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
+_DECODER_OPTIONAL = frozenset({"resid_attn_dropout", "resid_mlp_dropout"})  # Phi-3
+_DECODER_PARAMS = ("self", "hidden_states", "attention_mask", "position_ids", "past_key_values", "use_cache")
+# the pre-norm data flow, in source order: the second residual add and the norm after it fuse
+_DECODER_STEPS = (
+    "residual = hidden_states",
+    "self.input_layernorm(hidden_states)",
+    "self.self_attn(",
+    "residual +",
+    "residual = hidden_states",
+    "self.post_attention_layernorm(hidden_states)",
+    "self.mlp(hidden_states)",
+    "residual +",
+)
+
+
+def _decoder(module: nn.Module) -> Recognition | None:
+    children = {name for name, _ in module.named_children()}
+    if not _DECODER_CHILDREN <= children:
+        return None
+    extra = children - _DECODER_CHILDREN - _DECODER_OPTIONAL
+    if extra:
+        return _eager("decoder", f"submodules beyond a pre-norm decoder layer: {', '.join(sorted(extra))}")
+    try:
+        source = pyinspect.getsource(type(module).forward)
+        params = tuple(pyinspect.signature(type(module).forward).parameters)
+    except (OSError, TypeError):
+        return _eager("decoder", "the forward's source is not available to check its data flow")
+    at = 0
+    for step in _DECODER_STEPS:
+        at = source.find(step, at)
+        if at < 0:
+            return _eager("decoder", f"the forward is not the pre-norm residual flow (no `{step}` in order)")
+    if params[: len(_DECODER_PARAMS)] != _DECODER_PARAMS:
+        return _eager("decoder", f"forward parameters {params} differ from the pre-norm decoder layer's")
+    norm = _norm(module.post_attention_layernorm)
+    if norm is None or norm.layer_name is None:
+        return _eager("decoder", "post_attention_layernorm is not a recognised RMSNorm")
+    style = norm.layer_name
+    return Recognition(
+        "decoder", "PreNormDecoderLayer", f"residual add + {style}", {"kernelize_norm_style": style}
+    )
+
+
 # ---- the table ----------------------------------------------------------------------------------------
 # Each rule: module -> Recognition (a layer, or left eager with the reason), or None (not this kind).
-RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (_norm, _mlp, _attention)
+RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (_norm, _mlp, _attention, _decoder)
 # The class mark of a kind whose modules are left eager: a name no mapping has, so nothing replaces them.
 _UNRECOGNISED = "{kind} (not recognised by kernelize_model)"
 

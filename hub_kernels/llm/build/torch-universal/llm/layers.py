@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernelize import hub
 from kernelize.integrations.hf_attention import attention_forward
 
 
@@ -31,6 +32,13 @@ def _rotary() -> Any:
     from kernelize.layer.hub import get_kernel
 
     return get_kernel("kernelize/rotary")
+
+
+@functools.cache
+def _norms() -> Any:
+    from kernelize.layer.hub import get_kernel
+
+    return get_kernel("kernelize/layer_norm").layers
 
 
 def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,3 +103,55 @@ class CausalSelfAttention(nn.Module):
             **kwargs,
         )
         return self.o_proj(out.reshape(batch, seq, -1)), weights
+
+
+def add_norm(owner: nn.Module, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, style: str):
+    """`(norm(x + residual), x + residual)` as one generated kernel; `style` names the norm's math."""
+    layers = _norms()
+    math = layers.FUSED_ADD_MATH[style]
+    return hub.run(owner, math, [x, residual], [norm.weight], eps=layers.eps_of(norm))
+
+
+class PreNormDecoderLayer(nn.Module):
+    """A pre-norm decoder layer (Llama, Qwen2, Mistral, Gemma, Phi-3) whose residual add and second norm fuse.
+
+    `x + attention(norm1(x))` and `norm2` of it run as one kernel (two stores: the normalised input of the
+    MLP and the new residual). The submodules run their own (possibly kernelized) forwards. Reads
+    `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`, Phi-3's `resid_attn_dropout` /
+    `resid_mlp_dropout` when present, and `kernelize_norm_style` (the norm's layer name, set by
+    `kernelize_model`).
+    """
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        if hasattr(self, "resid_attn_dropout"):
+            hidden_states = self.resid_attn_dropout(hidden_states)
+        style = self.kernelize_norm_style
+        hidden_states, residual = add_norm(
+            self, self.post_attention_layernorm, hidden_states, residual, style
+        )
+        hidden_states = self.mlp(hidden_states)
+        if hasattr(self, "resid_mlp_dropout"):
+            hidden_states = self.resid_mlp_dropout(hidden_states)
+        return residual + hidden_states
