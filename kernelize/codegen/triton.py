@@ -341,9 +341,8 @@ class KernelSource:
             raise NotImplementedError(f"{k.name}: matmul operand strides must be over (*batch, M, N, K)")
         kdim = contraction(k, e, a, "triton")
         batch, bnames = _index_lines(k.domain[:nb], "bid", "b", self.r) if nb else ([], [])
-        ctx = _Ctx(
-            [*bnames, "rm[:, None]", "rn[None, :]"], [False] * nb + [True, True], "[BM, BN]", [{nb}, {nb + 1}]
-        )
+        ctx = _Ctx([*bnames, "rm[:, None]", "rn[None, :]"], [False] * nb + [True, True], "[BM, BN]",
+                   [{nb}, {nb + 1}])
         a_off, _ = self.offset(_Ctx(bnames, [False] * nb, ""), a.strides[:nb], a.offset)
         b_off, _ = self.offset(_Ctx(bnames, [False] * nb, ""), b.strides[:nb], b.offset)
         body = []
@@ -360,21 +359,11 @@ class KernelSource:
         body += [self.store(s, ctx, "mask") for s in k.stores]
         r = self.r.dim
         return self.header(
-            "triton_matmul.py.tmpl",
-            batch,
-            body,
-            M=r(k.domain[-2]),
-            N=r(k.domain[-1]),
-            K=r(kdim),
-            A_PTR=self.ptr[a.buffer],
-            A_OFF=a_off,
-            A_SM=r(a.strides[nb]),
-            A_SK=r(a.strides[nb + 2]),
-            B_PTR=self.ptr[b.buffer],
-            B_OFF=b_off,
-            B_SK=r(b.strides[nb + 2]),
-            B_SN=r(b.strides[nb + 1]),
-            PRECISION=', input_precision="ieee"' if a.dtype is DType.F32 else "",
+            "triton_matmul.py.tmpl", batch, body,
+            M=r(k.domain[-2]), N=r(k.domain[-1]), K=r(kdim),
+            A_PTR=self.ptr[a.buffer], A_OFF=a_off, A_SM=r(a.strides[nb]), A_SK=r(a.strides[nb + 2]),
+            B_PTR=self.ptr[b.buffer], B_OFF=b_off, B_SK=r(b.strides[nb + 2]), B_SN=r(b.strides[nb + 1]),
+            PRECISION=', input_precision="ieee"' if a.dtype is DType.F32 else '',
         )
 
     def row(self) -> str:
@@ -519,12 +508,6 @@ def compile_ahead_many(kernels, archs=(80, 90), sizes=None) -> list[dict[int, di
 
     return run(kernels, archs, sizes)
 
-
 __all__ = [
-    "TritonBackend",
-    "TritonRenderer",
-    "compile_ahead",
-    "compile_ahead_many",
-    "launch_config",
-    "render",
+    "TritonBackend", "TritonRenderer", "compile_ahead", "compile_ahead_many", "launch_config", "render"
 ]

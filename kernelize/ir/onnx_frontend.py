@@ -56,11 +56,8 @@ OPS: dict[str, Converter] = {**MATH_OPS, **LAYOUT_OPS, **NN_OPS, **ATTENTION_OPS
 SYMBOLIC_OPS: dict[str, Converter] = dict(SYM_OPS)
 
 
-def load_onnx(
-    path_or_model: str | os.PathLike | bytes | onnx.ModelProto,
-    *,
-    dynamic_dims: Mapping[str, int | str] | None = None,
-) -> Graph:
+def load_onnx(path_or_model: str | os.PathLike | bytes | onnx.ModelProto, *,
+              dynamic_dims: Mapping[str, int | str] | None = None) -> Graph:
     """Convert an ONNX model into a graph.
 
     Args:
@@ -134,10 +131,8 @@ class _Loader:
         graph = self.model.graph
         unknown = sorted(set(self.dynamic) - self._dim_keys())
         if unknown:
-            raise ValueError(
-                f"dynamic_dims keys {unknown} match no input dim of {self.where} (keys are "
-                "dim_param names or '<input>:<axis>')"
-            )
+            raise ValueError(f"dynamic_dims keys {unknown} match no input dim of {self.where} (keys are "
+                             "dim_param names or '<input>:<axis>')")
         for init in graph.initializer:
             self.values[init.name] = tensor_from_proto(init, f"initializer {init.name!r} of {self.where}")
         if graph.sparse_initializer:
@@ -156,28 +151,20 @@ class _Loader:
             v = self.values[vo.name]
             if isinstance(v, SymInts):
                 sizes = [str(d) for d in v.dims]
-                raise UnsupportedOpError(
-                    f"graph output {vo.name!r} of {self.where} is a shape with symbolic "
-                    f"sizes {sizes}; kernelize has no run-time shape op"
-                )
+                raise UnsupportedOpError(f"graph output {vo.name!r} of {self.where} is a shape with symbolic "
+                                         f"sizes {sizes}; kernelize has no run-time shape op")
             outputs.append(v if isinstance(v, Node) else materialize(self.g, v))
         self.g.output(*outputs)
-        logger.debug(
-            "loaded %s: %d ONNX nodes (opset %d) -> %d IR nodes",
-            self.where,
-            len(graph.node),
-            self.opset,
-            len(self.g),
-        )
+        logger.debug("loaded %s: %d ONNX nodes (opset %d) -> %d IR nodes", self.where, len(graph.node),
+                     self.opset, len(self.g))
         return self.g
 
     # -- inputs -------------------------------------------------------------------------------------------
     def _input(self, vi: onnx.ValueInfoProto) -> Node:
         kind = vi.type.WhichOneof("value")
         if kind != "tensor_type":
-            raise UnsupportedOpError(
-                f"graph input {vi.name!r} of {self.where} is a {kind}; kernelize supports tensor inputs only"
-            )
+            raise UnsupportedOpError(f"graph input {vi.name!r} of {self.where} is a {kind}; kernelize "
+                                     "supports tensor inputs only")
         tt = vi.type.tensor_type
         dtype = to_dtype(tt.elem_type, f"graph input {vi.name!r} of {self.where}")
         if not tt.HasField("shape"):
@@ -210,10 +197,8 @@ class _Loader:
             elif name in self.values:
                 values.append(self.values[name])
             else:
-                raise ValueError(
-                    f"{self.where}: node {node.name or index!r} ({node.op_type}) reads "
-                    f"{name!r}, which no earlier node, input or initializer defines"
-                )
+                raise ValueError(f"{self.where}: node {node.name or index!r} ({node.op_type}) reads "
+                                 f"{name!r}, which no earlier node, input or initializer defines")
         ctx = NodeContext(self.g, node, self.opset, values, self.where)
         if node.domain not in ("", "ai.onnx"):
             raise ctx.unsupported(f"domain {node.domain!r} is not supported (only the default ONNX domain)")
@@ -221,10 +206,8 @@ class _Loader:
         fn = SYMBOLIC_OPS.get(node.op_type) if symbolic else None
         fn = fn or OPS.get(node.op_type)
         if fn is None:
-            raise ctx.unsupported(
-                f"this op type is not supported (the {len(OPS)} supported ones are listed "
-                "in kernelize.ir.onnx_frontend.OPS)"
-            )
+            raise ctx.unsupported(f"this op type is not supported (the {len(OPS)} supported ones are listed "
+                                  "in kernelize.ir.onnx_frontend.OPS)")
         # every supported op is pure, so a node of constants is folded (random ops are unsupported)
         fold = not symbolic and all(v is None or isinstance(v, torch.Tensor) for v in values)
         if fold:
@@ -236,16 +219,8 @@ class _Loader:
                 outs = _fold(ctx.g, outs)
         except UnsupportedOpError:
             raise
-        except (
-            ShapeError,
-            DTypeError,
-            ValueError,
-            TypeError,
-            IndexError,
-            KeyError,
-            ZeroDivisionError,
-            RuntimeError,
-        ) as e:  # operands that do not fit the op: a malformed model
+        except (ShapeError, DTypeError, ValueError, TypeError, IndexError, KeyError, ZeroDivisionError,
+                RuntimeError) as e:  # operands that do not fit the op: a malformed model
             kind = ShapeError if isinstance(e, ShapeError) else ValueError
             raise kind(f"{ctx.describe()}: {e}") from e
         for i, name in enumerate(node.output):

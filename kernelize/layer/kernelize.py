@@ -199,7 +199,7 @@ def _decide(path: str, module: nn.Module, ctx: _Context) -> tuple[KernelChoice, 
                 exc,
                 f"kernelize: while loading {repo} for `{path}` (layer `{layer_name}`, "
                 f"device {ctx.device_text}, mode {ctx.mode}); "
-                "use_fallback=KernelizeFallback.ALL keeps the original forward instead.",
+                "use_fallback=KernelizeFallback.ALL keeps the original forward instead."
             )
             raise
         return keep(FallbackReason.CANNOT_LOAD, f"{type(exc).__name__}: {exc}")

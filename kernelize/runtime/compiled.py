@@ -237,10 +237,8 @@ class CompiledGraph:
                 if pool is not None:  # cpu backend: recycle large buffers the caller dropped
                     writes = [pool.empty(b, shape, b.dtype.torch) for b, shape in zip(k.writes, shapes)]
                 else:
-                    writes = [
-                        torch.empty(shape, dtype=b.dtype.torch, device=self.device)
-                        for b, shape in zip(k.writes, shapes)
-                    ]
+                    writes = [torch.empty(shape, dtype=b.dtype.torch, device=self.device)
+                              for b, shape in zip(k.writes, shapes)]
                 if launch:
                     step.compiled.launch(reads, writes, sizes)
                 vals.update(zip(k.writes, writes))
@@ -291,10 +289,8 @@ class CompiledGraph:
         return out.to(node.dtype.torch).contiguous()
 
     def __repr__(self) -> str:
-        return (
-            f"CompiledGraph({self.backend} on {self.device}, {len(self._steps)} steps, "
-            f"{len(self.kernels)} generated kernels)"
-        )
+        return (f"CompiledGraph({self.backend} on {self.device}, {len(self._steps)} steps, "
+                f"{len(self.kernels)} generated kernels)")
 
 
 def _materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
