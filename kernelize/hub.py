@@ -76,6 +76,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
         "NewGELU": "NewGELU",
         "GatedMLP": "GatedMLP",
         "LlamaMLP": "GatedMLP",
+        "FusedGatedMLP": "FusedGatedMLP",
     },
     "layer_norm": {
         "RMSNorm": "RMSNorm",
@@ -86,6 +87,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
     },
     "rotary": {"RotaryEmbedding": "RotaryEmbedding", "rotary_pos_emb": "ApplyRotaryPosEmb"},
     "softmax": {"Softmax": "Softmax", "ScaledMaskedSoftmax": "ScaledMaskedSoftmax"},
+    "llm": {"CausalSelfAttention": "CausalSelfAttention", "PreNormDecoderLayer": "PreNormDecoderLayer"},
     "linear": {
         "Linear": "Linear",
         "LinearReLU": "LinearReLU",
