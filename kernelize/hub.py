@@ -12,9 +12,9 @@ Backend by device: ``cpu`` -> the C++ backend; ``cuda``/``rocm``/``xpu`` -> Trit
 (``KERNELIZE_CUDA_BACKEND=cuda`` picks the NVRTC backend on CUDA). ``KERNELIZE_HUB_BACKEND`` (or
 :func:`use_backend`) forces one backend everywhere, e.g. ``reference`` for f64 gradient checks.
 
-Gradients: when an input requires grad, the kernel output is wrapped in an ``autograd.Function`` whose
-backward recomputes the same plain-torch math with autograd (activation-checkpointing style), so every
-hub layer has an exact backward without a second definition.
+Gradients: when a tensor requires grad, :mod:`kernelize.hub_autograd` differentiates the layer's graph on the
+IR and runs a generated forward (which also writes what backward needs) and a generated backward, so every
+hub layer has a kernel backward without a second definition.
 
 Example:
     >>> import torch
@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kernelize import hub_autograd
 from kernelize.layer.record import record_choice, recorded_choice
 
 __all__ = [
@@ -253,29 +254,6 @@ def _build(
     return _Entry(compiled, record, len(graph.outputs))
 
 
-class _Recompute(torch.autograd.Function):
-    """Forward: the compiled kernels. Backward: autograd through the same plain-torch math."""
-
-    @staticmethod
-    def forward(ctx, entry: _Entry, fn: Callable, params: dict, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.fn, ctx.params = fn, params
-        ctx.save_for_backward(*tensors)
-        outs = entry.compiled(*tensors)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            outs = ctx.fn(*tensors, **ctx.params)
-        outs = outs if isinstance(outs, tuple | list) else (outs,)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        wanted = [t for t in tensors if t.requires_grad]
-        got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-        it = iter(got)
-        return (None, None, None, *[next(it) if t.requires_grad else None for t in tensors])
-
-
 def run(
     owner: torch.nn.Module | None,
     fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
@@ -355,7 +333,7 @@ def _run_eager(
     if owner is not None:
         _note_ran(owner, entry)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        outs = _Recompute.apply(entry, fn, dict(params), *tensors)
+        outs = hub_autograd.apply(entry.compiled, tensors)
     else:
         outs = entry.compiled(*tensors)
     return outs[0] if entry.n_outputs == 1 else tuple(outs)
