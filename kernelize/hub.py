@@ -273,9 +273,10 @@ def run(
     Returns:
         A tensor, or a tuple of tensors when ``fn`` returns several.
 
-    Under ``torch.compile`` (inference, signature already compiled by an eager call) the call traces to the
-    runtime's ``kernelize::run_graph`` custom op, so no graph break; otherwise the lookup, build and
-    bookkeeping run outside the compiled graph (one graph break).
+    Under ``torch.compile`` (signature already compiled by an eager call, and for training its backward too)
+    the call traces to the runtime's ``kernelize::run_graph`` custom op, inside an autograd.Function when
+    gradients are needed, so no graph break; otherwise the lookup, build and bookkeeping run outside the
+    compiled graph (one graph break).
 
     Example:
         >>> def silu_and_mul(x):
@@ -284,9 +285,13 @@ def run(
         >>> y = run(None, silu_and_mul, [torch.randn(7, 64)])  # doctest: +SKIP
     """
     if torch.compiler.is_compiling():
+        entry = _CACHE.get(_key(fn, inputs, weights, params))
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *weights))
-        entry = None if grad else _CACHE.get(_key(fn, inputs, weights, params))
-        if entry is not None:  # traced: `entry.compiled(...)` is the custom op with a fake implementation
+        if entry is not None and grad:  # traced: an autograd.Function whose halves are the custom op
+            outs = hub_autograd.apply_traced(entry.compiled, [*inputs, *weights])
+            if outs is not None:
+                return outs[0] if entry.n_outputs == 1 else tuple(outs)
+        elif entry is not None:  # traced: `entry.compiled(...)` is the custom op with a fake implementation
             outs = entry.compiled(*inputs, *weights)
             return outs[0] if entry.n_outputs == 1 else tuple(outs)
         return _run_outside_graph()(owner, fn, inputs, weights, params)

@@ -32,7 +32,7 @@ import torch
 from kernelize.ir.autodiff import split, vjp
 from kernelize.passes.optimize import optimize
 
-__all__ = ["TrainingGraphs", "apply", "clear_cache", "training_graphs"]
+__all__ = ["TrainingGraphs", "apply", "apply_traced", "clear_cache", "training_graphs"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,14 @@ def apply(compiled: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     wrt = tuple(i for i, t in enumerate(tensors) if t.requires_grad)
     pair = training_graphs(compiled, wrt)
     return list(pair.function.apply(*tensors))
+
+
+def apply_traced(compiled: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Like :func:`apply` under ``torch.compile``, for a pair an eager call built already (else ``None``:
+    building runs outside the traced graph)."""
+    wrt = tuple(i for i, t in enumerate(tensors) if t.requires_grad)
+    pair = _TRAINING.get((compiled, wrt))
+    return None if pair is None else list(pair.function.apply(*tensors))
 
 
 def clear_cache() -> None:

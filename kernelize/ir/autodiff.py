@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from kernelize.ir.dtypes import compute_dtype
 from kernelize.ir.graph import LAYOUT, ROW, Graph, Node, Op
-from kernelize.ir.shapes import Sym, numel
+from kernelize.ir.shapes import Sym, numel, symbols
 
 __all__ = ["VJP", "JointGraph", "NotDifferentiable", "Split", "split", "vjp", "worth_saving"]
 
@@ -523,7 +523,9 @@ def split(joint: JointGraph) -> Split:
     saved = _choose_saved(candidates, read_anyway)
     forward = _extract(g, primals, [*fwd_outs, *saved], {})
     bwd_needed = _cone(grads, stop=set(saved))
-    primals_read = tuple(i for i, p in enumerate(primals) if p in bwd_needed)
+    primals_read = _binding(
+        primals, [p in bwd_needed for p in primals], [*g.inputs[joint.n_primals :], *saved], grads
+    )
     backward = Graph()
     subst: dict[Node, Node] = {}
     for i in primals_read:
@@ -535,6 +537,21 @@ def split(joint: JointGraph) -> Split:
         subst[c] = backward.input(c.arg, c.shape, c.dtype)
     backward = _extract(g, [], grads, subst, into=backward)
     return Split(forward, backward, len(saved), primals_read)
+
+
+def _binding(
+    primals: Sequence[Node], read: list[bool], others: Sequence[Node], grads: Sequence[Node]
+) -> tuple:
+    """Indices of the primals backward reads, plus any it needs only to learn a symbolic size (the gradient
+    of a column sum does not read `x`, but its shape ``[n, d]`` needs `n`)."""
+    bound = {s for i, p in enumerate(primals) if read[i] for s in symbols(p.shape)}
+    bound |= {s for n in others for s in symbols(n.shape)}
+    for i, p in enumerate(primals):
+        missing = {s for gr in grads for s in symbols(gr.shape)} - bound
+        if missing and not read[i] and symbols(p.shape) & missing:
+            read[i] = True
+            bound |= symbols(p.shape)
+    return tuple(i for i, r in enumerate(read) if r)
 
 
 def _cone(outs: Sequence[Node], stop: set[Node] | None = None) -> set[Node]:
