@@ -108,7 +108,7 @@ def _norm(module: nn.Module) -> Recognition | None:
 def _activation_layers() -> Any:
     from kernelize.layer.hub import get_kernel
 
-    return get_kernel("kernelize/activation").layers
+    return get_kernel("kernelize/activation", version=1).layers
 
 
 def _mlp(module: nn.Module) -> Recognition | None:
@@ -178,7 +178,7 @@ def _rotary_style(module: nn.Module) -> tuple[bool | None, str]:
 def _rotary_layers() -> Any:
     from kernelize.layer.hub import get_kernel
 
-    return get_kernel("kernelize/rotary").layers
+    return get_kernel("kernelize/rotary", version=1).layers
 
 
 _ATTENTION_ATTRS = ("head_dim", "scaling", "layer_idx", "config")

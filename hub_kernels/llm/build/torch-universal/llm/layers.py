@@ -31,14 +31,14 @@ from kernelize.integrations.hf_attention import attention_forward
 def _rotary() -> Any:
     from kernelize.layer.hub import get_kernel
 
-    return get_kernel("kernelize/rotary")
+    return get_kernel("kernelize/rotary", version=1)
 
 
 @functools.cache
 def _norms() -> Any:
     from kernelize.layer.hub import get_kernel
 
-    return get_kernel("kernelize/layer_norm").layers
+    return get_kernel("kernelize/layer_norm", version=1).layers
 
 
 def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
