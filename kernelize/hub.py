@@ -53,6 +53,7 @@ __all__ = [
     "compiled_ran",
     "default_mapping",
     "kernels_ran",
+    "note_kernels",
     "run",
     "use_backend",
 ]
@@ -89,6 +90,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
     },
     "rotary": {"RotaryEmbedding": "RotaryEmbedding", "rotary_pos_emb": "ApplyRotaryPosEmb"},
     "softmax": {"Softmax": "Softmax", "ScaledMaskedSoftmax": "ScaledMaskedSoftmax"},
+    "attention": {"ScaledDotProductAttention": "ScaledDotProductAttention"},
     "llm": {"CausalSelfAttention": "CausalSelfAttention", "PreNormDecoderLayer": "PreNormDecoderLayer"},
     "linear": {
         "Linear": "Linear",
@@ -400,6 +402,18 @@ def _note_ran(owner: torch.nn.Module, entry: _Entry) -> None:
             choice = dataclasses.replace(choice, backend=rec.backend, kernels=rec.kernels)
             record_choice(owner, choice)
     ran.choice = choice
+
+
+_NOTED: dict[KernelRecord, _Entry] = {}
+
+
+def note_kernels(owner: torch.nn.Module, record: KernelRecord) -> None:
+    """Record that `owner`'s forward ran kernels compiled outside :func:`run` (the attention kernels of
+    :mod:`kernelize.attention`), so :func:`kernels_ran` and ``kernelize.inspect`` list them."""
+    entry = _NOTED.get(record)
+    if entry is None:
+        entry = _NOTED.setdefault(record, _Entry(None, record, 1))
+    _note_ran(owner, entry)
 
 
 def _merged(entries: Sequence[_Entry]) -> KernelRecord:

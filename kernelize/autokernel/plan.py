@@ -75,6 +75,8 @@ class PlanSettings:
             (:func:`kernelize.autokernel.canon.sink_views`), so they fuse into it.
         horizontal: POINTWISE (or ROW, same rows) kernels over the same domain that read a common value
             merge (one launch, the value read once).
+        column_reduce: ``"generate"`` (a sum/mean over leading axes is a ROW kernel over the transposed
+            domain) or ``"library"`` (torch reduces the materialised operand with blocked partial sums).
     """
 
     matmul: Literal["generate", "library"] = "generate"
@@ -85,10 +87,15 @@ class PlanSettings:
     recompute_max_ops: int = 8
     sink_views: bool = True
     horizontal: bool = True
+    column_reduce: Literal["generate", "library"] = "generate"
 
     def __post_init__(self) -> None:
         if self.matmul not in ("generate", "library"):
             raise ValueError(f"PlanSettings.matmul must be 'generate' or 'library', got {self.matmul!r}")
+        if self.column_reduce not in ("generate", "library"):
+            raise ValueError(
+                f"PlanSettings.column_reduce must be 'generate' or 'library', got {self.column_reduce!r}"
+            )
         if self.recompute_max_ops < 0:
             raise ValueError(f"PlanSettings.recompute_max_ops must be >= 0, got {self.recompute_max_ops}")
 
@@ -196,7 +203,7 @@ def _partition(
     part = Partition(Ctx(graph, users, stop))
     prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2}  # node kinds: 3
     for n in computed:
-        kind = kind_of(n, library_mm)
+        kind = kind_of(n, library_mm, settings.column_reduce == "library")
         g = new_group(len(part.parent), n, kind)
         if n in stop:
             g.copy = True
@@ -233,7 +240,8 @@ def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple
     for n in graph.nodes:
         if n not in live:
             continue
-        if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION):
+        library = n in part.of and part.group(n).kind is KernelKind.LIBRARY  # e.g. a column sum on the cpu
+        if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION) or library:
             pinned.update(base(s, stop) for s in n.src)
         elif n.op is Op.PAD:
             pinned.add(base(n.src[0], stop))

@@ -343,10 +343,13 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def _use_attention_function(model: nn.Module) -> str:
+def _use_attention_function(model: nn.Module, mode: Mode) -> str:
     """Switch the model to the `kernelize` attention implementation; returns what happened."""
     if attention_kernel() is None:
         return f"attention implementation unchanged: {KERNEL_UNAVAILABLE}"
+    if mode & (Mode.TRAINING | Mode.TORCH_COMPILE):
+        # the kernel has no backward and is not traceable: every call would take the eager path
+        return f"attention implementation unchanged for {mode}"
     setter = getattr(model, "set_attn_implementation", None)
     if setter is None:
         return "attention implementation unchanged: not a transformers PreTrainedModel"
@@ -402,7 +405,7 @@ def kernelize_model(
         elif choice.uses_kernel and verdict.kind == "attention" and verdict.reason not in choice.notes:
             choice = dataclasses.replace(choice, notes=(verdict.reason, *choice.notes))
         record_choice(module, choice)
-    status = _use_attention_function(model)
+    status = _use_attention_function(model, mode)
     replaced = sum(1 for p in found if (c := recorded_choice(model.get_submodule(p))) and c.uses_kernel)
     logger.info("kernelize_model: %d of %d recognised modules replaced; %s", replaced, len(found), status)
     return model
