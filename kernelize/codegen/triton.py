@@ -44,6 +44,7 @@ from kernelize.codegen.triton_rows import RowRenderer, row_block
 from kernelize.ir.dtypes import HALF, DType, compute_dtype
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.shapes import Dim, bind, numel
+from kernelize.runtime import diskcache
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
 from kernelize.runtime.cache import KERNELS
 
@@ -428,20 +429,23 @@ def interpreting() -> bool:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KERNELIZE_CACHE_DIR")
-    path = Path(root) / "triton" if root else Path.home() / ".cache" / "kernelize" / "triton"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where generated Triton modules live: ``<kernelize cache>/triton``, checked and with the same
+    fallback as the compiled-code cache (:func:`kernelize.runtime.diskcache.cache_dir`)."""
+    return diskcache.cache_dir("triton")
+
+
+def module_file(source: str, name: str) -> Path:
+    """The ``.py`` file holding exactly ``source`` in the checked cache folder (written when missing or
+    different): an existing file is reused only with the same content, in a folder only this user writes
+    (Python may also load its ``__pycache__`` bytecode)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return diskcache.cached_file("triton", f"{name}_{digest}.py", source.encode())
 
 
 def load_module(source: str, name: str, interpret: bool) -> ModuleType:
     """Write ``source`` to the cache dir and import it (``triton.jit`` needs a real file to inspect)."""
+    path = module_file(source, name)
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = cache_dir() / f"{name}_{digest}.py"
-    if not path.exists() or path.read_text() != source:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        tmp.replace(path)
     mod_name = f"kernelize_triton_{name}_{digest}_{'interp' if interpret else 'jit'}"
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
