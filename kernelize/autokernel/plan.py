@@ -73,6 +73,9 @@ class PlanSettings:
             (:func:`kernelize.autokernel.canon.sink_views`), so they fuse into it.
         horizontal: POINTWISE (or ROW, same rows) kernels over the same domain that read a common value
             merge (one launch, the value read once).
+        merge_matmuls: matmuls over the same domain that read the same left operand and meet in an
+            elementwise epilogue (``silu(x @ Wg) * (x @ Wu)``) become one MATMUL kernel with several MATMUL
+            values (for backends whose matmul kernels compute several accumulators: the CPU's few-row kernel).
     """
 
     matmul: Literal["generate", "library"] = "generate"
@@ -83,6 +86,7 @@ class PlanSettings:
     recompute_max_ops: int = 8
     sink_views: bool = True
     horizontal: bool = True
+    merge_matmuls: bool = False
 
     def __post_init__(self) -> None:
         if self.matmul not in ("generate", "library"):
@@ -191,7 +195,7 @@ def _partition(
     computed: Sequence[Node],
 ) -> Partition:
     library_mm = settings.matmul == "library"
-    part = Partition(Ctx(graph, users, stop))
+    part = Partition(Ctx(graph, users, stop, settings.merge_matmuls))
     prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2, KernelKind.LIBRARY: 3}
     for n in computed:
         kind = kind_of(n, library_mm)
