@@ -51,8 +51,8 @@ def _parts(owner: nn.Module, names: Sequence[str], attr: str) -> list[torch.Tens
         t = getattr(sub, attr, None) if sub is not None else None
         if not isinstance(t, torch.Tensor):
             raise ValueError(
-                f"merged_parameter: `{type(owner).__name__}.{name}` has no tensor `{attr}`; merge only linear "
-                f"layers that all have a `{attr}`."
+                f"merged_parameter: `{type(owner).__name__}.{name}` has no tensor `{attr}`; merge only "
+                f"linear layers that all have a `{attr}`."
             )
         parts.append(t)
     if len({(p.dtype, p.device, tuple(p.shape[1:])) for p in parts}) != 1:
@@ -120,7 +120,7 @@ def _merge_disabled():
 
 
 def merge_cost_bytes(owner: nn.Module) -> int:
-    """Extra bytes the merged tensors of ``owner`` hold beyond its parameters (0 while the views are intact)."""
+    """Extra bytes the merged tensors of ``owner`` hold beyond its parameters (0 while views are intact)."""
     extra = 0
     for (names, attr), m in owner.__dict__.get(_ATTR, {}).items():
         parts = [getattr(getattr(owner, n), attr) for n in names]
