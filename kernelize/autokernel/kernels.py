@@ -19,6 +19,11 @@ Kinds:
   (as the planner emits it): ``body[1]`` is ``a`` and ``body[2]`` is ``b`` (the only forward references in
   a body), both with strides over ``(*batch, M, N, K)`` (``a`` has stride 0 on ``N``, ``b`` on ``M``), and
   ``arg`` is the contracted size ``K``.
+* ``SPLITK`` (derived by GPU backends from a MATMUL kernel, never planned; see
+  :mod:`kernelize.autokernel.matmul`): ``body`` as a MATMUL kernel's first three entries, no epilogue; the
+  one store is an f32 buffer over the domain that each program *adds* its partial sums over a slice of K to.
+  A MATMUL kernel may hold several matmuls sharing ``body[1]`` (``PlanSettings.merge_matmuls``): each
+  further one is ``Compute(Op.MATMUL, src=(1, j))`` after its right operand's load ``j``.
 * ``LIBRARY``: ``node`` (conv, pool, or a matmul better left to a library) runs as one torch call on
   ``inputs``; no body.
 
@@ -51,6 +56,7 @@ class KernelKind(StrEnum):
     POINTWISE = "pointwise"
     ROW = "row"
     MATMUL = "matmul"
+    SPLITK = "splitk"
     LIBRARY = "library"
 
 

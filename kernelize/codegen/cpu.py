@@ -497,7 +497,8 @@ class CpuBackend:
 
     def _compile_matmul(self, kernel: Kernel) -> CompiledKernel:
         """Few rows: the generated few-row kernel; more: torch's GEMM, then the epilogue kernel."""
-        from kernelize.codegen.cpu_gemv import FEW_ROWS, epilogue_kernel, library_matmuls, rows_of
+        from kernelize.autokernel.matmul import FEW_ROWS, epilogue_kernel, rows_of
+        from kernelize.codegen.cpu_gemv import library_matmuls
 
         source, few = self._build(kernel)
         epi, temps = epilogue_kernel(kernel)

@@ -21,50 +21,19 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load
+from kernelize.autokernel.kernels import Kernel, Load
+from kernelize.autokernel.matmul import matmul_parts
 from kernelize.codegen.render import closure, contraction
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
-from kernelize.ir.graph import Node, Op
-from kernelize.ir.shapes import Dim, numel
+from kernelize.ir.shapes import Dim, bind, numel
 
-FEW_ROWS = 16  # at most this many rows run the generated kernel; more go to the library GEMM
 AXPY_COLUMNS = 64  # columns per block when some weight is not contiguous along K
-
-
-@dataclass(frozen=True)
-class MatmulParts:
-    """Where the matmuls of a MATMUL kernel sit in its body: ``(matmul, right operand)`` positions."""
-
-    a: int
-    mms: tuple[tuple[int, int], ...]
-
-    @property
-    def operands(self) -> set[int]:
-        return {self.a, *(b for _, b in self.mms)}
-
-
-def matmul_parts(k: Kernel) -> MatmulParts:
-    """The matmuls of ``k`` (all must share their left operand, a plain strided load)."""
-    mms = [(i, e) for i, e in enumerate(k.body) if isinstance(e, Compute) and e.op is Op.MATMUL]
-    if not mms:
-        raise NotImplementedError(f"cpu matmul kernel {k.name}: no MATMUL in the body")
-    a = mms[0][1].src[0]
-    for _, e in mms:
-        if e.src[0] != a:
-            raise NotImplementedError(f"cpu matmul kernel {k.name}: matmuls must share their left operand")
-        for s in e.src:
-            ld = k.body[s]
-            if not isinstance(ld, Load) or ld.mask or ld.indirect:
-                raise NotImplementedError(f"cpu matmul kernel {k.name}: operands must be plain strided loads")
-    return MatmulParts(a, tuple((i, e.src[1]) for i, e in mms))
 
 
 def _static(d: Dim) -> bool:
@@ -108,6 +77,8 @@ def render_gemv(w: Any) -> str:
     if not dot:
         forms = ["generic" if f == "dot" else f for f in forms]
     cb = "KZ_NB" if dot else str(AXPY_COLUMNS)
+    # bf16 weights read as pairs (x packed to match): only when every matmul reads bf16 in the dot form
+    pairs = "true" if dot and all(k.body[ib].dtype is DType.BF16 for _, ib in parts.mms) else "false"
     cols = []
     ind = " " * 20
     for m, ((_, ib), form) in enumerate(zip(parts.mms, forms)):
@@ -125,7 +96,10 @@ def render_gemv(w: Any) -> str:
                 f"{ind}    for (int kz_j = 0; kz_j < KZ_NB; ++kz_j)  // short block: last column again",
                 f"{ind}      kz_w[kz_r * KZ_NB + kz_j] = {ptr} + kz_rb[{bslot}][kz_r] + "
                 f"(kz_c0 + (kz_j < kz_nb ? kz_j : kz_nb - 1)) * {ns};",
-                f"{ind}  kz_dot_cols(kz_x, kz_ldx, kz_nr, kz_w, {sh}, kz_k0, kz_k1, kz_blk[{m}]); }}",
+                f"{ind}  const char* kz_pf = kz_splitk || kz_b + 1 >= kz_b1 ? 0 : "
+                f"(const char*)({ptr} + kz_rb[{bslot}][0] + (kz_c0 + KZ_NB) * {ns});",
+                f"{ind}  kz_dot_cols<{pairs}>(kz_x, kz_ldx, kz_nr, kz_w, {sh}, kz_k0, kz_k1, kz_blk[{m}], "
+                "kz_pf); }",
             ]
         else:
             call = (
@@ -169,6 +143,7 @@ def render_gemv(w: Any) -> str:
         ROW_SETUP="\n".join(setup),
         A_LOAD=a_load,
         ACC_T=acc_t,
+        PAIRS=pairs,
         PARALLEL_MIN="32768",
         CB=cb,
         J=f"i{last}",
@@ -177,63 +152,15 @@ def render_gemv(w: Any) -> str:
     )
 
 
-# ---- above FEW_ROWS: torch's GEMM into temporaries, then the epilogue as a pointwise kernel -------------
-def epilogue_kernel(k: Kernel) -> tuple[Kernel, tuple[Node, ...]]:
-    """``k`` with each matmul value read from a temporary buffer (``kz_mm<i>``, the domain's shape, row
-    major) instead of computed: the kernel the library path runs after torch's matmuls. Returns the
-    kernel and the temporaries' nodes in matmul order."""
-    parts = matmul_parts(k)
-    used = set()
-    for e in k.body:
-        if isinstance(e, Compute) and e.op is not Op.MATMUL:
-            used.update(e.src)
-        if isinstance(e, Load):
-            used.update(i.value for i in e.indirect)
-    used.update(s.value for s in k.stores)
-    drop = parts.operands - used
-    strides = _row_major(k.domain)
-    temps: list[Node] = []
-    new: dict[int, int] = {}
-    body: list[Load | Compute] = []
-    for i, e in enumerate(k.body):
-        if i in drop:
-            continue
-        if isinstance(e, Compute) and e.op is Op.MATMUL:
-            t = Node(Op.INPUT, e.dtype, tuple(k.domain), (), f"kz_mm{len(temps)}")
-            temps.append(t)
-            e = Load(t, strides)
-        elif isinstance(e, Compute):
-            e = replace(e, src=tuple(new[s] for s in e.src))
-        elif e.indirect:
-            e = replace(e, indirect=tuple(replace(x, value=new[x.value]) for x in e.indirect))
-        new[i] = len(body)
-        body.append(e)
-    stores = tuple(replace(s, value=new[s.value]) for s in k.stores)
-    return replace(k, kind=KernelKind.POINTWISE, body=tuple(body), stores=stores), tuple(temps)
-
-
-def _row_major(shape: Sequence[Dim]) -> tuple[Dim, ...]:
-    out: list[Dim] = []
-    acc: Dim = 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc = acc * d
-    return tuple(reversed(out))
-
-
 def _operand_view(
     t: torch.Tensor, ld: Load, shape: Sequence[int], axes: Sequence[int], sizes: Mapping[str, int]
 ) -> torch.Tensor:
-    from kernelize.ir.shapes import bind
-
     strides = bind(tuple(ld.strides[a] for a in axes), sizes)
     return torch.as_strided(t, tuple(shape), tuple(strides), int(bind((ld.offset,), sizes)[0]))
 
 
 def library_matmuls(k: Kernel, reads: Sequence[torch.Tensor], sizes: Mapping[str, int]) -> list[torch.Tensor]:
     """Each matmul of ``k`` computed by torch on the kernel's operand buffers, row major over the domain."""
-    from kernelize.ir.shapes import bind
-
     parts = matmul_parts(k)
     rank = len(k.domain)
     dom = bind(k.domain, sizes)
@@ -257,19 +184,4 @@ def library_matmuls(k: Kernel, reads: Sequence[torch.Tensor], sizes: Mapping[str
     return out
 
 
-def rows_of(k: Kernel, sizes: Mapping[str, int]) -> int:
-    """How many rows the matmul kernel ``k`` has under ``sizes``."""
-    from kernelize.ir.shapes import bind
-
-    return math.prod(bind(k.domain[:-1], sizes))
-
-
-__all__ = [
-    "FEW_ROWS",
-    "MatmulParts",
-    "epilogue_kernel",
-    "library_matmuls",
-    "matmul_parts",
-    "render_gemv",
-    "rows_of",
-]
+__all__ = ["library_matmuls", "render_gemv"]

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kernelize.autokernel.kernels import Compute, KernelKind
+from kernelize.autokernel.matmul import FEW_ROWS
 from kernelize.autokernel.plan import PlanSettings, plan
-from kernelize.codegen.cpu_gemv import FEW_ROWS
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
 from kernelize.ir.reference import evaluate

@@ -18,9 +18,11 @@ extern "C" int $NAME$($PARAMS$int kz_nthreads) {
             const int64_t kz_o = kz_r0 + kz_r;
 $ROW_SETUP$
         }
+        const int64_t kz_kfull = kz_k / (2 * KZ_VL) * (2 * KZ_VL);
         for (int kz_r = 0; kz_r < kz_nr; ++kz_r) {  // the rows of x, once, as $ACC_T$
             const int64_t kz_la = kz_rb[0][kz_r];
-            for (int64_t kz_kk = 0; kz_kk < kz_k; ++kz_kk) kz_x[kz_r * kz_ldx + kz_kk] = $A_LOAD$;
+            for (int64_t kz_kk = 0; kz_kk < kz_k; ++kz_kk)
+                kz_x[kz_r * kz_ldx + kz_xpos<$PAIRS$>(kz_kk, kz_kfull)] = $A_LOAD$;
         }
         // threads split the columns, or (few column blocks, long K) the contraction with a final combine
         int kz_nt = kz_nthreads < 1 ? 1 : kz_nthreads;
@@ -53,10 +55,11 @@ $COLS$
                 }
             } else {
                 int64_t kz_kc = (kz_k + kz_tn - 1) / kz_tn;
-                kz_kc = (kz_kc + KZ_VL - 1) / KZ_VL * KZ_VL;
+                kz_kc = (kz_kc + 2 * KZ_VL - 1) / (2 * KZ_VL) * (2 * KZ_VL);  // whole bf16 pair chunks
                 const int64_t kz_k0 = kz_t * kz_kc < kz_k ? kz_t * kz_kc : kz_k;
                 const int64_t kz_k1 = kz_k0 + kz_kc < kz_k ? kz_k0 + kz_kc : kz_k;
                 $ACC_T$* kz_mine = kz_part + (int64_t)kz_t * $NMM$ * kz_nr * kz_n;
+                const int64_t kz_b1 = kz_nblk;
                 for (int64_t kz_b = 0; kz_b < kz_nblk; ++kz_b) {
                     const int64_t kz_c0 = kz_b * kz_cb;
                     const int64_t kz_nb = kz_n - kz_c0 < kz_cb ? kz_n - kz_c0 : kz_cb;
