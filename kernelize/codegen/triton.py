@@ -577,7 +577,8 @@ def _dot_operands(a: DType, b: DType) -> dict[str, str]:
     exact f32 (``ieee``, not tf32), mixed 16-bit kinds as f32."""
     if a == b and a in HALF:
         return {"A_CAST": "a", "B_CAST": "b", "PRECISION": ""}
-    return {"A_CAST": "a.to(tl.float32)", "B_CAST": "b.to(tl.float32)", "PRECISION": ', input_precision="ieee"'}
+    ieee = ', input_precision="ieee"'
+    return {"A_CAST": "a.to(tl.float32)", "B_CAST": "b.to(tl.float32)", "PRECISION": ieee}
 
 
 def _retype(k: Kernel, new: Mapping) -> Kernel:
