@@ -12,9 +12,9 @@ Backend by device: ``cpu`` -> the C++ backend; ``cuda``/``rocm``/``xpu`` -> Trit
 (``KERNELIZE_CUDA_BACKEND=cuda`` picks the NVRTC backend on CUDA). ``KERNELIZE_HUB_BACKEND`` (or
 :func:`use_backend`) forces one backend everywhere, e.g. ``reference`` for f64 gradient checks.
 
-Gradients: when an input requires grad, the kernel output is wrapped in an ``autograd.Function`` whose
-backward recomputes the same plain-torch math with autograd (activation-checkpointing style), so every
-hub layer has an exact backward without a second definition.
+Gradients: when a tensor requires grad, :mod:`kernelize.hub_autograd` differentiates the layer's graph on the
+IR and runs a generated forward (which also writes what backward needs) and a generated backward, so every
+hub layer has a kernel backward without a second definition.
 
 Example:
     >>> import torch
@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from kernelize import hub_autograd
 from kernelize.layer.record import record_choice, recorded_choice
 
 __all__ = [
@@ -76,6 +77,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
         "NewGELU": "NewGELU",
         "GatedMLP": "GatedMLP",
         "LlamaMLP": "GatedMLP",
+        "FusedGatedMLP": "FusedGatedMLP",
     },
     "layer_norm": {
         "RMSNorm": "RMSNorm",
@@ -86,6 +88,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
     },
     "rotary": {"RotaryEmbedding": "RotaryEmbedding", "rotary_pos_emb": "ApplyRotaryPosEmb"},
     "softmax": {"Softmax": "Softmax", "ScaledMaskedSoftmax": "ScaledMaskedSoftmax"},
+    "llm": {"CausalSelfAttention": "CausalSelfAttention", "PreNormDecoderLayer": "PreNormDecoderLayer"},
     "linear": {
         "Linear": "Linear",
         "LinearReLU": "LinearReLU",
@@ -253,29 +256,6 @@ def _build(
     return _Entry(compiled, record, len(graph.outputs))
 
 
-class _Recompute(torch.autograd.Function):
-    """Forward: the compiled kernels. Backward: autograd through the same plain-torch math."""
-
-    @staticmethod
-    def forward(ctx, entry: _Entry, fn: Callable, params: dict, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.fn, ctx.params = fn, params
-        ctx.save_for_backward(*tensors)
-        outs = entry.compiled(*tensors)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            outs = ctx.fn(*tensors, **ctx.params)
-        outs = outs if isinstance(outs, tuple | list) else (outs,)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        wanted = [t for t in tensors if t.requires_grad]
-        got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-        it = iter(got)
-        return (None, None, None, *[next(it) if t.requires_grad else None for t in tensors])
-
-
 def run(
     owner: torch.nn.Module | None,
     fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
@@ -295,9 +275,10 @@ def run(
     Returns:
         A tensor, or a tuple of tensors when ``fn`` returns several.
 
-    Under ``torch.compile`` (inference, signature already compiled by an eager call) the call traces to the
-    runtime's ``kernelize::run_graph`` custom op, so no graph break; otherwise the lookup, build and
-    bookkeeping run outside the compiled graph (one graph break).
+    Under ``torch.compile`` (signature already compiled by an eager call, and for training its backward too)
+    the call traces to the runtime's ``kernelize::run_graph`` custom op, inside an autograd.Function when
+    gradients are needed, so no graph break; otherwise the lookup, build and bookkeeping run outside the
+    compiled graph (one graph break).
 
     Example:
         >>> def silu_and_mul(x):
@@ -306,9 +287,13 @@ def run(
         >>> y = run(None, silu_and_mul, [torch.randn(7, 64)])  # doctest: +SKIP
     """
     if torch.compiler.is_compiling():
+        entry = _CACHE.get(_key(fn, inputs, weights, params))
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *weights))
-        entry = None if grad else _CACHE.get(_key(fn, inputs, weights, params))
-        if entry is not None:  # traced: `entry.compiled(...)` is the custom op with a fake implementation
+        if entry is not None and grad:  # traced: an autograd.Function whose halves are the custom op
+            outs = hub_autograd.apply_traced(entry.compiled, [*inputs, *weights])
+            if outs is not None:
+                return outs[0] if entry.n_outputs == 1 else tuple(outs)
+        elif entry is not None:  # traced: `entry.compiled(...)` is the custom op with a fake implementation
             outs = entry.compiled(*inputs, *weights)
             return outs[0] if entry.n_outputs == 1 else tuple(outs)
         return _run_outside_graph()(owner, fn, inputs, weights, params)
@@ -355,7 +340,7 @@ def _run_eager(
     if owner is not None:
         _note_ran(owner, entry)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        outs = _Recompute.apply(entry, fn, dict(params), *tensors)
+        outs = hub_autograd.apply(entry.compiled, tensors)
     else:
         outs = entry.compiled(*tensors)
     return outs[0] if entry.n_outputs == 1 else tuple(outs)

@@ -302,7 +302,7 @@ def _set(m: dict[int, int | None], key: int, value: int | None) -> bool:
 def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | None:
     """The group of ``g1`` (holding producer ``p``) and ``g2`` (holding consumer ``n``, reading it as operand
     ``i``), or None when they cannot form one kernel. Cycles are the caller's business."""
-    if KernelKind.LIBRARY in (g1.kind, g2.kind):
+    if KernelKind.LIBRARY in (g1.kind, g2.kind) or KernelKind.ATTENTION in (g1.kind, g2.kind):
         return None
     if g1.kind is KernelKind.MATMUL and g2.kind is KernelKind.MATMUL:
         return _merge_matmuls(g1, g2, p, n, i, ctx) if ctx.merge_matmuls else None
@@ -428,6 +428,8 @@ def kind_of(n: Node, library_matmul: bool) -> KernelKind:
         return KernelKind.POINTWISE
     if n.op in REDUCE or n.op in ROW:
         return KernelKind.ROW
+    if n.op is Op.ATTENTION:
+        return KernelKind.ATTENTION
     if n.op is Op.MATMUL and not library_matmul and n.dtype.is_float:
         return KernelKind.MATMUL  # integer matmuls go to the library (generators tile floats)
     return KernelKind.LIBRARY

@@ -9,7 +9,8 @@ The source comes from the shared render table (:class:`~kernelize.codegen.render
 * row kernels give each thread whole rows and read a row in passes that stay in cache: the statistics of
   the row's reductions and row ops (simd reductions; independent ones share a pass), then one write pass;
 * matmul kernels: a few-row kernel (decode) or torch's GEMM plus the fused epilogue, chosen per call by
-  the number of rows (:mod:`kernelize.codegen.cpu_gemv`).
+  the number of rows (:mod:`kernelize.codegen.cpu_gemv`);
+* attention kernels are fused flash-style kernels with an online softmax (:mod:`.cpu_attention`).
 
 16-bit floats are loaded and stored as 16 bits and computed in f32. Static sizes and strides are baked in;
 symbolic dims and the thread count (``torch.get_num_threads()``) are call arguments. Shared objects go
@@ -40,6 +41,8 @@ from pathlib import Path
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
+from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
+from kernelize.codegen.cpu_attention import attention_launcher, render_attention
 from kernelize.codegen.render import Renderer, c_name, closure
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -271,6 +274,8 @@ def render(kernel: Kernel, renderer: CpuRenderer | None = None) -> tuple[str, st
     """The C++ source of ``kernel`` and its exported function name."""
     if kernel.kind is KernelKind.LIBRARY:
         raise ValueError(f"kernel {kernel.name} is a LIBRARY kernel: the runtime runs those with torch")
+    if kernel.kind is KernelKind.ATTENTION:
+        return render_attention(kernel, load_template("cpu_prelude.h"))
     w = _Writer(_normalize(kernel), renderer or CpuRenderer())
     if kernel.kind is KernelKind.POINTWISE:
         return w.pointwise(), w.fn_name
@@ -488,6 +493,9 @@ class CpuBackend:
         path = build_shared_object(source, kernel.name)
         fn = getattr(load(path), fn_name)
         fn.restype = ctypes.c_int
+        if kernel.kind is KernelKind.ATTENTION:
+            fn.argtypes = ATTENTION_ARGTYPES
+            return source, attention_launcher(fn, kernel)
         fn.argtypes = (
             [ctypes.c_void_p] * (len(kernel.reads) + len(kernel.writes))
             + [ctypes.c_int64] * len(kernel.symbols)

@@ -403,6 +403,10 @@ def _static(d: Dim) -> float:
 
 def render(kernel: Kernel) -> str:
     """The full Triton module source for ``kernel`` (prelude helpers + one ``@triton.jit`` function)."""
+    if kernel.kind is KernelKind.ATTENTION:
+        from kernelize.codegen.triton_attention import render_attention
+
+        return render_attention(kernel)
     src = KernelSource(kernel)
     if kernel.kind is KernelKind.POINTWISE:
         return src.pointwise()
@@ -524,6 +528,10 @@ class TritonBackend:
         return device.type == "cpu" and interpreting()
 
     def compile(self, kernel: Kernel) -> CompiledKernel:
+        if kernel.kind is KernelKind.ATTENTION:
+            from kernelize.codegen.triton_attention import compile_attention
+
+            return compile_attention(kernel, interpreting())
         if kernel.kind is KernelKind.MATMUL and weights_shared(kernel):
             return self._compile_matmul(kernel)
         return self._compile(kernel)

@@ -96,6 +96,21 @@ GATED_MATH = {
     "gelu_new": gelu_tanh_mul_math,
 }
 
+# hidden_act -> math on one tensor holding gate and up side by side (Phi-3's fused gate_up_proj)
+GATED_PAIR_MATH = {
+    "silu": silu_and_mul_math,
+    "swish": silu_and_mul_math,
+    "gelu": gelu_and_mul_math,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul_math,
+    "gelu_new": gelu_tanh_and_mul_math,
+}
+
+
+def _hidden_act(module: nn.Module) -> object:
+    """The activation: the instance's `hidden_act` (kernelize_model's probe sets it), else the config's."""
+    own = module.__dict__.get("hidden_act")
+    return own or getattr(getattr(module, "config", None), "hidden_act", None) or "silu"
+
 
 # the same, over the merged gate|up weight
 GATE_UP_MATH = {
@@ -203,20 +218,51 @@ class GatedMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = getattr(getattr(self, "config", None), "hidden_act", None) or getattr(
-            self, "hidden_act", "silu"
-        )
+        act = _hidden_act(self)
         math_fn = GATED_MATH.get(act) if isinstance(act, str) else None
         if math_fn is None:
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
-        training = torch.is_grad_enabled() and (
-            x.requires_grad or gate_proj.weight.requires_grad or down_proj.weight.requires_grad
-        )
-        plain = gate_proj.bias is None and up_proj.bias is None and down_proj.bias is None
-        if training or not plain:
+        if _training(x, gate_proj, up_proj, down_proj) or not _bias_free(gate_proj, up_proj, down_proj):
             gate, up = gate_proj(x), up_proj(x)
             return down_proj(hub.run(self, math_fn, [gate, up]))
         gate_up = merged_parameter(self, ("gate_proj", "up_proj"))
         h = hub.run(self, GATE_UP_MATH[math_fn], [x], [gate_up])
         return hub.run(self, down_math, [h], [down_proj.weight])
+
+
+def _training(x: torch.Tensor, *linears: nn.Module) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears))
+
+
+def _bias_free(*linears: nn.Module) -> bool:
+    return all(getattr(m, "bias", None) is None and isinstance(getattr(m, "weight", None), torch.Tensor)
+               for m in linears)
+
+
+class FusedGatedMLP(nn.Module):
+    """down_proj(act(gate) * up) with gate and up from one fused projection (Phi-3's `gate_up_proj`).
+
+    Inference with bias-free projections: `act(x @ gate.T) * (x @ up.T)` over the halves of
+    `gate_up_proj.weight` as one matmul kernel (few rows: the few-row kernel, product fused), then down_proj
+    as a second. Otherwise the projections stay one torch matmul and act(gate) * up over its halves runs as
+    one generated kernel. Reads `gate_up_proj`, `down_proj` and the activation from `config.hidden_act`; an
+    activation without gated math here falls back to the module's own `activation_fn`.
+    """
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        act = _hidden_act(self)
+        math_fn = GATED_PAIR_MATH.get(act) if isinstance(act, str) else None
+        fused, down_proj = self.gate_up_proj, self.down_proj
+        merged = not _training(hidden_states, fused, down_proj) and _bias_free(fused, down_proj)
+        if math_fn is not None and merged:
+            h = hub.run(self, GATE_UP_MATH[GATED_MATH[act]], [hidden_states], [fused.weight])
+            return hub.run(self, down_math, [h], [down_proj.weight])
+        gate_up = fused(hidden_states)
+        if math_fn is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return down_proj(up * self.activation_fn(gate))
+        return down_proj(hub.run(self, math_fn, [gate_up]))
