@@ -35,6 +35,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ __all__ = [
     "compiled_ran",
     "default_mapping",
     "kernels_ran",
+    "note_kernels",
     "run",
     "use_backend",
 ]
@@ -88,6 +90,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
     },
     "rotary": {"RotaryEmbedding": "RotaryEmbedding", "rotary_pos_emb": "ApplyRotaryPosEmb"},
     "softmax": {"Softmax": "Softmax", "ScaledMaskedSoftmax": "ScaledMaskedSoftmax"},
+    "attention": {"ScaledDotProductAttention": "ScaledDotProductAttention"},
     "llm": {"CausalSelfAttention": "CausalSelfAttention", "PreNormDecoderLayer": "PreNormDecoderLayer"},
     "linear": {
         "Linear": "Linear",
@@ -136,22 +139,45 @@ _EXACT_MAX = 4096
 SIGNATURES: dict[tuple, str] = {}  # key -> readable signature, for logs and the demo
 _RAN: weakref.WeakKeyDictionary[torch.nn.Module, _Ran] = weakref.WeakKeyDictionary()
 _KEEP_ENTRIES = 4  # signatures remembered per module for kernels_ran / inspect
-_FORCED: list[str] = []  # use_backend() stack
+# use_backend() blocks open in this thread / asyncio task, innermost last, as (entry token, backend). A new
+# thread starts with an empty context, so a block never leaks into other threads. Each block removes its own
+# token on exit, so blocks left out of order (generators, manual __exit__) restore the right backend.
+_FORCED: ContextVar[tuple[tuple[object, str], ...]] = ContextVar("kernelize_hub_backend", default=())
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Run every hub layer on backend `name` (``reference``, ``cpu``, ``triton``, ``cuda``) inside the block.
 
+    The setting is private to the current thread (or asyncio task); blocks nest.
+
     Example:
-        >>> with use_backend("reference"):  # doctest: +SKIP
-        ...     torch.autograd.gradcheck(layer_fn, inputs)
+        >>> with use_backend("reference"):
+        ...     backend_for(torch.device("cpu"))
+        'reference'
     """
-    _FORCED.append(name)
+    from kernelize.runtime.compiled import BACKENDS
+
+    known = ("reference", *BACKENDS)
+    if name not in known:
+        raise ValueError(f"use_backend({name!r}): unknown backend; choose one of {', '.join(known)}.")
+    token = object()
+    _FORCED.set((*_FORCED.get(), (token, name)))
     try:
         yield
     finally:
-        _FORCED.pop()
+        _FORCED.set(tuple(entry for entry in _FORCED.get() if entry[0] is not token))
+
+
+def _forced_backend() -> str | None:
+    forced = _FORCED.get()
+    return forced[-1][1] if forced else None
+
+
+# torch.compile cannot trace ContextVar.get: this marker (what torch.compiler.assume_constant_result sets;
+# calling that here would import torch._dynamo, ~4 s) lets Dynamo call the function and use its result as a
+# constant, so the backend of a compiled graph is the one in force when it was traced.
+_forced_backend._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def backend_for(device: torch.device) -> str:
@@ -161,8 +187,9 @@ def backend_for(device: torch.device) -> str:
         >>> backend_for(torch.device("cpu"))
         'cpu'
     """
-    if _FORCED:
-        return _FORCED[-1]
+    forced = _forced_backend()
+    if forced is not None:
+        return forced
     forced = os.environ.get("KERNELIZE_HUB_BACKEND", "").strip()
     if forced:
         return forced
@@ -375,6 +402,18 @@ def _note_ran(owner: torch.nn.Module, entry: _Entry) -> None:
             choice = dataclasses.replace(choice, backend=rec.backend, kernels=rec.kernels)
             record_choice(owner, choice)
     ran.choice = choice
+
+
+_NOTED: dict[KernelRecord, _Entry] = {}
+
+
+def note_kernels(owner: torch.nn.Module, record: KernelRecord) -> None:
+    """Record that `owner`'s forward ran kernels compiled outside :func:`run` (the attention kernels of
+    :mod:`kernelize.attention`), so :func:`kernels_ran` and ``kernelize.inspect`` list them."""
+    entry = _NOTED.get(record)
+    if entry is None:
+        entry = _NOTED.setdefault(record, _Entry(None, record, 1))
+    _note_ran(owner, entry)
 
 
 def _merged(entries: Sequence[_Entry]) -> KernelRecord:

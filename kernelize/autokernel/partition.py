@@ -423,9 +423,16 @@ def new_group(gid: int, n: Node, kind: KernelKind) -> Group:
     return g
 
 
-def kind_of(n: Node, library_matmul: bool) -> KernelKind:
+def is_column_reduction(n: Node) -> bool:
+    """A sum or mean over leading axes only (the contiguous last axis kept): weight gradients' column sums."""
+    return n.op in (Op.SUM, Op.MEAN) and n.src[0].rank >= 2 and n.src[0].rank - 1 not in n.arg
+
+
+def kind_of(n: Node, library_matmul: bool, library_columns: bool = False) -> KernelKind:
     if n.op in POINTWISE_OPS or n.op in LAYOUT:
         return KernelKind.POINTWISE
+    if library_columns and n.dtype.is_float and is_column_reduction(n):
+        return KernelKind.LIBRARY
     if n.op in REDUCE or n.op in ROW:
         return KernelKind.ROW
     if n.op is Op.ATTENTION:

@@ -38,12 +38,11 @@ logger = logging.getLogger(__name__)
 
 KERNEL_UNAVAILABLE = "the attention kernel `kernelize.attention` is not in this build"
 # Call arguments checked below or meaningless to the kernel; any other non-None argument falls back.
-_HANDLED_KWARGS = frozenset(
-    {"position_ids", "use_cache", "cache_position", "output_attentions", "sliding_window", "softcap", "s_aux"}
-)
+_HANDLED_KWARGS = frozenset({"output_attentions", "sliding_window", "softcap", "s_aux"})
 _IGNORED_KWARGS = frozenset(
     {"position_ids", "use_cache", "cache_position", "return_dict", "output_hidden_states"}
 )
+_KNOWN_KWARGS = _HANDLED_KWARGS | _IGNORED_KWARGS
 
 
 @functools.cache
@@ -73,9 +72,7 @@ def call_fallback_reason(
     window = kwargs.get("sliding_window")
     if window is not None and key.shape[-2] > window:
         return f"sliding-window attention over {key.shape[-2]} keys (window {window}) is not in the kernel"
-    extra = sorted(
-        k for k, v in kwargs.items() if v is not None and k not in _HANDLED_KWARGS | _IGNORED_KWARGS
-    )
+    extra = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_KWARGS)
     if extra:
         return f"attention arguments the kernel does not know: {', '.join(extra)}"
     return None

@@ -108,7 +108,7 @@ def _norm(module: nn.Module) -> Recognition | None:
 def _activation_layers() -> Any:
     from kernelize.layer.hub import get_kernel
 
-    return get_kernel("kernelize/activation").layers
+    return get_kernel("kernelize/activation", version=1).layers
 
 
 def _mlp(module: nn.Module) -> Recognition | None:
@@ -178,7 +178,7 @@ def _rotary_style(module: nn.Module) -> tuple[bool | None, str]:
 def _rotary_layers() -> Any:
     from kernelize.layer.hub import get_kernel
 
-    return get_kernel("kernelize/rotary").layers
+    return get_kernel("kernelize/rotary", version=1).layers
 
 
 _ATTENTION_ATTRS = ("head_dim", "scaling", "layer_idx", "config")
@@ -343,10 +343,13 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def _use_attention_function(model: nn.Module) -> str:
+def _use_attention_function(model: nn.Module, mode: Mode) -> str:
     """Switch the model to the `kernelize` attention implementation; returns what happened."""
     if attention_kernel() is None:
         return f"attention implementation unchanged: {KERNEL_UNAVAILABLE}"
+    if mode & (Mode.TRAINING | Mode.TORCH_COMPILE):
+        # the kernel has no backward and is not traceable: every call would take the eager path
+        return f"attention implementation unchanged for {mode}"
     setter = getattr(model, "set_attn_implementation", None)
     if setter is None:
         return "attention implementation unchanged: not a transformers PreTrainedModel"
@@ -402,7 +405,7 @@ def kernelize_model(
         elif choice.uses_kernel and verdict.kind == "attention" and verdict.reason not in choice.notes:
             choice = dataclasses.replace(choice, notes=(verdict.reason, *choice.notes))
         record_choice(module, choice)
-    status = _use_attention_function(model)
+    status = _use_attention_function(model, mode)
     replaced = sum(1 for p in found if (c := recorded_choice(model.get_submodule(p))) and c.uses_kernel)
     logger.info("kernelize_model: %d of %d recognised modules replaced; %s", replaced, len(found), status)
     return model

@@ -14,8 +14,8 @@ accumulates in f32 and rounds once, when a gradient leaves the graph.
 Example:
     >>> g = Graph(); x = g.input("x", ("n", 64), "f32"); g.output(g.softmax(x))
     >>> joint = vjp(g)
-    >>> [i.arg for i in joint.inputs], len(joint.outputs)
-    (['x', 'grad_0'], 1)
+    >>> [i.arg for i in joint.graph.inputs], len(joint.graph.outputs)  # forward output + gradient
+    (['x', 'grad_0'], 2)
 """
 
 from __future__ import annotations

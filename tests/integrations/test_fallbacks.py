@@ -146,3 +146,30 @@ def test_eager_path_masks_match_sdpa(q_len: int, kv_len: int, padded: bool) -> N
     )
     live = causal.expand(2, 1, q_len, kv_len).any(-1).squeeze(1)  # (batch, q): a fully masked row is padding
     torch.testing.assert_close(out[live], want.transpose(1, 2)[live], atol=1e-5, rtol=1e-5)
+
+
+def test_a_mapping_without_the_attention_layer_keeps_attention_eager() -> None:
+    from kernelize.hub import default_mapping
+
+    mapping = {k: v for k, v in default_mapping().items() if k != "CausalSelfAttention"}
+    eager = tiny_model("llama")
+    with kernelized(eager, mapping=mapping) as fast:
+        choice = attention_choice(fast)
+        assert not choice.uses_kernel and choice.fallback == kernelize.FallbackReason.NO_LAYER, str(choice)
+        assert kernelize.inspect(fast)["model.norm"].uses_kernel
+
+
+def test_training_mode_keeps_attention_and_the_attention_implementation() -> None:
+    eager = tiny_model("llama")
+    with kernelized(eager, mode=kernelize.Mode.TRAINING) as fast:
+        choice = attention_choice(fast)
+        assert not choice.uses_kernel and choice.fallback == kernelize.FallbackReason.NO_COMPATIBLE_MODE
+        assert fast.config._attn_implementation == "eager"
+        assert kernelize.inspect(fast)["model.layers.0.mlp"].uses_kernel  # hub MLP has a backward
+
+
+def test_not_a_module_is_a_type_error() -> None:
+    from kernelize.integrations.transformers import kernelize_model
+
+    with pytest.raises(TypeError, match="kernelize_model: model must be a torch.nn.Module"):
+        kernelize_model("llama")

@@ -110,8 +110,24 @@ def layers_used(model) -> dict[str, str]:
     return {path: c.layer_name for path, c in kernelize.inspect(model).items() if c.uses_kernel}
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[tuple]:
+    """Shapes of every call that reached the attention kernel (the real kernel runs each call)."""
+    calls: list[tuple] = []
+    found = hf_attention.attention_kernel()
+    if found is not None:
+        sdpa, unsupported = found
+
+        def counted(query, key, *args, **kwargs):
+            calls.append((tuple(query.shape), tuple(key.shape)))
+            return sdpa(query, key, *args, **kwargs)
+
+        monkeypatch.setattr(hf_attention, "attention_kernel", lambda: (counted, unsupported))
+    return calls
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_one_call_replaces_norms_mlp_and_attention(family: str) -> None:
+def test_one_call_replaces_norms_mlp_and_attention(family: str, kernel_calls: list[tuple]) -> None:
     eager = tiny_model(family)
     ids, mask = padded_batch()
     with kernelized(eager) as fast:
@@ -128,7 +144,10 @@ def test_one_call_replaces_norms_mlp_and_attention(family: str) -> None:
             assert not attention.uses_kernel and attention.reason == hf_attention.KERNEL_UNAVAILABLE
         assert_same_logits_and_tokens(eager, fast, ids, mask)
         ran = kernelize.inspect(fast)["model.layers.0.self_attn"]
-        assert not HAS_KERNEL or (ran.backend == "cpu" and ran.kernels and not ran.notes), str(ran)
+        assert not any(note.startswith("eager attention") for note in ran.notes), str(ran)
+        if HAS_KERNEL:  # rotary kernels recorded; prefill (11 queries) and decode (1 query) hit the kernel
+            assert ran.backend == "cpu" and ran.kernels, str(ran)
+            assert {q[2] for q, _ in kernel_calls} == {1, 11}, kernel_calls
 
 
 @needs_kernel
@@ -182,7 +201,7 @@ class Renamed(torch.nn.Module):
         from transformers.models.llama import modeling_llama
 
         config = transformers.LlamaConfig(**{**TINY, "hidden_size": HIDDEN, "head_dim": 8})
-        config._attn_implementation = "eager"
+        config._attn_implementation = "sdpa"  # without a mask, sdpa is causal (eager attention would not be)
         self.norm, self.mlp = OffsetNorm(), Feedforward()
         self.attn = SelfMixer(config, layer_idx=0)
         self.rope = modeling_llama.LlamaRotaryEmbedding(config)

@@ -26,8 +26,9 @@ typedef $TM$ kz_tm;  // mask storage
 constexpr int D = $D$, DV = $DV$;
 constexpr int CAUSAL = $CAUSAL$, MASK = $MASK$;  // MASK: 0 none, 1 bool (keep where true), 2 additive
 constexpr bool F32 = $F32$;                      // k and v are read in place when they are f32
-constexpr int VL = 8, RV = 2, BQ = RV * VL;       // rows per block: RV vectors of VL floats
-constexpr int BK = 60, NK = 6, NV = 4;           // keys per block; keys / value columns per micro tile
+constexpr int VL = 8, RV = 2, RG = $ROW_GROUPS$;  // a micro tile has RV vectors of VL rows; a block RG tiles
+constexpr int BQ = RG * RV * VL;                 // rows per block: k and v blocks are reused by all of them
+constexpr int BK = 60, NK = 6, NV = 6;           // keys per block; keys / value columns per micro tile
 constexpr int DECODE_ROWS = $DECODE_ROWS$;       // at most this many rows per key head: the decode shape
 constexpr float NEG_INF = -INFINITY;
 // the compiler keeps a vector of this type in one register; arrays of floats indexed in loops it keeps in
@@ -83,11 +84,12 @@ KZ_INLINE void block_scores(Block& w, const float* const* krow, int nb) {
     for (int j = 0; j < nb; j += NK) {
         const float* kr[NK];
         for (int t = 0; t < NK; ++t) kr[t] = krow[j + t < nb ? j + t : nb - 1];
+        for (int g = 0; g < RG; ++g) {
         vf s[NK][RV] = {};
         for (int d = 0; d < D; ++d) {
             vf qv[RV];
             for (int u = 0; u < RV; ++u) {
-                qv[u] = vload(&w.qt[d][u * VL]);
+                qv[u] = vload(&w.qt[d][(g * RV + u) * VL]);
                 KZ_REG(qv[u]);
             }
             for (int t = 0; t < NK; ++t) {
@@ -96,31 +98,40 @@ KZ_INLINE void block_scores(Block& w, const float* const* krow, int nb) {
             }
         }
         for (int t = 0; t < NK && j + t < nb; ++t)
-            for (int u = 0; u < RV; ++u) vstore(&w.st[j + t][u * VL], s[t][u]);
+            for (int u = 0; u < RV; ++u) vstore(&w.st[j + t][(g * RV + u) * VL], s[t][u]);
+        }
     }
 }
 
-// acc[dv][0:BQ] = alpha * acc[dv] + sum_j p[j] v_j[dv], four value columns at a time
-KZ_INLINE void block_pv(Block& w, const float* const* vrow, int nb) {
-    vf al[RV];
-    for (int u = 0; u < RV; ++u) al[u] = vload(&w.alpha[u * VL]);
-    for (int dv = 0; dv < DV; dv += NV) {
-        vf c[NV][RV];
-        for (int t = 0; t < NV; ++t)
-            for (int u = 0; u < RV; ++u) c[t][u] = dv + t < DV ? vload(&w.acc[dv + t][u * VL]) * al[u] : vf{};
-        for (int j = 0; j < nb; ++j) {
-            vf p[RV];
-            for (int u = 0; u < RV; ++u) {
-                p[u] = vload(&w.st[j][u * VL]);
-                KZ_REG(p[u]);
-            }
-            for (int t = 0; t < NV; ++t) {
-                vf vv = vsplat(dv + t < DV ? vrow[j][dv + t] : 0.0f);
-                for (int u = 0; u < RV; ++u) c[t][u] += vv * p[u];
-            }
+// acc[dv:dv+NT][0:BQ] = alpha * acc + sum_j p[j] v_j[dv:dv+NT]: NT x RV accumulators in registers
+template <int NT>
+KZ_INLINE void pv_tile(Block& w, const float* const* vrow, int nb, int dv, const vf* al, int g) {
+    vf c[NT][RV];
+    for (int t = 0; t < NT; ++t)
+        for (int u = 0; u < RV; ++u) c[t][u] = vload(&w.acc[dv + t][(g * RV + u) * VL]) * al[u];
+    for (int j = 0; j < nb; ++j) {
+        vf p[RV];
+        for (int u = 0; u < RV; ++u) {
+            p[u] = vload(&w.st[j][(g * RV + u) * VL]);
+            KZ_REG(p[u]);
         }
-        for (int t = 0; t < NV && dv + t < DV; ++t)
-            for (int u = 0; u < RV; ++u) vstore(&w.acc[dv + t][u * VL], c[t][u]);
+        const float* vr = vrow[j] + dv;
+        for (int t = 0; t < NT; ++t) {
+            vf vv = vsplat(vr[t]);
+            for (int u = 0; u < RV; ++u) c[t][u] += vv * p[u];
+        }
+    }
+    for (int t = 0; t < NT; ++t)
+        for (int u = 0; u < RV; ++u) vstore(&w.acc[dv + t][(g * RV + u) * VL], c[t][u]);
+}
+
+KZ_INLINE void block_pv(Block& w, const float* const* vrow, int nb) {
+    for (int g = 0; g < RG; ++g) {
+        vf al[RV];
+        for (int u = 0; u < RV; ++u) al[u] = vload(&w.alpha[(g * RV + u) * VL]);
+        int dv = 0;
+        for (; dv + NV <= DV; dv += NV) pv_tile<NV>(w, vrow, nb, dv, al, g);
+        if constexpr (DV % NV != 0) pv_tile<DV % NV>(w, vrow, nb, dv, al, g);
     }
 }
 

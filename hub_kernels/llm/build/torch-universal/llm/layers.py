@@ -33,14 +33,14 @@ from kernelize.integrations.hf_attention import attention_forward
 def _rotary() -> Any:
     from kernelize.layer.hub import get_kernel
 
-    return get_kernel("kernelize/rotary")
+    return get_kernel("kernelize/rotary", version=1)
 
 
 @functools.cache
 def _norms() -> Any:
     from kernelize.layer.hub import get_kernel
 
-    return get_kernel("kernelize/layer_norm").layers
+    return get_kernel("kernelize/layer_norm", version=1).layers
 
 
 def linear_math(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
