@@ -75,6 +75,9 @@ class PlanSettings:
             (:func:`kernelize.autokernel.canon.sink_views`), so they fuse into it.
         horizontal: POINTWISE (or ROW, same rows) kernels over the same domain that read a common value
             merge (one launch, the value read once).
+        merge_matmuls: matmuls over the same domain that read the same left operand and meet in an
+            elementwise epilogue (``silu(x @ Wg) * (x @ Wu)``) become one MATMUL kernel with several MATMUL
+            values (for backends whose matmul kernels compute several accumulators: the CPU's few-row kernel).
         column_reduce: ``"generate"`` (a sum/mean over leading axes is a ROW kernel over the transposed
             domain) or ``"library"`` (torch reduces the materialised operand with blocked partial sums).
     """
@@ -87,6 +90,7 @@ class PlanSettings:
     recompute_max_ops: int = 8
     sink_views: bool = True
     horizontal: bool = True
+    merge_matmuls: bool = False
     column_reduce: Literal["generate", "library"] = "generate"
 
     def __post_init__(self) -> None:
@@ -200,7 +204,7 @@ def _partition(
     computed: Sequence[Node],
 ) -> Partition:
     library_mm = settings.matmul == "library"
-    part = Partition(Ctx(graph, users, stop))
+    part = Partition(Ctx(graph, users, stop, settings.merge_matmuls))
     prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2}  # node kinds: 3
     for n in computed:
         kind = kind_of(n, library_mm, settings.column_reduce == "library")
