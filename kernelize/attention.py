@@ -65,6 +65,28 @@ def scaled_dot_product_attention(
         ...                torch.nn.functional.scaled_dot_product_attention(q, q, q), atol=1e-5)
         True
     """
+    return run(None, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def run(
+    owner: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """:func:`scaled_dot_product_attention` on behalf of the hub layer ``owner``, whose ``kernelize.inspect``
+    record then lists the attention kernel (``owner=None`` records nothing).
+
+    Example:
+        >>> q = torch.randn(1, 2, 5, 16)
+        >>> run(None, q, q, q, is_causal=True).shape
+        torch.Size([1, 2, 5, 16])
+    """
     squeeze = query.dim() == 3
     if squeeze:
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -88,7 +110,11 @@ def scaled_dot_product_attention(
             mask="none" if mask is None else ("bool" if mask.dtype == torch.bool else "add"),
             groups=hq // hkv,
         )
-        launch = _launcher(query, key, value, mask, args)
+        launch, record = _launcher(query, key, value, mask, args)
+        if owner is not None:
+            from kernelize.hub import note_kernels
+
+            note_kernels(owner, record)
         operands = [query, key, value] if mask is None else [query, key, value, mask]
         launch(operands, [out], None)
     return out.squeeze(0) if squeeze else out
@@ -135,8 +161,8 @@ def _check(q, k, v, mask, dropout_p, is_causal, enable_gqa) -> None:
             raise AttentionUnsupported(f"attn_mask of rank {mask.dim()} > 4")
 
 
-# (backend, device, dtypes, static shapes, args) -> launch function
-_LAUNCHERS: dict[tuple, object] = {}
+# (backend, device, dtypes, static shapes, args) -> (launch function, what ran for kernelize.inspect)
+_LAUNCHERS: dict[tuple, tuple] = {}
 _LOCK = threading.Lock()
 
 
@@ -167,7 +193,13 @@ def _launcher(
 
 
 def _build(backend: str, q, k, v, mask, args: AttentionArgs):
-    """Graph of one attention node -> plan -> one compiled ATTENTION kernel's launch function."""
+    """Graph of one attention node -> plan -> one compiled ATTENTION kernel: (launch, record)."""
+    from kernelize.hub import KernelRecord
+
+    sig = (
+        f"attention({str(q.dtype).removeprefix('torch.')}[b, {q.shape[1]}, q_len, {q.shape[3]}], "
+        f"kv heads {k.shape[1]}, dv {v.shape[3]}, causal={args.causal}, mask={args.mask})"
+    )
     if backend == "reference":
 
         def launch(operands, writes, sizes):
@@ -175,7 +207,7 @@ def _build(backend: str, q, k, v, mask, args: AttentionArgs):
                 reference_attention(*operands[:3], operands[3] if mask is not None else None, args)
             )
 
-        return launch
+        return launch, KernelRecord("reference", (), sig)
     from kernelize.autokernel.kernels import KernelKind
     from kernelize.autokernel.plan import plan
     from kernelize.runtime.compiled import make_backend
@@ -196,7 +228,8 @@ def _build(backend: str, q, k, v, mask, args: AttentionArgs):
     g.output(g.attention(qn, kn, vn, mn, scale=args.scale, causal=args.causal, gqa=args.groups > 1))
     (kernel,) = plan(g, getattr(impl, "plan_settings", None)).kernels
     assert kernel.kind is KernelKind.ATTENTION, kernel
-    return impl.compile(kernel).launch
+    compiled = impl.compile(kernel)
+    return compiled.launch, KernelRecord(backend, ((compiled.name, compiled.source_hash),), sig)
 
 
-__all__ = ["AttentionUnsupported", "scaled_dot_product_attention"]
+__all__ = ["AttentionUnsupported", "run", "scaled_dot_product_attention"]

@@ -180,3 +180,17 @@ def test_reference_attention_matches_sdpa_and_zeroes_masked_rows():
     args = AttentionArgs(scale=1 / math.sqrt(16), mask="bool", groups=2)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(reference_attention(q, k, v, mask, args), ref)
+
+
+@pytest.mark.parametrize("lq,lk,hq,hkv", [(3, 40, 2, 2), (2, 600, 4, 2), (4, 4, 1, 1), (3, 1, 2, 2)])
+def test_decode_shape_with_causal_mask(lq, lk, hq, hkv):
+    """A few query rows per key head take the split-key decode path; the causal cut still applies per row."""
+    q, k, v = _qkv(1, hq, hkv, lq, lk, 64, 64, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 5):
+            torch.set_num_threads(n)
+            out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            _close(out, _oracle(q, k, v, causal=True, gqa=True), torch.float32)
+    finally:
+        torch.set_num_threads(threads)

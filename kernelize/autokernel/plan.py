@@ -75,6 +75,11 @@ class PlanSettings:
             (:func:`kernelize.autokernel.canon.sink_views`), so they fuse into it.
         horizontal: POINTWISE (or ROW, same rows) kernels over the same domain that read a common value
             merge (one launch, the value read once).
+        merge_matmuls: matmuls over the same domain that read the same left operand and meet in an
+            elementwise epilogue (``silu(x @ Wg) * (x @ Wu)``) become one MATMUL kernel with several MATMUL
+            values (for backends whose matmul kernels compute several accumulators: the CPU's few-row kernel).
+        column_reduce: ``"generate"`` (a sum/mean over leading axes is a ROW kernel over the transposed
+            domain) or ``"library"`` (torch reduces the materialised operand with blocked partial sums).
     """
 
     matmul: Literal["generate", "library"] = "generate"
@@ -85,10 +90,16 @@ class PlanSettings:
     recompute_max_ops: int = 8
     sink_views: bool = True
     horizontal: bool = True
+    merge_matmuls: bool = False
+    column_reduce: Literal["generate", "library"] = "generate"
 
     def __post_init__(self) -> None:
         if self.matmul not in ("generate", "library"):
             raise ValueError(f"PlanSettings.matmul must be 'generate' or 'library', got {self.matmul!r}")
+        if self.column_reduce not in ("generate", "library"):
+            raise ValueError(
+                f"PlanSettings.column_reduce must be 'generate' or 'library', got {self.column_reduce!r}"
+            )
         if self.recompute_max_ops < 0:
             raise ValueError(f"PlanSettings.recompute_max_ops must be >= 0, got {self.recompute_max_ops}")
 
@@ -193,10 +204,10 @@ def _partition(
     computed: Sequence[Node],
 ) -> Partition:
     library_mm = settings.matmul == "library"
-    part = Partition(Ctx(graph, users, stop))
+    part = Partition(Ctx(graph, users, stop, settings.merge_matmuls))
     prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2}  # node kinds: 3
     for n in computed:
-        kind = kind_of(n, library_mm)
+        kind = kind_of(n, library_mm, settings.column_reduce == "library")
         g = new_group(len(part.parent), n, kind)
         if n in stop:
             g.copy = True
@@ -233,7 +244,8 @@ def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple
     for n in graph.nodes:
         if n not in live:
             continue
-        if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION):
+        library = n in part.of and part.group(n).kind is KernelKind.LIBRARY  # e.g. a column sum on the cpu
+        if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION) or library:
             pinned.update(base(s, stop) for s in n.src)
         elif n.op is Op.PAD:
             pinned.add(base(n.src[0], stop))

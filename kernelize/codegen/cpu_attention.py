@@ -25,6 +25,7 @@ from kernelize.ir.ops import AttentionArgs
 # storage types of the prelude (16-bit floats as bit patterns, widened to f32 on load)
 C_TYPES = {DType.F32: "float", DType.F16: "kz_f16", DType.BF16: "kz_bf16", DType.BOOL: "bool"}
 MASK_CODES = {"none": 0, "bool": 1, "add": 2}
+ROW_GROUPS = 4  # 16-row micro tiles per prefill block: a key / value block in cache serves 64 query rows
 DECODE_ROWS = 4  # a key head with at most this many query rows (heads sharing it x positions) decodes
 PARALLEL_MIN = 1 << 16  # multiply-adds below which one thread beats waking the team
 
@@ -64,6 +65,7 @@ def render_attention(kernel: Kernel, prelude: str) -> tuple[str, str]:
         MASK=str(MASK_CODES[args.mask]),
         F32="true" if node.dtype is DType.F32 else "false",
         DECODE_ROWS=str(DECODE_ROWS),
+        ROW_GROUPS=str(ROW_GROUPS),
         PARALLEL_MIN=str(PARALLEL_MIN),
     )
     return source, name

@@ -26,13 +26,14 @@ typedef $TM$ kz_tm;  // mask storage
 constexpr int D = $D$, DV = $DV$;
 constexpr int CAUSAL = $CAUSAL$, MASK = $MASK$;  // MASK: 0 none, 1 bool (keep where true), 2 additive
 constexpr bool F32 = $F32$;                      // k and v are read in place when they are f32
-constexpr int BQ = 16, BK = 64, NK = 4;          // rows per block, keys per block, keys per micro tile
+constexpr int VL = 8, RV = 2, RG = $ROW_GROUPS$;  // a micro tile has RV vectors of VL rows; a block RG tiles
+constexpr int BQ = RG * RV * VL;                 // rows per block: k and v blocks are reused by all of them
+constexpr int BK = 60, NK = 6, NV = 6;           // keys per block; keys / value columns per micro tile
 constexpr int DECODE_ROWS = $DECODE_ROWS$;       // at most this many rows per key head: the decode shape
 constexpr float NEG_INF = -INFINITY;
 // the compiler keeps a vector of this type in one register; arrays of floats indexed in loops it keeps in
 // memory, which makes the micro tiles store-bound
-typedef float vf __attribute__((vector_size(32)));
-constexpr int VL = 8;
+typedef float vf __attribute__((vector_size(VL * 4)));
 
 struct Args {
     const kz_t *q, *k, *v;
@@ -45,7 +46,14 @@ struct Args {
 
 KZ_INLINE vf vload(const float* p) { vf x; memcpy(&x, p, sizeof x); return x; }
 KZ_INLINE void vstore(float* p, vf x) { memcpy(p, &x, sizeof x); }
-KZ_INLINE vf vsplat(float a) { return vf{} + a; }
+// keeps a loaded vector in a register: otherwise gcc folds it into every FMA as a memory operand, and the
+// micro tiles become bound by loads instead of FMAs
+#if defined(__x86_64__) && !defined(__clang__)
+#define KZ_REG(x) __asm__("" : "+x"(x))
+#else
+#define KZ_REG(x) (void)0
+#endif
+KZ_INLINE vf vsplat(float a) { return vf{a, a, a, a, a, a, a, a}; }  // (vf){} + a adds a -0 check
 
 // the head and position of row r of key head hkv
 KZ_INLINE void row_pos(const Args& a, int64_t hkv, int64_t r, int64_t* h, int64_t* i) {
@@ -76,43 +84,54 @@ KZ_INLINE void block_scores(Block& w, const float* const* krow, int nb) {
     for (int j = 0; j < nb; j += NK) {
         const float* kr[NK];
         for (int t = 0; t < NK; ++t) kr[t] = krow[j + t < nb ? j + t : nb - 1];
-        vf s0[NK] = {}, s1[NK] = {};
+        for (int g = 0; g < RG; ++g) {
+        vf s[NK][RV] = {};
         for (int d = 0; d < D; ++d) {
-            vf q0 = vload(&w.qt[d][0]), q1 = vload(&w.qt[d][VL]);
+            vf qv[RV];
+            for (int u = 0; u < RV; ++u) {
+                qv[u] = vload(&w.qt[d][(g * RV + u) * VL]);
+                KZ_REG(qv[u]);
+            }
             for (int t = 0; t < NK; ++t) {
                 vf kv = vsplat(kr[t][d]);
-                s0[t] += kv * q0;
-                s1[t] += kv * q1;
+                for (int u = 0; u < RV; ++u) s[t][u] += kv * qv[u];
             }
         }
-        for (int t = 0; t < NK && j + t < nb; ++t) {
-            vstore(&w.st[j + t][0], s0[t]);
-            vstore(&w.st[j + t][VL], s1[t]);
+        for (int t = 0; t < NK && j + t < nb; ++t)
+            for (int u = 0; u < RV; ++u) vstore(&w.st[j + t][(g * RV + u) * VL], s[t][u]);
         }
     }
 }
 
-// acc[dv][0:BQ] = alpha * acc[dv] + sum_j p[j] v_j[dv], four value columns at a time
+// acc[dv:dv+NT][0:BQ] = alpha * acc + sum_j p[j] v_j[dv:dv+NT]: NT x RV accumulators in registers
+template <int NT>
+KZ_INLINE void pv_tile(Block& w, const float* const* vrow, int nb, int dv, const vf* al, int g) {
+    vf c[NT][RV];
+    for (int t = 0; t < NT; ++t)
+        for (int u = 0; u < RV; ++u) c[t][u] = vload(&w.acc[dv + t][(g * RV + u) * VL]) * al[u];
+    for (int j = 0; j < nb; ++j) {
+        vf p[RV];
+        for (int u = 0; u < RV; ++u) {
+            p[u] = vload(&w.st[j][(g * RV + u) * VL]);
+            KZ_REG(p[u]);
+        }
+        const float* vr = vrow[j] + dv;
+        for (int t = 0; t < NT; ++t) {
+            vf vv = vsplat(vr[t]);
+            for (int u = 0; u < RV; ++u) c[t][u] += vv * p[u];
+        }
+    }
+    for (int t = 0; t < NT; ++t)
+        for (int u = 0; u < RV; ++u) vstore(&w.acc[dv + t][(g * RV + u) * VL], c[t][u]);
+}
+
 KZ_INLINE void block_pv(Block& w, const float* const* vrow, int nb) {
-    vf a0 = vload(&w.alpha[0]), a1 = vload(&w.alpha[VL]);
-    for (int dv = 0; dv < DV; dv += 4) {
-        vf c0[4], c1[4];
-        for (int t = 0; t < 4; ++t) {
-            c0[t] = dv + t < DV ? vload(&w.acc[dv + t][0]) * a0 : vf{};
-            c1[t] = dv + t < DV ? vload(&w.acc[dv + t][VL]) * a1 : vf{};
-        }
-        for (int j = 0; j < nb; ++j) {
-            vf p0 = vload(&w.st[j][0]), p1 = vload(&w.st[j][VL]);
-            for (int t = 0; t < 4; ++t) {
-                vf vv = vsplat(dv + t < DV ? vrow[j][dv + t] : 0.0f);
-                c0[t] += vv * p0;
-                c1[t] += vv * p1;
-            }
-        }
-        for (int t = 0; t < 4 && dv + t < DV; ++t) {
-            vstore(&w.acc[dv + t][0], c0[t]);
-            vstore(&w.acc[dv + t][VL], c1[t]);
-        }
+    for (int g = 0; g < RG; ++g) {
+        vf al[RV];
+        for (int u = 0; u < RV; ++u) al[u] = vload(&w.alpha[(g * RV + u) * VL]);
+        int dv = 0;
+        for (; dv + NV <= DV; dv += NV) pv_tile<NV>(w, vrow, nb, dv, al, g);
+        if constexpr (DV % NV != 0) pv_tile<DV % NV>(w, vrow, nb, dv, al, g);
     }
 }
 
@@ -197,6 +216,71 @@ void prefill_block(const Args& a, Block& w, int64_t b, int64_t hkv, int64_t r0, 
     }
 }
 
+// s[j] = q . k_j for j in [0, nb): VL keys at a time, each with its own accumulator over the head dim, then
+// one transposing reduction (a single accumulator would chain every FMA of a key on the previous one)
+KZ_INLINE void decode_scores(const float* q, const float* const* krow, int nb, float* s) {
+    if constexpr (D % VL == 0) {
+        int j = 0;
+        for (; j + VL <= nb; j += VL) {
+            vf acc[VL] = {};
+            for (int d = 0; d < D; d += VL) {
+                vf qv = vload(q + d);
+                KZ_REG(qv);
+                for (int t = 0; t < VL; ++t) acc[t] += vload(krow[j + t] + d) * qv;
+            }
+            alignas(32) float tmp[VL][VL];
+            for (int t = 0; t < VL; ++t) vstore(tmp[t], acc[t]);
+            float out[VL] = {};
+            for (int l = 0; l < VL; ++l) {
+#pragma omp simd
+                for (int t = 0; t < VL; ++t) out[t] += tmp[t][l];
+            }
+            for (int t = 0; t < VL; ++t) s[j + t] = out[t];
+        }
+        for (; j < nb; ++j) {
+            vf acc = {};
+            for (int d = 0; d < D; d += VL) acc += vload(krow[j] + d) * vload(q + d);
+            float sum = 0.0f;
+            for (int l = 0; l < VL; ++l) sum += acc[l];
+            s[j] = sum;
+        }
+    } else {
+        for (int j = 0; j < nb; ++j) {
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int d = 0; d < D; ++d) acc += q[d] * krow[j][d];
+            s[j] = acc;
+        }
+    }
+}
+
+// acc[0:DV] = alpha * acc + sum_j p[j] v_j, the accumulator held in registers across the keys
+KZ_INLINE void decode_pv(float* acc, float alpha, const float* p, const float* const* vrow, int nb) {
+    if constexpr (DV % VL == 0) {
+        constexpr int NC = DV / VL < 8 ? DV / VL : 8;  // columns per pass: at most 8 vector registers
+        for (int c0 = 0; c0 < DV; c0 += NC * VL) {
+            vf c[NC];
+            for (int u = 0; u < NC; ++u) c[u] = c0 + u * VL < DV ? vload(acc + c0 + u * VL) * vsplat(alpha) : vf{};
+            for (int j = 0; j < nb; ++j) {
+                vf pj = vsplat(p[j]);
+                for (int u = 0; u < NC; ++u)
+                    if (c0 + u * VL < DV) c[u] += vload(vrow[j] + c0 + u * VL) * pj;
+            }
+            for (int u = 0; u < NC; ++u)
+                if (c0 + u * VL < DV) vstore(acc + c0 + u * VL, c[u]);
+        }
+    } else {
+#pragma omp simd
+        for (int dv = 0; dv < DV; ++dv) acc[dv] *= alpha;
+        for (int j = 0; j < nb; ++j) {
+            const float pj = p[j];
+            const float* vr = vrow[j];
+#pragma omp simd
+            for (int dv = 0; dv < DV; ++dv) acc[dv] += pj * vr[dv];
+        }
+    }
+}
+
 // ---- decode: rows of one key head against keys [j0, j1), partial results per split ---------------------
 // part: for each row, [max, sum, acc[DV]]
 void decode_split(const Args& a, int64_t b, int64_t hkv, int64_t nrows, int64_t j0, int64_t j1, float* part) {
@@ -237,11 +321,9 @@ void decode_split(const Args& a, int64_t b, int64_t hkv, int64_t nrows, int64_t 
         for (int r = 0; r < nrows; ++r) {
             const kz_tm* mrow = MASK ? a.m + b * a.sm[0] + head[r] * a.sm[1] + pos[r] * a.sm[2] : 0;
             float mx = NEG_INF;
+            decode_scores(qs[r], krow, nb, s);
             for (int j = 0; j < nb; ++j) {
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int d = 0; d < D; ++d) acc += qs[r][d] * krow[j][d];
-                s[j] = mask_score(a, mrow, pos[r], k0 + j, acc);
+                s[j] = mask_score(a, mrow, pos[r], k0 + j, s[j]);
                 mx = s[j] > mx ? s[j] : mx;
             }
             float* pr = part + r * (DV + 2);
@@ -255,15 +337,7 @@ void decode_split(const Args& a, int64_t b, int64_t hkv, int64_t nrows, int64_t 
             }
             pr[0] = mnew;
             pr[1] = pr[1] * alpha + sum;
-            float* acc = pr + 2;
-#pragma omp simd
-            for (int dv = 0; dv < DV; ++dv) acc[dv] *= alpha;
-            for (int j = 0; j < nb; ++j) {
-                const float p = s[j];
-                const float* vr = vrow[j];
-#pragma omp simd
-                for (int dv = 0; dv < DV; ++dv) acc[dv] += p * vr[dv];
-            }
+            decode_pv(pr + 2, alpha, s, vrow, nb);
         }
     }
 }
