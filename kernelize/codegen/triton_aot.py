@@ -156,11 +156,7 @@ def compile_attention_ahead(kernel: Kernel, archs: Sequence[int] = (80, 90), nsp
     result per (function, arch) in the order of :func:`kernelize.codegen.triton_attention.aot_jobs`."""
     from kernelize.codegen.triton_attention import aot_jobs, render_attention
 
-    source = render_attention(kernel)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = cache_dir() / f"{kernel.name}_{digest}.py"
-    if not path.exists():
-        path.write_text(source)
+    path = module_file(render_attention(kernel), kernel.name)  # checked folder, exact content
     jobs = [j for arch in archs for j in aot_jobs(kernel, arch, str(path), nsplit)]
     return [{**r, "name": j["name"], "arch": j["arch"]} for j, r in zip(jobs, run_jobs(jobs))]
 
