@@ -10,7 +10,7 @@ Example:
 
 from kernelize.ir.dot import graph_to_svg, to_dot
 from kernelize.ir.dtypes import DType
-from kernelize.ir.errors import UnsupportedOpError
+from kernelize.ir.errors import FoldLimitError, UnsupportedOpError
 from kernelize.ir.graph import Constant, DTypeError, Graph, Node, Op
 from kernelize.ir.onnx_frontend import load_onnx
 from kernelize.ir.printer import format_graph, op_counts
@@ -33,6 +33,7 @@ __all__ = [
     "Constant",
     "DType",
     "DTypeError",
+    "FoldLimitError",
     "Graph",
     "Node",
     "Op",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -162,7 +163,7 @@ class Graph:
         """A graph input. String dims become symbolic dims (``"batch"`` -> ``Sym.of("batch")``)."""
         if any(i.arg == name for i in self.inputs):
             raise ValueError(f"graph already has an input named {name!r}")
-        dims = tuple(Sym.of(d) if isinstance(d, str) else d for d in shape)
+        dims = tuple(_input_dim(name, axis, d) for axis, d in enumerate(shape))
         node = self.push(Op.INPUT, DType(dtype), dims, (), name)
         self.inputs.append(node)
         return node
@@ -531,6 +532,23 @@ class Graph:
             if op in ops and x.shape == shape and scalar_value(c) == neutral:
                 return x
         return None
+
+
+def _input_dim(name: str, axis: int, d: object) -> Dim:
+    """One dim of a graph input: a name becomes a Sym; a size must be an integer >= 0 (bools, floats and
+    negative sizes would pass later checks and fail only when kernels run)."""
+    if isinstance(d, str):
+        return Sym.of(d)
+    if isinstance(d, Sym):
+        return d
+    if not isinstance(d, bool):
+        try:
+            size = operator.index(d)
+        except TypeError:
+            size = -1
+        if size >= 0:
+            return size
+    raise ShapeError(f"input {name!r}: dim {axis} is {d!r}; a dim is an integer >= 0, a Sym or a name (str)")
 
 
 def _exact_div(a: int, b: int) -> int:
