@@ -1,4 +1,4 @@
-"""Load-time limits of the ONNX front end: the folding cap, huge initializers, and dims checked at the entry."""
+"""Load-time limits of the ONNX front end: the folding cap, huge initializers, dims checked at the entry."""
 
 from __future__ import annotations
 
@@ -124,17 +124,22 @@ def test_huge_range_raises_a_named_error_not_memory_error():
 def test_range_with_zero_delta_names_the_node():
     scalar = [helper.make_tensor(n, F32, [], [v]) for n, v in (("a", 0.0), ("b", 3.0), ("d", 0.0))]
     nodes = [helper.make_node("Constant", [], [t.name], value=t) for t in scalar]
-    model = _model([*nodes, helper.make_node("Range", ["a", "b", "d"], ["r"], name="r0")], [],
-                   [helper.make_tensor_value_info("r", F32, [None])])
+    model = _model(
+        [*nodes, helper.make_node("Range", ["a", "b", "d"], ["r"], name="r0")],
+        [],
+        [helper.make_tensor_value_info("r", F32, [None])],
+    )
     with pytest.raises(ValueError, match="'r0' \\(Range"):
         load_onnx(model)
 
 
 # -- dims checked at the entry -------------------------------------------------------------------------------
 def test_negative_onnx_dim_value_is_rejected_naming_input_and_axis():
-    model = _model([helper.make_node("Relu", ["x"], ["y"])],
-                   [helper.make_tensor_value_info("x", F32, [-5, 4])],
-                   [helper.make_tensor_value_info("y", F32, [None, 4])])
+    model = _model(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", F32, [-5, 4])],
+        [helper.make_tensor_value_info("y", F32, [None, 4])],
+    )
     with pytest.raises(ValueError, match="graph input 'x' .* dim 0 has dim_value -5"):
         load_onnx(model)
     assert load_onnx(model, dynamic_dims={"x:0": 3}).inputs[0].shape == (3, 4)
@@ -142,9 +147,11 @@ def test_negative_onnx_dim_value_is_rejected_naming_input_and_axis():
 
 @pytest.mark.parametrize("value", [-3, 2.5, True, None, [2]])
 def test_bad_dynamic_dims_values_are_rejected(value):
-    model = _model([helper.make_node("Relu", ["x"], ["y"])],
-                   [helper.make_tensor_value_info("x", F32, ["batch", 4])],
-                   [helper.make_tensor_value_info("y", F32, [None, 4])])
+    model = _model(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", F32, ["batch", 4])],
+        [helper.make_tensor_value_info("y", F32, [None, 4])],
+    )
     with pytest.raises(ValueError, match=r"dynamic_dims\['batch'\]"):
         load_onnx(model, dynamic_dims={"batch": value})
 

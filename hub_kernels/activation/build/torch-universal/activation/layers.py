@@ -77,26 +77,32 @@ GATED_MATH = {
 
 # ---- functional API (as in kernels-community/activation) --------------------------------------------------
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("silu_and_mul", x)
     return hub.run(None, silu_and_mul_math, [x])
 
 
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("gelu_and_mul", x)
     return hub.run(None, gelu_and_mul_math, [x])
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("gelu_tanh_and_mul", x)
     return hub.run(None, gelu_tanh_and_mul_math, [x])
 
 
 def fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("fast_gelu", x)
     return hub.run(None, fast_gelu_math, [x])
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("quick_gelu", x)
     return hub.run(None, quick_gelu_math, [x])
 
 
 def new_gelu(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("new_gelu", x)
     return hub.run(None, new_gelu_math, [x])
 
 
@@ -108,6 +114,7 @@ class SiluAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, silu_and_mul_math, [x])
 
 
@@ -118,6 +125,7 @@ class GeluAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, gelu_and_mul_math, [x])
 
 
@@ -128,6 +136,7 @@ class GeluTanhAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, gelu_tanh_and_mul_math, [x])
 
 
@@ -136,6 +145,7 @@ class FastGELU(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, fast_gelu_math, [x])
 
 
@@ -144,6 +154,7 @@ class QuickGELU(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, quick_gelu_math, [x])
 
 
@@ -152,6 +163,7 @@ class NewGELU(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, new_gelu_math, [x])
 
 
