@@ -19,6 +19,11 @@ Kinds:
   (as the planner emits it): ``body[1]`` is ``a`` and ``body[2]`` is ``b`` (the only forward references in
   a body), both with strides over ``(*batch, M, N, K)`` (``a`` has stride 0 on ``N``, ``b`` on ``M``), and
   ``arg`` is the contracted size ``K``.
+* ``ATTENTION``: ``node`` (an ``Op.ATTENTION`` graph node) as one fused kernel over ``domain = node.shape``
+  (``[B, Hq, Lq, Dv]``); ``inputs`` are the buffers under its operands. Generated code reads the operands
+  (q, k, v and the broadcast mask) through the strides of the tensors the runtime hands it, which are the
+  operands seen through their layout views (:func:`kernelize.autokernel.plan.library_operands`): a
+  transposed or broadcast operand is never copied. No body.
 * ``LIBRARY``: ``node`` (conv, pool, or a matmul better left to a library) runs as one torch call on
   ``inputs``; no body.
 
@@ -51,7 +56,12 @@ class KernelKind(StrEnum):
     POINTWISE = "pointwise"
     ROW = "row"
     MATMUL = "matmul"
+    ATTENTION = "attention"
     LIBRARY = "library"
+
+
+# kernels that run one graph node on its operands (no body)
+NODE_KINDS = frozenset({KernelKind.LIBRARY, KernelKind.ATTENTION})
 
 
 @dataclass(frozen=True)
@@ -130,22 +140,22 @@ class Kernel:
     body: tuple[Load | Compute, ...] = ()
     stores: tuple[Store, ...] = ()
     row_rank: int = 0
-    node: Node | None = None  # LIBRARY: the graph op to run
-    inputs: tuple[Node, ...] = ()  # LIBRARY: its operands' buffers
+    node: Node | None = None  # LIBRARY, ATTENTION: the graph op to run
+    inputs: tuple[Node, ...] = ()  # LIBRARY, ATTENTION: its operands' buffers
     # graph values this kernel computes, for printing and pictures
     computes: tuple[Node, ...] = field(default=(), compare=False)
 
     @cached_property  # computed once per kernel: the runtime reads these on every launch
     def reads(self) -> tuple[Node, ...]:
         """Distinct buffers read, in first-use order (the generated function's input arguments)."""
-        if self.kind is KernelKind.LIBRARY:
+        if self.kind in NODE_KINDS:
             return tuple(dict.fromkeys(self.inputs))
         return tuple(dict.fromkeys(e.buffer for e in self.body if isinstance(e, Load)))
 
     @cached_property
     def writes(self) -> tuple[Node, ...]:
         """Distinct buffers written (the generated function's output arguments)."""
-        if self.kind is KernelKind.LIBRARY:
+        if self.kind in NODE_KINDS:
             return (self.node,)
         return tuple(dict.fromkeys(s.buffer for s in self.stores))
 
@@ -166,7 +176,7 @@ class Kernel:
         if self.kind is KernelKind.ROW:
             head += f" (row = last {self.row_rank})"
         lines = [head]
-        if self.kind is KernelKind.LIBRARY:
+        if self.kind in NODE_KINDS:
             arg = "" if self.node.arg is None else f" {format_arg(self.node.arg)}"
             lines.append(f"  {self.node.op}{arg}")
         for i, e in enumerate(self.body):

@@ -12,7 +12,9 @@ Rules (Kyanite's autokernel rules, and better):
    output), as do several reductions over the same row (an unrecognised layernorm's mean and variance);
 4. a matmul absorbs its elementwise epilogue (bias, activation, residual add, scale);
 5. concat and pad are masked loads, gather an indirect load, each fused like any elementwise op;
-6. conv, pool (and matmul under ``PlanSettings(matmul="library")``) are LIBRARY kernels run by the
+6. an attention op is one fused ATTENTION kernel of its own reading its operands through strides
+   (transposes and broadcasts of q, k, v and the mask are not copied);
+7. conv, pool (and matmul under ``PlanSettings(matmul="library")``) are LIBRARY kernels run by the
    runtime with torch; their elementwise neighbours fuse into the generated kernels around them.
 
 A value is written to memory iff it is a graph output (or the value under an output's layout view), an
@@ -38,7 +40,7 @@ import torch
 
 from kernelize.autokernel.body import BodyBuilder, Materialize
 from kernelize.autokernel.canon import sink_views
-from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.autokernel.kernels import NODE_KINDS, Kernel, KernelKind
 from kernelize.autokernel.legality import can_absorb
 from kernelize.autokernel.partition import (
     POINTWISE_OPS,
@@ -73,6 +75,8 @@ class PlanSettings:
             (:func:`kernelize.autokernel.canon.sink_views`), so they fuse into it.
         horizontal: POINTWISE (or ROW, same rows) kernels over the same domain that read a common value
             merge (one launch, the value read once).
+        column_reduce: ``"generate"`` (a sum/mean over leading axes is a ROW kernel over the transposed
+            domain) or ``"library"`` (torch reduces the materialised operand with blocked partial sums).
     """
 
     matmul: Literal["generate", "library"] = "generate"
@@ -83,10 +87,15 @@ class PlanSettings:
     recompute_max_ops: int = 8
     sink_views: bool = True
     horizontal: bool = True
+    column_reduce: Literal["generate", "library"] = "generate"
 
     def __post_init__(self) -> None:
         if self.matmul not in ("generate", "library"):
             raise ValueError(f"PlanSettings.matmul must be 'generate' or 'library', got {self.matmul!r}")
+        if self.column_reduce not in ("generate", "library"):
+            raise ValueError(
+                f"PlanSettings.column_reduce must be 'generate' or 'library', got {self.column_reduce!r}"
+            )
         if self.recompute_max_ops < 0:
             raise ValueError(f"PlanSettings.recompute_max_ops must be >= 0, got {self.recompute_max_ops}")
 
@@ -192,18 +201,18 @@ def _partition(
 ) -> Partition:
     library_mm = settings.matmul == "library"
     part = Partition(Ctx(graph, users, stop))
-    prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2, KernelKind.LIBRARY: 3}
+    prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2}  # node kinds: 3
     for n in computed:
-        kind = kind_of(n, library_mm)
+        kind = kind_of(n, library_mm, settings.column_reduce == "library")
         g = new_group(len(part.parent), n, kind)
         if n in stop:
             g.copy = True
         part.add(g, [base(s, stop) for s in n.src])
-        if not settings.fuse or kind is KernelKind.LIBRARY:
+        if not settings.fuse or kind in NODE_KINDS:
             continue
         edges = [(i, base(s, stop)) for i, s in enumerate(n.src)]
         edges = [(i, q) for i, q in edges if q in part.of]
-        edges.sort(key=lambda e: prio[part.group(e[1]).kind])
+        edges.sort(key=lambda e: prio.get(part.group(e[1]).kind, 3))
         for i, q in edges:
             pk = part.group(q).kind
             if pk is KernelKind.MATMUL and not settings.fuse_epilogue:
@@ -231,7 +240,8 @@ def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple
     for n in graph.nodes:
         if n not in live:
             continue
-        if n.op in (Op.MATMUL, Op.CONV, Op.POOL):
+        library = n in part.of and part.group(n).kind is KernelKind.LIBRARY  # e.g. a column sum on the cpu
+        if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION) or library:
             pinned.update(base(s, stop) for s in n.src)
         elif n.op is Op.PAD:
             pinned.add(base(n.src[0], stop))
@@ -279,10 +289,10 @@ def _lower(g: Group, buffers: set[Node], stop: set[Node], order: Mapping[Node, i
     stores = sorted((m for m in g.sel if m in buffers), key=order.__getitem__)
     if not stores:
         return []
-    if g.kind is KernelKind.LIBRARY:
+    if g.kind in NODE_KINDS:
         (node,) = g.sel
         inputs = tuple(base(s, stop) for s in node.src)
-        return [Kernel("", KernelKind.LIBRARY, node.shape, node=node, inputs=inputs, computes=(node,))]
+        return [Kernel("", g.kind, node.shape, node=node, inputs=inputs, computes=(node,))]
     return [BodyBuilder(g, buffers, stop, order).kernel(stores)]
 
 
@@ -316,7 +326,7 @@ def _schedule(kernels: Sequence[Kernel], order: Mapping[Node, int]) -> tuple[Ker
 def library_operands(
     kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]
 ) -> list[torch.Tensor]:
-    """The operand tensors of a LIBRARY kernel: its buffers seen through the node's layout views."""
+    """The operand tensors of a LIBRARY or ATTENTION kernel: its buffers seen through the node's views."""
     from kernelize.ir.reference import _EVAL
 
     vals = dict(values)

@@ -73,13 +73,26 @@ def fused_add_rms_norm_math(
     return rms_norm_math(total, weight, eps=eps), total
 
 
-def _eps(module: nn.Module, x: torch.Tensor) -> float:
+def fused_add_gemma_rms_norm_math(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gemma_rms_norm(x + residual), x + residual): Gemma's `(1 + w)` norm after the residual add."""
+    total = x + residual
+    return gemma_rms_norm_math(total, weight, eps=eps), total
+
+
+# norm layer name -> its residual-add + norm math (for decoder layers that fuse the two)
+FUSED_ADD_MATH = {"RMSNorm": fused_add_rms_norm_math, "GemmaRMSNorm": fused_add_gemma_rms_norm_math}
+
+
+def _eps(module: nn.Module, x: torch.Tensor | None = None) -> float:
     for name in ("variance_epsilon", "eps", "epsilon"):
         value = getattr(module, name, None)
         if isinstance(value, int | float):
             return float(value)
     if _unset(module, "eps"):  # torch's RMSNorm(eps=None): the epsilon of the compute dtype
-        return float(torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps)
+        dtype = torch.float32 if x is None else torch.promote_types(x.dtype, torch.float32)
+        return float(torch.finfo(dtype).eps)
     raise AttributeError(
         f"{type(module).__name__} has no epsilon attribute (variance_epsilon, eps or epsilon) for the norm "
         "kernel; add one or map this layer to another kernel."
@@ -107,6 +120,9 @@ def _flat(module: nn.Module, x: torch.Tensor, *params: torch.Tensor | None):
 
 def _restore(y: torch.Tensor, shape: torch.Size | None) -> torch.Tensor:
     return y if shape is None else y.reshape(shape)
+
+
+eps_of = _eps  # public: decoder layers that fuse a norm read its epsilon the same way
 
 
 # ---- functional API --------------------------------------------------------------------------------------

@@ -1,0 +1,273 @@
+"""Real ONNX models on the CPU: kernelize vs onnxruntime vs eager torch, plus cold and warm compile time.
+
+Models are real architectures built from transformers configs (random weights, no download) and exported
+with ``torch.onnx.export`` into ``benchmarks/.onnx_cache/`` (gitignored; reused across runs). For each model
+and batch size the script loads it the way ``kernelize run model.onnx --backend cpu`` does
+(``load_onnx`` -> ``optimize`` -> ``compile_graph(backend="cpu")``), times kernelize, onnxruntime (same
+thread count, same inputs) and eager torch interleaved (one call of each per round, medians over rounds),
+and checks the largest relative difference from onnxruntime. Cold time is load + optimize + plan + compile
+with an empty kernel cache in a fresh process; warm time is the same with the cache filled.
+
+Prints a table, writes ``<out>/onnx_models.json`` and ``<out>/onnx_models.png``.
+
+Usage:
+    python benchmarks/onnx_models.py            # all models, batch 1 and 8
+    python benchmarks/onnx_models.py --quick    # ResNet-50 and the BERT encoder at batch 1, few rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+CACHE = Path(__file__).resolve().parent / ".onnx_cache"
+THREADS = 2
+
+
+def _vision(cls_name: str, cfg_name: str, **kw) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        import transformers
+
+        cfg = getattr(transformers, cfg_name)(**kw)
+        return getattr(transformers, cls_name)(cfg)
+
+    return build
+
+
+def _bert() -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.BertConfig(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072
+    )
+    return transformers.BertModel(cfg, add_pooling_layer=False)
+
+
+# name -> (builder, input kind); vision models take pixel_values [B, 3, 224, 224], BERT token ids [B, 128]
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
+    "resnet50": (_vision("ResNetForImageClassification", "ResNetConfig"), "image"),
+    "mobilenet_v2": (_vision("MobileNetV2ForImageClassification", "MobileNetV2Config"), "image"),
+    "convnext_tiny": (_vision("ConvNextForImageClassification", "ConvNextConfig"), "image"),
+    "efficientnet_b0": (
+        _vision(
+            "EfficientNetForImageClassification",
+            "EfficientNetConfig",
+            width_coefficient=1.0,
+            depth_coefficient=1.0,
+            image_size=224,
+            hidden_dim=1280,
+        ),
+        "image",
+    ),
+    "regnet_y_400mf": (
+        _vision(
+            "RegNetForImageClassification",
+            "RegNetConfig",
+            hidden_sizes=[48, 104, 208, 440],
+            depths=[1, 3, 6, 6],
+            groups_width=8,
+            layer_type="y",
+        ),
+        "image",
+    ),
+    "vit_base": (_vision("ViTForImageClassification", "ViTConfig"), "image"),
+    "bert_base": (_bert, "text"),
+}
+QUICK = ("resnet50", "bert_base")
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(x)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def example_input(kind: str, batch: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "image":
+        return torch.randn(batch, 3, 224, 224, generator=gen)
+    return torch.randint(0, 30522, (batch, 128), generator=gen)
+
+
+def export(name: str) -> Path:
+    """The model's ONNX file (exported once, with a dynamic batch axis)."""
+    path = CACHE / f"{name}.onnx"
+    if path.is_file():
+        return path
+    CACHE.mkdir(parents=True, exist_ok=True)
+    build, kind = MODELS[name]
+    torch.manual_seed(0)
+    model = _Logits(build().eval())
+    x = example_input(kind, 2)
+    tmp = path.with_suffix(".tmp.onnx")
+    with torch.no_grad():
+        torch.onnx.export(
+            model, (x,), str(tmp), input_names=["x"], output_names=["y"],
+            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, opset_version=17, dynamo=False,
+        )
+    tmp.replace(path)
+    return path
+
+
+def load_kernelize(path: Path, batch: int):
+    """What ``kernelize run --backend cpu`` does: load, optimize, compile; returns the callable."""
+    from kernelize.ir import optimize
+    from kernelize.ir.onnx_frontend import load_onnx
+    from kernelize.runtime.compiled import compile_graph
+
+    graph = optimize(load_onnx(path, dynamic_dims={"batch": batch}))
+    return compile_graph(graph, backend="cpu", device="cpu")
+
+
+def load_ort(path: Path):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = THREADS
+    opts.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def compile_seconds(path: Path, batch: int, cache_dir: str) -> float:
+    """Load + optimize + plan + compile in a fresh process with kernel cache ``cache_dir``."""
+    code = (
+        "import sys, time, torch; torch.set_num_threads(%d); t=time.perf_counter();"
+        "sys.path.insert(0, %r); from onnx_models import load_kernelize; from pathlib import Path;"
+        "load_kernelize(Path(%r), %d); print(time.perf_counter()-t)"
+        % (THREADS, str(Path(__file__).parent), str(path), batch)
+    )
+    env = dict(os.environ, KERNELIZE_CACHE_DIR=cache_dir)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def bench(name: str, batch: int, rounds: int, compile_times: bool) -> dict:
+    path = export(name)
+    build, kind = MODELS[name]
+    x = example_input(kind, batch, seed=1)
+    torch.manual_seed(0)
+    eager = _Logits(build().eval())
+    row: dict = {"model": name, "batch": batch}
+    if compile_times:
+        cold_dir = tempfile.mkdtemp(prefix="kcold")
+        try:
+            row["cold_s"] = compile_seconds(path, batch, cold_dir)
+            row["warm_s"] = compile_seconds(path, batch, cold_dir)
+        finally:
+            shutil.rmtree(cold_dir, ignore_errors=True)
+    cg = load_kernelize(path, batch)
+    sess = load_ort(path)
+    feed = {"x": x.numpy()}
+    runs = {
+        "kernelize": lambda: cg(x)[0],
+        "onnxruntime": lambda: torch.from_numpy(sess.run(None, feed)[0]),
+        "eager": lambda: _Logits.forward(eager, x),
+    }
+    with torch.inference_mode():
+        outs = {k: f() for k, f in runs.items()}  # warm-up
+        row["rel_diff_vs_ort"] = rel_diff(outs["kernelize"], outs["onnxruntime"])
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(rounds):
+            for k, f in runs.items():
+                t0 = time.perf_counter()
+                f()
+                times[k].append((time.perf_counter() - t0) * 1e3)
+    for k, ts in times.items():
+        row[f"{k}_ms"] = statistics.median(ts)
+    row["ratio_vs_ort"] = row["kernelize_ms"] / row["onnxruntime_ms"]
+    row["ratio_vs_eager"] = row["kernelize_ms"] / row["eager_ms"]
+    return row
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="ResNet-50 and BERT at batch 1, few rounds")
+    ap.add_argument("--models", nargs="*", choices=list(MODELS), help="subset of models")
+    ap.add_argument("--batches", nargs="*", type=int, help="batch sizes (default 1 8)")
+    ap.add_argument("--rounds", type=int, help="timed rounds per variant (interleaved)")
+    ap.add_argument("--no-compile-times", action="store_true", help="skip the cold/warm compile runs")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    torch.set_num_threads(THREADS)
+    models = args.models or (QUICK if args.quick else list(MODELS))
+    batches = args.batches or ([1] if args.quick else [1, 8])
+    rounds = args.rounds or (5 if args.quick else 15)
+    rows = []
+    for name in models:
+        for b in batches:
+            row = bench(name, b, rounds if b == 1 else max(3, rounds // 2), not args.no_compile_times)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    print(f"CPU, {THREADS} threads, f32, medians of interleaved rounds (shared machine: ratios only)\n")
+    head = f"{'model':<16} {'batch':>5} {'kernelize':>10} {'ort':>8} {'eager':>8} {'k/ort':>6} {'k/eager':>7}"
+    head += f" {'rel diff':>9} {'cold s':>7} {'warm s':>7}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['model']:<16} {r['batch']:>5} {r['kernelize_ms']:>10.2f} {r['onnxruntime_ms']:>8.2f} "
+            f"{r['eager_ms']:>8.2f} {r['ratio_vs_ort']:>6.2f} {r['ratio_vs_eager']:>7.2f} "
+            f"{r['rel_diff_vs_ort']:>9.1e} {r.get('cold_s', float('nan')):>7.1f} "
+            f"{r.get('warm_s', float('nan')):>7.2f}"
+        )
+    summary = {}
+    for b in batches:
+        ratios = [r["ratio_vs_ort"] for r in rows if r["batch"] == b]
+        summary[f"batch{b}"] = {"geomean_vs_ort": geomean(ratios), "worst_vs_ort": max(ratios)}
+        print(f"batch {b}: geomean kernelize/onnxruntime {geomean(ratios):.2f}, worst {max(ratios):.2f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "onnx_models.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    plot(rows, batches, out / "onnx_models.png")
+    print(f"wrote {out / 'onnx_models.json'} and {out / 'onnx_models.png'}")
+
+
+def plot(rows: list[dict], batches: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        rs = [r for r in rows if r["batch"] == b]
+        names = [r["model"] for r in rs]
+        xs = range(len(rs))
+        ax.bar([i - 0.2 for i in xs], [r["ratio_vs_ort"] for r in rs], 0.4, label="kernelize / onnxruntime")
+        ax.bar([i + 0.2 for i in xs], [r["eager_ms"] / r["onnxruntime_ms"] for r in rs], 0.4,
+               label="eager torch / onnxruntime")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(list(xs), names, rotation=30, ha="right")
+        ax.set_ylabel("time relative to onnxruntime (lower is faster)")
+        ax.set_title(f"batch {b}, CPU {THREADS} threads")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
