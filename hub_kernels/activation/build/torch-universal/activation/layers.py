@@ -122,26 +122,32 @@ GATE_UP_MATH = {
 
 # ---- functional API (as in kernels-community/activation) --------------------------------------------------
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("silu_and_mul", x)
     return hub.run(None, silu_and_mul_math, [x])
 
 
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("gelu_and_mul", x)
     return hub.run(None, gelu_and_mul_math, [x])
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("gelu_tanh_and_mul", x)
     return hub.run(None, gelu_tanh_and_mul_math, [x])
 
 
 def fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("fast_gelu", x)
     return hub.run(None, fast_gelu_math, [x])
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("quick_gelu", x)
     return hub.run(None, quick_gelu_math, [x])
 
 
 def new_gelu(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("new_gelu", x)
     return hub.run(None, new_gelu_math, [x])
 
 
@@ -153,6 +159,7 @@ class SiluAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, silu_and_mul_math, [x])
 
 
@@ -163,6 +170,7 @@ class GeluAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, gelu_and_mul_math, [x])
 
 
@@ -173,6 +181,7 @@ class GeluTanhAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, gelu_tanh_and_mul_math, [x])
 
 
@@ -181,6 +190,7 @@ class FastGELU(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, fast_gelu_math, [x])
 
 
@@ -189,6 +199,7 @@ class QuickGELU(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, quick_gelu_math, [x])
 
 
@@ -197,6 +208,7 @@ class NewGELU(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, new_gelu_math, [x])
 
 
