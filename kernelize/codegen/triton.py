@@ -536,7 +536,7 @@ class TritonBackend:
             from kernelize.codegen.triton_attention import compile_attention
 
             return compile_attention(kernel, interpreting())
-        if kernel.kind is KernelKind.MATMUL and weights_shared(kernel):
+        if kernel.kind is KernelKind.MATMUL and len(kernel.domain) >= 2 and weights_shared(kernel):
             return self._compile_matmul(kernel)
         return self._compile(kernel)
 
