@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 CACHE = Path(__file__).resolve().parent / ".onnx_cache"
-THREADS = 2
+THREADS = int(os.environ.get("ONNX_BENCH_THREADS", "2"))
 
 
 def _vision(cls_name: str, cfg_name: str, **kw) -> Callable[[], torch.nn.Module]:
@@ -118,8 +118,14 @@ def export(name: str) -> Path:
     tmp = path.with_suffix(".tmp.onnx")
     with torch.no_grad():
         torch.onnx.export(
-            model, (x,), str(tmp), input_names=["x"], output_names=["y"],
-            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}}, opset_version=17, dynamo=False,
+            model,
+            (x,),
+            str(tmp),
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}},
+            opset_version=17,
+            dynamo=False,
         )
     tmp.replace(path)
     return path
@@ -147,10 +153,10 @@ def load_ort(path: Path):
 def compile_seconds(path: Path, batch: int, cache_dir: str) -> float:
     """Load + optimize + plan + compile in a fresh process with kernel cache ``cache_dir``."""
     code = (
-        "import sys, time, torch; torch.set_num_threads(%d); t=time.perf_counter();"
-        "sys.path.insert(0, %r); from onnx_models import load_kernelize; from pathlib import Path;"
-        "load_kernelize(Path(%r), %d); print(time.perf_counter()-t)"
-        % (THREADS, str(Path(__file__).parent), str(path), batch)
+        f"import sys, time, torch; torch.set_num_threads({THREADS}); t=time.perf_counter();"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r}); from onnx_models import load_kernelize;"
+        f"from pathlib import Path; load_kernelize(Path({str(path)!r}), {batch});"
+        "print(time.perf_counter()-t)"
     )
     env = dict(os.environ, KERNELIZE_CACHE_DIR=cache_dir)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -258,8 +264,12 @@ def plot(rows: list[dict], batches: list[int], path: Path) -> None:
         names = [r["model"] for r in rs]
         xs = range(len(rs))
         ax.bar([i - 0.2 for i in xs], [r["ratio_vs_ort"] for r in rs], 0.4, label="kernelize / onnxruntime")
-        ax.bar([i + 0.2 for i in xs], [r["eager_ms"] / r["onnxruntime_ms"] for r in rs], 0.4,
-               label="eager torch / onnxruntime")
+        ax.bar(
+            [i + 0.2 for i in xs],
+            [r["eager_ms"] / r["onnxruntime_ms"] for r in rs],
+            0.4,
+            label="eager torch / onnxruntime",
+        )
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(list(xs), names, rotation=30, ha="right")
         ax.set_ylabel("time relative to onnxruntime (lower is faster)")

@@ -307,7 +307,7 @@ class _Writer:
 
 def render(kernel: Kernel, renderer: CpuRenderer | None = None) -> tuple[str, str]:
     """The C++ source of ``kernel`` and its exported function name."""
-    if kernel.kind is KernelKind.LIBRARY:
+    if kernel.kind in (KernelKind.LIBRARY, KernelKind.CONV):
         raise ValueError(f"kernel {kernel.name} is a LIBRARY kernel: the runtime runs those with torch")
     w = _Writer(_normalize(kernel), renderer or CpuRenderer())
     if kernel.kind is KernelKind.POINTWISE:

@@ -33,6 +33,7 @@ from kernelize.ir.reference import _EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import Backend, CompiledKernel
 from kernelize.runtime.cache import GRAPHS, graph_fingerprint
+from kernelize.runtime.conv import ConvRunner
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def _build(graph: Graph, backend: str, device: torch.device, plan: Any) -> Compi
     graph = getattr(plan, "graph", None) or graph
     compiled: dict[str, CompiledKernel] = {}
     for k in kernels:
-        if k.kind is not KernelKind.LIBRARY:
+        if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV):
             compiled[k.name] = impl.compile(k)
     logger.debug("compiled %d kernels (%d generated) with %s", len(kernels), len(compiled), backend)
     return CompiledGraph(graph, backend, device, plan=plan, kernels=kernels, compiled=compiled)
@@ -145,6 +146,7 @@ class _Step:
     compiled: CompiledKernel | None
     free: tuple[Node, ...]  # buffers dead after this step
     library: bool = False
+    conv: ConvRunner | None = None
 
 
 @dataclass(frozen=True)
@@ -196,9 +198,11 @@ class CompiledGraph:
                 compiled.get(k.name),
                 tuple(b for b, j in last.items() if j == i and b not in keep),
                 k.kind is KernelKind.LIBRARY,
+                self._conv_runner(k) if k.kind is KernelKind.CONV else None,
             )
             for i, k in enumerate(kernels)
         ]
+        self._cl = channels_last_buffers(kernels) if device.type == "cpu" else frozenset()
         self._bound: dict[tuple, _Bound] = {}
         # (issue 6, CPU engineer) fresh large CPU outputs cost more in page faults than the kernels: the cpu
         # backend's OutputPool hands a buffer out again once the caller has dropped it
@@ -230,7 +234,12 @@ class CompiledGraph:
         pool = self._pool
         for step, shapes, sizes, launch in zip(self._steps, bound.shapes, bound.sizes, bound.launch):
             k = step.kernel
-            if step.library:
+            if step.conv is not None:
+                ep = k.epilogue
+                x, w = (_materialize(s, vals, env) for s in ep.conv.src)
+                r = None if ep.residual is None else _materialize(ep.residual, vals, env)
+                vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl)
+            elif step.library:
                 vals[k.node] = self._library(k, vals, env)
             else:
                 reads = [vals[b] if b in vals else _materialize(b, vals, env) for b in k.reads]
@@ -286,11 +295,42 @@ class CompiledGraph:
             out = torch.matmul(*args)  # cuBLAS accumulates 16-bit inputs in f32 already
         else:
             out = _EVAL[node.op](node, args, env)
-        return out.to(node.dtype.torch).contiguous()
+        fmt = torch.channels_last if node in self._cl else torch.contiguous_format
+        return out.to(node.dtype.torch).contiguous(memory_format=fmt)
+
+    def _conv_runner(self, k: Kernel) -> ConvRunner:
+        bias = k.epilogue.bias
+        return ConvRunner(k, None if bias is None else _materialize(bias, dict(self._consts), {}))
 
     def __repr__(self) -> str:
         return (f"CompiledGraph({self.backend} on {self.device}, {len(self._steps)} steps, "
                 f"{len(self.kernels)} generated kernels)")
+
+
+def channels_last_buffers(kernels: Sequence[Kernel]) -> frozenset[Node]:
+    """4-D buffers kept channels-last: written by a CONV kernel or a pool, and read only as the direct
+    activation or residual of CONV kernels or by pools (torch ops follow any strides; generated kernels
+    assume dense row-major buffers, so a buffer any of them reads stays NCHW)."""
+    readers: dict[Node, list[Kernel]] = {}
+    for k in kernels:
+        for b in k.reads:
+            readers.setdefault(b, []).append(k)
+
+    def pool(k: Kernel) -> bool:
+        return k.kind is KernelKind.LIBRARY and k.node.op is Op.POOL
+
+    def direct(k: Kernel, b: Node) -> bool:
+        if k.kind is KernelKind.CONV:
+            return k.node.src[0] is b or k.epilogue.residual is b
+        return pool(k) and k.node.src[0] is b
+
+    return frozenset(
+        b
+        for k in kernels
+        if k.kind is KernelKind.CONV or pool(k)
+        for b in k.writes
+        if b.rank == 4 and all(direct(r, b) for r in readers.get(b, ()))
+    )
 
 
 def _materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
@@ -372,7 +412,7 @@ def print_kernels(graph: Graph, backend: str = "triton", file: TextIO | None = N
     for k in kernels:
         print(str(k), file=file)
     for k in kernels:
-        if k.kind is KernelKind.LIBRARY:
+        if k.kind in (KernelKind.LIBRARY, KernelKind.CONV):
             print(f"\n# {k.name}: library call ({k.node.op}) run by the runtime with torch", file=file)
             continue
         src = impl.render(k) if hasattr(impl, "render") else impl.compile(k).source
