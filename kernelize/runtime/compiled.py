@@ -132,12 +132,36 @@ def _build(graph: Graph, backend: str, device: torch.device, plan: Any) -> Compi
         plan = make_plan(graph, getattr(impl, "plan_settings", None))
     kernels = list(plan.kernels if hasattr(plan, "kernels") else plan)
     graph = getattr(plan, "graph", None) or graph
-    compiled: dict[str, CompiledKernel] = {}
-    for k in kernels:
-        if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV):
-            compiled[k.name] = impl.compile(k)
+    generated = [k for k in kernels if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV)]
+    compiled = _compile_all(impl, generated)
     logger.debug("compiled %d kernels (%d generated) with %s", len(kernels), len(compiled), backend)
     return CompiledGraph(graph, backend, device, plan=plan, kernels=kernels, compiled=compiled)
+
+
+def _compile_all(impl: Backend, kernels: Sequence[Kernel]) -> dict[str, CompiledKernel]:
+    """Compile every generated kernel, batched when the backend can (``compile_many``), behind a progress
+    bar on an interactive terminal when there is more than a handful."""
+    from tqdm.auto import tqdm
+
+    if not kernels:
+        return {}
+    with tqdm(
+        total=len(kernels),
+        desc=f"compiling {impl.name} kernels",
+        unit="kernel",
+        disable=None,
+        leave=False,
+        delay=0.5,
+    ) as bar:
+        many = getattr(impl, "compile_many", None)
+        if many is not None:
+            done = many(kernels, bar.update)
+        else:
+            done = []
+            for k in kernels:
+                done.append(impl.compile(k))
+                bar.update(1)
+    return {k.name: c for k, c in zip(kernels, done)}
 
 
 @dataclass(frozen=True)
@@ -246,8 +270,10 @@ class CompiledGraph:
                 if pool is not None:  # cpu backend: recycle large buffers the caller dropped
                     writes = [pool.empty(b, shape, b.dtype.torch) for b, shape in zip(k.writes, shapes)]
                 else:
-                    writes = [torch.empty(shape, dtype=b.dtype.torch, device=self.device)
-                              for b, shape in zip(k.writes, shapes)]
+                    writes = [
+                        torch.empty(shape, dtype=b.dtype.torch, device=self.device)
+                        for b, shape in zip(k.writes, shapes)
+                    ]
                 if launch:
                     step.compiled.launch(reads, writes, sizes)
                 vals.update(zip(k.writes, writes))
@@ -303,8 +329,10 @@ class CompiledGraph:
         return ConvRunner(k, None if bias is None else _materialize(bias, dict(self._consts), {}))
 
     def __repr__(self) -> str:
-        return (f"CompiledGraph({self.backend} on {self.device}, {len(self._steps)} steps, "
-                f"{len(self.kernels)} generated kernels)")
+        return (
+            f"CompiledGraph({self.backend} on {self.device}, {len(self._steps)} steps, "
+            f"{len(self.kernels)} generated kernels)"
+        )
 
 
 def channels_last_buffers(kernels: Sequence[Kernel]) -> frozenset[Node]:
