@@ -225,7 +225,9 @@ def main() -> None:
     rows = []
     for name in models:
         for b in batches:
-            row = bench(name, b, rounds if b == 1 else max(3, rounds // 2), not args.no_compile_times)
+            # compile times depend little on the batch: measured at the first batch size only
+            timed = not args.no_compile_times and b == batches[0]
+            row = bench(name, b, rounds if b == 1 else max(3, rounds // 2), timed)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     print(f"CPU, {THREADS} threads, f32, medians of interleaved rounds (shared machine: ratios only)\n")
