@@ -12,9 +12,9 @@ Backend by device: ``cpu`` -> the C++ backend; ``cuda``/``rocm``/``xpu`` -> Trit
 (``KERNELIZE_CUDA_BACKEND=cuda`` picks the NVRTC backend on CUDA). ``KERNELIZE_HUB_BACKEND`` (or
 :func:`use_backend`) forces one backend everywhere, e.g. ``reference`` for f64 gradient checks.
 
-Gradients: when an input requires grad, the kernel output is wrapped in an ``autograd.Function`` whose
-backward recomputes the same plain-torch math with autograd (activation-checkpointing style), so every
-hub layer has an exact backward without a second definition.
+Gradients: when a tensor requires grad, :mod:`kernelize.hub_autograd` differentiates the layer's graph on the
+IR and runs a generated forward (which also writes what backward needs) and a generated backward, so every
+hub layer has a kernel backward without a second definition.
 
 Example:
     >>> import torch
@@ -35,11 +35,13 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kernelize import hub_autograd
 from kernelize.layer.record import record_choice, recorded_choice
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "compiled_ran",
     "default_mapping",
     "kernels_ran",
+    "note_kernels",
     "run",
     "use_backend",
 ]
@@ -76,6 +79,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
         "NewGELU": "NewGELU",
         "GatedMLP": "GatedMLP",
         "LlamaMLP": "GatedMLP",
+        "FusedGatedMLP": "FusedGatedMLP",
     },
     "layer_norm": {
         "RMSNorm": "RMSNorm",
@@ -86,6 +90,8 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
     },
     "rotary": {"RotaryEmbedding": "RotaryEmbedding", "rotary_pos_emb": "ApplyRotaryPosEmb"},
     "softmax": {"Softmax": "Softmax", "ScaledMaskedSoftmax": "ScaledMaskedSoftmax"},
+    "attention": {"ScaledDotProductAttention": "ScaledDotProductAttention"},
+    "llm": {"CausalSelfAttention": "CausalSelfAttention", "PreNormDecoderLayer": "PreNormDecoderLayer"},
     "linear": {
         "Linear": "Linear",
         "LinearReLU": "LinearReLU",
@@ -133,22 +139,45 @@ _EXACT_MAX = 4096
 SIGNATURES: dict[tuple, str] = {}  # key -> readable signature, for logs and the demo
 _RAN: weakref.WeakKeyDictionary[torch.nn.Module, _Ran] = weakref.WeakKeyDictionary()
 _KEEP_ENTRIES = 4  # signatures remembered per module for kernels_ran / inspect
-_FORCED: list[str] = []  # use_backend() stack
+# use_backend() blocks open in this thread / asyncio task, innermost last, as (entry token, backend). A new
+# thread starts with an empty context, so a block never leaks into other threads. Each block removes its own
+# token on exit, so blocks left out of order (generators, manual __exit__) restore the right backend.
+_FORCED: ContextVar[tuple[tuple[object, str], ...]] = ContextVar("kernelize_hub_backend", default=())
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Run every hub layer on backend `name` (``reference``, ``cpu``, ``triton``, ``cuda``) inside the block.
 
+    The setting is private to the current thread (or asyncio task); blocks nest.
+
     Example:
-        >>> with use_backend("reference"):  # doctest: +SKIP
-        ...     torch.autograd.gradcheck(layer_fn, inputs)
+        >>> with use_backend("reference"):
+        ...     backend_for(torch.device("cpu"))
+        'reference'
     """
-    _FORCED.append(name)
+    from kernelize.runtime.compiled import BACKENDS
+
+    known = ("reference", *BACKENDS)
+    if name not in known:
+        raise ValueError(f"use_backend({name!r}): unknown backend; choose one of {', '.join(known)}.")
+    token = object()
+    _FORCED.set((*_FORCED.get(), (token, name)))
     try:
         yield
     finally:
-        _FORCED.pop()
+        _FORCED.set(tuple(entry for entry in _FORCED.get() if entry[0] is not token))
+
+
+def _forced_backend() -> str | None:
+    forced = _FORCED.get()
+    return forced[-1][1] if forced else None
+
+
+# torch.compile cannot trace ContextVar.get: this marker (what torch.compiler.assume_constant_result sets;
+# calling that here would import torch._dynamo, ~4 s) lets Dynamo call the function and use its result as a
+# constant, so the backend of a compiled graph is the one in force when it was traced.
+_forced_backend._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def backend_for(device: torch.device) -> str:
@@ -158,8 +187,9 @@ def backend_for(device: torch.device) -> str:
         >>> backend_for(torch.device("cpu"))
         'cpu'
     """
-    if _FORCED:
-        return _FORCED[-1]
+    forced = _forced_backend()
+    if forced is not None:
+        return forced
     forced = os.environ.get("KERNELIZE_HUB_BACKEND", "").strip()
     if forced:
         return forced
@@ -253,29 +283,6 @@ def _build(
     return _Entry(compiled, record, len(graph.outputs))
 
 
-class _Recompute(torch.autograd.Function):
-    """Forward: the compiled kernels. Backward: autograd through the same plain-torch math."""
-
-    @staticmethod
-    def forward(ctx, entry: _Entry, fn: Callable, params: dict, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.fn, ctx.params = fn, params
-        ctx.save_for_backward(*tensors)
-        outs = entry.compiled(*tensors)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            outs = ctx.fn(*tensors, **ctx.params)
-        outs = outs if isinstance(outs, tuple | list) else (outs,)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        wanted = [t for t in tensors if t.requires_grad]
-        got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-        it = iter(got)
-        return (None, None, None, *[next(it) if t.requires_grad else None for t in tensors])
-
-
 def run(
     owner: torch.nn.Module | None,
     fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
@@ -295,9 +302,10 @@ def run(
     Returns:
         A tensor, or a tuple of tensors when ``fn`` returns several.
 
-    Under ``torch.compile`` (inference, signature already compiled by an eager call) the call traces to the
-    runtime's ``kernelize::run_graph`` custom op, so no graph break; otherwise the lookup, build and
-    bookkeeping run outside the compiled graph (one graph break).
+    Under ``torch.compile`` (signature already compiled by an eager call, and for training its backward too)
+    the call traces to the runtime's ``kernelize::run_graph`` custom op, inside an autograd.Function when
+    gradients are needed, so no graph break; otherwise the lookup, build and bookkeeping run outside the
+    compiled graph (one graph break).
 
     Example:
         >>> def silu_and_mul(x):
@@ -306,9 +314,13 @@ def run(
         >>> y = run(None, silu_and_mul, [torch.randn(7, 64)])  # doctest: +SKIP
     """
     if torch.compiler.is_compiling():
+        entry = _CACHE.get(_key(fn, inputs, weights, params))
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *weights))
-        entry = None if grad else _CACHE.get(_key(fn, inputs, weights, params))
-        if entry is not None:  # traced: `entry.compiled(...)` is the custom op with a fake implementation
+        if entry is not None and grad:  # traced: an autograd.Function whose halves are the custom op
+            outs = hub_autograd.apply_traced(entry.compiled, [*inputs, *weights])
+            if outs is not None:
+                return outs[0] if entry.n_outputs == 1 else tuple(outs)
+        elif entry is not None:  # traced: `entry.compiled(...)` is the custom op with a fake implementation
             outs = entry.compiled(*inputs, *weights)
             return outs[0] if entry.n_outputs == 1 else tuple(outs)
         return _run_outside_graph()(owner, fn, inputs, weights, params)
@@ -355,7 +367,7 @@ def _run_eager(
     if owner is not None:
         _note_ran(owner, entry)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        outs = _Recompute.apply(entry, fn, dict(params), *tensors)
+        outs = hub_autograd.apply(entry.compiled, tensors)
     else:
         outs = entry.compiled(*tensors)
     return outs[0] if entry.n_outputs == 1 else tuple(outs)
@@ -390,6 +402,18 @@ def _note_ran(owner: torch.nn.Module, entry: _Entry) -> None:
             choice = dataclasses.replace(choice, backend=rec.backend, kernels=rec.kernels)
             record_choice(owner, choice)
     ran.choice = choice
+
+
+_NOTED: dict[KernelRecord, _Entry] = {}
+
+
+def note_kernels(owner: torch.nn.Module, record: KernelRecord) -> None:
+    """Record that `owner`'s forward ran kernels compiled outside :func:`run` (the attention kernels of
+    :mod:`kernelize.attention`), so :func:`kernels_ran` and ``kernelize.inspect`` list them."""
+    entry = _NOTED.get(record)
+    if entry is None:
+        entry = _NOTED.setdefault(record, _Entry(None, record, 1))
+    _note_ran(owner, entry)
 
 
 def _merged(entries: Sequence[_Entry]) -> KernelRecord:

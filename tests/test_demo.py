@@ -15,7 +15,7 @@ def test_demo_quick(tmp_path, capsys) -> None:
         assert column in printed
     for layer in MARKED_LAYERS.values():
         assert layer in printed
-    assert "kernelize/layer_norm" in printed and "kernelize/softmax" in printed
+    assert "kernelize/layer_norm" in printed and "kernelize/attention" in printed
     assert "max |kernelized - eager|" in printed and "speedup" in printed
 
     result = json.loads((tmp_path / "demo.json").read_text())

@@ -19,6 +19,11 @@ Kinds:
   (as the planner emits it): ``body[1]`` is ``a`` and ``body[2]`` is ``b`` (the only forward references in
   a body), both with strides over ``(*batch, M, N, K)`` (``a`` has stride 0 on ``N``, ``b`` on ``M``), and
   ``arg`` is the contracted size ``K``.
+* ``ATTENTION``: ``node`` (an ``Op.ATTENTION`` graph node) as one fused kernel over ``domain = node.shape``
+  (``[B, Hq, Lq, Dv]``); ``inputs`` are the buffers under its operands. Generated code reads the operands
+  (q, k, v and the broadcast mask) through the strides of the tensors the runtime hands it, which are the
+  operands seen through their layout views (:func:`kernelize.autokernel.plan.library_operands`): a
+  transposed or broadcast operand is never copied. No body.
 * ``CONV``: ``node`` is a conv run by the library (oneDNN with prepacked weights on the CPU, cuDNN on a GPU)
   with ``epilogue`` (:class:`~kernelize.autokernel.conv.ConvEpilogue`: bias, residual, activation) fused as
   post-ops; ``inputs`` are the activation, weight, bias and residual buffers; it writes ``epilogue.tail``.
@@ -55,7 +60,12 @@ class KernelKind(StrEnum):
     ROW = "row"
     MATMUL = "matmul"
     CONV = "conv"
+    ATTENTION = "attention"
     LIBRARY = "library"
+
+
+# kernels that run one graph node on its operands (no body)
+NODE_KINDS = frozenset({KernelKind.LIBRARY, KernelKind.ATTENTION})
 
 
 @dataclass(frozen=True)
@@ -134,8 +144,8 @@ class Kernel:
     body: tuple[Load | Compute, ...] = ()
     stores: tuple[Store, ...] = ()
     row_rank: int = 0
-    node: Node | None = None  # LIBRARY: the graph op to run
-    inputs: tuple[Node, ...] = ()  # LIBRARY / CONV: its operands' buffers
+    node: Node | None = None  # LIBRARY, ATTENTION, CONV: the graph op to run
+    inputs: tuple[Node, ...] = ()  # LIBRARY, ATTENTION, CONV: its operands' buffers
     epilogue: Any = None  # CONV: the fused ConvEpilogue
     # graph values this kernel computes, for printing and pictures
     computes: tuple[Node, ...] = field(default=(), compare=False)
@@ -143,14 +153,14 @@ class Kernel:
     @cached_property  # computed once per kernel: the runtime reads these on every launch
     def reads(self) -> tuple[Node, ...]:
         """Distinct buffers read, in first-use order (the generated function's input arguments)."""
-        if self.kind in (KernelKind.LIBRARY, KernelKind.CONV):
+        if self.kind in NODE_KINDS or self.kind is KernelKind.CONV:
             return tuple(dict.fromkeys(self.inputs))
         return tuple(dict.fromkeys(e.buffer for e in self.body if isinstance(e, Load)))
 
     @cached_property
     def writes(self) -> tuple[Node, ...]:
         """Distinct buffers written (the generated function's output arguments)."""
-        if self.kind is KernelKind.LIBRARY:
+        if self.kind in NODE_KINDS:
             return (self.node,)
         if self.kind is KernelKind.CONV:
             return (self.epilogue.tail,)
@@ -173,7 +183,7 @@ class Kernel:
         if self.kind is KernelKind.ROW:
             head += f" (row = last {self.row_rank})"
         lines = [head]
-        if self.kind in (KernelKind.LIBRARY, KernelKind.CONV):
+        if self.kind in NODE_KINDS or self.kind is KernelKind.CONV:
             arg = "" if self.node.arg is None else f" {format_arg(self.node.arg)}"
             lines.append(f"  {self.node.op}{arg}")
         if self.kind is KernelKind.CONV:

@@ -303,7 +303,9 @@ def _set(m: dict[int, int | None], key: int, value: int | None) -> bool:
 def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | None:
     """The group of ``g1`` (holding producer ``p``) and ``g2`` (holding consumer ``n``, reading it as operand
     ``i``), or None when they cannot form one kernel. Cycles are the caller's business."""
-    if KernelKind.LIBRARY in (g1.kind, g2.kind) or KernelKind.CONV in (g1.kind, g2.kind):
+    if g1.kind in (KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV) or g2.kind in (
+        KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV
+    ):
         return None
     if g1.kind is KernelKind.MATMUL and g2.kind is KernelKind.MATMUL:
         return None
@@ -403,11 +405,20 @@ def new_group(gid: int, n: Node, kind: KernelKind) -> Group:
     return g
 
 
-def kind_of(n: Node, library_matmul: bool) -> KernelKind:
+def is_column_reduction(n: Node) -> bool:
+    """A sum or mean over leading axes only (the contiguous last axis kept): weight gradients' column sums."""
+    return n.op in (Op.SUM, Op.MEAN) and n.src[0].rank >= 2 and n.src[0].rank - 1 not in n.arg
+
+
+def kind_of(n: Node, library_matmul: bool, library_columns: bool = False) -> KernelKind:
     if n.op in POINTWISE_OPS or n.op in LAYOUT:
         return KernelKind.POINTWISE
+    if library_columns and n.dtype.is_float and is_column_reduction(n):
+        return KernelKind.LIBRARY
     if n.op in REDUCE or n.op in ROW:
         return KernelKind.ROW
+    if n.op is Op.ATTENTION:
+        return KernelKind.ATTENTION
     if n.op is Op.MATMUL and not library_matmul and n.dtype.is_float:
         return KernelKind.MATMUL  # integer matmuls go to the library (generators tile floats)
     return KernelKind.LIBRARY

@@ -12,7 +12,9 @@ Rules (Kyanite's autokernel rules, and better):
    output), as do several reductions over the same row (an unrecognised layernorm's mean and variance);
 4. a matmul absorbs its elementwise epilogue (bias, activation, residual add, scale);
 5. concat and pad are masked loads, gather an indirect load, each fused like any elementwise op;
-6. conv, pool (and matmul under ``PlanSettings(matmul="library")``) are LIBRARY kernels run by the
+6. an attention op is one fused ATTENTION kernel of its own reading its operands through strides
+   (transposes and broadcasts of q, k, v and the mask are not copied);
+7. conv, pool (and matmul under ``PlanSettings(matmul="library")``) are LIBRARY kernels run by the
    runtime with torch; their elementwise neighbours fuse into the generated kernels around them.
 
 A value is written to memory iff it is a graph output (or the value under an output's layout view), an
@@ -39,7 +41,7 @@ import torch
 from kernelize.autokernel.body import BodyBuilder, Materialize
 from kernelize.autokernel.canon import sink_views
 from kernelize.autokernel.conv import conv_epilogue
-from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.autokernel.kernels import NODE_KINDS, Kernel, KernelKind
 from kernelize.autokernel.legality import can_absorb
 from kernelize.autokernel.partition import (
     POINTWISE_OPS,
@@ -77,6 +79,8 @@ class PlanSettings:
         conv_epilogue: convolutions become CONV kernels that apply their bias, residual add and activation
             inside the library call (:mod:`kernelize.autokernel.conv`); False leaves the conv alone as a
             LIBRARY kernel.
+        column_reduce: ``"generate"`` (a sum/mean over leading axes is a ROW kernel over the transposed
+            domain) or ``"library"`` (torch reduces the materialised operand with blocked partial sums).
     """
 
     matmul: Literal["generate", "library"] = "generate"
@@ -88,10 +92,15 @@ class PlanSettings:
     sink_views: bool = True
     horizontal: bool = True
     conv_epilogue: bool = True
+    column_reduce: Literal["generate", "library"] = "generate"
 
     def __post_init__(self) -> None:
         if self.matmul not in ("generate", "library"):
             raise ValueError(f"PlanSettings.matmul must be 'generate' or 'library', got {self.matmul!r}")
+        if self.column_reduce not in ("generate", "library"):
+            raise ValueError(
+                f"PlanSettings.column_reduce must be 'generate' or 'library', got {self.column_reduce!r}"
+            )
         if self.recompute_max_ops < 0:
             raise ValueError(f"PlanSettings.recompute_max_ops must be >= 0, got {self.recompute_max_ops}")
 
@@ -197,14 +206,14 @@ def _partition(
 ) -> Partition:
     library_mm = settings.matmul == "library"
     part = Partition(Ctx(graph, users, stop))
-    prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2}  # library kinds: 3
+    prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2}  # node kinds: 3
     in_chain: dict[Node, int] = {}  # epilogue member -> gid of its CONV group
     outputs = set(graph.outputs)
     for n in computed:
         if n in in_chain:  # computed inside its conv's library call
             part.extend(in_chain[n], n, [base(s, stop) for s in n.src])
             continue
-        kind = kind_of(n, library_mm)
+        kind = kind_of(n, library_mm, settings.column_reduce == "library")
         if kind is KernelKind.LIBRARY and n.op is Op.CONV and settings.conv_epilogue and n.dtype.is_float:
             kind = KernelKind.CONV
         g = new_group(len(part.parent), n, kind)
@@ -217,7 +226,7 @@ def _partition(
             g.epilogue = ep
             in_chain.update((m, g.gid) for m in ep.nodes[1:] if m not in stop)
             continue
-        if not settings.fuse or kind is KernelKind.LIBRARY:
+        if not settings.fuse or kind in NODE_KINDS:
             continue
         edges = [(i, base(s, stop)) for i, s in enumerate(n.src)]
         edges = [(i, q) for i, q in edges if q in part.of]
@@ -259,7 +268,8 @@ def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple
     for n in graph.nodes:
         if n not in live:
             continue
-        if n.op in (Op.MATMUL, Op.CONV, Op.POOL):
+        library = n in part.of and part.group(n).kind is KernelKind.LIBRARY  # e.g. a column sum on the cpu
+        if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION) or library:
             pinned.update(base(s, stop) for s in n.src)
         if n in group_of_conv:  # a CONV kernel's residual is a library operand, its tail a library result
             ep = group_of_conv[n]
@@ -312,10 +322,10 @@ def _lower(g: Group, buffers: set[Node], stop: set[Node], order: Mapping[Node, i
     stores = sorted((m for m in g.sel if m in buffers), key=order.__getitem__)
     if not stores:
         return []
-    if g.kind is KernelKind.LIBRARY:
+    if g.kind in NODE_KINDS:
         (node,) = g.sel
         inputs = tuple(base(s, stop) for s in node.src)
-        return [Kernel("", KernelKind.LIBRARY, node.shape, node=node, inputs=inputs, computes=(node,))]
+        return [Kernel("", g.kind, node.shape, node=node, inputs=inputs, computes=(node,))]
     if g.kind is KernelKind.CONV:
         ep = g.epilogue
         operands = (*ep.conv.src, *(v for v in (ep.bias, ep.residual) if v is not None))

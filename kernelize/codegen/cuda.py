@@ -11,6 +11,8 @@ Each :class:`~kernelize.autokernel.kernels.Kernel` kind has a template with ``$N
   for reductions), combined across the block (warp shuffles, then shared memory); a last pass computes
   the full values (the normalized row, its fused epilogue) and stores them. A residual add before a norm
   is simply part of the body, so it is fused for free.
+* ``ATTENTION`` -> ``cuda_attention.cu`` (:mod:`.cuda_attention`): a warp per query row with an online
+  softmax over 32-key steps; decode shapes split the keys and combine the partials.
 * ``MATMUL`` -> ``cuda_matmul.cu``: a 64x64 shared-memory tiled matmul with the elementwise epilogue
   (bias, activation) applied to the accumulator before the one store.
 
@@ -432,6 +434,10 @@ class CudaBackend:
 
     def render(self, kernel: Kernel) -> str:
         """The CUDA C source of ``kernel`` (for ``kernelize inspect --kernels --backend cuda``)."""
+        if kernel.kind is KernelKind.ATTENTION:
+            from kernelize.codegen.cuda_attention import render_attention
+
+            return render_attention(kernel)[0]
         return render(kernel).source
 
     def device_ok(self, device: torch.device) -> bool:
@@ -441,6 +447,10 @@ class CudaBackend:
         """Render and compile ``kernel`` to a cubin (disk-cached); raises KernelCompileError on failure."""
         from kernelize.codegen.nvrtc import CubinModule, compile_cubin, require_driver, sm_count
 
+        if kernel.kind is KernelKind.ATTENTION:
+            from kernelize.codegen.cuda_attention import compile_attention
+
+            return compile_attention(kernel, self.arch)
         src = render(kernel)
         cubin = compile_cubin(src.source, src.name, self.arch)
         logger.debug(

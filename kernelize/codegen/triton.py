@@ -376,6 +376,10 @@ def _static(d: Dim) -> float:
 
 def render(kernel: Kernel) -> str:
     """The full Triton module source for ``kernel`` (prelude helpers + one ``@triton.jit`` function)."""
+    if kernel.kind is KernelKind.ATTENTION:
+        from kernelize.codegen.triton_attention import render_attention
+
+        return render_attention(kernel)
     src = KernelSource(kernel)
     if kernel.kind is KernelKind.POINTWISE:
         return src.pointwise()
@@ -474,6 +478,10 @@ class TritonBackend:
         return device.type == "cpu" and interpreting()
 
     def compile(self, kernel: Kernel) -> CompiledKernel:
+        if kernel.kind is KernelKind.ATTENTION:
+            from kernelize.codegen.triton_attention import compile_attention
+
+            return compile_attention(kernel, interpreting())
         source = render(kernel)
         interpret = interpreting()
         key = (hashlib.sha256(source.encode()).hexdigest(), "interpret" if interpret else "cuda")

@@ -98,11 +98,24 @@ def compile_ahead_many(
         >>> asm[90]["cubin"][:4]  # doctest: +SKIP
         b'\\x7fELF'
     """
+    ks = [k.kernel if isinstance(k, CompiledKernel) else k for k in kernels]
+    jobs = [_aot_job(k, arch, sizes) for k in ks for arch in archs]
+    results = run_jobs(jobs)
+    out: list[dict[int, dict]] = [{} for _ in ks]
+    for n, (job, r) in enumerate(zip(jobs, results)):
+        out[n // len(archs)][job["arch"]] = r
+    return out
+
+
+def run_jobs(jobs: Sequence[dict]) -> list[dict]:
+    """Compile ``triton.compile`` jobs (in a child process under the interpreter); raise on the first error.
+
+    Raises:
+        KernelCompileError: a kernel did not lower to PTX / cubin (with its numbered source).
+    """
     import json
     import subprocess
 
-    ks = [k.kernel if isinstance(k, CompiledKernel) else k for k in kernels]
-    jobs = [_aot_job(k, arch, sizes) for k in ks for arch in archs]
     if not interpreting():
         results = []
         for job in jobs:
@@ -121,12 +134,11 @@ def compile_ahead_many(
         for r in results:
             if "cubin" in r:
                 r["cubin"] = bytes.fromhex(r["cubin"])
-    out: list[dict[int, dict]] = [{} for _ in ks]
-    for n, (job, r) in enumerate(zip(jobs, results)):
+    for job, r in zip(jobs, results):
         if "error" in r:
-            raise KernelCompileError(job["name"], f"sm_{job['arch']}", r["error"], job["source"], "triton")
-        out[n // len(archs)][job["arch"]] = r
-    return out
+            source = job.get("source") or Path(job["path"]).read_text()
+            raise KernelCompileError(job["name"], f"sm_{job['arch']}", r["error"], source, "triton")
+    return results
 
 
 def compile_ahead(
@@ -143,4 +155,18 @@ def compile_ahead(
     return compile_ahead_many([kernel], (arch,), sizes)[0][arch]
 
 
-__all__ = ["compile_ahead", "compile_ahead_many"]
+def compile_attention_ahead(kernel: Kernel, archs: Sequence[int] = (80, 90), nsplit: int = 1) -> list[dict]:
+    """PTX and cubin of an ``ATTENTION`` kernel (and its split combine kernel when ``nsplit > 1``), one
+    result per (function, arch) in the order of :func:`kernelize.codegen.triton_attention.aot_jobs`."""
+    from kernelize.codegen.triton_attention import aot_jobs, render_attention
+
+    source = render_attention(kernel)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = cache_dir() / f"{kernel.name}_{digest}.py"
+    if not path.exists():
+        path.write_text(source)
+    jobs = [j for arch in archs for j in aot_jobs(kernel, arch, str(path), nsplit)]
+    return [{**r, "name": j["name"], "arch": j["arch"]} for j, r in zip(jobs, run_jobs(jobs))]
+
+
+__all__ = ["compile_ahead", "compile_ahead_many", "compile_attention_ahead", "run_jobs"]

@@ -8,6 +8,7 @@ Example:
     >>> ir.evaluate(g, [torch.randn(3, 64)])  # doctest: +SKIP
 """
 
+from kernelize.ir.autodiff import NotDifferentiable, split, vjp
 from kernelize.ir.dot import graph_to_svg, to_dot
 from kernelize.ir.dtypes import DType
 from kernelize.ir.errors import UnsupportedOpError
@@ -35,6 +36,7 @@ __all__ = [
     "DTypeError",
     "Graph",
     "Node",
+    "NotDifferentiable",
     "Op",
     "OptimizerSettings",
     "ShapeError",
@@ -47,7 +49,9 @@ __all__ = [
     "load_onnx",
     "op_counts",
     "optimize",
+    "split",
     "to_dot",
     "trace",
     "verify",
+    "vjp",
 ]

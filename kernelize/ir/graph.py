@@ -337,6 +337,12 @@ class Graph:
             out = self.view(out, out.shape[:-1])
         return out
 
+    def attention(self, q: Node, k: Node, v: Node, mask: Node | None = None, **kw: Any) -> Node:
+        """Fused scaled-dot-product attention (:func:`kernelize.ir.attention.build_attention`)."""
+        from kernelize.ir.attention import build_attention
+
+        return build_attention(self, q, k, v, mask, **kw)
+
     def conv(
         self,
         x: Node,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kernelize._compat import StrEnum
 
 
@@ -23,6 +25,7 @@ class Op(StrEnum):
     MATMUL = "matmul"
     CONV = "conv"
     POOL = "pool"
+    ATTENTION = "attention"  # softmax(scale * q @ k^T + mask) @ v, fused (arg: AttentionArgs)
     # unary
     ABS = "abs"
     NEG = "neg"
@@ -97,3 +100,36 @@ ROW = frozenset({Op.SOFTMAX, Op.LOG_SOFTMAX, Op.LAYERNORM, Op.RMSNORM})
 # unary ops defined on floats only
 FLOAT_ONLY = frozenset({Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.RECIPROCAL, Op.SIN, Op.COS, Op.TANH,
     Op.SIGMOID, Op.ERF, Op.SOFTPLUS, Op.GELU})
+
+# mask kinds of an attention op: no mask, a boolean keep-mask, an additive float mask
+ATTENTION_MASKS = ("none", "bool", "add")
+
+
+@dataclass(frozen=True)
+class AttentionArgs:
+    """The attributes of an ``ATTENTION`` node.
+
+    Attributes:
+        scale: multiplies ``q @ k^T`` before the mask.
+        causal: key ``j`` is dropped for query ``i`` when ``j > i`` (top-left aligned, as torch's
+            ``is_causal``).
+        mask: ``"none"``, ``"bool"`` (the 4th operand keeps a score where True) or ``"add"`` (the 4th
+            operand is added to the scores).
+        groups: query heads per key/value head (grouped-query attention; 1 = one key head per query head).
+    """
+
+    scale: float
+    causal: bool = False
+    mask: str = "none"
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mask not in ATTENTION_MASKS:
+            raise ValueError(f"AttentionArgs.mask must be one of {ATTENTION_MASKS}, got {self.mask!r}")
+        if self.groups < 1:
+            raise ValueError(f"AttentionArgs.groups must be >= 1, got {self.groups}")
+        object.__setattr__(self, "scale", float(self.scale))
+
+
+# typed op arguments (printed field by field)
+TYPED_ARGS = (AttentionArgs,)

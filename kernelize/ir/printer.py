@@ -11,9 +11,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from kernelize.ir.ops import TYPED_ARGS
 from kernelize.ir.shapes import shape_str
 
 if TYPE_CHECKING:
@@ -25,6 +27,9 @@ def format_arg(arg: object) -> str:
     not ``9.999999974752427e-07``), containers recursively, everything else by ``repr``."""
     if isinstance(arg, float):
         return f"{arg:.7g}"
+    if isinstance(arg, TYPED_ARGS):
+        fields = ", ".join(f"{f.name}={format_arg(getattr(arg, f.name))}" for f in dataclasses.fields(arg))
+        return f"{type(arg).__name__}({fields})"
     if isinstance(arg, tuple):
         inner = ", ".join(format_arg(a) for a in arg)
         return f"({inner},)" if len(arg) == 1 else f"({inner})"

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from kernelize.ir.attention import reference_attention
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.shapes import ShapeError, bind, shape_str, unify
@@ -196,6 +197,7 @@ _EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tenso
     ),
     Op.CONV: _conv,
     Op.POOL: _pool,
+    Op.ATTENTION: lambda n, xs, env: reference_attention(*xs[:3], xs[3] if len(xs) > 3 else None, n.arg),
     Op.ABS: _unary(torch.abs),
     Op.NEG: _unary(torch.neg),
     Op.EXP: _unary(torch.exp),

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kernelize.ir.graph import BINARY, REDUCE, UNARY, Constant, DTypeError, Graph, Node, Op
+from kernelize.ir.ops import AttentionArgs
 from kernelize.ir.printer import format_node
 from kernelize.ir.shapes import ShapeError, Sym, shape_str, symbols
 
@@ -268,6 +269,20 @@ def _matmul(g: Graph, s: list[Node], n: Node) -> Any:
     return g.matmul(a, b)
 
 
+def _attention(g: Graph, s: list[Node], n: Node) -> Any:
+    a = n.arg
+    if not isinstance(a, AttentionArgs):
+        return f"arg {a!r} is not AttentionArgs"
+    _nsrc(n, 3 if a.mask == "none" else 4)
+    mask = s[3] if len(s) > 3 else None
+    if mask is not None and mask.shape != (*s[0].shape[:3], s[1].shape[2]):
+        return f"mask {shape_str(mask.shape)} is not broadcast to [batch, heads, q_len, k_len]"
+    out = g.attention(s[0], s[1], s[2], mask, scale=a.scale, causal=a.causal, gqa=a.groups > 1)
+    if out.arg != a:
+        return f"arg {a} disagrees with the operands ({out.arg})"
+    return out
+
+
 def _row(g: Graph, s: list[Node], n: Node) -> Any:
     if n.op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
         _nsrc(n, 1)
@@ -297,6 +312,7 @@ _RULES: dict[Op, Callable[[Graph, list[Node], Node], Any]] = {
     Op.CONCAT: _concat,
     Op.PAD: _pad,
     Op.MATMUL: _matmul,
+    Op.ATTENTION: _attention,
     Op.CONV: _conv,
     Op.POOL: _pool,
     Op.WHERE: _where,

@@ -2,8 +2,9 @@
 
 A repo id resolves, in order:
 
-1. `kernelize/<name>`: the bundled repository `hub_kernels/<name>` (next to the package in a source
-   checkout, or `$KERNELIZE_HUB_DIR/<name>`). No network; trusted.
+1. `kernelize/<name>`: the bundled repository `<name>` of `bundled_hub_dir()` (`kernelize/hub_kernels` in
+   an installed wheel, `hub_kernels/` in a source checkout, or `$KERNELIZE_HUB_DIR`). `<name>` must be a
+   plain name of a folder there (`check_repo_id`). No network; trusted.
 2. `LOCAL_KERNELS=org/name=/path:org2/name2=/path2`: a folder on disk replaces the repository. Trusted
    (the user chose the folder).
 3. The Hugging Face Hub, through `huggingface_hub` (repo type `kernel`, then `model`). Only the selected
@@ -15,6 +16,7 @@ A repo id resolves, in order:
 from __future__ import annotations
 
 import fnmatch
+import importlib.resources
 import logging
 import os
 from collections.abc import Collection
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BUNDLED_ORG",
     "bundled_hub_dir",
+    "check_repo_id",
+    "check_revision",
+    "check_trust_setting",
     "check_trusted",
     "get_kernel",
     "get_local_kernel",
@@ -53,10 +58,18 @@ TrustRemoteCode = bool | Collection[str]
 
 
 def bundled_hub_dir() -> Path:
-    """The folder of the bundled repositories: `$KERNELIZE_HUB_DIR`, else `hub_kernels/` in the checkout."""
+    """The folder of the bundled repositories.
+
+    `$KERNELIZE_HUB_DIR` if set; else `kernelize/hub_kernels` inside an installed package (the wheel ships
+    `hub_kernels/` there as package data); else `hub_kernels/` at the top of a source checkout (also what an
+    editable install uses).
+    """
     override = os.environ.get("KERNELIZE_HUB_DIR", "").strip()
     if override:
         return Path(override)
+    packaged = importlib.resources.files("kernelize") / "hub_kernels"
+    if isinstance(packaged, Path) and packaged.is_dir():  # not for zip imports: kernels import from files
+        return packaged
     import kernelize
 
     return Path(kernelize.__file__).parents[1] / "hub_kernels"
@@ -76,8 +89,46 @@ def _local_overrides() -> dict[str, Path]:
     return overrides
 
 
+def _bundled_names(hub_dir: Path) -> list[str]:
+    return sorted(p.name for p in hub_dir.iterdir() if p.is_dir()) if hub_dir.is_dir() else []
+
+
+def check_repo_id(repo_id: object) -> str:
+    """Return `repo_id` if it is a Hub repo id (`org/name`); bundled `kernelize/<name>` takes a plain name.
+
+    Every entry point (repositories, `get_kernel`, `has_kernel`, lock files) calls this before it resolves
+    anything, so a name such as `kernelize/../x` can never turn a folder into a trusted bundled repository.
+
+    Example:
+        >>> check_repo_id("kernelize/activation")
+        'kernelize/activation'
+        >>> check_repo_id("kernelize/../x")
+        Traceback (most recent call last):
+        ...
+        ValueError: Kernel repository `kernelize/../x` is not a valid repo id: ...
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if not isinstance(repo_id, str) or not repo_id:
+        raise TypeError(f"repo_id must be a non-empty string such as 'org/name', got {repo_id!r}.")
+    try:  # one slash; letters, digits, `-`, `_`, `.`; no `..`, `--`, leading `.` or path separators
+        validate_repo_id(repo_id)
+        if repo_id == BUNDLED_ORG:
+            raise HFValidationError("a bundled repository needs a name: kernelize/<name>")
+    except HFValidationError as exc:
+        bundled = ", ".join(f"{BUNDLED_ORG}/{n}" for n in _bundled_names(bundled_hub_dir())) or "none"
+        raise ValueError(
+            f"Kernel repository `{repo_id}` is not a valid repo id: {exc} "
+            f"Use `org/name` for a Hub repository or a bundled name ({bundled}); for a folder on disk use "
+            "LocalLayerRepository / get_local_kernel, or LOCAL_KERNELS=org/name=/path."
+        ) from None
+    return repo_id
+
+
 def _local_folder_for(repo_id: str) -> Path | None:
     """The folder that stands in for `repo_id` (bundled or `LOCAL_KERNELS`), or `None` for the Hub."""
+    check_repo_id(repo_id)
     override = _local_overrides().get(repo_id)
     if override is not None:
         return override
@@ -85,27 +136,66 @@ def _local_folder_for(repo_id: str) -> Path | None:
     if org != BUNDLED_ORG:
         return None
     hub_dir = bundled_hub_dir()
-    folder = hub_dir / name
-    if not name or not folder.is_dir():
-        bundled = sorted(p.name for p in hub_dir.iterdir() if p.is_dir()) if hub_dir.is_dir() else []
+    bundled = _bundled_names(hub_dir)
+    if name not in bundled:  # a listed child of the hub folder, never a path that leads elsewhere
         raise FileNotFoundError(
             f"No bundled kernel repository `{repo_id}` in {hub_dir} "
             f"(bundled: {', '.join(bundled) or 'none'}). "
             "Check the name, or point KERNELIZE_HUB_DIR at the folder holding it."
         )
-    return folder
+    return hub_dir / name
+
+
+def check_trust_setting(trust_remote_code: object, repo_id: object) -> bool | tuple[str, ...]:
+    """`trust_remote_code` as `bool` or a tuple of repo ids / globs; anything else is a `TypeError`.
+
+    A bare string is refused: iterating it would trust one-letter repo ids.
+
+    Example:
+        >>> check_trust_setting(["org/*"], "org/x")
+        ('org/*',)
+    """
+    if isinstance(trust_remote_code, bool):
+        return trust_remote_code
+    if isinstance(trust_remote_code, list | tuple) and all(
+        isinstance(p, str) and p.strip() for p in trust_remote_code
+    ):
+        return tuple(p.strip() for p in trust_remote_code)
+    raise TypeError(
+        f"Kernel repository `{repo_id}`: trust_remote_code must be True, False or a list of repo ids or "
+        f"globs (e.g. [{repo_id!r}] or ['org/*']), got {trust_remote_code!r}."
+    )
+
+
+def check_revision(where: str, revision: object, version: object) -> None:
+    """Exactly one of `revision` / `version`, as `kernels` 0.17.2 requires (`where` names the repository).
+
+    Example:
+        >>> check_revision("Kernel `org/x`", None, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: Kernel `org/x`: either a revision or a version must be specified. ...
+    """
+    if revision is not None and version is not None:
+        raise ValueError(f"{where}: pass either revision= or version=, not both.")
+    if revision is None and version is None:
+        raise ValueError(
+            f"{where}: either a revision or a version must be specified. Use version=<major> for a stable "
+            "kernel API version, or revision=<branch/tag/commit> for an explicit Hub revision."
+        )
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise TypeError(f"{where}: version must be an int, got {version!r}.")
+    if revision is not None and (not isinstance(revision, str) or not revision):
+        raise TypeError(f"{where}: revision must be a non-empty string, got {revision!r}.")
 
 
 def check_trusted(repo_id: str, trust_remote_code: TrustRemoteCode) -> None:
     """Raise unless the user opted in to running code from `repo_id`."""
-    if trust_remote_code is True:
-        return
-    if not isinstance(trust_remote_code, bool | str) and repo_id in trust_remote_code:
-        return
+    trust = check_trust_setting(trust_remote_code, repo_id)
+    patterns = trust if isinstance(trust, tuple) else ("*",) if trust else ()
     env = os.environ.get("KERNELIZE_TRUST_REMOTE_CODE", "").strip()
-    if env.lower() in _TRUE or any(
-        fnmatch.fnmatchcase(repo_id, p.strip()) for p in env.split(",") if p.strip()
-    ):
+    patterns += ("*",) if env.lower() in _TRUE else tuple(p.strip() for p in env.split(",") if p.strip())
+    if any(fnmatch.fnmatchcase(repo_id, p) for p in patterns):
         return
     raise ValueError(
         f"Kernel repository `{repo_id}` is not bundled with kernelize, and loading it runs its Python code. "
@@ -284,8 +374,9 @@ def _locate(
     user_agent: str | dict | None,
 ) -> Path | _HubBuild:
     """The variant folder of a bundled or local `repo_id`, else the Hub build to download (not downloaded)."""
-    if revision is not None and version is not None:
-        raise ValueError(f"Kernel `{repo_id}`: pass either revision= or version=, not both.")
+    check_repo_id(repo_id)
+    check_revision(f"Kernel `{repo_id}`", revision, version)
+    check_trust_setting(trust_remote_code, repo_id)
     system = SystemInfo.detect(backend)
     local = _local_folder_for(repo_id)
     if local is not None:
@@ -307,7 +398,9 @@ def resolve_kernel(
 
     Raises:
         FileNotFoundError: the repository, version, cached files or a fitting build variant are missing.
-        ValueError: the repository is not trusted, or both `revision` and `version` are given.
+        ValueError: an invalid repo id, an untrusted repository, or not exactly one of `revision` and
+            `version`.
+        TypeError: `trust_remote_code` is neither a bool nor a list of repo ids / globs.
     """
     found = _locate(repo_id, revision, version, trust_remote_code, backend, user_agent)
     if isinstance(found, Path):
@@ -330,15 +423,16 @@ def get_kernel(
 
     Args:
         repo_id: `org/name` on the Hub, or `kernelize/<name>` for a bundled repository.
-        revision: Branch, tag or commit (default `main`). Exclusive with `version`.
+        revision: Branch, tag or commit. Exactly one of `revision` and `version` is required.
         version: Major version: the latest build on branch `v{version}`.
         backend: `"cpu"` to load a CPU build on a GPU system; default: the backend torch was built for.
         user_agent: Extra user-agent information for Hub requests.
-        trust_remote_code: `True`, or the repo ids whose code may run. Bundled repositories are trusted.
+        trust_remote_code: `True`, or a list of the repo ids (or globs such as `org/*`) whose code may run.
+            Bundled repositories and `LOCAL_KERNELS` folders are trusted.
         check_arch: Accepted for compatibility with `kernels`; kernelize does not check declared archs.
 
     Example:
-        >>> relu = get_kernel("kernelize/relu")  # doctest: +SKIP
+        >>> activation = get_kernel("kernelize/activation", version=1)  # doctest: +SKIP
     """
     del check_arch
     variant_dir = resolve_kernel(
@@ -367,6 +461,7 @@ def get_local_kernel(
     Example:
         >>> activation = get_local_kernel("/path/to/activation")  # doctest: +SKIP
     """
+    check_trust_setting(trust_remote_code, repo_path)  # same argument contract as get_kernel
     del trust_remote_code, user_agent  # a folder the caller names is trusted; nothing is downloaded
     variant_dir = resolve_local_variant(Path(repo_path), SystemInfo.detect(backend))
     return import_variant(variant_dir, package_name=package_name)
@@ -380,6 +475,8 @@ def get_locked_kernel(
     user_agent: str | dict | None = None,
 ) -> ModuleType:
     """Load the commit of `repo_id` pinned in a `kernels.lock` file (see `kernelize.layer.lockfile`)."""
+    check_repo_id(repo_id)
+    check_trust_setting(trust_remote_code, repo_id)
     commit = locked_commit(repo_id, None if lockfile is None else Path(lockfile))
     return get_kernel(repo_id, revision=commit, trust_remote_code=trust_remote_code, user_agent=user_agent)
 
@@ -396,13 +493,15 @@ def has_kernel(
     """Whether `repo_id` has a build this system can load. Downloads and runs nothing.
 
     Example:
-        >>> has_kernel("kernelize/no-such-kernel")
+        >>> has_kernel("kernelize/no-such-kernel", version=1)
         False
     """
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
+    check_trust_setting(trust_remote_code, repo_id)
     del trust_remote_code, check_arch  # nothing runs, so trust does not matter
-    try:  # a usage error (ValueError, e.g. both revision= and version=) is raised, not taken for "no"
+    # A usage error (an invalid repo id, not exactly one of revision= / version=) raises, it is not a "no".
+    try:
         _locate(repo_id, revision, version, True, backend, None)
     except (FileNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
         return False

@@ -1,9 +1,10 @@
 """`kernelize(model, mode=...)`: give each marked module the forward of the kernel layer its mapping selects.
 
-For every marked module, in `named_modules()` order, the choice is made without touching the module (so an
-error leaves it as it was), then applied: the kernel layer's `forward`, bound to the module, is set on the
-instance (the class is untouched and hooks still run), or the original forward is restored. The choice is
-recorded on the module for `inspect` and logged at INFO, one line per module.
+For every marked module, in `named_modules()` order, the choice is made without touching any module. Only
+when every choice is made (and none raised) are they applied, so an error leaves the whole model as it was.
+Applying sets the kernel layer's `forward`, bound to the module, on the instance (the class is untouched
+and hooks still run), or restores the original forward. The choice is recorded on the module for
+`inspect` and logged at INFO, one line per module.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def _decide(path: str, module: nn.Module, ctx: _Context) -> tuple[KernelChoice, 
                 exc,
                 f"kernelize: while loading {repo} for `{path}` (layer `{layer_name}`, "
                 f"device {ctx.device_text}, mode {ctx.mode}); "
-                "use_fallback=KernelizeFallback.ALL keeps the original forward instead."
+                "use_fallback=KernelizeFallback.ALL keeps the original forward instead.",
             )
             raise
         return keep(FallbackReason.CANNOT_LOAD, f"{type(exc).__name__}: {exc}")
@@ -216,6 +217,19 @@ def _decide(path: str, module: nn.Module, ctx: _Context) -> tuple[KernelChoice, 
             "The mapping registers %s for %s, but that kernel layer %s.", repo, repo_mode, mislabelled
         )
     return dataclasses.replace(choice, kernel_layer=layer.__qualname__), layer
+
+
+def _check_permitted(choice: KernelChoice, ctx: _Context) -> None:
+    """Raise if `choice` keeps the original forward for a reason `use_fallback` does not permit."""
+    reason = choice.fallback
+    if reason in _PERMITTED_BY and _PERMITTED_BY[reason] not in ctx.permitted:
+        flag = _PERMITTED_BY[reason]
+        raise ValueError(
+            f"kernelize cannot replace the forward of `{choice.module_path}` ({choice.replaced_class}, layer "
+            f"`{choice.layer_name}`) on device {ctx.device_text} in mode {ctx.mode}: {choice.reason}. "
+            f"{_REMEDY[reason]}, or pass use_fallback=KernelizeFallback.{flag.name} (or True) to keep "
+            "the original forward."
+        )
 
 
 def _apply(module: nn.Module, choice: KernelChoice, layer: type | None) -> None:
@@ -283,21 +297,19 @@ def kernelize(
         permitted=permitted,
         disabled=os.environ.get("DISABLE_KERNEL_MAPPING", "").strip().lower() in _TRUE,
     )
+    # Decide for every module first (loading and validating kernels, raising on a fallback that is not
+    # permitted), and only then swap forwards: an error leaves every module exactly as it was.
+    decided: list[tuple[nn.Module, KernelChoice, type | None]] = []
     seen: set[int] = set()
     for path, module in marked_modules(model):
         if id(module) in seen:  # a function module shared by several owners
             continue
         seen.add(id(module))
         choice, layer = _decide(path, module, ctx)
-        reason = choice.fallback
-        if reason in _PERMITTED_BY and _PERMITTED_BY[reason] not in permitted:
-            flag = _PERMITTED_BY[reason]
-            raise ValueError(
-                f"kernelize cannot replace the forward of `{path}` ({choice.replaced_class}, layer "
-                f"`{choice.layer_name}`) on device {ctx.device_text} in mode {mode}: {choice.reason}. "
-                f"{_REMEDY[reason]}, or pass use_fallback=KernelizeFallback.{flag.name} (or True) to keep "
-                "the original forward."
-            )
+        _check_permitted(choice, ctx)
+        decided.append((module, choice, layer))
+    for module, choice, layer in decided:
         _apply(module, choice, layer)
-        logger.log(logging.WARNING if reason == FallbackReason.CANNOT_LOAD else logging.INFO, "%s", choice)
+        level = logging.WARNING if choice.fallback == FallbackReason.CANNOT_LOAD else logging.INFO
+        logger.log(level, "%s", choice)
     return model

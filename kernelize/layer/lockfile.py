@@ -22,8 +22,21 @@ __all__ = ["locked_commit"]
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
+def _entry_lock(entry: object) -> tuple[object, object]:
+    """(repo id, commit) of one lock entry in either format; `None` where a part is missing or mistyped."""
+    if not isinstance(entry, dict):
+        return None, None
+    if "dependency" in entry:  # kernels >= 0.13
+        dependency, lock = entry.get("dependency"), entry.get("lock")
+        repo_id = dependency.get("repo-id") if isinstance(dependency, dict) else None
+        return repo_id, lock.get("commit") if isinstance(lock, dict) else None
+    return entry.get("repo_id"), entry.get("sha")  # older kernels
+
+
 def _parse(text: str, source: str) -> dict[str, str]:
     """`repo_id -> commit` for every entry of a lock file."""
+    from .hub import check_repo_id
+
     try:
         entries = json.loads(text)
     except ValueError as exc:
@@ -31,17 +44,21 @@ def _parse(text: str, source: str) -> dict[str, str]:
     if not isinstance(entries, list):
         raise ValueError(f"Lock file {source} must contain a JSON list of locked kernels.")
     locks: dict[str, str] = {}
-    for entry in entries:
-        if isinstance(entry, dict) and "dependency" in entry:  # kernels >= 0.13
-            repo_id = entry.get("dependency", {}).get("repo-id")
-            commit = entry.get("lock", {}).get("commit")
-        elif isinstance(entry, dict):  # older kernels
-            repo_id, commit = entry.get("repo_id"), entry.get("sha")
-        else:
-            repo_id = commit = None
+    for index, entry in enumerate(entries):
+        repo_id, commit = _entry_lock(entry)
         if not isinstance(repo_id, str) or not isinstance(commit, str) or not _COMMIT.fullmatch(commit):
             raise ValueError(
-                f"Lock file {source} has an entry without a repo id and a 40-hex commit: {entry!r}"
+                f"Lock file {source}: entry {index} has no repo id and 40-hex commit: {entry!r}. "
+                "Regenerate the file with `kernels lock`."
+            )
+        try:
+            check_repo_id(repo_id)
+        except ValueError as exc:
+            raise ValueError(f"Lock file {source}: entry {index}: {exc}") from None
+        if repo_id in locks:
+            raise ValueError(
+                f"Lock file {source} locks `{repo_id}` twice (entry {index} again); keep one entry per "
+                "repository, e.g. by regenerating the file with `kernels lock`."
             )
         locks[repo_id] = commit
     return locks
@@ -55,9 +72,13 @@ def _caller_lock_text() -> tuple[str, str]:
     module = frame.f_globals.get("__name__", "") if frame is not None else ""
     package = module.split(".")[0]
     for dist_name in importlib.metadata.packages_distributions().get(package, []):
-        text = importlib.metadata.distribution(dist_name).read_text("kernels.lock")
+        source = f"`kernels.lock` of distribution `{dist_name}`"
+        try:
+            text = importlib.metadata.distribution(dist_name).read_text("kernels.lock")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"Lock file {source} is not UTF-8 text: {exc}") from None
         if text is not None:
-            return text, f"`kernels.lock` of distribution `{dist_name}`"
+            return text, source
     raise ValueError(
         f"No `kernels.lock` found in the package metadata of `{package or module}` (the caller). "
         "Pass lockfile=Path('kernels.lock'), or lock the project with `kernels lock` and reinstall it."
@@ -82,6 +103,10 @@ def locked_commit(repo_id: str, lockfile: str | Path | None = None) -> str:
             text, source = path.read_text(encoding="utf-8"), str(path)
         except OSError as exc:
             raise FileNotFoundError(f"Cannot read lock file {path}: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"Lock file {path} is not UTF-8 text ({exc}); regenerate it with `kernels lock`."
+            ) from None
     locks = _parse(text, source)
     if repo_id not in locks:
         known = ", ".join(sorted(locks)) or "none"

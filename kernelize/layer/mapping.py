@@ -147,6 +147,11 @@ def _entries(mapping: Any) -> list[tuple[str, Device, ModeRepos]]:
                     )
                 if mode not in REGISTRABLE_MODES:
                     logger.warning("%s registers mode %s, which kernelize never selects.", where, mode)
+                if isinstance(repo, type):  # the class has a load() too, but no repo_id or layer_name
+                    raise TypeError(
+                        f"{where} (mode {mode}) is the class `{repo.__name__}` itself, not a repository; "
+                        f'create one, e.g. {repo.__name__}("org/name", layer_name=..., version=1).'
+                    )
                 if not callable(getattr(repo, "load", None)):
                     raise TypeError(
                         f"{where} (mode {mode}) is {repo!r}, not a repository; use LayerRepository, "
@@ -181,9 +186,8 @@ def register_kernel_mapping(mapping: Mapping[str, Mapping[Any, Any]], inherit_ma
 
     Example:
         >>> from kernelize.layer.repos import LayerRepository
-        >>> register_kernel_mapping(
-        ...     {"SiluAndMul": {"cuda": {Mode.INFERENCE: LayerRepository("org/act", layer_name="Silu")}}}
-        ... )
+        >>> silu = LayerRepository("org/act", layer_name="Silu", version=1)
+        >>> register_kernel_mapping({"SiluAndMul": {"cuda": {Mode.INFERENCE: silu}}})
     """
     global _global
     entries = _entries(mapping)  # validate before changing any state

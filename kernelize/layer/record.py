@@ -52,6 +52,7 @@ class KernelChoice:
         kernel_layer: Qualified name of the kernel layer whose forward now runs, if any.
         fallback: Why the original forward was kept; `None` when a kernel layer is used.
         reason: Human-readable detail of the fallback.
+        notes: Eager paths taken inside a replaced forward, with the reason (one per distinct reason).
     """
 
     module_path: str
@@ -69,6 +70,9 @@ class KernelChoice:
     # generated kernels (name, source hash) of the last call.
     backend: str | None = None
     kernels: tuple[tuple[str, str], ...] = ()
+    # Calls that kept an eager path inside a replaced forward (e.g. attention the kernel does not support),
+    # one line per distinct reason.
+    notes: tuple[str, ...] = ()
 
     @property
     def uses_kernel(self) -> bool:
@@ -83,9 +87,10 @@ class KernelChoice:
                 ran = f" ran on {self.backend}: " + (
                     ", ".join(f"{n}#{h[:8]}" for n, h in self.kernels) or "-"
                 )
+            notes = "".join(f"; {note}" for note in self.notes)
             return (
                 f"{where} -> kernel layer `{self.kernel_layer}` from {self.repository} "
-                f"(registered for {self.registered_mode}){ran} {context}"
+                f"(registered for {self.registered_mode}){ran}{notes} {context}"
             )
         return f"{where} keeps its original forward ({self.fallback}): {self.reason} {context}"
 

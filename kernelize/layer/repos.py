@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .decorators import function_layer_class
-from .hub import get_kernel, get_local_kernel
+from .hub import check_repo_id, check_revision, check_trust_setting, get_kernel, get_local_kernel
 from .importer import kernel_layers
 from .lockfile import locked_commit
 
@@ -83,21 +83,14 @@ class _HubSource:
     _: KW_ONLY
     revision: str | None = None
     version: int | None = None
-    trust_remote_code: bool | Sequence[str] = False
+    trust_remote_code: bool | list[str] | tuple[str, ...] = False
     user_agent: str | dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_str(self.repo_id, "repo_id")
-        if self.revision is not None and self.version is not None:
-            raise ValueError(
-                f"{type(self).__name__}(`{self.repo_id}`): pass either revision= or version=, not both."
-            )
-        if self.version is not None and (isinstance(self.version, bool) or not isinstance(self.version, int)):
-            raise TypeError(
-                f"{type(self).__name__}(`{self.repo_id}`): version must be an int, got {self.version!r}."
-            )
-        if not isinstance(self.trust_remote_code, bool):  # a list of repo ids: freeze it so the repo hashes
-            object.__setattr__(self, "trust_remote_code", tuple(self.trust_remote_code))
+        check_repo_id(self.repo_id)
+        check_revision(f"{type(self).__name__}(`{self.repo_id}`)", self.revision, self.version)
+        trust = check_trust_setting(self.trust_remote_code, self.repo_id)
+        object.__setattr__(self, "trust_remote_code", trust)  # a tuple: the repository keys the load cache
 
     def _module(self) -> ModuleType:
         return get_kernel(
@@ -111,7 +104,7 @@ class _HubSource:
     def _where(self) -> str:
         if self.version is not None:
             return f"`{self.repo_id}` (version {self.version})"
-        return f"`{self.repo_id}` (revision {self.revision or 'main'})"
+        return f"`{self.repo_id}` (revision {self.revision})"
 
 
 @dataclass(frozen=True)
@@ -141,13 +134,13 @@ class _LockedSource:
     repo_id: str
     _: KW_ONLY
     lockfile: str | os.PathLike[str] | None = None
-    trust_remote_code: bool | Sequence[str] = False
+    trust_remote_code: bool | list[str] | tuple[str, ...] = False
     commit: str = field(init=False)
 
     def __post_init__(self) -> None:
-        _check_str(self.repo_id, "repo_id")
-        if not isinstance(self.trust_remote_code, bool):
-            object.__setattr__(self, "trust_remote_code", tuple(self.trust_remote_code))
+        check_repo_id(self.repo_id)
+        trust = check_trust_setting(self.trust_remote_code, self.repo_id)
+        object.__setattr__(self, "trust_remote_code", trust)
         object.__setattr__(self, "commit", locked_commit(self.repo_id, self.lockfile))
 
     def _module(self) -> ModuleType:
@@ -188,9 +181,11 @@ class LayerRepository(_LayerPick, _HubSource):
     Args:
         repo_id: `org/name` on the Hub, or `kernelize/<name>` for a bundled repository.
         layer_name: Class name in the repository's `layers` module.
-        revision: Branch, tag or commit. Exclusive with `version`; without either, `main`.
+        revision: Branch, tag or commit. Exactly one of `revision` and `version` is required (as in
+            `kernels` 0.17.2).
         version: Major version: the latest build on branch `v{version}`.
-        trust_remote_code: `True`, or repo ids whose code may run. Bundled repositories are trusted.
+        trust_remote_code: `True`, or a list of repo ids or globs (`org/*`) whose code may run. Bundled
+            repositories and `LOCAL_KERNELS` folders are trusted.
 
     Example:
         >>> str(LayerRepository("kernels-community/activation", layer_name="SiluAndMul", version=1))

@@ -92,6 +92,11 @@ def validate_kernel_layer(layer: object, replaced: type[nn.Module], repo: object
         )
     if "forward" not in members:
         raise TypeError(f"{where}: it does not define forward.")
+    forward = inspect.getattr_static(layer, "forward")
+    if not inspect.isfunction(forward):  # kernelize binds it to the replaced module as a method
+        raise TypeError(
+            f"{where}: its forward is {forward!r}, not a function. Define it as `def forward(self, ...)`."
+        )
     signature, ref_signature = inspect.signature(layer.forward), inspect.signature(replaced.forward)
     params, ref_params = list(signature.parameters.values()), list(ref_signature.parameters.values())
     signatures = f"kernel forward{signature} vs forward{ref_signature}"

@@ -1,19 +1,22 @@
-"""A small Llama-style decoder whose RMSNorm, MLP activation, rotary and attention-softmax layers are marked.
+"""A small Llama-style decoder whose RMSNorm, MLP activation, rotary and attention layers are marked.
 
 The model is ordinary eager PyTorch, written the way model code usually is (norms computed in f32 with
-several ops, `rotate_half` with a concat, softmax after a scale and an additive causal mask). Each marked
+several ops, `rotate_half` with a concat, scores, softmax after a scale and an additive causal mask, and
+the weighted sum of values). Each marked
 layer keeps working unchanged; ``kernelize`` with :func:`kernelize.hub.default_mapping` swaps their
 forwards for the bundled hub's generated kernels:
 
-============================  ======================  =================
-module                        marked as               hub repository
-============================  ======================  =================
+============================  ============================  =================
+module                        marked as                     hub repository
+============================  ============================  =================
 ``RMSNorm``                   ``RMSNorm``             kernelize/layer_norm
 ``ResidualRMSNorm``           ``FusedAddRMSNorm``     kernelize/layer_norm
 ``SiluAndMul``                ``SiluAndMul``          kernelize/activation
 ``RotaryEmbedding``           ``RotaryEmbedding``     kernelize/rotary
-``ScaledMaskedSoftmax``       ``ScaledMaskedSoftmax`` kernelize/softmax
-============================  ======================  =================
+``ScaledDotProductAttention`` ``ScaledDotProductAttention`` kernelize/attention
+============================  ============================  =================
+
+``ScaledMaskedSoftmax`` (kernelize/softmax) is kept for models that only mark their softmax.
 
 Example:
     >>> model = LlamaDemo(LlamaDemoConfig.tiny()).eval()
@@ -43,6 +46,7 @@ __all__ = [
     "RMSNorm",
     "ResidualRMSNorm",
     "RotaryEmbedding",
+    "ScaledDotProductAttention",
     "ScaledMaskedSoftmax",
     "SiluAndMul",
 ]
@@ -149,6 +153,23 @@ class ScaledMaskedSoftmax(nn.Module):
         return torch.softmax(logits, dim=-1).to(scores.dtype)
 
 
+@use_kernel_forward_from_hub("ScaledDotProductAttention")
+class ScaledDotProductAttention(nn.Module):
+    """``softmax(q @ k^T * scale + mask) @ v``: scores, their softmax in f32, the values' weighted sum."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        logits = (q @ k.transpose(-1, -2)).to(torch.float32) * self.scale
+        if mask is not None:
+            logits = logits + mask
+        return torch.softmax(logits, dim=-1).to(q.dtype) @ v
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaDemoConfig) -> None:
         super().__init__()
@@ -167,7 +188,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
         self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
         self.rotary = RotaryEmbedding()
-        self.softmax = ScaledMaskedSoftmax(1.0 / math.sqrt(cfg.head_dim))
+        self.attn = ScaledDotProductAttention(1.0 / math.sqrt(cfg.head_dim))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
@@ -175,8 +196,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv_proj(x).view(b, s, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = self.rotary(qkv[0], qkv[1], cos, sin)
-        probs = self.softmax(q @ k.transpose(-1, -2), mask)
-        out = (probs @ qkv[2]).transpose(1, 2).reshape(b, s, -1)
+        out = self.attn(q, k, qkv[2], mask).transpose(1, 2).reshape(b, s, -1)
         return self.o_proj(out)
 
 
@@ -235,5 +255,5 @@ class LlamaDemo(nn.Module):
 # module class -> the name it is marked with (what default_mapping() must cover for the demo)
 MARKED_LAYERS = {
     cls.__name__: cls.kernel_layer_name
-    for cls in (RMSNorm, ResidualRMSNorm, SiluAndMul, RotaryEmbedding, ScaledMaskedSoftmax)
+    for cls in (RMSNorm, ResidualRMSNorm, SiluAndMul, RotaryEmbedding, ScaledDotProductAttention)
 }

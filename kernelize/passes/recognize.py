@@ -12,6 +12,7 @@ Templates (``mean`` over the last axis, ``sq(x)`` is ``x*x`` or ``x**2``, ``e = 
   ``0.5*x + 0.5*x*tanh(k*(x + 0.044715*x^3))``, ``k = sqrt(2/pi)`` -> ``gelu(x, 'tanh')``: a small
   polynomial normaliser reads the tree, so every association order and constant placement matches
 - ``cast(op(cast(x, f32)), f16)`` for these ops -> ``op(x)`` in f16 (kernels compute 16-bit floats in f32)
+- ``softmax(q @ k^T * scale + mask) @ v`` -> ``attention`` (:mod:`kernelize.passes.attention`)
 
 SiLU (``x * sigmoid(x)``) has no IR node and stays elementwise.
 
@@ -28,6 +29,7 @@ import math
 
 from kernelize.ir.dtypes import HALF, DType, compute_dtype
 from kernelize.ir.graph import ROW, Graph, Node, Op, scalar_value
+from kernelize.passes.attention import RULES as ATTENTION_RULES
 from kernelize.passes.rewrite import B, Context, P, Rule, Scalar, Var, rewrite, strip_broadcast, unbroadcast
 
 # relative tolerance when reading template constants stored in each dtype
@@ -264,6 +266,7 @@ RULES: list[Rule] = [
     (P(Op.LOG, P(Op.SOFTMAX, Var("x"), name="sm")), _log_of_softmax),
     (P(frozenset({Op.MUL, Op.ADD}), name="root"), _gelu),
     (P(Op.CAST, Var("r", lambda n: n.op in ROW or n.op is Op.GELU), name="c"), _narrow),
+    *ATTENTION_RULES,
 ]
 
 

@@ -5,6 +5,8 @@ Each backend (``triton``, ``cuda``, ``cpu``) implements :class:`Backend`: ``comp
 :class:`CompiledKernel`. The runtime allocates every buffer, binds symbolic sizes from the inputs and
 calls ``launch(reads, writes, sizes)`` with tensors in the order of ``kernel.reads`` / ``kernel.writes``
 (all contiguous, on the backend's device) and ``sizes`` holding one int per name of ``kernel.symbols``.
+An ``ATTENTION`` kernel is launched on its node's operands instead (``q, k, v[, mask]``, in ``node.src``
+order, with whatever strides their layout views give) and reads its sizes and strides from them.
 """
 
 from __future__ import annotations

@@ -170,6 +170,7 @@ class _Step:
     compiled: CompiledKernel | None
     free: tuple[Node, ...]  # buffers dead after this step
     library: bool = False
+    operands: bool = False  # launched on the node's operands seen through their views (attention)
     conv: ConvRunner | None = None
 
 
@@ -222,12 +223,21 @@ class CompiledGraph:
                 compiled.get(k.name),
                 tuple(b for b, j in last.items() if j == i and b not in keep),
                 k.kind is KernelKind.LIBRARY,
+                k.kind is KernelKind.ATTENTION,
                 self._conv_runner(k) if k.kind is KernelKind.CONV else None,
             )
             for i, k in enumerate(kernels)
         ]
         self._cl = channels_last_buffers(kernels) if device.type == "cpu" else frozenset()
         self._bound: dict[tuple, _Bound] = {}
+        # inputs only attention kernels read keep their strides: those kernels take any strides
+        readers: dict[Node, set[KernelKind]] = {}
+        for k in kernels:
+            for b in k.reads:
+                readers.setdefault(b, set()).add(k.kind)
+        self._strided = tuple(
+            n not in graph.outputs and readers.get(n, set()) == {KernelKind.ATTENTION} for n in graph.inputs
+        )
         # (issue 6, CPU engineer) fresh large CPU outputs cost more in page faults than the kernels: the cpu
         # backend's OutputPool hands a buffer out again once the caller has dropped it
         self._pool = None
@@ -254,7 +264,8 @@ class CompiledGraph:
         if self.backend == "reference":
             return _no_alias(evaluate(self.graph, list(inputs)), inputs)
         vals: dict[Node, torch.Tensor] = dict(self._consts)
-        vals.update((n, t.contiguous()) for n, t in zip(self.graph.inputs, inputs))
+        strided = self._strided
+        vals.update((n, t if s else t.contiguous()) for n, t, s in zip(self.graph.inputs, inputs, strided))
         pool = self._pool
         for step, shapes, sizes, launch in zip(self._steps, bound.shapes, bound.sizes, bound.launch):
             k = step.kernel
@@ -266,7 +277,10 @@ class CompiledGraph:
             elif step.library:
                 vals[k.node] = self._library(k, vals, env)
             else:
-                reads = [vals[b] if b in vals else _materialize(b, vals, env) for b in k.reads]
+                if step.operands:
+                    reads = [_materialize(s, vals, env) for s in k.node.src]
+                else:
+                    reads = [vals[b] if b in vals else _materialize(b, vals, env) for b in k.reads]
                 if pool is not None:  # cpu backend: recycle large buffers the caller dropped
                     writes = [pool.empty(b, shape, b.dtype.torch) for b, shape in zip(k.writes, shapes)]
                 else:

@@ -50,7 +50,10 @@ def _trampoline(src: CudaSource) -> str:
 
 def build(src: CudaSource) -> ctypes.CDLL:
     """Compile the host-emulated kernel (cached by source hash)."""
-    text = load_template("cuda_host_emu.h") + "\n" + src.source + _trampoline(src)
+    return _build_text(load_template("cuda_host_emu.h") + "\n" + src.source + _trampoline(src), src.name)
+
+
+def _build_text(text: str, name: str) -> ctypes.CDLL:
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
     if key not in _LIBS:
         cpp, so = _DIR / f"{key}.cpp", _DIR / f"{key}.so"
@@ -62,7 +65,7 @@ def build(src: CudaSource) -> ctypes.CDLL:
         )
         if proc.returncode:
             numbered = "\n".join(f"{i + 1:4d} | {line}" for i, line in enumerate(text.splitlines()))
-            raise RuntimeError(f"g++ failed on {src.name}:\n{proc.stderr}\n{numbered}")
+            raise RuntimeError(f"g++ failed on {name}:\n{proc.stderr}\n{numbered}")
         _LIBS[key] = ctypes.CDLL(str(so))
     return _LIBS[key]
 
@@ -94,6 +97,36 @@ def emulate(
     rc = lib.kz_emu_run(argv, *[ctypes.c_uint(g) for g in grid], ctypes.c_uint(src.block), err)
     if rc:
         raise RuntimeError(f"emulated {src.name}: {err.value.decode()}")
+
+
+def emulate_attention(
+    kernel: Kernel, reads: Sequence[torch.Tensor], out: torch.Tensor, nsplit: int = 1
+) -> None:
+    """Run an ATTENTION kernel's generated CUDA C (and its split combine kernel) on CPU tensors."""
+    from kernelize.codegen.cuda_attention import launch_args, render_attention
+
+    source, name = render_attention(kernel)
+    b, hq, lq, dv = out.shape
+    part = out if nsplit == 1 else torch.empty(b * hq * nsplit * lq * (dv + 2), dtype=torch.float32)
+    ptrs, ints, grid = launch_args(reads, out, part, nsplit)
+    casts = ["(const kz_t*)", "(const kz_t*)", "(const kz_t*)", "(const kz_tm*)", "(kz_t*)", "(float*)"]
+    call = ", ".join([f"{c}p[{i}]" for i, c in enumerate(casts)] + [f"n[{i}]" for i in range(len(ints))])
+    tramp = (
+        '\nextern "C" int kz_emu_attention(void** p, const int64_t* n, unsigned gx, unsigned gy, unsigned gz,'
+        " char* err) {\n"
+        f"  int rc = kz_emu::launch(dim3{{gx, gy, gz}}, dim3{{32, 1, 1}}, [&] {{ {name}({call}); }});\n"
+        f"  if (!rc && gz > 1) rc = kz_emu::launch(dim3{{gx, gy, 1}}, dim3{{32, 1, 1}},"
+        f" [&] {{ {name}_combine("
+        "(const float*)p[5], (kz_t*)p[4], n[1], (int64_t)gz); });\n"
+        "  if (rc) std::strcpy(err, kz_emu::error);\n  return rc;\n}\n"
+    )
+    lib = _build_text(load_template("cuda_host_emu.h") + "\n" + source + tramp, name)
+    argv = (ctypes.c_void_p * len(ptrs))(*ptrs)
+    nums = (ctypes.c_int64 * len(ints))(*ints)
+    err = ctypes.create_string_buffer(256)
+    rc = lib.kz_emu_attention(argv, nums, *[ctypes.c_uint(g) for g in grid], err)
+    if rc:
+        raise RuntimeError(f"emulated {name}: {err.value.decode()}")
 
 
 # -- a small lowering for tests: graphs of layout + elementwise ops -> one POINTWISE kernel ----------------

@@ -8,7 +8,7 @@ import pytest
 
 from kernelize import get_kernel
 
-REPOS = ("activation", "layer_norm", "rotary", "softmax", "linear")
+REPOS = ("activation", "layer_norm", "rotary", "softmax", "linear", "attention")
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -38,6 +41,63 @@ def test_backend_choice(monkeypatch) -> None:
         assert hub.backend_for(torch.device("cpu")) == "reference"
     with pytest.raises(ValueError, match="no kernel backend"):
         hub.backend_for(torch.device("meta"))
+
+
+CPU = torch.device("cpu")
+
+
+def test_use_backend_does_not_leak_into_other_threads() -> None:
+    seen: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        entered.wait(5)
+        seen.append(hub.backend_for(CPU))  # while the main thread is inside use_backend("reference")
+        release.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with hub.use_backend("reference"):
+        entered.set()
+        release.wait(5)
+        assert hub.backend_for(CPU) == "reference"
+    thread.join(5)
+    assert seen == ["cpu"]
+
+
+def test_use_backend_blocks_left_out_of_order_restore_correctly() -> None:
+    outer, inner = hub.use_backend("reference"), hub.use_backend("triton")
+    outer.__enter__()
+    inner.__enter__()
+    assert hub.backend_for(CPU) == "triton"
+    outer.__exit__(None, None, None)  # the outer block ends first: the inner one is still open
+    assert hub.backend_for(CPU) == "triton"
+    inner.__exit__(None, None, None)
+    assert hub.backend_for(CPU) == "cpu"
+
+
+def test_use_backend_is_private_to_each_asyncio_task() -> None:
+    async def task(name: str, started: asyncio.Event, other: asyncio.Event) -> str:
+        with hub.use_backend(name):
+            started.set()
+            await other.wait()  # the other task enters its own block meanwhile
+            return hub.backend_for(CPU)
+
+    async def main() -> list[str]:
+        a, b = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(task("reference", a, b), task("triton", b, a))
+
+    assert asyncio.run(main()) == ["reference", "triton"]
+    assert hub.backend_for(CPU) == "cpu"
+
+
+def test_use_backend_rejects_unknown_backends() -> None:
+    with pytest.raises(
+        ValueError, match=r"use_backend\('tritonn'\): unknown backend; choose one of reference"
+    ):
+        with hub.use_backend("tritonn"):
+            pass
+    assert hub.backend_for(CPU) == "cpu"
 
 
 def test_run_compiles_once_per_signature() -> None:

@@ -268,18 +268,12 @@ def test_seed_registering_hub_kernels(k: ModuleType) -> None:
     assert "forward" not in model[1].__dict__ or model[1].forward.__func__ is SiluAndMul.forward
 
 
-def test_seed_func_repository_without_version(ours: ModuleType) -> None:
-    # `kernels` 0.17.2 requires revision= or version= here and raises; the seed's form omits both.
-    k = ours
-    kernel_layer_mapping = {
-        "SiluAndMul": {
-            "cuda": k.FuncRepository(repo_id="kernels-community/activation", func_name="silu_and_mul")
-        }
-    }
-    k.register_kernel_mapping(kernel_layer_mapping)
-    assert str(kernel_layer_mapping["SiluAndMul"]["cuda"]).startswith(
-        "`kernels-community/activation` (revision main)"
-    )
+def test_hub_repository_without_version_or_revision_raises_in_both(k: ModuleType) -> None:
+    # `kernels` 0.17.2 requires revision= or version=; kernelize matches it (the seed's form omitted both).
+    with pytest.raises(ValueError, match=r"(?i)either a revision or a version must be specified"):
+        k.FuncRepository(repo_id="kernels-community/activation", func_name="silu_and_mul")
+    with pytest.raises(ValueError, match=r"(?i)either a revision or a version must be specified"):
+        k.LayerRepository(repo_id="kernels-community/activation", layer_name="SiluAndMul")
 
 
 @pytest.fixture

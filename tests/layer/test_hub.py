@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -26,8 +27,10 @@ from kernelize import (
     use_kernel_forward_from_hub,
     use_kernel_mapping,
 )
+from kernelize.layer import repos
 from kernelize.layer.hub import bundled_hub_dir
 from kernelize.layer.importer import import_variant
+from kernelize.layer.lockfile import locked_commit
 from kernelize.layer.variants import SystemInfo
 
 from .conftest import REPOS, FakeHub
@@ -54,7 +57,7 @@ def test_version_resolves_through_refs_in_the_cache(fake_hub: FakeHub, repo_type
     assert (v1.VERSION, v2.VERSION) == (1, 2)
     assert v1.__name__ != v2.__name__ and sys.modules[v1.__name__] is v1 and sys.modules[v2.__name__] is v2
     assert f"snapshots/{commits[1]}/build/torch-universal" in v1.__file__
-    assert get_kernel(REPO_ID, trust_remote_code=True) is v2  # main is the newest
+    assert get_kernel(REPO_ID, revision="main", trust_remote_code=True) is v2  # main is the newest
     assert get_kernel(REPO_ID, revision=commits[1], trust_remote_code=True) is v1
     assert get_kernel(REPO_ID, revision="v1", trust_remote_code=True) is v1  # a branch name, via refs/
 
@@ -123,7 +126,7 @@ def test_no_fitting_variant_lists_every_variant_and_why(fake_hub: FakeHub) -> No
 def test_has_kernel_downloads_and_runs_nothing(versioned: dict[int, str], fake_hub: FakeHub) -> None:
     assert has_kernel(REPO_ID, version=1)  # no trust needed: nothing runs
     assert not has_kernel(REPO_ID, version=7)
-    assert not has_kernel("org/absent")
+    assert not has_kernel("org/absent", version=1)
     fake_hub.add("kernels-test/cuda-only", {1: REPOS / "cuda_only"})
     assert not has_kernel("kernels-test/cuda-only", version=1)
     with pytest.raises(ValueError, match="either revision= or version="):
@@ -164,14 +167,14 @@ def test_local_kernels_override_a_repo_id(monkeypatch: pytest.MonkeyPatch, repo_
     # No trust needed (the user chose the folder) and no cache or network: HF_HUB_OFFLINE is not even set.
     layer = LayerRepository("org/act", layer_name="SiluAndMul", version=1).load()
     assert layer.__name__ == "SiluAndMul"
-    assert get_kernel("org/norm").VARIANT in ("torch-cpu", "torch-cuda")
-    assert has_kernel("org/act")
+    assert get_kernel("org/norm", version=1).VARIANT in ("torch-cpu", "torch-cuda")
+    assert has_kernel("org/act", version=1)
 
 
 def test_malformed_local_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_KERNELS", "org/act")
     with pytest.raises(ValueError, match="Invalid LOCAL_KERNELS entry 'org/act'; expected org/name=/path"):
-        get_kernel("org/act")
+        get_kernel("org/act", version=1)
 
 
 def test_bundled_repositories_resolve_without_network_or_trust(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -179,12 +182,12 @@ def test_bundled_repositories_resolve_without_network_or_trust(monkeypatch: pyte
     relu = get_kernel("kernelize/relu", version=1)
     assert torch.equal(relu.relu(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
     assert LayerRepository("kernelize/relu", layer_name="ReLU", version=1).load().__name__ == "ReLU"
-    assert has_kernel("kernelize/relu")
+    assert has_kernel("kernelize/relu", version=1)
     with pytest.raises(
         FileNotFoundError, match=r"No bundled kernel repository `kernelize/gelu` in .* \(bundled: relu\)"
     ):
-        get_kernel("kernelize/gelu")
-    assert not has_kernel("kernelize/gelu")
+        get_kernel("kernelize/gelu", version=1)
+    assert not has_kernel("kernelize/gelu", version=1)
 
 
 def test_default_bundled_hub_is_next_to_the_package() -> None:
@@ -283,7 +286,7 @@ def test_lockfile_errors(tmp_path: Path) -> None:
     ):
         LockedLayerRepository("org/other", layer_name="X", lockfile=lockfile)
     (tmp_path / "bad.lock").write_text(json.dumps([{"repo_id": REPO_ID, "sha": "short"}]))
-    with pytest.raises(ValueError, match="without a repo id and a 40-hex commit"):
+    with pytest.raises(ValueError, match=r"bad.lock: entry 0 has no repo id and 40-hex commit"):
         LockedLayerRepository(REPO_ID, layer_name="X", lockfile=tmp_path / "bad.lock")
     with pytest.raises(FileNotFoundError, match="Cannot read lock file"):
         LockedLayerRepository(REPO_ID, layer_name="X", lockfile=tmp_path / "absent.lock")
@@ -311,5 +314,190 @@ def test_repository_arguments_are_checked() -> None:
         LocalLayerRepository(3, layer_name="Scale")
     with pytest.raises(ValueError, match="either revision= or version="):
         get_kernel(REPO_ID, revision="main", version=1)
-    # Without revision or version, `main` (the seed: "you can use LayerRepository without the version").
-    assert str(LayerRepository(REPO_ID, layer_name="Scale")) == f"`{REPO_ID}` (revision main), layer `Scale`"
+    assert str(LayerRepository(REPO_ID, layer_name="Scale", revision="main")) == (
+        f"`{REPO_ID}` (revision main), layer `Scale`"
+    )
+
+
+# --- bundled names are plain names of the hub folder -------------------------------------------------------
+
+
+def planted_repo(folder: Path) -> Path:
+    """A kernel repository whose import leaves a marker file: it shows whether its code ran."""
+    package = folder / "build" / "torch-universal"
+    package.mkdir(parents=True)
+    marker = folder / "code-ran"
+    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\nfrom . import layers\n")
+    (package / "layers.py").write_text("from torch import nn\n\nclass ReLU(nn.Module):\n    pass\n")
+    return marker
+
+
+BAD_BUNDLED = [
+    "kernelize//{planted}",
+    "kernelize/../{name}",
+    "kernelize/..",
+    "kernelize/.",
+    "kernelize/",
+    "kernelize",
+    "kernelize/a\\b",
+    "kernelize/relu/../../x",
+    "kernelize/.hidden",
+]
+
+
+@pytest.mark.parametrize("template", BAD_BUNDLED)
+def test_bundled_names_that_are_paths_are_refused_everywhere(
+    template: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hub_dir = tmp_path / "hub"
+    hub_dir.mkdir()
+    (hub_dir / "relu").symlink_to(REPOS / "bundled" / "relu", target_is_directory=True)
+    monkeypatch.setenv("KERNELIZE_HUB_DIR", str(hub_dir))
+    marker = planted_repo(tmp_path / "planted")
+    repo_id = template.format(planted=str(tmp_path / "planted").lstrip("/"), name="planted")
+    lockfile = tmp_path / "kernels.lock"
+    lockfile.write_text(json.dumps([{"repo_id": repo_id, "sha": "a" * 40}]))
+    message = rf"Kernel repository `{re.escape(repo_id)}` is not a valid repo id: .* \(kernelize/relu\)"
+    with pytest.raises(ValueError, match=message):
+        get_kernel(repo_id, version=1)
+    with pytest.raises(ValueError, match=message):
+        has_kernel(repo_id, version=1)
+    with pytest.raises(ValueError, match=message):
+        LayerRepository(repo_id, layer_name="ReLU", version=1)
+    with pytest.raises(ValueError, match=message):
+        FuncRepository(repo_id, func_name="relu", revision="main")
+    with pytest.raises(ValueError, match=message):
+        LockedLayerRepository(repo_id, layer_name="ReLU", lockfile=lockfile)
+    with pytest.raises(ValueError, match=message):
+        get_locked_kernel(repo_id, lockfile=lockfile)
+    with pytest.raises(ValueError, match=rf"kernels.lock: entry 0: {message}"):
+        locked_commit("org/other", lockfile)
+    assert not marker.exists()
+
+
+def test_the_absolute_path_exploit_no_longer_imports_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = planted_repo(tmp_path / "planted")
+    repo_id = f"kernelize/{tmp_path / 'planted'}"  # kernelize//tmp/.../planted: joined, it is the folder
+    with pytest.raises(ValueError, match="LocalLayerRepository / get_local_kernel, or LOCAL_KERNELS"):
+        LayerRepository(repo_id, layer_name="ReLU", version=1).load()
+    assert not marker.exists()
+    get_local_kernel(tmp_path / "planted")  # named as a folder, it is the user's choice and loads
+    assert marker.exists()
+
+
+def test_a_bundled_name_must_be_a_folder_of_the_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub_dir = tmp_path / "hub"
+    (hub_dir / "relu").mkdir(parents=True)
+    (hub_dir / "notes.txt").write_text("not a repository")
+    monkeypatch.setenv("KERNELIZE_HUB_DIR", str(hub_dir))
+    with pytest.raises(
+        FileNotFoundError, match=r"No bundled kernel repository `kernelize/notes.txt` .*relu\)"
+    ):
+        get_kernel("kernelize/notes.txt", version=1)
+    assert not has_kernel("kernelize/notes.txt", version=1)
+
+
+# --- trust_remote_code takes a bool or a list of repo ids / globs ------------------------------------------
+
+
+@pytest.mark.parametrize("trust", ["org/x", "x", b"x", 1, None, {"x": True}, ["x", 3], [""], iter(["x"])])
+def test_trust_remote_code_of_any_other_type_is_a_type_error(
+    trust: object, fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    fake_hub.add("x", {1: REPOS / "versioned_v1"})  # a one-letter repo id, trusted by "org/x" as characters
+    lockfile = write_lockfile(tmp_path / "kernels.lock", "a" * 40, new_format=False)
+    message = r"`(x|kernels-test/versioned|.*)`: trust_remote_code must be True, False or a list of repo ids"
+    calls = [
+        lambda: LayerRepository("x", layer_name="Scale", version=1, trust_remote_code=trust),
+        lambda: FuncRepository("x", func_name="scale", version=1, trust_remote_code=trust),
+        lambda: LockedLayerRepository(
+            REPO_ID, layer_name="Scale", lockfile=lockfile, trust_remote_code=trust
+        ),
+        lambda: LockedFuncRepository(REPO_ID, func_name="scale", lockfile=lockfile, trust_remote_code=trust),
+        lambda: get_kernel("x", version=1, trust_remote_code=trust),
+        lambda: get_locked_kernel(REPO_ID, lockfile=lockfile, trust_remote_code=trust),
+        lambda: has_kernel("x", version=1, trust_remote_code=trust),
+        lambda: get_local_kernel(REPOS / "activation", trust_remote_code=trust),
+    ]
+    loaded = {name for name in sys.modules if name.startswith("_kernelize_kernel_")}
+    for call in calls:
+        with pytest.raises(TypeError, match=message):
+            call()
+    assert {name for name in sys.modules if name.startswith("_kernelize_kernel_")} == loaded  # no code ran
+
+
+def test_trust_remote_code_takes_repo_ids_and_globs(versioned: dict[int, str]) -> None:
+    for trust in ([REPO_ID], (REPO_ID,), ["other/*", "kernels-test/*"]):
+        repo = LayerRepository(REPO_ID, layer_name="Scale", version=1, trust_remote_code=trust)
+        assert repo.trust_remote_code == tuple(trust) and hash(repo)
+        assert repo.load().__name__ == "Scale"
+        repos._LOADED.clear()
+    with pytest.raises(ValueError, match="is not bundled with kernelize"):
+        get_kernel(REPO_ID, version=1, trust_remote_code=["kernels-test/other*"])
+
+
+# --- exactly one of revision / version, as in kernels 0.17.2 -----------------------------------------------
+
+
+def test_hub_repositories_need_a_version_or_a_revision(versioned: dict[int, str]) -> None:
+    message = r"`kernels-test/versioned`.*: either a revision or a version must be specified. Use version="
+    with pytest.raises(ValueError, match=message):
+        LayerRepository(REPO_ID, layer_name="Scale", trust_remote_code=True)
+    with pytest.raises(ValueError, match=message):
+        FuncRepository(REPO_ID, func_name="scale", trust_remote_code=True)
+    with pytest.raises(ValueError, match=message + r".*revision=<branch/tag/commit>"):
+        get_kernel(REPO_ID, trust_remote_code=True)
+    with pytest.raises(ValueError, match=message):
+        has_kernel(REPO_ID)
+    with pytest.raises(ValueError, match=r"`kernelize/activation`.*either a revision or a version"):
+        LayerRepository("kernelize/activation", layer_name="SiluAndMul")
+    with pytest.raises(TypeError, match="revision must be a non-empty string"):
+        LayerRepository(REPO_ID, layer_name="Scale", revision="")
+    assert LayerRepository(REPO_ID, layer_name="Scale", revision="main", trust_remote_code=True).load()
+
+
+# --- lock files: every malformed entry is a named error ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        None,
+        "kernels-test/versioned",
+        {"dependency": None, "lock": {"commit": "a" * 40}},
+        {"dependency": "kernels-test/versioned", "lock": {"commit": "a" * 40}},
+        {"dependency": {"repo-id": REPO_ID}, "lock": None},
+        {"dependency": {"repo-id": REPO_ID}, "lock": "a" * 40},
+        {"dependency": {"repo-id": None}, "lock": {"commit": "a" * 40}},
+        {"repo_id": REPO_ID, "sha": None},
+    ],
+)
+def test_malformed_lock_entries_name_the_file_and_entry(entry: object, tmp_path: Path) -> None:
+    lockfile = tmp_path / "kernels.lock"
+    good = {"repo_id": "org/good", "sha": "b" * 40}
+    lockfile.write_text(json.dumps([good, entry]))
+    with pytest.raises(ValueError, match=rf"Lock file {re.escape(str(lockfile))}: entry 1 has no repo id"):
+        locked_commit(REPO_ID, lockfile)
+
+
+def test_duplicate_lock_entries_are_refused(tmp_path: Path) -> None:
+    lockfile = tmp_path / "kernels.lock"
+    lockfile.write_text(
+        json.dumps(
+            [
+                {"repo_id": REPO_ID, "sha": "a" * 40},
+                {"dependency": {"repo-id": REPO_ID, "version": 1}, "lock": {"commit": "b" * 40}},
+            ]
+        )
+    )
+    with pytest.raises(ValueError, match=rf"{re.escape(str(lockfile))} locks `{REPO_ID}` twice \(entry 1"):
+        LockedLayerRepository(REPO_ID, layer_name="Scale", lockfile=lockfile)
+
+
+def test_a_lock_file_that_is_not_utf8_names_its_path(tmp_path: Path) -> None:
+    lockfile = tmp_path / "kernels.lock"
+    lockfile.write_bytes(b'[{"repo_id": "org/x", "sha": "\xff\xfe"}]')
+    with pytest.raises(ValueError, match=rf"Lock file {re.escape(str(lockfile))} is not UTF-8 text"):
+        LockedLayerRepository(REPO_ID, layer_name="Scale", lockfile=lockfile)

@@ -165,6 +165,43 @@ def test_a_failing_kernelize_leaves_the_module_as_it_was() -> None:
     assert model[1].forward is installed
 
 
+@pytest.mark.parametrize("failure", ["no mapping", "invalid kernel layer", "cannot load"])
+def test_kernelize_is_atomic_a_later_failure_leaves_every_module_as_it_was(failure: str, repo_path) -> None:
+    """`act` (visited first) fits; `norm` (visited after it) fails: neither module may change."""
+    model = MLP()
+    x = torch.randn(3, 4)
+    expected = model(x)
+    norm_repo = LocalLayerRepository(repo_path("layer_norm"), layer_name="RMSNorm")
+    with use_kernel_mapping({"SiluAndMul": {"cpu": act()}, "RMSNorm": {"cpu": norm_repo}}):
+        kernelize(model, mode=INF)  # a first, successful kernelize: both modules run kernels
+    before = {name: (dict(m.__dict__), m.forward) for name, m in model.named_modules()}
+    choices = inspect(model)
+    assert choices["act"].kernel_layer == "SiluAndMul" and choices["norm"].kernel_layer == "RMSNorm"
+    bad_norm, error = {
+        "no mapping": ({}, ValueError),
+        "invalid kernel layer": (
+            LocalLayerRepository(REPOS / "bad_layers", layer_name="WithInit"),
+            TypeError,
+        ),
+        "cannot load": (LocalLayerRepository(REPOS / "broken", layer_name="RMSNorm"), Exception),
+    }[failure]
+    # A different kernel for `act` this time: it would be installed if kernelize swapped as it went.
+    mapping = {"SiluAndMul": {"cpu": act("SiluAndMulEager")}}
+    if bad_norm:
+        mapping["RMSNorm"] = {"cpu": bad_norm}
+    with (
+        pytest.raises(error, match="norm|RMSNorm|broken"),
+        use_kernel_mapping(mapping, inherit_mapping=False),
+    ):
+        kernelize(model, mode=INF, use_fallback=False)
+    for name, module in model.named_modules():
+        state, forward = before[name]
+        assert module.__dict__ == state, name
+        assert module.forward == forward, name
+    assert inspect(model) == choices
+    torch.testing.assert_close(model(x), expected)
+
+
 # --- modes -------------------------------------------------------------------------------------------------
 
 

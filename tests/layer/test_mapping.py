@@ -164,6 +164,17 @@ def test_global_registration_is_visible_in_threads() -> None:
             TypeError,
             r"for `X` on `cuda` \(mode FALLBACK\) is 'org/repo', not a repo",
         ),
+        (
+            {"X": {"cuda": LayerRepository}},
+            TypeError,
+            r"for `X` on `cuda` \(mode FALLBACK\) is the class `LayerRepository` itself, not a repository; "
+            r"create one, e.g. LayerRepository\(",
+        ),
+        (
+            {"X": {"cpu": {Mode.INFERENCE: LocalLayerRepository}}},
+            TypeError,
+            r"for `X` on `cpu` \(mode INFERENCE\) is the class `LocalLayerRepository` itself",
+        ),
     ],
 )
 def test_invalid_mappings_are_rejected_before_any_change(mapping: object, error: type, message: str) -> None:

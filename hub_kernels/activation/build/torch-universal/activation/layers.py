@@ -74,6 +74,21 @@ GATED_MATH = {
     "gelu_new": gelu_tanh_mul_math,
 }
 
+# hidden_act -> math on one tensor holding gate and up side by side (Phi-3's fused gate_up_proj)
+GATED_PAIR_MATH = {
+    "silu": silu_and_mul_math,
+    "swish": silu_and_mul_math,
+    "gelu": gelu_and_mul_math,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul_math,
+    "gelu_new": gelu_tanh_and_mul_math,
+}
+
+
+def _hidden_act(module: nn.Module) -> object:
+    """The activation: the instance's `hidden_act` (kernelize_model's probe sets it), else the config's."""
+    own = module.__dict__.get("hidden_act")
+    return own or getattr(getattr(module, "config", None), "hidden_act", None) or "silu"
+
 
 # ---- functional API (as in kernels-community/activation) --------------------------------------------------
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -168,11 +183,30 @@ class GatedMLP(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = getattr(getattr(self, "config", None), "hidden_act", None) or getattr(
-            self, "hidden_act", "silu"
-        )
+        act = _hidden_act(self)
         gate, up = self.gate_proj(x), self.up_proj(x)
         math_fn = GATED_MATH.get(act) if isinstance(act, str) else None
         if math_fn is None:
             return self.down_proj(self.act_fn(gate) * up)
         return self.down_proj(hub.run(self, math_fn, [gate, up]))
+
+
+class FusedGatedMLP(nn.Module):
+    """down_proj(act(gate) * up) with gate and up from one fused projection (Phi-3's `gate_up_proj`).
+
+    The two projections stay one torch matmul; act(gate) * up over its halves runs as one generated kernel.
+    Reads `gate_up_proj`, `down_proj` and the activation from `config.hidden_act`; an activation without
+    gated math here falls back to the module's own `activation_fn`.
+    """
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        act = _hidden_act(self)
+        gate_up = self.gate_up_proj(hidden_states)
+        math_fn = GATED_PAIR_MATH.get(act) if isinstance(act, str) else None
+        if math_fn is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(up * self.activation_fn(gate))
+        return self.down_proj(hub.run(self, math_fn, [gate_up]))

@@ -67,6 +67,18 @@ def fused_add_rms_norm_math(
     return rms_norm_math(total, weight, eps=eps), total
 
 
+def fused_add_gemma_rms_norm_math(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gemma_rms_norm(x + residual), x + residual): Gemma's `(1 + w)` norm after the residual add."""
+    total = x + residual
+    return gemma_rms_norm_math(total, weight, eps=eps), total
+
+
+# norm layer name -> its residual-add + norm math (for decoder layers that fuse the two)
+FUSED_ADD_MATH = {"RMSNorm": fused_add_rms_norm_math, "GemmaRMSNorm": fused_add_gemma_rms_norm_math}
+
+
 def _eps(module: nn.Module) -> float:
     for name in ("variance_epsilon", "eps", "epsilon"):
         value = getattr(module, name, None)
@@ -76,6 +88,9 @@ def _eps(module: nn.Module) -> float:
         f"{type(module).__name__} has no epsilon attribute (variance_epsilon, eps or epsilon) for the norm "
         "kernel; add one or map this layer to another kernel."
     )
+
+
+eps_of = _eps  # public: decoder layers that fuse a norm read its epsilon the same way
 
 
 # ---- functional API --------------------------------------------------------------------------------------

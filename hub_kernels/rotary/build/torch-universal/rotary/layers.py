@@ -54,6 +54,37 @@ def rotary_interleaved_math(
     return rotary_interleaved_one(q, cos, sin), rotary_interleaved_one(k, cos, sin)
 
 
+def rotary_qk_math(
+    qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, heads: int, head_dim: int, neox: bool
+) -> torch.Tensor:
+    """Rotate the query and key heads of `qk` (batch, seq, heads * head_dim) at once.
+
+    `cos`/`sin` are (batch, seq, R) with R <= head_dim: the first R dims of each head rotate, the rest pass
+    through (partial rotary, as Phi-3). The result is (batch, heads, seq, head_dim): the layout attention and
+    the KV cache read, so the kernel's store does the transpose instead of a later copy.
+    """
+    b, s = qk.shape[0], qk.shape[1]
+    x = qk.view(b, s, heads, head_dim)
+    c, sn = cos.unsqueeze(2), sin.unsqueeze(2)
+    one = rotary_neox_one if neox else rotary_interleaved_one
+    r = cos.shape[-1]
+    out = one(x, c, sn) if r == head_dim else torch.cat((one(x[..., :r], c, sn), x[..., r:]), dim=-1)
+    return out.transpose(1, 2)
+
+
+def apply_rotary_qk(
+    qk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    is_neox_style: bool = True,
+    owner: nn.Module | None = None,
+) -> torch.Tensor:
+    """Functional API: `rotary_qk_math` as one generated kernel (query and key heads side by side in `qk`)."""
+    return hub.run(owner, rotary_qk_math, [qk, cos, sin], heads=heads, head_dim=head_dim, neox=is_neox_style)
+
+
 def _apply(owner: nn.Module | None, one, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     # One kernel per tensor: q and k may have different head counts (grouped-query attention), and the
     # planner currently drops one output of a two-output graph whose outputs share broadcast inputs.

@@ -61,3 +61,11 @@ class Subclassed(InheritsOk):
     """Members inherited from a kernel base class count too; these are all allowed."""
 
     has_backward = False
+
+
+class ForwardNotAFunction(nn.Module):
+    forward = 3
+
+
+class StaticForward(nn.Module):
+    forward = staticmethod(torch.relu)

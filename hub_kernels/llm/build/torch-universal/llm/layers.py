@@ -1,0 +1,157 @@
+"""Attention for transformers decoder models: torch projections, rotary as one kernel, the attention kernel.
+
+`CausalSelfAttention` replaces the forward of a Llama-style attention module (Llama, Qwen2, Mistral, Gemma,
+Phi-3...). State comes from the replaced module: `q_proj`/`k_proj`/`v_proj` or a fused `qkv_proj`, `o_proj`,
+`head_dim`, `scaling`, `layer_idx`, `config` (head counts), `is_neox_style` (set by
+`kernelize.integrations.transformers.kernelize_model` from the model's own rotary function), and
+`sliding_window` when the family has one. The forward:
+
+1. `project_qkv` (torch matmuls; one small function, so faster projections can replace it);
+2. rotary on the query and key heads in one generated kernel that also writes the `(batch, heads, seq,
+   head_dim)` layout (`kernelize/rotary`'s `apply_rotary_qk`);
+3. `past_key_values.update(...)` (transformers' `DynamicCache`, as the model's own forward calls it);
+4. `kernelize.integrations.hf_attention.attention_forward`: the generated attention kernel, or the module's
+   eager attention with the reason noted for `kernelize.inspect`;
+5. `o_proj`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernelize import hub
+from kernelize.integrations.hf_attention import attention_forward
+
+
+@functools.cache
+def _rotary() -> Any:
+    from kernelize.layer.hub import get_kernel
+
+    return get_kernel("kernelize/rotary", version=1)
+
+
+@functools.cache
+def _norms() -> Any:
+    from kernelize.layer.hub import get_kernel
+
+    return get_kernel("kernelize/layer_norm", version=1).layers
+
+
+def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(qk, v)`: the query and key projections side by side `(..., (heads + kv_heads) * head_dim)`, and v.
+
+    Keeping q and k in one tensor lets one rotary kernel rotate both.
+    """
+    if hasattr(module, "qkv_proj"):
+        qkv = module.qkv_proj(hidden_states)
+        n_qk = (module.config.num_attention_heads + module.config.num_key_value_heads) * module.head_dim
+        return qkv[..., :n_qk], qkv[..., n_qk:]
+    qk = torch.cat((module.q_proj(hidden_states), module.k_proj(hidden_states)), dim=-1)
+    return qk, module.v_proj(hidden_states)
+
+
+def sliding_window_of(module: nn.Module) -> int | None:
+    """The window the model's own forward passes to its attention function (module attribute, else config)."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)
+
+
+class CausalSelfAttention(nn.Module):
+    """Llama-style self-attention: projections, fused rotary, KV cache update, the attention kernel."""
+
+    has_backward = False  # the attention kernel has no backward yet; TRAINING keeps the model's forward
+    can_torch_compile = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, seq = hidden_states.shape[:2]
+        heads, kv_heads, head_dim = (
+            self.config.num_attention_heads,
+            self.config.num_key_value_heads,
+            self.head_dim,
+        )
+        qk, value = project_qkv(self, hidden_states)
+        cos, sin = position_embeddings
+        rotated = _rotary().apply_rotary_qk(
+            qk, cos, sin, heads + kv_heads, head_dim, bool(getattr(self, "is_neox_style", True)), owner=self
+        )
+        query, key = rotated[:, :heads], rotated[:, heads:]
+        value = value.reshape(batch, seq, kv_heads, head_dim).transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        out, weights = attention_forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=self.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            sliding_window=sliding_window_of(self),
+            softcap=getattr(self, "attn_logit_softcapping", None),
+            **kwargs,
+        )
+        return self.o_proj(out.reshape(batch, seq, -1)), weights
+
+
+def add_norm(owner: nn.Module, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, style: str):
+    """`(norm(x + residual), x + residual)` as one generated kernel; `style` names the norm's math."""
+    layers = _norms()
+    math = layers.FUSED_ADD_MATH[style]
+    return hub.run(owner, math, [x, residual], [norm.weight], eps=layers.eps_of(norm))
+
+
+class PreNormDecoderLayer(nn.Module):
+    """A pre-norm decoder layer (Llama, Qwen2, Mistral, Gemma, Phi-3) whose residual add and second norm fuse.
+
+    `x + attention(norm1(x))` and `norm2` of it run as one kernel (two stores: the normalised input of the
+    MLP and the new residual). The submodules run their own (possibly kernelized) forwards. Reads
+    `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`, Phi-3's `resid_attn_dropout` /
+    `resid_mlp_dropout` when present, and `kernelize_norm_style` (the norm's layer name, set by
+    `kernelize_model`).
+    """
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        if hasattr(self, "resid_attn_dropout"):
+            hidden_states = self.resid_attn_dropout(hidden_states)
+        style = self.kernelize_norm_style
+        hidden_states, residual = add_norm(
+            self, self.post_attention_layernorm, hidden_states, residual, style
+        )
+        hidden_states = self.mlp(hidden_states)
+        if hasattr(self, "resid_mlp_dropout"):
+            hidden_states = self.resid_mlp_dropout(hidden_states)
+        return residual + hidden_states

@@ -1,0 +1,215 @@
+"""Fused linear + cross-entropy: ``cross_entropy(hidden @ weight.T + bias, labels)`` in row chunks.
+
+The full ``[tokens, vocab]`` logits matrix is never materialised: rows go through in chunks whose logits
+are about as large as the hidden states; for each chunk one pass computes the loss rows and, while the
+chunk's logits are still in memory, the gradients for the hidden states and the LM-head weight (the
+softmax minus the one-hot target, turned in place into the logits' gradient). Backward then only scales
+the stored gradients by the incoming scalar, so a training step holds ``hidden + weight`` sized gradients
+and one chunk of logits instead of two ``[tokens, vocab]`` matrices.
+
+Formula per row ``i`` with logits ``z``, ``p = softmax(z)``, label ``y``, smoothing ``e``, vocab ``V``:
+``loss_i = lse(z) - (1 - e) z_y - e mean(z)``; ``dz = p - (1 - e) onehot(y) - e / V``; rows whose label is
+``ignore_index`` contribute neither loss nor gradient; ``mean`` divides by the count of the other rows.
+
+Example:
+    >>> loss = fused_linear_cross_entropy(h, lm_head.weight, labels)  # doctest: +SKIP
+    >>> loss.backward()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+REDUCTIONS = ("mean", "sum")
+
+
+class LossAndGrads(NamedTuple):
+    """What the chunked pass returns: the reduced loss and the gradients for a unit upstream gradient."""
+
+    loss: torch.Tensor
+    grad_hidden: torch.Tensor
+    grad_weight: torch.Tensor | None
+    grad_bias: torch.Tensor | None
+
+
+MIN_CHUNK = 256
+
+
+def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """Rows per chunk: logits about as large as the hidden states, but at least :data:`MIN_CHUNK` rows.
+
+    The floor is measured: below ~256 rows the CPU GEMMs lose more than chunking saves (1024 x 512 hidden
+    states at vocab 32k, forward+backward on 2 threads: 16-row chunks 11.7 s, 256 rows 0.93 s, 1024 rows
+    0.75 s, unchunked eager 2.5 s). A power of two, never more than `tokens` rounded up.
+    """
+    per = max(1, math.ceil(vocab / max(hidden, 1)))
+    rows = max(MIN_CHUNK, math.ceil(tokens / per))
+    rows = min(rows, max(tokens, 1))
+    return 1 << (rows - 1).bit_length()
+
+
+def _launch(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    chunk: int,
+    need_weight_grad: bool,
+) -> LossAndGrads:
+    """One pass over row chunks: loss rows, then the logits' gradient in place, then its two matmuls."""
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    valid = labels != ignore_index
+    count = int(valid.sum()) if reduction == "mean" else 1
+    scale = 1.0 / max(count, 1)
+    grad_h = torch.empty_like(hidden)
+    grad_w = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
+    )
+    grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if bias is not None else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    keep = 1.0 - label_smoothing
+    for start in range(0, tokens, chunk):
+        h = hidden[start : start + chunk]
+        y = labels[start : start + chunk]
+        ok = valid[start : start + chunk]
+        z = torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()
+        z = z.float()
+        safe_y = torch.where(ok, y, 0).unsqueeze(1)
+        lse = torch.logsumexp(z, dim=-1)
+        row_loss = lse - keep * z.gather(1, safe_y).squeeze(1)
+        if label_smoothing:
+            row_loss = row_loss - label_smoothing * z.mean(-1)
+        total += torch.where(ok, row_loss, 0.0).sum()
+        # z becomes dz = (softmax(z) - keep * onehot - e / V) * scale, zero on ignored rows, in place
+        z.sub_(lse.unsqueeze(1)).exp_()
+        z.scatter_add_(1, safe_y, torch.full_like(safe_y, -keep, dtype=z.dtype))
+        if label_smoothing:
+            z.sub_(label_smoothing / vocab)
+        z.mul_(torch.where(ok, scale, 0.0).unsqueeze(1))
+        dz = z.to(hidden.dtype)
+        torch.mm(dz, weight, out=grad_h[start : start + chunk])
+        if grad_w is not None:
+            if dz.dtype == torch.float32:
+                grad_w.addmm_(dz.t(), h)
+            else:  # 16-bit matmul, accumulated across chunks in f32
+                grad_w.add_(dz.t().mm(h))
+        if grad_b is not None:
+            grad_b += z.sum(0)
+    return LossAndGrads(total * scale, grad_h, grad_w, grad_b)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and the gradients; backward scales them by the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, label_smoothing, reduction, chunk):  # type: ignore[override]
+        out = _launch(
+            hidden,
+            weight,
+            bias,
+            labels,
+            ignore_index,
+            label_smoothing,
+            reduction,
+            chunk,
+            weight.requires_grad,
+        )
+        grads = [out.grad_hidden, out.grad_weight, out.grad_bias]
+        ctx.has = [g is not None for g in grads]
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(*(g for g in grads if g is not None))
+        return out.loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        it = iter(ctx.saved_tensors)
+        gh, gw, gb = (next(it) if has else None for has in ctx.has)
+        gh = gh * grad_loss.to(gh.dtype)
+        gw = None if gw is None else (gw * grad_loss).to(ctx.dtypes[0])
+        gb = None if gb is None else (gb * grad_loss).to(ctx.dtypes[1])
+        return gh, gw, gb, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T + bias, labels)`` without the ``[tokens, vocab]`` logits.
+
+    Args:
+        hidden: ``[..., hidden]`` activations before the LM head (leading dims are flattened).
+        weight: ``[vocab, hidden]`` LM-head weight.
+        labels: integer targets, shape ``hidden.shape[:-1]``; ``ignore_index`` rows are skipped.
+        bias: optional ``[vocab]`` LM-head bias.
+        label_smoothing: in ``[0, 1]``, as in ``F.cross_entropy``.
+        reduction: ``"mean"`` (over non-ignored rows) or ``"sum"``.
+        chunk_size: rows per chunk (default: logits of a chunk about the size of ``hidden``).
+
+    Raises:
+        ValueError: an unsupported reduction, smoothing outside [0, 1], or shapes that do not fit.
+        TypeError: non-integer labels or mismatched dtypes.
+
+    Example:
+        >>> loss = fused_linear_cross_entropy(h, lm_head.weight, labels, ignore_index=-100)  # doctest: +SKIP
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"fused_linear_cross_entropy: reduction={reduction!r} is not supported (use one of "
+            f"{REDUCTIONS}); per-row losses need the logits: use F.cross_entropy(..., reduction='none')"
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(
+            f"fused_linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}"
+        )
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(
+            f"fused_linear_cross_entropy: labels must be integer class indices, got {labels.dtype}"
+        )
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise TypeError(
+            f"fused_linear_cross_entropy: hidden ({hidden.dtype}), weight ({weight.dtype}) and bias must "
+            "share a dtype; cast them first"
+        )
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and "
+            f"labels {tuple(labels.shape)} do not fit (want [..., H], [V, H] and [...])"
+        )
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    chunk = chunk_size or chunk_rows(h2.shape[0], weight.shape[0], weight.shape[1])
+    loss = _FusedLinearCrossEntropy.apply(
+        h2, weight, bias, labels.reshape(-1), ignore_index, float(label_smoothing), reduction, chunk
+    )
+    return loss
+
+
+class LinearCrossEntropy(nn.Module):
+    """An LM head plus its loss: ``forward(hidden, labels)`` returns the loss; reads ``self.weight`` (and
+    ``self.bias``, ``self.ignore_index``, ``self.label_smoothing`` when present)."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return fused_linear_cross_entropy(
+            hidden,
+            self.weight,
+            labels,
+            getattr(self, "bias", None),
+            ignore_index=getattr(self, "ignore_index", -100),
+            label_smoothing=getattr(self, "label_smoothing", 0.0),
+        )

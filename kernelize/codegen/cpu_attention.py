@@ -1,0 +1,118 @@
+"""The CPU attention kernel: ``templates/cpu_attention.cpp`` filled for one ``ATTENTION`` kernel.
+
+Static in the source: the storage dtypes, the head dims, causal and the mask kind (so the inner loops have
+constant trip counts and unroll into register tiles). At run time: the sizes (batch, heads, lengths) and
+every operand's strides, read from the tensors the launch gets, so transposed views (what transformers
+passes) and broadcast masks (stride 0) are read in place. Only a head dim whose stride is not 1 is copied.
+
+Example:
+    >>> src, fn = render_attention(kernel)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.codegen.render import c_name
+from kernelize.codegen.template import fill, load_template
+from kernelize.ir.dtypes import DType
+from kernelize.ir.ops import AttentionArgs
+
+# storage types of the prelude (16-bit floats as bit patterns, widened to f32 on load)
+C_TYPES = {DType.F32: "float", DType.F16: "kz_f16", DType.BF16: "kz_bf16", DType.BOOL: "bool"}
+MASK_CODES = {"none": 0, "bool": 1, "add": 2}
+ROW_GROUPS = 4  # 16-row micro tiles per prefill block: a key / value block in cache serves 64 query rows
+DECODE_ROWS = 4  # a key head with at most this many query rows (heads sharing it x positions) decodes
+PARALLEL_MIN = 1 << 16  # multiply-adds below which one thread beats waking the team
+
+
+def check_attention_kernel(kernel: Kernel) -> AttentionArgs:
+    """The node's args, after checking the generated kernels support its dtypes (f32 / f16 / bf16)."""
+    if kernel.kind is not KernelKind.ATTENTION:
+        raise ValueError(f"kernel {kernel.name} is a {kernel.kind} kernel, not an attention kernel")
+    node = kernel.node
+    if node.dtype not in (DType.F32, DType.F16, DType.BF16):
+        raise ValueError(
+            f"attention kernel {kernel.name}: dtype {node.dtype} is not supported by the generated kernels "
+            "(f32, f16, bf16); cast the operands or run the reference backend"
+        )
+    args: AttentionArgs = node.arg
+    if args.mask != "none" and node.src[3].dtype not in C_TYPES:
+        raise ValueError(f"attention kernel {kernel.name}: mask dtype {node.src[3].dtype} is not supported")
+    return args
+
+
+def render_attention(kernel: Kernel, prelude: str) -> tuple[str, str]:
+    """The C++ source of an ``ATTENTION`` kernel and its exported function name."""
+    args = check_attention_kernel(kernel)
+    node = kernel.node
+    q, _, v = node.src[:3]
+    name = c_name(kernel.name)
+    mask_t = C_TYPES[node.src[3].dtype] if args.mask != "none" else "float"
+    source = fill(
+        load_template("cpu_attention.cpp"),
+        PRELUDE=prelude,
+        NAME=name,
+        T=C_TYPES[node.dtype],
+        TM=mask_t,
+        D=str(q.shape[-1]),
+        DV=str(v.shape[-1]),
+        CAUSAL=str(int(args.causal)),
+        MASK=str(MASK_CODES[args.mask]),
+        F32="true" if node.dtype is DType.F32 else "false",
+        DECODE_ROWS=str(DECODE_ROWS),
+        ROW_GROUPS=str(ROW_GROUPS),
+        PARALLEL_MIN=str(PARALLEL_MIN),
+    )
+    return source, name
+
+
+ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_float, ctypes.c_int]
+
+
+def unit_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit stride on its last axis (a copy only when it has another stride)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def attention_launcher(fn, kernel: Kernel, scale: float | None = None):
+    """A ``launch(operands, [out], sizes)`` calling the compiled function with the operands' own strides.
+
+    ``scale`` overrides the node's (one compiled kernel serves every scale: it is a call argument).
+    """
+    args: AttentionArgs = kernel.node.arg
+    scale = args.scale if scale is None else scale
+    has_mask = args.mask != "none"
+    get_threads = torch.get_num_threads
+
+    def launch(
+        reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int] | None = None
+    ) -> None:
+        q, k, v = reads[0], unit_last(reads[1]), unit_last(reads[2])
+        (out,) = writes
+        assert out.is_contiguous(), "attention output must be contiguous"
+        m = reads[3] if has_mask else None
+        shape = (ctypes.c_int64 * 5)(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+        st = (*q.stride(), *k.stride(), *v.stride(), *(m.stride() if m is not None else (0, 0, 0, 0)))
+        rc = fn(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            m.data_ptr() if m is not None else None,
+            out.data_ptr(),
+            shape,
+            (ctypes.c_int64 * 16)(*st),
+            scale,
+            get_threads(),
+        )
+        if rc:
+            raise MemoryError(f"cpu attention kernel {kernel.name}: out of memory for the decode partials")
+
+    return launch
+
+
+__all__ = ["attention_launcher", "check_attention_kernel", "render_attention", "unit_last"]

@@ -1,0 +1,156 @@
+"""The autograd glue of the hub layers: generated forward and backward kernels from one traced graph.
+
+When a hub layer runs with gradients, :func:`apply` takes the layer's optimized forward graph (the one
+:mod:`kernelize.hub` compiled for inference), differentiates it on the IR (:func:`kernelize.ir.autodiff.vjp`)
+and cuts the joint graph in two (:func:`kernelize.ir.autodiff.split`): a forward graph that also writes the
+values backward needs (per-row statistics such as ``rstd``; the rule compares bytes saved with bytes
+recomputed) and a backward graph from saved values and cotangents to gradients. Both are optimized by the
+same passes, planned and generated for the layer's backend (C++, Triton, CUDA C or the reference
+executor) and cached per forward graph and per set of inputs that require grad. No torch-autograd
+recomputation runs.
+
+Each training signature gets its own ``torch.autograd.Function`` subclass whose forward and backward call
+compiled graphs; under ``torch.compile`` those calls are the ``kernelize::run_graph`` custom op, so dynamo
+traces forward and backward without a graph break.
+
+Example:
+    >>> with torch.enable_grad():  # doctest: +SKIP
+    ...     y = rms_norm_layer(x)  # the forward kernel also writes rstd
+    ...     y.sum().backward()  # the generated backward kernels run
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernelize.ir.autodiff import split, vjp
+from kernelize.passes.optimize import optimize
+
+__all__ = ["TrainingGraphs", "apply", "apply_traced", "clear_cache", "training_graphs"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class TrainingGraphs:
+    """The compiled forward (outputs + saved values) and backward (gradients) of one hub-layer signature.
+
+    Attributes:
+        forward: CompiledGraph over all the layer's tensors: n_outputs outputs, then the saved values.
+        backward: CompiledGraph over ``primals_read`` tensors, the saved values and one cotangent per output.
+        wrt: Indices of the layer's tensors that get gradients (the backward's outputs, in order).
+        function: The ``autograd.Function`` subclass that runs the two.
+    """
+
+    forward: Any
+    backward: Any
+    n_outputs: int
+    n_saved: int
+    primals_read: tuple[int, ...]
+    wrt: tuple[int, ...]
+    function: type[torch.autograd.Function]
+
+
+_LOCK = threading.RLock()
+_TRAINING: dict[tuple[Any, tuple[int, ...]], TrainingGraphs] = {}
+
+
+def training_graphs(compiled: Any, wrt: Sequence[int]) -> TrainingGraphs:
+    """The forward/backward pair for the inference CompiledGraph `compiled`, differentiated for `wrt`.
+
+    Built once per (forward graph, backend, device, `wrt`), then cached in memory.
+    """
+    key = (compiled, tuple(wrt))
+    found = _TRAINING.get(key)
+    if found is not None:
+        return found
+    with _LOCK:
+        found = _TRAINING.get(key)
+        if found is None:
+            found = _TRAINING[key] = _build(compiled, tuple(wrt))
+    return found
+
+
+def _build(compiled: Any, wrt: tuple[int, ...]) -> TrainingGraphs:
+    from kernelize.runtime.compiled import compile_graph
+
+    graph = compiled.graph
+    cut = split(vjp(graph, wrt))
+    forward = compile_graph(optimize(cut.forward), backend=compiled.backend, device=compiled.device)
+    backward = compile_graph(optimize(cut.backward), backend=compiled.backend, device=compiled.device)
+    logger.info(
+        "Generated backward for %s on %s: forward %d kernel(s) saving %d value(s), backward %d kernel(s)",
+        ", ".join(str(i.arg) for i in graph.inputs),
+        compiled.backend,
+        len(forward.kernels),
+        cut.n_saved,
+        len(backward.kernels),
+    )
+    n_outputs = len(graph.outputs)
+    pair = TrainingGraphs(
+        forward, backward, n_outputs, cut.n_saved, cut.primals_read, wrt, torch.autograd.Function
+    )
+    pair.function = _function(pair, len(graph.inputs))
+    return pair
+
+
+def _function(pair: TrainingGraphs, n_tensors: int) -> type[torch.autograd.Function]:
+    """An autograd.Function bound to `pair` (a class per signature, so its apply takes tensors only)."""
+    read, wrt, n_out = pair.primals_read, pair.wrt, pair.n_outputs
+
+    def forward(ctx, *tensors: torch.Tensor):  # type: ignore[no-untyped-def]
+        outs = pair.forward(*tensors)
+        ctx.save_for_backward(*(tensors[i] for i in read), *outs[n_out:])
+        ctx.shapes = [(o.shape, o.dtype) for o in outs[:n_out]]
+        return tuple(outs[:n_out])
+
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
+        device = next(g.device for g in grads if g is not None)
+        cts = [
+            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype) in zip(grads, ctx.shapes)
+        ]
+        got = pair.backward(*ctx.saved_tensors, *cts)
+        out: list[torch.Tensor | None] = [None] * n_tensors
+        for i, g in zip(wrt, got):
+            out[i] = g
+        return tuple(out)
+
+    return type(
+        "HubKernelFunction",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "backward": staticmethod(backward),
+        },
+    )
+
+
+def apply(compiled: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run `compiled` (a hub layer's inference graph) on `tensors` with generated backward kernels.
+
+    Gradients flow to the tensors that require grad; the others are constants of the backward graph.
+    """
+    wrt = tuple(i for i, t in enumerate(tensors) if t.requires_grad)
+    pair = training_graphs(compiled, wrt)
+    return list(pair.function.apply(*tensors))
+
+
+def apply_traced(compiled: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Like :func:`apply` under ``torch.compile``, for a pair an eager call built already (else ``None``:
+    building runs outside the traced graph)."""
+    wrt = tuple(i for i, t in enumerate(tensors) if t.requires_grad)
+    pair = _TRAINING.get((compiled, wrt))
+    return None if pair is None else list(pair.function.apply(*tensors))
+
+
+def clear_cache() -> None:
+    """Forget every compiled training pair (the runtime's disk cache stays)."""
+    with _LOCK:
+        _TRAINING.clear()

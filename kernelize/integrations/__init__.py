@@ -1,0 +1,1 @@
+"""Integrations with model libraries: `kernelize.integrations.transformers.kernelize_model`."""

@@ -1,0 +1,183 @@
+"""The `kernelize` attention function for transformers' `AttentionInterface`, with its eager fallback.
+
+`attention_forward(module, query, key, value, attention_mask, ...)` has the signature transformers gives
+every attention implementation (query `(batch, heads, q_len, head_dim)`, key/value with the KV heads,
+output `(batch, q_len, heads, head_dim)`) and runs the generated attention kernel
+(`kernelize.attention.scaled_dot_product_attention`, torch SDPA semantics). The masks come from
+transformers' `sdpa_mask` (registered for `kernelize` too): a boolean `(batch, 1, q_len, kv_len)` mask, or
+`None` when plain causal attention is enough.
+
+A call the kernel does not support runs the module's own eager attention instead (the
+`eager_attention_forward` of the model's modeling file, so softcapping and sinks stay exact), and the
+reason is noted on the module for `kernelize.inspect`. This module imports neither transformers nor the
+kernel at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernelize.layer.record import record_choice, recorded_choice
+
+__all__ = [
+    "KERNEL_UNAVAILABLE",
+    "attention_forward",
+    "attention_kernel",
+    "call_fallback_reason",
+    "note_fallback",
+]
+
+logger = logging.getLogger(__name__)
+
+KERNEL_UNAVAILABLE = "the attention kernel `kernelize.attention` is not in this build"
+# Call arguments checked below or meaningless to the kernel; any other non-None argument falls back.
+_HANDLED_KWARGS = frozenset({"output_attentions", "sliding_window", "softcap", "s_aux"})
+_IGNORED_KWARGS = frozenset(
+    {"position_ids", "use_cache", "cache_position", "return_dict", "output_hidden_states"}
+)
+_KNOWN_KWARGS = _HANDLED_KWARGS | _IGNORED_KWARGS
+
+
+@functools.cache
+def attention_kernel() -> tuple[Callable[..., torch.Tensor], type[Exception]] | None:
+    """`(scaled_dot_product_attention, AttentionUnsupported)` from `kernelize.attention`, or None."""
+    try:
+        from kernelize.attention import AttentionUnsupported, scaled_dot_product_attention
+    except ImportError:
+        return None
+    return scaled_dot_product_attention, AttentionUnsupported
+
+
+def call_fallback_reason(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict[str, Any]
+) -> str | None:
+    """Why this call must take the eager path (`None`: the kernel runs it); cheap, checked per call."""
+    if attention_kernel() is None:
+        return KERNEL_UNAVAILABLE
+    if kwargs.get("softcap") is not None:
+        return f"attention logit softcapping ({kwargs['softcap']}) is not in the kernel"
+    if kwargs.get("s_aux") is not None:
+        return "attention sinks (s_aux) are not in the kernel"
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True needs the attention weights, which the kernel never materialises"
+    if dropout and module.training:
+        return f"attention dropout ({dropout}) in training is not in the kernel"
+    window = kwargs.get("sliding_window")
+    if window is not None and key.shape[-2] > window:
+        return f"sliding-window attention over {key.shape[-2]} keys (window {window}) is not in the kernel"
+    extra = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_KWARGS)
+    if extra:
+        return f"attention arguments the kernel does not know: {', '.join(extra)}"
+    return None
+
+
+def note_fallback(module: torch.nn.Module, reason: str) -> None:
+    """Add `reason` to the module's `inspect` record (once per reason) and log it once."""
+    choice = recorded_choice(module)
+    if choice is None or reason in choice.notes or torch.compiler.is_compiling():
+        return
+    record_choice(module, dataclasses.replace(choice, notes=(*choice.notes, f"eager attention: {reason}")))
+    logger.info("`%s` ran eager attention: %s", choice.module_path, reason)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers attention implementation `kernelize`: the generated kernel, or eager with a reason.
+
+    Example:
+        >>> from transformers import AttentionInterface  # doctest: +SKIP
+        >>> AttentionInterface.register("kernelize", attention_forward)  # doctest: +SKIP
+    """
+    reason = call_fallback_reason(module, query, key, dropout, kwargs)
+    if reason is None:
+        sdpa, unsupported = attention_kernel()  # type: ignore[misc]
+        mask, causal = _kernel_mask(module, query, key, attention_mask, is_causal)
+        try:
+            out = sdpa(
+                query,
+                key,
+                value,
+                attn_mask=mask,
+                is_causal=causal,
+                scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+        except unsupported as exc:
+            reason = f"the attention kernel declined the call: {exc}"
+        else:
+            return out.transpose(1, 2), None
+    note_fallback(module, reason)
+    return eager_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def _kernel_mask(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool | None,
+) -> tuple[torch.Tensor | None, bool]:
+    """The mask and causal flag for the kernel, as transformers' sdpa path derives them.
+
+    `sdpa_mask` returns None only when attention is plainly causal with as many keys as queries, or for one
+    query; a causal call with more keys than queries (a chunk after a cached prefix) gets an explicit
+    bottom-right mask, because SDPA's `is_causal` aligns the triangle top-left.
+    """
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if mask is not None or q_len == 1 or not causal:
+        return mask, False
+    if kv_len == q_len:
+        return None, True
+    return _bottom_right_causal(q_len, kv_len, query.device), False
+
+
+def _bottom_right_causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    ones = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    return ones.tril(kv_len - q_len)[None, None]
+
+
+def eager_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The module's own eager attention (its modeling file's `eager_attention_forward`), additive mask.
+
+    The boolean / `None` masks made for `kernelize` become the additive float mask eager attention expects
+    (as transformers' `eager_mask` builds it from the same boolean mask).
+    """
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as eager
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    mask = attention_mask
+    if mask is None and q_len > 1 and getattr(module, "is_causal", True):
+        mask = _bottom_right_causal(q_len, kv_len, query.device)
+    if mask is not None and mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        mask = torch.where(mask, zero, torch.finfo(query.dtype).min)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_KWARGS}
+    return eager(module, query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)

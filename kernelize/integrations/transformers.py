@@ -1,0 +1,411 @@
+"""Kernelize an unmodified transformers model in one call: `kernelize_model(model)`.
+
+`kernelize_model` walks the model, recognises its layers by structure and behaviour (not by class name),
+marks their classes with the matching hub layer name, registers the `kernelize` attention implementation
+with transformers, switches the model to it, and calls `kernelize` with the bundled `default_mapping()`:
+
+| what the module has | layer | hub repository |
+|---|---|---|
+| 1-D `weight` + epsilon; forward == `w * rmsnorm(x)` (probed) | `RMSNorm` | `kernelize/layer_norm` |
+| same; forward == `(1 + w) * rmsnorm(x)` (Gemma, probed) | `GemmaRMSNorm` | `kernelize/layer_norm` |
+| `gate_proj`, `up_proj`, `down_proj`, gated activation (probed) | `GatedMLP` | `kernelize/activation` |
+| `gate_up_proj`, `down_proj` (Phi-3), gated activation (probed) | `FusedGatedMLP` | `kernelize/activation` |
+| q/k/v/o or qkv/o linears + rotary (probed: neox or interleaved) | `CausalSelfAttention` | `kernelize/llm` |
+| norm, attn, `residual +`, norm, mlp, `residual +` (source order) | `PreNormDecoderLayer` | `kernelize/llm` |
+
+A module that looks like one of these but does not match is left eager, and `kernelize.inspect(model)`
+says why; so does a replaced attention module whose calls took the eager path (see
+`kernelize.integrations.hf_attention`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect as pyinspect
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernelize.layer.decorators import replace_kernel_forward_from_hub
+from kernelize.layer.kernelize import kernelize
+from kernelize.layer.mapping import use_kernel_mapping
+from kernelize.layer.mode import Mode
+from kernelize.layer.record import FallbackReason, record_choice, recorded_choice
+
+from .hf_attention import KERNEL_UNAVAILABLE, attention_forward, attention_kernel
+
+__all__ = ["ATTENTION_NAME", "RULES", "Recognition", "kernelize_model", "register_attention"]
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_NAME = "kernelize"  # the name in transformers' AttentionInterface / AttentionMaskInterface
+_DECISION_ATTR = "_kernelize_recognition"
+
+
+@dataclass(frozen=True)
+class Recognition:
+    """What the table made of one module: the hub layer to use (None: left eager) and why."""
+
+    kind: str  # "norm", "mlp", "attention"
+    layer_name: str | None
+    reason: str
+    setup: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # instance attributes the layer reads
+    per_instance: bool = False  # the decision depends on the instance, not only on its class
+
+
+def _eager(kind: str, reason: str) -> Recognition:
+    return Recognition(kind, None, reason)
+
+
+# ---- norms ----------------------------------------------------------------------------------------------
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+
+
+def _eps_of(module: nn.Module) -> float | None:
+    for name in _EPS_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _norm(module: nn.Module) -> Recognition | None:
+    weight = getattr(module, "weight", None)
+    if "Norm" not in type(module).__name__ or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return None
+    if getattr(module, "bias", None) is not None or any(True for _ in module.children()):
+        return _eager("norm", "has a bias or submodules: not an RMSNorm")
+    eps = _eps_of(module)
+    if eps is None:
+        return _eager("norm", f"no float epsilon attribute ({', '.join(_EPS_NAMES)})")
+    if weight.is_meta:
+        return _eager("norm", "weights on the meta device: cannot probe which RMSNorm this is")
+    probe = copy.deepcopy(module).float().cpu()
+    with torch.no_grad():
+        probe.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(1))
+        got = type(module).forward(probe, x)
+        for name, want in (
+            ("RMSNorm", probe.weight * _rms(x, eps)),
+            ("GemmaRMSNorm", (1 + probe.weight) * _rms(x, eps)),
+        ):
+            if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                return Recognition("norm", name, f"forward equals the `{name}` math (probed)")
+    return _eager("norm", "forward matches neither w * rmsnorm(x) nor (1 + w) * rmsnorm(x) (probed)")
+
+
+# ---- gated MLPs -------------------------------------------------------------------------------------------
+def _activation_layers() -> Any:
+    from kernelize.layer.hub import get_kernel
+
+    return get_kernel("kernelize/activation", version=1).layers
+
+
+def _mlp(module: nn.Module) -> Recognition | None:
+    fused = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_up_proj", "down_proj"))
+    split = all(
+        isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")
+    )
+    if not (fused or split):
+        looks_like = type(module).__name__.endswith("MLP")
+        return (
+            _eager("mlp", "no gate_proj/up_proj/down_proj or gate_up_proj/down_proj linears")
+            if looks_like
+            else None
+        )
+    if module.down_proj.weight.is_meta:
+        return _eager("mlp", "weights on the meta device: cannot probe the MLP")
+    layers = _activation_layers()
+    table = layers.GATED_PAIR_MATH if fused else layers.GATED_MATH
+    w = module.down_proj.weight
+    with torch.no_grad():
+        x = torch.randn(2, module.down_proj.out_features, generator=torch.Generator().manual_seed(2))
+        x = x.to(w.device, w.dtype)
+        got = type(module).forward(module, x).float()
+        for act in _activation_candidates(module, table):
+            if fused:
+                want = module.down_proj(table[act](module.gate_up_proj(x)))
+            else:
+                want = module.down_proj(table[act](module.gate_proj(x), module.up_proj(x)))
+            if got.shape == want.shape and torch.allclose(got, want.float(), rtol=1e-3, atol=1e-4):
+                name = "FusedGatedMLP" if fused else "GatedMLP"
+                return Recognition("mlp", name, f"down_proj({act}(gate) * up) (probed)", {"hidden_act": act})
+    config = getattr(module, "config", None)
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    known = ", ".join(dict.fromkeys(table))
+    detail = f"no gated activation ({known}) reproduces the forward; the config's activation is {act!r}"
+    return _eager("mlp", f"{detail} (probed)")
+
+
+def _activation_candidates(module: nn.Module, table: Mapping[str, Any]) -> list[str]:
+    """The config's activation names first (`hidden_act`, Gemma-2's `hidden_activation`), then the rest."""
+    config = getattr(module, "config", None)
+    named = [getattr(config, n, None) for n in ("hidden_activation", "hidden_act")]
+    return list(dict.fromkeys([n for n in named if n in table] + list(table)))
+
+
+# ---- attention --------------------------------------------------------------------------------------------
+def _rotary_style(module: nn.Module) -> tuple[bool | None, str]:
+    """(is_neox_style, detail) of the model file's `apply_rotary_pos_emb`, probed on random tensors."""
+    rotary = _rotary_layers()
+    apply = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
+    if apply is None:
+        return None, f"`{type(module).__module__}` has no apply_rotary_pos_emb"
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 1, 3, 8, generator=gen)
+    cos, sin = torch.randn(1, 3, 8, generator=gen), torch.randn(1, 3, 8, generator=gen)
+    try:
+        got = apply(q, k, cos, sin)
+    except Exception as exc:  # a rotary with another signature: not the layout the kernel knows
+        return None, f"apply_rotary_pos_emb(q, k, cos, sin) failed on a probe: {type(exc).__name__}: {exc}"
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    for neox, one in ((True, rotary.rotary_neox_one), (False, rotary.rotary_interleaved_one)):
+        if all(torch.allclose(g, one(t, c, s), atol=1e-6) for g, t in zip(got, (q, k))):
+            return neox, "neox" if neox else "interleaved"
+    return None, "apply_rotary_pos_emb is neither the neox nor the interleaved layout (probed)"
+
+
+def _rotary_layers() -> Any:
+    from kernelize.layer.hub import get_kernel
+
+    return get_kernel("kernelize/rotary", version=1).layers
+
+
+_ATTENTION_ATTRS = ("head_dim", "scaling", "layer_idx", "config")
+_FORWARD_CALLS = ("apply_rotary_pos_emb(", "past_key_values.update(", "ALL_ATTENTION_FUNCTIONS")
+
+
+def _attention(module: nn.Module) -> Recognition | None:
+    has = lambda *names: all(isinstance(getattr(module, n, None), nn.Linear) for n in names)  # noqa: E731
+    if not (has("q_proj", "k_proj", "v_proj", "o_proj") or has("qkv_proj", "o_proj")):
+        return (
+            _eager("attention", "no q/k/v/o projections")
+            if type(module).__name__.endswith("Attention")
+            else None
+        )
+    reason = _attention_blocker(module)
+    if reason:
+        return Recognition("attention", None, reason, per_instance=True)
+    neox, style = _rotary_style(module)
+    if neox is None:
+        return Recognition("attention", None, style, per_instance=True)
+    window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
+    detail = f"{style} rotary, {module.config.num_attention_heads}/{module.config.num_key_value_heads} heads"
+    if window is not None:
+        detail += f"; calls with more than {window} keys (the sliding window) run eager attention"
+    return Recognition("attention", "CausalSelfAttention", detail, {"is_neox_style": neox}, per_instance=True)
+
+
+def _attention_blocker(module: nn.Module) -> str | None:
+    """Why the attention layer cannot stand in for this module (None: it can)."""
+    config = module.config
+    missing = [n for n in _ATTENTION_ATTRS if not hasattr(module, n)]
+    if missing or not hasattr(config, "num_key_value_heads"):
+        return f"missing {', '.join(missing) or 'config.num_key_value_heads'}: not a Llama-style attention"
+    if not getattr(module, "is_causal", True):
+        return "not causal attention"
+    if hasattr(module, "q_norm") or hasattr(module, "k_norm"):
+        return "query/key norms (q_norm, k_norm) before rotary are not in the attention layer"
+    softcap = getattr(module, "attn_logit_softcapping", None) or getattr(
+        config, "attn_logit_softcapping", None
+    )
+    if softcap:
+        return f"attention logit softcapping ({softcap}) is not in the attention kernel"
+    if getattr(config, "alibi", False) or "alibi" in str(getattr(config, "position_embedding_type", "")):
+        return "ALiBi position bias is not in the attention kernel"
+    try:
+        source = pyinspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return "the forward's source is not available to check its structure"
+    absent = [call for call in _FORWARD_CALLS if call not in source]
+    if absent:
+        return f"the forward does not call {', '.join(absent)}: not the Llama-style attention structure"
+    if attention_kernel() is None:
+        return KERNEL_UNAVAILABLE
+    return None
+
+
+# ---- decoder layers: residual add + norm ------------------------------------------------------------------
+_DECODER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
+_DECODER_OPTIONAL = frozenset({"resid_attn_dropout", "resid_mlp_dropout"})  # Phi-3
+_DECODER_PARAMS = ("self", "hidden_states", "attention_mask", "position_ids", "past_key_values", "use_cache")
+# the pre-norm data flow, in source order: the second residual add and the norm after it fuse
+_DECODER_STEPS = (
+    "residual = hidden_states",
+    "self.input_layernorm(hidden_states)",
+    "self.self_attn(",
+    "residual +",
+    "residual = hidden_states",
+    "self.post_attention_layernorm(hidden_states)",
+    "self.mlp(hidden_states)",
+    "residual +",
+)
+
+
+def _decoder(module: nn.Module) -> Recognition | None:
+    children = {name for name, _ in module.named_children()}
+    if not _DECODER_CHILDREN <= children:
+        return None
+    extra = children - _DECODER_CHILDREN - _DECODER_OPTIONAL
+    if extra:
+        return _eager("decoder", f"submodules beyond a pre-norm decoder layer: {', '.join(sorted(extra))}")
+    try:
+        source = pyinspect.getsource(type(module).forward)
+        params = tuple(pyinspect.signature(type(module).forward).parameters)
+    except (OSError, TypeError):
+        return _eager("decoder", "the forward's source is not available to check its data flow")
+    at = 0
+    for step in _DECODER_STEPS:
+        at = source.find(step, at)
+        if at < 0:
+            return _eager("decoder", f"the forward is not the pre-norm residual flow (no `{step}` in order)")
+    if params[: len(_DECODER_PARAMS)] != _DECODER_PARAMS:
+        return _eager("decoder", f"forward parameters {params} differ from the pre-norm decoder layer's")
+    norm = _norm(module.post_attention_layernorm)
+    if norm is None or norm.layer_name is None:
+        return _eager("decoder", "post_attention_layernorm is not a recognised RMSNorm")
+    style = norm.layer_name
+    return Recognition(
+        "decoder", "PreNormDecoderLayer", f"residual add + {style}", {"kernelize_norm_style": style}
+    )
+
+
+# ---- the table ----------------------------------------------------------------------------------------
+# Each rule: module -> Recognition (a layer, or left eager with the reason), or None (not this kind).
+RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (_norm, _mlp, _attention, _decoder)
+# The class mark of a kind whose modules are left eager: a name no mapping has, so nothing replaces them.
+_UNRECOGNISED = "{kind} (not recognised by kernelize_model)"
+
+
+def recognise(module: nn.Module) -> Recognition | None:
+    """The first rule's verdict on `module`, or None if no rule applies."""
+    for rule in RULES:
+        found = rule(module)
+        if found is not None:
+            return found
+    return None
+
+
+def _condition(module: nn.Module) -> bool:
+    """Class-mark condition: the recognition kernelize_model stored on the instance decides."""
+    found = module.__dict__.get(_DECISION_ATTR)
+    if found is None:  # an instance kernelize_model has not seen: class-level decisions hold for it too
+        return not getattr(type(module), "_kernelize_per_instance", True)
+    return found.layer_name is not None
+
+
+def _mark(model: nn.Module) -> dict[str, Recognition]:
+    """Recognise every module; mark each class once with the layer name of its recognised instances."""
+    found: dict[str, Recognition] = {}
+    verdicts: dict[type, Recognition] = {}
+    layers: dict[type, set[str | None]] = {}
+    for path, module in model.named_modules():
+        cls = type(module)
+        verdict = verdicts.get(cls)
+        if verdict is None or verdict.per_instance:
+            verdict = recognise(module)
+            if verdict is None:
+                continue
+            verdicts.setdefault(cls, verdict)
+        module.__dict__[_DECISION_ATTR] = verdict
+        for name, value in verdict.setup.items():
+            setattr(module, name, value)
+        found[path] = verdict
+        layers.setdefault(cls, set()).add(verdict.layer_name)
+    for cls, verdict in verdicts.items():
+        names = layers[cls] - {None}
+        layer = next(iter(names)) if len(names) == 1 else _UNRECOGNISED.format(kind=verdict.kind)
+        replace_kernel_forward_from_hub(cls, layer, condition=_condition)
+        cls._kernelize_per_instance = verdict.per_instance
+    return found
+
+
+def register_attention() -> None:
+    """Register `kernelize` with transformers' AttentionInterface (the kernel) and AttentionMaskInterface.
+
+    The masks are transformers' `sdpa_mask` (boolean, or None for plain causal attention), which the kernel's
+    SDPA semantics take as they are.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _use_attention_function(model: nn.Module, mode: Mode) -> str:
+    """Switch the model to the `kernelize` attention implementation; returns what happened."""
+    if attention_kernel() is None:
+        return f"attention implementation unchanged: {KERNEL_UNAVAILABLE}"
+    if mode & (Mode.TRAINING | Mode.TORCH_COMPILE):
+        # the kernel has no backward and is not traceable: every call would take the eager path
+        return f"attention implementation unchanged for {mode}"
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is None:
+        return "attention implementation unchanged: not a transformers PreTrainedModel"
+    register_attention()
+    try:
+        setter(ATTENTION_NAME)
+    except (ValueError, KeyError) as exc:
+        return f"attention implementation unchanged: {exc}"
+    return f"attention implementation set to `{ATTENTION_NAME}`"
+
+
+def kernelize_model(
+    model: nn.Module,
+    mode: Mode = Mode.INFERENCE,
+    mapping: Mapping[str, Any] | None = None,
+    device: str | torch.device | None = None,
+) -> nn.Module:
+    """Kernelize a transformers model in one call: recognise its layers, mark them, and `kernelize`.
+
+    Args:
+        model: An unmodified transformers model (Llama, Qwen2, Mistral, Gemma, Phi-3 and look-alikes).
+        mode: As for `kernelize` (`Mode.INFERENCE` by default).
+        mapping: A kernel mapping (layer name -> repositories) used instead of the bundled
+            `default_mapping()`.
+        device: Device type to select kernels for; default: the device of the model's parameters.
+
+    Returns:
+        `model`, kernelized in place. `kernelize.inspect(model)` lists every replaced module and every
+        recognised module left eager, with the reason.
+
+    Example:
+        >>> import transformers  # doctest: +SKIP
+        >>> config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128)  # doctest: +SKIP
+        >>> model = kernelize_model(transformers.LlamaForCausalLM(config).eval())  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"kernelize_model: model must be a torch.nn.Module, got {type(model).__name__}.")
+    if mapping is None:
+        from kernelize.hub import default_mapping
+
+        mapping = default_mapping()
+    found = _mark(model)
+    with use_kernel_mapping(dict(mapping)):
+        kernelize(model, mode=mode, device=device)
+    for path, verdict in found.items():
+        module = model.get_submodule(path)
+        choice = recorded_choice(module)
+        if choice is None:
+            continue
+        if choice.fallback == FallbackReason.CONDITION and verdict.layer_name is None:
+            choice = dataclasses.replace(choice, reason=verdict.reason)
+        elif choice.uses_kernel and verdict.kind == "attention" and verdict.reason not in choice.notes:
+            choice = dataclasses.replace(choice, notes=(verdict.reason, *choice.notes))
+        record_choice(module, choice)
+    status = _use_attention_function(model, mode)
+    replaced = sum(1 for p in found if (c := recorded_choice(model.get_submodule(p))) and c.uses_kernel)
+    logger.info("kernelize_model: %d of %d recognised modules replaced; %s", replaced, len(found), status)
+    return model

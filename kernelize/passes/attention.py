@@ -1,0 +1,103 @@
+"""Recognition of attention: ``softmax(q @ k^T * scale + mask) @ v`` -> one ``ATTENTION`` node.
+
+The template, as model code writes it and the torch front end traces it (batched matmuls over flattened
+``[B*H, L, D]`` views of ``[B, H, L, D]`` values)::
+
+    s = view(matmul(view(q), view(permute(k, (0, 1, 3, 2)))))   # [B, H, Lq, Lk]
+    x = s | s * c | s / c | s * c + mask | s + mask | where(keep, s * c, -inf)
+    out = view(matmul(view(softmax(x, axis=3)), view(v)))      # [B, H, Lq, Dv]
+
+becomes ``attention(q, k, v, mask, scale=c)``. Only exact rewrites: q, k, v and the softmax share one
+float dtype (no casts between), the softmax is over the key axis and nothing else reads the
+probabilities, the mask is additive (same float dtype) or a boolean keep-mask. One difference: a query
+row whose every key is masked gives NaN in the template (softmax of all -inf) and zeros after the rewrite,
+as torch's own attention kernels give.
+
+Example:
+    before                                               after
+    %7 = matmul(%5, %6) : f32[8, 8, 8]                   %9 = attention(%0, %1, %2, %8) {...}
+    ... mul, add(mask), softmax, matmul, view
+"""
+
+from __future__ import annotations
+
+import math
+
+from kernelize.ir.dtypes import DType
+from kernelize.ir.graph import Node, Op, scalar_value
+from kernelize.ir.shapes import ShapeError
+from kernelize.passes.rewrite import Context, P, Rule, strip_broadcast
+
+
+def _rank4(node: Node) -> Node:
+    """``node`` seen as its ``[B, H, L, X]`` value: through a view that only merged the two leading axes."""
+    if node.rank == 3 and node.op is Op.VIEW and node.src[0].rank == 4:
+        src = node.src[0]
+        if src.shape[2:] == node.shape[1:]:
+            return src
+    return node
+
+
+def _scores(s: Node) -> tuple[Node, Node] | None:
+    """(q, k) when ``s`` is ``q @ k^T`` over ``[B, H, L, D]`` operands."""
+    mm = s.src[0] if s.op is Op.VIEW and s.rank == 4 else s
+    if mm.op is not Op.MATMUL:
+        return None
+    q, kt = _rank4(mm.src[0]), _rank4(mm.src[1])
+    if q.rank != 4 or kt.op is not Op.PERMUTE or kt.arg != (0, 1, 3, 2):
+        return None
+    return q, kt.src[0]
+
+
+def _logits(x: Node) -> tuple[Node, float, Node | None] | None:
+    """(scores, scale, mask) of the softmax operand ``x``."""
+    mask = None
+    if x.op is Op.ADD:
+        for a, b in ((0, 1), (1, 0)):
+            if _scores(_strip_scale(x.src[a])[0]) is not None and x.src[b].dtype == x.dtype:
+                x, mask = x.src[a], x.src[b]
+                break
+        else:
+            return None
+    elif x.op is Op.WHERE and scalar_value(x.src[2]) == -math.inf and x.src[0].dtype is DType.BOOL:
+        x, mask = x.src[1], x.src[0]
+    s, scale = _strip_scale(x)
+    return (s, scale, mask) if scale is not None else None
+
+
+def _strip_scale(x: Node) -> tuple[Node, float | None]:
+    if x.op in (Op.MUL, Op.DIV):
+        for a, b in ((0, 1), (1, 0)) if x.op is Op.MUL else ((0, 1),):
+            c = scalar_value(x.src[b])
+            if c is not None and c != 0 and _scores(x.src[a]) is not None:
+                return x.src[a], c if x.op is Op.MUL else 1.0 / c
+    return x, 1.0
+
+
+def _attention(ctx: Context, root: Node) -> Node | None:
+    mm = root.src[0] if root.op is Op.VIEW else root
+    if root.rank != 4 or mm.op is not Op.MATMUL or not root.dtype.is_float:
+        return None
+    probs, v = _rank4(mm.src[0]), _rank4(mm.src[1])
+    if probs.op is not Op.SOFTMAX or probs.arg != 3 or ctx.uses(probs) > 1 or v.rank != 4:
+        return None
+    parts = _logits(probs.src[0])
+    if parts is None:
+        return None
+    s, scale, mask = parts
+    qk = _scores(s)
+    if qk is None:
+        return None
+    q, k = qk
+    if len({q.dtype, k.dtype, v.dtype, probs.dtype, root.dtype}) != 1:
+        return None
+    try:
+        out = ctx.g.attention(q, k, v, strip_broadcast(mask) if mask is not None else None, scale=scale)
+    except (ShapeError, TypeError):  # a shape or dtype the op does not take: leave the template alone
+        return None
+    return out if out.shape == root.shape else None
+
+
+RULES: list[Rule] = [(P(frozenset({Op.VIEW, Op.MATMUL}), name="root"), _attention)]
+
+__all__ = ["RULES"]

@@ -1,0 +1,128 @@
+"""Hub layers in training: generated forward+backward kernels against torch autograd through the plain math.
+
+The oracle is eager torch autograd on the layer's own math function (not the reference backend, which runs
+the same IR autodiff)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from kernelize import hub, hub_autograd
+
+ROWS = (1, 7, 129)
+
+
+def _cases(pkg, dtype: torch.dtype, rows: int):
+    """name -> (math fn, activations, weights, params); every tensor requires grad."""
+    norm, act, soft, rot = pkg["layer_norm"], pkg["activation"], pkg["softmax"], pkg["rotary"]
+
+    def t(*shape):
+        return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+    h = 48
+    return {
+        "rms_norm": (norm.rms_norm_math, [t(rows, h)], [t(h)], {"eps": 1e-6}),
+        "gemma_rms_norm": (norm.gemma_rms_norm_math, [t(rows, 3, h)], [t(h)], {"eps": 1e-6}),
+        "layer_norm": (norm.layer_norm_math, [t(rows, h)], [t(h), t(h)], {"eps": 1e-5}),
+        "fused_add_rms_norm": (norm.fused_add_rms_norm_math, [t(rows, h), t(rows, h)], [t(h)], {"eps": 1e-6}),
+        "silu_and_mul": (act.silu_and_mul_math, [t(rows, 2 * h)], [], {}),
+        "gelu_and_mul": (act.gelu_and_mul_math, [t(rows, 2 * h)], [], {}),
+        "gelu_tanh_and_mul": (act.gelu_tanh_and_mul_math, [t(rows, 2 * h)], [], {}),
+        "quick_gelu": (act.quick_gelu_math, [t(rows, h)], [], {}),
+        "softmax": (soft.softmax_math, [t(rows, 4, h)], [], {"dim": 2}),
+        "scaled_softmax": (soft.scaled_softmax_math, [t(rows, h)], [], {"scale": 0.3}),
+        "rotary": (rot.rotary_neox_one, [t(rows, 4, 16), t(rows, 1, 16), t(rows, 1, 16)], [], {}),
+    }
+
+
+def _leaves(ins, ws):
+    return [x for x in (*ins, *ws) if x.requires_grad]
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "rms_norm",
+        "gemma_rms_norm",
+        "layer_norm",
+        "fused_add_rms_norm",
+        "silu_and_mul",
+        "gelu_and_mul",
+        "gelu_tanh_and_mul",
+        "quick_gelu",
+        "softmax",
+        "scaled_softmax",
+        "rotary",
+    ],
+)
+def test_cpu_backward_kernels_match_torch_autograd(hub_pkg, name: str, dtype: torch.dtype, rows: int) -> None:
+    fn, ins, ws, params = _cases(hub_pkg, dtype, rows)[name]
+    out = hub.run(None, fn, ins, ws, **params)
+    outs = out if isinstance(out, tuple) else (out,)
+    seeds = [torch.randn_like(o) for o in outs]
+    got = torch.autograd.grad(outs, _leaves(ins, ws), seeds)
+    want_out = fn(*ins, *ws, **params)
+    want_outs = want_out if isinstance(want_out, tuple) else (want_out,)
+    want = torch.autograd.grad(want_outs, _leaves(ins, ws), seeds)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 3e-2}
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        # weight gradients sum over rows: scale the tolerance with the row count
+        scale = 1.0 + (w.dim() == 1) * rows**0.5
+        torch.testing.assert_close(g, w, rtol=tol["rtol"] * scale, atol=tol["atol"] * scale)
+
+
+def test_empty_batch_trains(hub_pkg) -> None:
+    fn, ins, ws, params = _cases(hub_pkg, torch.float32, 0)["rms_norm"]
+    out = hub.run(None, fn, ins, ws, **params)
+    dx, dw = torch.autograd.grad(out, _leaves(ins, ws), torch.ones_like(out))
+    assert dx.shape == (0, 48)
+    torch.testing.assert_close(dw, torch.zeros(48))
+
+
+def test_norm_forward_saves_rstd_and_runs_generated_backward(hub_pkg) -> None:
+    fn, ins, ws, params = _cases(hub_pkg, torch.float32, 7)["rms_norm"]
+    owner = torch.nn.Module()
+    hub.run(owner, fn, ins, ws, **params).sum().backward()
+    pair = hub_autograd.training_graphs(hub.compiled_ran(owner), (0, 1))
+    assert pair.n_saved == 1  # rstd, one value per row
+    assert pair.forward.backend == pair.backward.backend == "cpu"
+    assert len(pair.backward.kernels) >= 1 and pair.backward.plan is not None
+    saved = pair.forward.graph.outputs[1]
+    assert saved.shape[-1] == 1
+
+
+def test_frozen_weight_gets_no_gradient_and_none_cotangents_work(hub_pkg) -> None:
+    norm = hub_pkg["layer_norm"]
+    x = torch.randn(5, 16, requires_grad=True)
+    w = torch.randn(16)
+    total = torch.randn(5, 16)
+    out, res = hub.run(None, norm.fused_add_rms_norm_math, [x, total], [w], eps=1e-6)
+    (dx,) = torch.autograd.grad(out.sum(), [x])  # `res` gets no cotangent: zeros go in
+    xr = x.detach().requires_grad_()
+    (want,) = torch.autograd.grad(norm.fused_add_rms_norm_math(xr, total, w, eps=1e-6)[0].sum(), [xr])
+    torch.testing.assert_close(dx, want)
+    assert res.requires_grad
+
+
+def test_torch_compile_traces_forward_and_backward_without_graph_break(hub_pkg) -> None:
+    norm = hub_pkg["layer_norm"]
+    x = torch.randn(6, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+
+    def step(x, w):
+        return (norm.rms_norm(x * 2.0, w) ** 2).sum()
+
+    step(x, w).backward()  # eager call builds the kernels for this signature
+    want = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    explain = torch._dynamo.explain(step)(x, w)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True)(x, w).backward()
+    torch.testing.assert_close(x.grad, want[0])
+    torch.testing.assert_close(w.grad, want[1])

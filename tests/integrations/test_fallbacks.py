@@ -1,0 +1,175 @@
+"""What the kernels do not support runs the eager path, the reason in `kernelize.inspect`; never wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelize
+from kernelize.integrations import hf_attention
+
+from .test_transformers import (
+    HAS_KERNEL,
+    assert_same_logits_and_tokens,
+    kernelized,
+    needs_kernel,
+    padded_batch,
+    tiny_model,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+def attention_choice(model, layer: int = 0):
+    return kernelize.inspect(model)[f"model.layers.{layer}.self_attn"]
+
+
+def test_softcapping_keeps_the_attention_module_eager() -> None:
+    eager = tiny_model(
+        config_name="Gemma2Config", model_name="Gemma2ForCausalLM", attn_logit_softcapping=30.0
+    )
+    ids, mask = padded_batch()
+    with kernelized(eager) as fast:
+        choice = attention_choice(fast)
+        assert not choice.uses_kernel and "softcapping (30.0)" in choice.reason, str(choice)
+        assert kernelize.inspect(fast)["model.layers.0.mlp"].uses_kernel
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
+        if HAS_KERNEL:  # the module's eager forward reached the `kernelize` function, which declined softcap
+            assert any("softcapping" in n for n in attention_choice(fast).notes), str(attention_choice(fast))
+
+
+def test_query_key_norms_keep_the_attention_module_eager() -> None:
+    eager = tiny_model(config_name="Qwen3Config", model_name="Qwen3ForCausalLM")
+    ids, mask = padded_batch()
+    with kernelized(eager) as fast:
+        choice = attention_choice(fast)
+        assert not choice.uses_kernel and "q_norm" in choice.reason, str(choice)
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
+
+
+def test_alibi_config_keeps_the_attention_module_eager() -> None:
+    eager = tiny_model("llama")
+    eager.config.alibi = True
+    with kernelized(eager) as fast:
+        choice = attention_choice(fast)
+        assert not choice.uses_kernel and "ALiBi" in choice.reason, str(choice)
+
+
+def test_activation_without_gated_math_keeps_the_mlp_eager() -> None:
+    eager = tiny_model("llama", hidden_act="relu")
+    ids, mask = padded_batch()
+    with kernelized(eager) as fast:
+        choice = kernelize.inspect(fast)["model.layers.0.mlp"]
+        assert not choice.uses_kernel and "'relu'" in choice.reason, str(choice)
+        assert kernelize.inspect(fast)["model.norm"].uses_kernel
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
+
+
+def test_missing_attention_kernel_keeps_attention_eager(monkeypatch) -> None:
+    monkeypatch.setattr(hf_attention, "attention_kernel", lambda: None)
+    monkeypatch.setattr("kernelize.integrations.transformers.attention_kernel", lambda: None)
+    eager = tiny_model("llama")
+    with kernelized(eager) as fast:
+        choice = attention_choice(fast)
+        assert not choice.uses_kernel and choice.reason == hf_attention.KERNEL_UNAVAILABLE
+        assert fast.config._attn_implementation == "eager"
+
+
+@needs_kernel
+def test_sliding_window_beyond_the_window_runs_eager_attention() -> None:
+    eager = tiny_model("mistral", sliding_window=6)
+    ids, mask = padded_batch(seq=11)
+    with kernelized(eager) as fast:
+        assert attention_choice(fast).uses_kernel
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
+        notes = attention_choice(fast).notes
+        assert any("sliding-window attention over 11 keys (window 6)" in n for n in notes), notes
+
+
+@needs_kernel
+def test_output_attentions_runs_eager_attention_and_returns_weights() -> None:
+    eager = tiny_model("qwen2")
+    ids, mask = padded_batch()
+    with kernelized(eager) as fast, torch.no_grad():
+        want = eager(ids, attention_mask=mask, output_attentions=True)
+        got = fast(ids, attention_mask=mask, output_attentions=True)
+        real = mask.bool()
+        torch.testing.assert_close(got.logits[real], want.logits[real], atol=1e-4, rtol=1e-4)
+        assert got.attentions is not None and len(got.attentions) == len(want.attentions)
+        torch.testing.assert_close(got.attentions[1][1], want.attentions[1][1], atol=1e-5, rtol=1e-5)
+        assert any("output_attentions" in n for n in attention_choice(fast).notes)
+
+
+@needs_kernel
+def test_kernel_declining_a_call_runs_eager_attention(monkeypatch) -> None:
+    """AttentionUnsupported from the kernel: that call runs the eager path, the reason is noted."""
+    _, unsupported = hf_attention.attention_kernel()
+
+    def declining(*args, **kwargs):
+        raise unsupported("head dim 16 declined for the test")
+
+    eager = tiny_model("llama")
+    ids, mask = padded_batch()
+    with kernelized(eager) as fast:
+        monkeypatch.setattr(hf_attention, "attention_kernel", lambda: (declining, unsupported))
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
+        assert any("declined" in n for n in attention_choice(fast).notes), attention_choice(fast).notes
+
+
+def test_training_dropout_and_unknown_arguments_take_the_eager_path() -> None:
+    module = torch.nn.Linear(2, 2).train()
+    q = k = torch.zeros(1, 2, 3, 4)
+    reason = hf_attention.call_fallback_reason(module, q, k, 0.1, {})
+    if not HAS_KERNEL:
+        assert reason == hf_attention.KERNEL_UNAVAILABLE
+    else:
+        assert "dropout (0.1) in training" in reason
+        assert hf_attention.call_fallback_reason(module.eval(), q, k, 0.1, {}) is None
+        assert "position_bias" in hf_attention.call_fallback_reason(module, q, k, 0.0, {"position_bias": q})
+        assert hf_attention.call_fallback_reason(module, q, k, 0.0, {"position_ids": q}) is None
+
+
+@pytest.mark.parametrize("q_len, kv_len, padded", [(5, 5, False), (3, 7, False), (1, 6, True), (4, 4, True)])
+def test_eager_path_masks_match_sdpa(q_len: int, kv_len: int, padded: bool) -> None:
+    """The eager path turns the boolean / None masks into additive ones (rows with keys compared)."""
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training, module.is_causal = 2, False, True
+    q, k, v = torch.randn(2, 4, q_len, 8), torch.randn(2, 2, kv_len, 8), torch.randn(2, 2, kv_len, 8)
+    mask = None
+    if padded:
+        mask = torch.ones(2, 1, q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        mask[0, :, :, :2] = False
+    out, _ = hf_attention.eager_attention(module, q, k, v, mask, scaling=0.3)
+    causal = mask if mask is not None else torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal, scale=0.3, enable_gqa=True
+    )
+    live = causal.expand(2, 1, q_len, kv_len).any(-1).squeeze(1)  # (batch, q): a fully masked row is padding
+    torch.testing.assert_close(out[live], want.transpose(1, 2)[live], atol=1e-5, rtol=1e-5)
+
+
+def test_a_mapping_without_the_attention_layer_keeps_attention_eager() -> None:
+    from kernelize.hub import default_mapping
+
+    mapping = {k: v for k, v in default_mapping().items() if k != "CausalSelfAttention"}
+    eager = tiny_model("llama")
+    with kernelized(eager, mapping=mapping) as fast:
+        choice = attention_choice(fast)
+        assert not choice.uses_kernel and choice.fallback == kernelize.FallbackReason.NO_LAYER, str(choice)
+        assert kernelize.inspect(fast)["model.norm"].uses_kernel
+
+
+def test_training_mode_keeps_attention_and_the_attention_implementation() -> None:
+    eager = tiny_model("llama")
+    with kernelized(eager, mode=kernelize.Mode.TRAINING) as fast:
+        choice = attention_choice(fast)
+        assert not choice.uses_kernel and choice.fallback == kernelize.FallbackReason.NO_COMPATIBLE_MODE
+        assert fast.config._attn_implementation == "eager"
+        assert kernelize.inspect(fast)["model.layers.0.mlp"].uses_kernel  # hub MLP has a backward
+
+
+def test_not_a_module_is_a_type_error() -> None:
+    from kernelize.integrations.transformers import kernelize_model
+
+    with pytest.raises(TypeError, match="kernelize_model: model must be a torch.nn.Module"):
+        kernelize_model("llama")

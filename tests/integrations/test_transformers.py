@@ -1,0 +1,227 @@
+"""`kernelize_model` on real transformers models (tiny configs built in code, random weights, no download).
+
+Every family is compared with its own eager model (`attn_implementation="eager"`): logits on the real
+(non-pad) positions of a left-padded batch within 1e-4 (f32), greedy and seeded-sampling `generate()`
+tokens identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import kernelize
+from kernelize.integrations import hf_attention
+from kernelize.integrations.transformers import kernelize_model
+
+transformers = pytest.importorskip("transformers")
+
+HAS_KERNEL = hf_attention.attention_kernel() is not None
+needs_kernel = pytest.mark.skipif(
+    not HAS_KERNEL, reason="kernelize.attention (the attention kernel) is absent"
+)
+
+FAMILIES = {  # family -> (config class, model class, norm layer, MLP layer)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "RMSNorm", "GatedMLP"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "RMSNorm", "GatedMLP"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "RMSNorm", "GatedMLP"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", "GemmaRMSNorm", "GatedMLP"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "RMSNorm", "FusedGatedMLP"),
+}
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    pad_token_id=0,
+)
+SelfMixer = type("SelfMixer", (transformers.models.llama.modeling_llama.LlamaAttention,), {})
+# the attention recogniser reads the rotary function from the module that defines the class: here
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402, F401
+
+MARK_ATTRS = ("kernel_layer_name", "kernel_condition", "_kernelize_per_instance")
+
+
+def tiny_model(family: str = "llama", config_name: str | None = None, model_name: str | None = None, **extra):
+    """An eager f32 model of `family` with non-trivial norm weights (Gemma's stored as offsets from 1)."""
+    cfg_cls, model_cls = (config_name, model_name) if config_name else FAMILIES[family][:2]
+    torch.manual_seed(0)
+    config = getattr(transformers, cfg_cls)(**{**TINY, **extra})
+    config._attn_implementation = "eager"
+    model = getattr(transformers, model_cls)(config).eval()
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(p, 0.5 if "gemma" in cfg_cls.lower() else 1.0, 0.2)
+    return model
+
+
+@contextlib.contextmanager
+def restoring_marks(model: torch.nn.Module) -> Iterator[None]:
+    """kernelize_model marks classes (process-wide): put every touched class back as it was."""
+    classes = {type(m) for m in model.modules()}
+    saved = {cls: {k: cls.__dict__[k] for k in MARK_ATTRS if k in cls.__dict__} for cls in classes}
+    try:
+        yield
+    finally:
+        for cls, attrs in saved.items():
+            for k in MARK_ATTRS:
+                if k in attrs:
+                    setattr(cls, k, attrs[k])
+                elif k in cls.__dict__:
+                    delattr(cls, k)
+
+
+@contextlib.contextmanager
+def kernelized(model: torch.nn.Module, **kwargs) -> Iterator[torch.nn.Module]:
+    """A kernelized deep copy of `model` (the original stays the eager reference)."""
+    fast = copy.deepcopy(model)
+    with restoring_marks(fast):
+        yield kernelize_model(fast, **kwargs)
+
+
+def padded_batch(batch: int = 2, seq: int = 11, pad: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask: the first row starts with `pad` pad tokens."""
+    ids = torch.randint(1, TINY["vocab_size"], (batch, seq))
+    mask = torch.ones_like(ids)
+    ids[0, :pad], mask[0, :pad] = 0, 0
+    return ids, mask
+
+
+def assert_same_logits_and_tokens(eager, fast, ids, mask, new_tokens: int = 5) -> None:
+    with torch.no_grad():
+        want, got = eager(ids, attention_mask=mask).logits, fast(ids, attention_mask=mask).logits
+        real = mask.bool()
+        torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
+        kw = dict(attention_mask=mask, max_new_tokens=new_tokens, pad_token_id=0)
+        assert torch.equal(
+            fast.generate(ids, do_sample=False, **kw), eager.generate(ids, do_sample=False, **kw)
+        )
+
+
+def layers_used(model) -> dict[str, str]:
+    return {path: c.layer_name for path, c in kernelize.inspect(model).items() if c.uses_kernel}
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> list[tuple]:
+    """Shapes of every call that reached the attention kernel (the real kernel runs each call)."""
+    calls: list[tuple] = []
+    found = hf_attention.attention_kernel()
+    if found is not None:
+        sdpa, unsupported = found
+
+        def counted(query, key, *args, **kwargs):
+            calls.append((tuple(query.shape), tuple(key.shape)))
+            return sdpa(query, key, *args, **kwargs)
+
+        monkeypatch.setattr(hf_attention, "attention_kernel", lambda: (counted, unsupported))
+    return calls
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_one_call_replaces_norms_mlp_and_attention(family: str, kernel_calls: list[tuple]) -> None:
+    eager = tiny_model(family)
+    ids, mask = padded_batch()
+    with kernelized(eager) as fast:
+        used = layers_used(fast)
+        _, _, norm, mlp = FAMILIES[family]
+        assert used["model.layers.0.input_layernorm"] == norm
+        assert used["model.norm"] == norm
+        assert used["model.layers.1.mlp"] == mlp
+        attention = kernelize.inspect(fast)["model.layers.0.self_attn"]
+        if HAS_KERNEL:
+            assert attention.layer_name == "CausalSelfAttention" and attention.uses_kernel, str(attention)
+            assert fast.config._attn_implementation == "kernelize"
+        else:
+            assert not attention.uses_kernel and attention.reason == hf_attention.KERNEL_UNAVAILABLE
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
+        ran = kernelize.inspect(fast)["model.layers.0.self_attn"]
+        assert not any(note.startswith("eager attention") for note in ran.notes), str(ran)
+        if HAS_KERNEL:  # rotary kernels recorded; prefill (11 queries) and decode (1 query) hit the kernel
+            assert ran.backend == "cpu" and ran.kernels, str(ran)
+            assert {q[2] for q, _ in kernel_calls} == {1, 11}, kernel_calls
+
+
+@needs_kernel
+def test_prompt_longer_than_a_key_block_and_seeded_sampling() -> None:
+    eager = tiny_model("llama")
+    ids, mask = padded_batch(batch=2, seq=150, pad=20)
+    with kernelized(eager) as fast:
+        assert_same_logits_and_tokens(eager, fast, ids, mask, new_tokens=3)
+        kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=20, pad_token_id=0)
+        with torch.no_grad():
+            torch.manual_seed(7)
+            want = eager.generate(ids, **kw)
+            torch.manual_seed(7)
+            got = fast.generate(ids, **kw)
+        assert torch.equal(got, want)
+
+
+HIDDEN = 32
+
+
+class OffsetNorm(torch.nn.Module):
+    """Gemma's norm under another name: `(1 + w) * rmsnorm(x)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(HIDDEN) * 0.2)
+        self.eps = 1e-6
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)).to(
+            x.dtype
+        )
+
+
+class Feedforward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(HIDDEN, 48), torch.nn.Linear(HIDDEN, 48)
+        self.down_proj, self.hidden_act = torch.nn.Linear(48, HIDDEN), "silu"
+
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Renamed(torch.nn.Module):
+    """A decoder block whose classes carry none of the transformers names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.models.llama import modeling_llama
+
+        config = transformers.LlamaConfig(**{**TINY, "hidden_size": HIDDEN, "head_dim": 8})
+        config._attn_implementation = "sdpa"  # without a mask, sdpa is causal (eager attention would not be)
+        self.norm, self.mlp = OffsetNorm(), Feedforward()
+        self.attn = SelfMixer(config, layer_idx=0)
+        self.rope = modeling_llama.LlamaRotaryEmbedding(config)
+
+    def forward(self, x):
+        h = self.norm(x)
+        positions = torch.arange(x.shape[1])[None]
+        out, _ = self.attn(h, position_embeddings=self.rope(h, positions), attention_mask=None)
+        return self.mlp(x + out)
+
+
+def test_structure_not_class_names_decides() -> None:
+    """Renamed classes (a norm with Gemma's `1 + w`, a Llama-style attention) are recognised by probes."""
+    eager = Renamed().eval()
+    with kernelized(eager) as fast:
+        choices = kernelize.inspect(fast)
+        assert choices["norm"].layer_name == "GemmaRMSNorm" and choices["norm"].uses_kernel
+        assert choices["mlp"].layer_name == "GatedMLP" and choices["mlp"].uses_kernel
+        attention = choices["attn"]
+        assert attention.uses_kernel == HAS_KERNEL, str(attention)
+        x = torch.randn(2, 5, HIDDEN)
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), eager(x), atol=1e-5, rtol=1e-5)

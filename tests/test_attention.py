@@ -1,0 +1,196 @@
+"""The public ``kernelize.attention.scaled_dot_product_attention`` against torch's, on the CPU kernel."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernelize.attention import AttentionUnsupported, scaled_dot_product_attention
+from kernelize.ir.attention import reference_attention
+from kernelize.ir.ops import AttentionArgs
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _qkv(b, hq, hkv, lq, lk, d, dv, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, lk, dv, generator=g).to(dtype)
+    return q, k, v
+
+
+def _oracle(q, k, v, mask=None, causal=False, scale=None, gqa=False):
+    """torch SDPA computed in f32 (the kernels accumulate in f32), cast like the kernel's output."""
+    f = [t.float() for t in (q, k, v)]
+    m = mask.float() if mask is not None and mask.dtype != torch.bool else mask
+    return F.scaled_dot_product_attention(*f, attn_mask=m, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def _close(out, ref, dtype):
+    assert out.dtype == dtype and out.shape == ref.shape
+    err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
+    assert err <= TOL[dtype] * max(1.0, ref.abs().max().item()), err
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (7, 7), (129, 129), (1, 1000), (7, 129), (129, 7)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lengths_causal(lq, lk, causal):
+    q, k, v = _qkv(2, 4, 4, lq, lk, 64, 64, torch.float32)
+    out = scaled_dot_product_attention(q, k, v, is_causal=causal)
+    _close(out, _oracle(q, k, v, causal=causal), torch.float32)
+    torch.testing.assert_close(
+        out, F.scaled_dot_product_attention(q, k, v, is_causal=causal), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.slow
+def test_long_causal_1000():
+    q, k, v = _qkv(1, 2, 2, 1000, 1000, 64, 64, torch.float32)
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    _close(out, _oracle(q, k, v, causal=True), torch.float32)
+
+
+@pytest.mark.parametrize("d", [32, 64, 80, 128])
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+@pytest.mark.parametrize("lq", [1, 33])
+def test_head_dims_and_gqa(d, ratio, lq):
+    q, k, v = _qkv(1, 8, 8 // ratio, lq, 70, d, d, torch.float32)
+    out = scaled_dot_product_attention(q, k, v, is_causal=lq > 1, enable_gqa=True)
+    _close(out, _oracle(q, k, v, causal=lq > 1, gqa=True), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lq", [1, 7, 129])
+def test_16_bit(dtype, lq):
+    q, k, v = _qkv(1, 4, 2, lq, 129, 64, 64, dtype)
+    out = scaled_dot_product_attention(q, k, v, is_causal=lq > 1, enable_gqa=True)
+    _close(out, _oracle(q, k, v, causal=lq > 1, gqa=True), dtype)
+
+
+@pytest.mark.parametrize("kind", ["bool", "add", "padding", "bool_full_rows", "add_2d"])
+@pytest.mark.parametrize("lq", [1, 7, 129])
+def test_masks(kind, lq):
+    lk = 129
+    q, k, v = _qkv(2, 4, 2, lq, lk, 32, 32, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    if kind == "bool":
+        mask = torch.rand(2, 4, lq, lk, generator=g) > 0.3
+    elif kind == "add":
+        mask = torch.randn(2, 1, lq, lk, generator=g)
+    elif kind == "add_2d":
+        mask = torch.randn(lq, lk, generator=g)
+    elif kind == "padding":  # left padding of a batch: the first keys of batch 1 are masked for every query
+        keep = torch.ones(2, lk, dtype=torch.bool)
+        keep[1, :50] = False
+        mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+    else:
+        mask = torch.rand(2, 4, lq, lk, generator=g) > 0.3
+        mask[:, :, 0] = False  # a fully masked query row gives zeros, as torch does
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    _close(out, ref, torch.float32)
+    if kind == "bool_full_rows":
+        assert out[:, :, 0].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mask_16_bit(dtype):
+    q, k, v = _qkv(1, 2, 2, 9, 40, 64, 64, dtype)
+    mask = torch.randn(1, 1, 9, 40).to(dtype)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    _close(out, _oracle(q, k, v, mask), dtype)
+
+
+def test_non_contiguous_views_are_read_in_place():
+    """transformers passes q/k/v as [B, L, H, D] transposed to [B, H, L, D]; value with a different Dv."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 37, 8, 64, generator=g).transpose(1, 2)
+    kv = torch.randn(2, 37, 2, 2, 64, generator=g)  # k and v interleaved in one tensor
+    k, v = kv[:, :, :, 0].transpose(1, 2), kv[:, :, :, 1].transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    _close(out, _oracle(q, k, v, causal=True, gqa=True), torch.float32)
+    vt = torch.randn(2, 2, 16, 37, generator=g).transpose(-1, -2)  # unit stride missing on the head dim
+    out = scaled_dot_product_attention(q, k, vt, enable_gqa=True)
+    _close(out, _oracle(q, k, vt, gqa=True), torch.float32)
+
+
+def test_three_dim_scale_dv_and_empty():
+    q, k, v = _qkv(1, 3, 3, 5, 9, 32, 48, torch.float32)
+    out = scaled_dot_product_attention(q[0], k[0], v[0], scale=0.3)
+    _close(out, _oracle(q[0], k[0], v[0], scale=0.3), torch.float32)
+    assert scaled_dot_product_attention(q[:, :, :0], k, v).shape == (1, 3, 0, 48)
+    empty = scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0])
+    torch.testing.assert_close(empty, F.scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0]))
+
+
+def test_decode_split_over_keys_matches_many_threads():
+    q, k, v = _qkv(1, 8, 8, 1, 2048, 64, 64, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 7):  # the number of key splits follows the thread count
+            torch.set_num_threads(n)
+            outs.append(scaled_dot_product_attention(q, k, v))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs:
+        _close(out, _oracle(q, k, v), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "call, reason",
+    [
+        (lambda q: scaled_dot_product_attention(q, q, q, dropout_p=0.1), "dropout"),
+        (lambda q: scaled_dot_product_attention(q.double(), q.double(), q.double()), "dtypes"),
+        (lambda q: scaled_dot_product_attention(q.int(), q.int(), q.int()), "dtypes"),
+        (
+            lambda q: scaled_dot_product_attention(q[:, :2], q[:, :1].repeat(1, 1, 1, 1)[:, :, :3], q),
+            "shapes",
+        ),
+        (lambda q: scaled_dot_product_attention(q, q[:, :1], q[:, :1]), "enable_gqa"),
+        (lambda q: scaled_dot_product_attention(q, q[:, :3], q[:, :3], enable_gqa=True), "whole number"),
+        (
+            lambda q: scaled_dot_product_attention(
+                q, q, q, torch.ones(4, 4, dtype=torch.bool), is_causal=True
+            ),
+            "is_causal",
+        ),
+        (lambda q: scaled_dot_product_attention(q, q, q, torch.ones(4, 4, dtype=torch.int32)), "mask dtype"),
+        (lambda q: scaled_dot_product_attention(q, q, q, torch.ones(3, 4, dtype=torch.bool)), "broadcast"),
+        (lambda q: scaled_dot_product_attention(q[0, 0], q[0, 0], q[0, 0]), "batch, heads"),
+        (lambda q: scaled_dot_product_attention(q.requires_grad_(), q, q), "grad"),
+    ],
+)
+def test_unsupported_raise_with_reason(call, reason):
+    q = torch.randn(1, 4, 4, 8)
+    with pytest.raises(AttentionUnsupported, match=reason):
+        call(q)
+    assert issubclass(AttentionUnsupported, ValueError)
+
+
+def test_reference_attention_matches_sdpa_and_zeroes_masked_rows():
+    q, k, v = _qkv(1, 4, 2, 6, 6, 16, 16, torch.float32)
+    mask = torch.rand(1, 4, 6, 6) > 0.5
+    mask[..., 2, :] = False
+    args = AttentionArgs(scale=1 / math.sqrt(16), mask="bool", groups=2)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(reference_attention(q, k, v, mask, args), ref)
+
+
+@pytest.mark.parametrize("lq,lk,hq,hkv", [(3, 40, 2, 2), (2, 600, 4, 2), (4, 4, 1, 1), (3, 1, 2, 2)])
+def test_decode_shape_with_causal_mask(lq, lk, hq, hkv):
+    """A few query rows per key head take the split-key decode path; the causal cut still applies per row."""
+    q, k, v = _qkv(1, hq, hkv, lq, lk, 64, 64, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 5):
+            torch.set_num_threads(n)
+            out = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            _close(out, _oracle(q, k, v, causal=True, gqa=True), torch.float32)
+    finally:
+        torch.set_num_threads(threads)
