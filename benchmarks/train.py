@@ -11,8 +11,9 @@ Three parts, every implementation timed in interleaved repetitions (median repor
    (``replace_kernel_forward_from_hub`` marks on LlamaRMSNorm / LlamaMLP), kernelized + fused loss,
    torch.compile.
 
-Peak memory of a step: each (model, variant) runs in a fresh child process that does one warm-up step,
-resets the kernel's resident-set high-water mark (``/proc/self/clear_refs``), runs one step and reports
+Peak memory of a step: each (model, variant) runs in a fresh child process (glibc's mmap threshold fixed,
+so freed large blocks leave the resident set) that does two warm-up steps, resets the kernel's
+resident-set high-water mark (``/proc/self/clear_refs``), runs one step and reports
 ``VmHWM - VmRSS(before the step)``: everything the step allocated on top of model, inputs and caches
 (kernelize's output pools included, as they are resident).
 
@@ -25,7 +26,6 @@ Writes ``benchmarks/results/train.json`` and ``train.png``.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -229,15 +229,31 @@ def bench_step(case: str, quick: bool, reps: int) -> dict:
         for v, g in grads.items()
     }
     times = interleaved_ms(steps, reps)
-    mem = {v: peak_memory_mib(case, v, quick) for v in STEP_VARIANTS}
-    return {"case": case, "times_ms": times, "loss": losses, "grad_rel_err": errs, "peak_mib": mem}
+    return {"case": case, "times_ms": times, "loss": losses, "grad_rel_err": errs}
 
 
-def peak_memory_mib(case: str, variant: str, quick: bool) -> float:
-    """Run one step of (case, variant) in a child process and return its peak extra resident memory."""
+# a fixed mmap threshold: large blocks are mmapped and go back to the OS when freed, so the resident size
+# before a step is what is live (glibc's dynamic threshold would keep freed blocks of up to 32 MiB resident
+# and hide them from the high-water mark)
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def _child(case: str, variant: str, quick: bool) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--memory-child", case, variant] + (["--quick"] if quick else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ})
-    return float(out.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **CHILD_ENV})
+
+
+def peak_memory_mib(cases: list[str], quick: bool) -> dict[str, dict[str, float]]:
+    """Peak extra resident memory of one step per (case, variant), each in its own child process (run
+    concurrently: the measure is per process, only the wall time suffers)."""
+    children = {(c, v): _child(c, v, quick) for c in cases for v in STEP_VARIANTS}
+    out: dict[str, dict[str, float]] = {c: {} for c in cases}
+    for (c, v), proc in children.items():
+        stdout, _ = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"memory child {c} {v} failed with exit code {proc.returncode}")
+        out[c][v] = float(stdout.strip().splitlines()[-1])
+    return out
 
 
 def _status_kib(field: str) -> int:
@@ -261,7 +277,7 @@ def memory_child(case: str, variant: str, quick: bool) -> None:
 # ---- report ----------------------------------------------------------------------------------------------
 def layer_table(rows: list[dict]) -> str:
     lines = [
-        "| layer | dtype | eager ms | torch.compile ms | kernelize ms | vs eager | vs compile | grad rel err |",
+        "| layer | dtype | eager ms | torch.compile ms | kernelize ms | vs eager | vs compile | grad err |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -321,6 +337,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--memory-child", nargs=2, metavar=("CASE", "VARIANT"))
     ap.add_argument("--skip-layers", action="store_true")
+    ap.add_argument("--memory-only", action="store_true", help="re-measure peak memory into train.json")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if args.memory_child:
@@ -329,12 +346,20 @@ def main() -> None:
     torch.set_num_threads(2)
     rows, cols, reps = (256, 512, 3) if args.quick else (2048, 2048, 7)
     layers = []
-    if not args.skip_layers:
+    if not args.skip_layers and not args.memory_only:
         for dtype in (torch.float32, torch.bfloat16):
             for name in LAYERS:
                 layers.append(bench_layer(name, rows, cols, dtype, reps))
                 print(layers[-1], file=sys.stderr)
-    steps = [bench_step(case, args.quick, 3 if args.quick else 5) for case in ("demo", "llama")]
+    cases = ["demo", "llama"]
+    if args.memory_only:  # re-measure memory into an existing train.json
+        result = json.loads((args.out / "train.json").read_text())
+        layers, steps = result["layers"], result["steps"]
+    else:
+        steps = [bench_step(case, args.quick, 3 if args.quick else 5) for case in cases]
+    mem = peak_memory_mib(cases, args.quick)
+    for r in steps:
+        r["peak_mib"] = mem[r["case"]]
     print(layer_table(layers))
     print()
     print(step_table(steps))

@@ -54,6 +54,7 @@ __all__ = [
     "default_mapping",
     "kernels_ran",
     "note_kernels",
+    "require_float",
     "run",
     "use_backend",
 ]
@@ -178,6 +179,24 @@ def _forced_backend() -> str | None:
 # calling that here would import torch._dynamo, ~4 s) lets Dynamo call the function and use its result as a
 # constant, so the backend of a compiled graph is the one in force when it was traced.
 _forced_backend._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def require_float(layer: str, *tensors: torch.Tensor) -> None:
+    """Raise what torch's own kernels raise (``NotImplementedError`` naming the dtype) when a hub layer whose
+    math is floating point gets an integer or bool tensor: the generated kernels would round garbage back.
+
+    Example:
+        >>> require_float("SiluAndMul", torch.ones(2, dtype=torch.int64))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        NotImplementedError: "SiluAndMul" not implemented for 'Long' (torch.int64): ...
+    """
+    for t in tensors:
+        if not t.is_floating_point():
+            name = t.new_empty(()).type().removeprefix("torch.").removesuffix("Tensor")
+            raise NotImplementedError(
+                f'"{layer}" not implemented for {name!r} ({t.dtype}): the kernelize hub layer computes in '
+                "floating point, as torch's own kernel does; pass a float tensor"
+            )
 
 
 def backend_for(device: torch.device) -> str:

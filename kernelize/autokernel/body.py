@@ -274,30 +274,43 @@ class BodyBuilder:
     # -- kernels ----------------------------------------------------------------------------------------
     def matmul_prefix(self, mm: Node) -> None:
         """body[0] = matmul(body[1], body[2]) with both loads over (*batch, M, N, K)."""
-        n = self.ndom
-        a, b = mm.src
-        kdim = a.shape[-1]
-        self.body.append(Compute(Op.MATMUL, mm.dtype, (1, 2), kdim))
-        for x, (row_of_m, row_of_k) in ((a, (n - 2, n)), (b, (n, n - 1))):
-            rows = [tuple(int(c == k) for c in range(n + 1)) for k in range(n - 2)]
-            rows += [
-                tuple(int(c == row_of_m) for c in range(n + 1)),
-                tuple(int(c == row_of_k) for c in range(n + 1)),
-            ]
-            xm = Affine(tuple(rows), (0,) * n, n + 1, ((None, kdim),)).norm(x.shape)
-            buf, bm, shape = self._resolve(x, xm)
-            try:
-                strides, offset = bm.flat(buf.shape if shape is None else shape, buf)
-            except NotAffine as e:
-                raise self._materialize(e) if e.node.op in LAYOUT else Materialize(x, str(e)) from None
-            self.body.append(Load(buf, tuple(strides), offset))
+        self.body.append(Compute(Op.MATMUL, mm.dtype, (1, 2), mm.src[0].shape[-1]))
+        self.body.append(self._matmul_operand(mm.src[0], True))
+        self.body.append(self._matmul_operand(mm.src[1], False))
         self.memo[(mm, self.maps[mm], ())] = 0
         self.computed.append(mm)
+
+    def matmul_more(self, mm: Node) -> None:
+        """Another matmul of the group (same left operand ``body[1]``): its right operand, then itself."""
+        self.body.append(self._matmul_operand(mm.src[1], False))
+        self.body.append(Compute(Op.MATMUL, mm.dtype, (1, len(self.body) - 1), mm.src[0].shape[-1]))
+        self.memo[(mm, self.maps[mm], ())] = len(self.body) - 1
+        self.computed.append(mm)
+
+    def _matmul_operand(self, x: Node, left: bool) -> Load:
+        n = self.ndom
+        kdim = x.shape[-1] if left else x.shape[-2]
+        row_of_m, row_of_k = (n - 2, n) if left else (n, n - 1)
+        rows = [tuple(int(c == k) for c in range(n + 1)) for k in range(n - 2)]
+        rows += [
+            tuple(int(c == row_of_m) for c in range(n + 1)),
+            tuple(int(c == row_of_k) for c in range(n + 1)),
+        ]
+        xm = Affine(tuple(rows), (0,) * n, n + 1, ((None, kdim),)).norm(x.shape)
+        buf, bm, shape = self._resolve(x, xm)
+        try:
+            strides, offset = bm.flat(buf.shape if shape is None else shape, buf)
+        except NotAffine as e:
+            raise self._materialize(e) if e.node.op in LAYOUT else Materialize(x, str(e)) from None
+        return Load(buf, tuple(strides), offset)
 
     def kernel(self, stores: Sequence[Node]) -> Kernel:
         g = self.g
         if g.kind is KernelKind.MATMUL:
-            self.matmul_prefix(next(m for m in g.sel if m.op is Op.MATMUL))
+            first, *more = (m for m in g.sel if m.op is Op.MATMUL)
+            self.matmul_prefix(first)
+            for mm in more:
+                self.matmul_more(mm)
         out = []
         for s in stores:
             m = self.maps[s]

@@ -16,7 +16,13 @@ from kernelize.ir.dot import CATEGORIES, _escape, _label, category, write_svg
 from kernelize.ir.graph import Node, Op
 
 # cluster background per kernel kind
-KIND_COLOUR = {"pointwise": "#f3f9ff", "row": "#f7f0fb", "matmul": "#fff5eb", "library": "#eeeeee"}
+KIND_COLOUR = {
+    "pointwise": "#f3f9ff",
+    "row": "#f7f0fb",
+    "matmul": "#fff5eb",
+    "splitk": "#fff5eb",
+    "library": "#eeeeee",
+}
 
 
 def plan_to_dot(plan: Plan, hide_constants: bool = True, title: str | None = None) -> str:

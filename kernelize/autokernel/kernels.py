@@ -19,6 +19,11 @@ Kinds:
   (as the planner emits it): ``body[1]`` is ``a`` and ``body[2]`` is ``b`` (the only forward references in
   a body), both with strides over ``(*batch, M, N, K)`` (``a`` has stride 0 on ``N``, ``b`` on ``M``), and
   ``arg`` is the contracted size ``K``.
+* ``SPLITK`` (derived by GPU backends from a MATMUL kernel, never planned; see
+  :mod:`kernelize.autokernel.matmul`): ``body`` as a MATMUL kernel's first three entries, no epilogue; the
+  one store is an f32 buffer over the domain that each program *adds* its partial sums over a slice of K to.
+  A MATMUL kernel may hold several matmuls sharing ``body[1]`` (``PlanSettings.merge_matmuls``): each
+  further one is ``Compute(Op.MATMUL, src=(1, j))`` after its right operand's load ``j``.
 * ``ATTENTION``: ``node`` (an ``Op.ATTENTION`` graph node) as one fused kernel over ``domain = node.shape``
   (``[B, Hq, Lq, Dv]``); ``inputs`` are the buffers under its operands. Generated code reads the operands
   (q, k, v and the broadcast mask) through the strides of the tensors the runtime hands it, which are the
@@ -60,6 +65,7 @@ class KernelKind(StrEnum):
     ROW = "row"
     MATMUL = "matmul"
     CONV = "conv"
+    SPLITK = "splitk"
     ATTENTION = "attention"
     LIBRARY = "library"
 

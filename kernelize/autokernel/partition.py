@@ -254,6 +254,7 @@ class Ctx:
     graph: Graph
     users: dict[Node, list[Node]]  # non-layout consumers through layout chains
     stop: set[Node]  # materialized layout values (copy kernels)
+    merge_matmuls: bool = False  # matmuls reading the same left operand may share a kernel
 
 
 def edges_ok(g: Group, members: Sequence[Node], ctx: Ctx) -> bool:
@@ -308,7 +309,7 @@ def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | N
     ):
         return None
     if g1.kind is KernelKind.MATMUL and g2.kind is KernelKind.MATMUL:
-        return None
+        return _merge_matmuls(g1, g2, p, n, i, ctx) if ctx.merge_matmuls else None
     if KernelKind.MATMUL in (g1.kind, g2.kind) and KernelKind.ROW in (g1.kind, g2.kind):
         return None
     want = through_down(n.src[i], operand_sel(n, i, g2.sel[n]), ctx.stop)
@@ -385,6 +386,27 @@ def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | N
     if not all(member_ok(g, m, g.sel[m]) for m in check):
         return None
     if not edges_ok(g, check, ctx):
+        return None
+    return g
+
+
+def _matmul_of(g: Group) -> Node:
+    return next(m for m in g.sel if m.op is Op.MATMUL)
+
+
+def _merge_matmuls(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | None:
+    """Two matmul groups over the same domain whose matmuls read the same left operand ``x`` (``act(x @ Wg)
+    * (x @ Wu)``): one kernel computing both, so a few-row kernel reads ``x`` once per pass over the
+    weights. The edge must read the producer at the consumer's own index (no transposed epilogue)."""
+    if g1.domain != g2.domain or _matmul_of(g1).src[0] is not _matmul_of(g2).src[0]:
+        return None
+    want = through_down(n.src[i], operand_sel(n, i, g2.sel[n]), ctx.stop)
+    if want is None or not same_sel(want, g1.sel[p]):
+        return None
+    g = Group(g1.gid, KernelKind.MATMUL, g1.domain)
+    g.sel.update(g1.sel)
+    g.sel.update(g2.sel)
+    if not all(member_ok(g, m, g.sel[m]) for m in g.sel) or not edges_ok(g, list(g.sel), ctx):
         return None
     return g
 

@@ -79,6 +79,9 @@ class PlanSettings:
         conv_epilogue: convolutions become CONV kernels that apply their bias, residual add and activation
             inside the library call (:mod:`kernelize.autokernel.conv`); False leaves the conv alone as a
             LIBRARY kernel.
+        merge_matmuls: matmuls over the same domain that read the same left operand and meet in an
+            elementwise epilogue (``silu(x @ Wg) * (x @ Wu)``) become one MATMUL kernel with several MATMUL
+            values (for backends whose matmul kernels compute several accumulators: the CPU's few-row kernel).
         column_reduce: ``"generate"`` (a sum/mean over leading axes is a ROW kernel over the transposed
             domain) or ``"library"`` (torch reduces the materialised operand with blocked partial sums).
     """
@@ -92,6 +95,7 @@ class PlanSettings:
     sink_views: bool = True
     horizontal: bool = True
     conv_epilogue: bool = True
+    merge_matmuls: bool = False
     column_reduce: Literal["generate", "library"] = "generate"
 
     def __post_init__(self) -> None:
@@ -205,7 +209,7 @@ def _partition(
     computed: Sequence[Node],
 ) -> Partition:
     library_mm = settings.matmul == "library"
-    part = Partition(Ctx(graph, users, stop))
+    part = Partition(Ctx(graph, users, stop, settings.merge_matmuls))
     prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2}  # node kinds: 3
     in_chain: dict[Node, int] = {}  # epilogue member -> gid of its CONV group
     outputs = set(graph.outputs)

@@ -8,7 +8,8 @@ The source comes from the shared render table (:class:`~kernelize.codegen.render
   strides chain are merged first, so a contiguous elementwise kernel is one flat loop);
 * row kernels give each thread whole rows and read a row in passes that stay in cache: the statistics of
   the row's reductions and row ops (simd reductions; independent ones share a pass), then one write pass;
-* matmul kernels accumulate one output row at a time with the epilogue fused;
+* matmul kernels: a few-row kernel (decode) or torch's GEMM plus the fused epilogue, chosen per call by
+  the number of rows (:mod:`kernelize.codegen.cpu_gemv`);
 * attention kernels are fused flash-style kernels with an online softmax (:mod:`.cpu_attention`).
 
 16-bit floats are loaded and stored as 16 bits and computed in f32. Static sizes and strides are baked in;
@@ -43,7 +44,7 @@ import torch
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
 from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
 from kernelize.codegen.cpu_attention import attention_launcher, render_attention
-from kernelize.codegen.render import Renderer, c_name, closure, contraction
+from kernelize.codegen.render import Renderer, c_name, closure
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Op
@@ -244,48 +245,9 @@ class _Writer:
         )
 
     def matmul(self) -> str:
-        k = self.k
-        mi = next(i for i, e in enumerate(k.body) if isinstance(e, Compute) and e.op is Op.MATMUL)
-        mm = k.body[mi]
-        ia, ib = mm.src
-        a, b = k.body[ia], k.body[ib]
-        if not (isinstance(a, Load) and isinstance(b, Load)) or a.mask or b.mask or a.indirect or b.indirect:
-            raise NotImplementedError(f"cpu matmul kernel {k.name}: operands must be plain strided loads")
-        rank = self.rank
-        last = rank - 1
-        ct = self.r.ctype(mm.dtype)
-        ind = " " * 8
-        outer = self.outer_index(last, "kz_o", ind) + self.bases(last, ind)
+        from kernelize.codegen.cpu_gemv import render_gemv
 
-        def operand(i: int, e: Load, loop: list[int]) -> str:
-            idx = self.index(f"kz_l{i}", e, loop)
-            ks = e.strides[rank] if len(e.strides) > rank else e.strides[-1]
-            return f"kz_ld({self.ptr[e.buffer]}, {idx}" + (
-                f" + kz_kk * {self.r.dim(ks)})" if ks != 0 else ")"
-            )
-
-        skip = [False] * len(k.body)
-        skip[ia] = skip[ib] = skip[mi] = True
-        body = [f"const {ct} v{mi} = kz_acc[i{last}];"]
-        body += [self.value(i, [last], {}) for i in closure(k, [s.value for s in k.stores], skip)]
-        body += [self.store(j, s, [last]) for j, s in enumerate(k.stores)]
-        return fill(
-            load_template("cpu_matmul.cpp"),
-            PRELUDE=load_template("cpu_prelude.h"),
-            NAME=self.fn_name,
-            DOMAIN=str(list(map(str, k.domain))),
-            PARAMS=self.params,
-            OUTER=self.r.dim(numel(k.domain[:last])),
-            N=self.n(last),
-            K=self.r.dim(contraction(k, mm, a, "cpu")),
-            PARALLEL_MIN=str(PARALLEL_MIN),
-            OUTER_INDEX="\n".join(outer),
-            ACC_T=ct,
-            A_LOAD=operand(ia, a, []),
-            B_LOAD=operand(ib, b, [last]),
-            J=f"i{last}",
-            BODY="\n".join(" " * 12 + line for line in body),
-        )
+        return render_gemv(self)
 
     def row(self) -> str:
         from kernelize.codegen.cpu_row import render_row
@@ -511,18 +473,25 @@ class CpuBackend:
 
     @property
     def plan_settings(self):
-        """Matmuls go to torch (MKL / oneDNN) with the epilogue as a pointwise kernel: measured 2.3x faster
-        at 256x1024x1024 and 7x at 2048^3 than the generated row-at-a-time matmul kernel (2 threads).
-        Column sums (weight gradients) too: the generated kernel walks each column with a row stride,
-        measured 6x slower than torch's blocked partial sums on 2048x2048 f32."""
+        """Matmuls are MATMUL kernels with the epilogue fused, and matmuls sharing their left operand share a
+        kernel (``silu(x @ Wg) * (x @ Wu)``): :meth:`compile` runs them as the few-row kernel for up to
+        ``FEW_ROWS`` rows and as torch's GEMM plus the epilogue kernel above (see ``cpu_gemv``). Column sums
+        (weight gradients) go to torch: the generated kernel walks each column with a row stride, measured
+        6x slower than torch's blocked partial sums on 2048x2048 f32."""
         from kernelize.autokernel.plan import PlanSettings
 
-        return PlanSettings(matmul="library", column_reduce="library")
+        return PlanSettings(matmul="generate", merge_matmuls=True, column_reduce="library")
 
     def device_ok(self, device: torch.device) -> bool:
         return torch.device(device).type == "cpu"
 
     def compile(self, kernel: Kernel) -> CompiledKernel:
+        if kernel.kind is KernelKind.MATMUL:
+            return self._compile_matmul(kernel)
+        source, launch = self._build(kernel)
+        return CompiledKernel(kernel.name, self.name, source, launch, kernel)
+
+    def _build(self, kernel: Kernel):
         source, fn_name = render(kernel, self.renderer)
         path = build_shared_object(source, kernel.name)
         return self._wrap(getattr(load(path), fn_name), kernel, source)
@@ -531,13 +500,32 @@ class CpuBackend:
         fn.restype = ctypes.c_int
         if kernel.kind is KernelKind.ATTENTION:
             fn.argtypes = ATTENTION_ARGTYPES
-            return CompiledKernel(kernel.name, self.name, source, attention_launcher(fn, kernel), kernel)
+            return source, attention_launcher(fn, kernel)
         fn.argtypes = (
             [ctypes.c_void_p] * (len(kernel.reads) + len(kernel.writes))
             + [ctypes.c_int64] * len(kernel.symbols)
             + [ctypes.c_int]
         )
-        return CompiledKernel(kernel.name, self.name, source, _launcher(fn, kernel), kernel)
+        return source, _launcher(fn, kernel)
+
+    def _compile_matmul(self, kernel: Kernel) -> CompiledKernel:
+        """Few rows: the generated few-row kernel; more: torch's GEMM, then the epilogue kernel."""
+        from kernelize.autokernel.matmul import FEW_ROWS, epilogue_kernel, rows_of
+        from kernelize.codegen.cpu_gemv import library_matmuls
+
+        source, few = self._build(kernel)
+        epi, temps = epilogue_kernel(kernel)
+        epi_source, epi_launch = self._build(epi)
+        slots = [(b in temps, temps.index(b) if b in temps else kernel.reads.index(b)) for b in epi.reads]
+
+        def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
+            if rows_of(kernel, sizes) <= FEW_ROWS:
+                return few(reads, writes, sizes)
+            mms = library_matmuls(kernel, reads, sizes)
+            epi_launch([mms[i] if t else reads[i] for t, i in slots], writes, sizes)
+
+        both = f"{source}\n// more than {FEW_ROWS} rows: torch's matmul, then\n{epi_source}"
+        return CompiledKernel(kernel.name, self.name, both, launch, kernel)
 
     def compile_many(self, kernels: Sequence[Kernel], progress: Callable[[int], None] | None = None):
         """Compile ``kernels`` as a few translation units (one per core) built in parallel.

@@ -13,6 +13,9 @@ Kernel shapes:
   reduced in registers; beyond that, or for a symbolic row size, the loop form walks the row in blocks
   (online max/sum for softmax, running sums for norms), recomputing loads rather than staging them.
 * MATMUL: ``BM x BN`` tiles with an f32 accumulator over ``BK`` steps, then the elementwise epilogue.
+  A MATMUL kernel over weights also compiles a few-row form, taken for up to ``FEW_ROWS`` rows: a
+  ``SPLITK`` kernel per matmul (every row in one tile, a grid of column tiles x K slices so one row still
+  fills the GPU, partial sums added to a zeroed f32 temporary) and the epilogue as a pointwise kernel.
 
 Symbolic dims are runtime ``int`` arguments marked ``do_not_specialize``, so one compiled kernel serves
 every batch and sequence length. ``IDX64`` (a ``constexpr`` chosen at launch) widens index math to int64
@@ -31,6 +34,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -38,12 +42,21 @@ from typing import Any
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.matmul import (
+    FEW_ROWS,
+    epilogue_kernel,
+    matmul_parts,
+    rows_of,
+    splitk_kernel,
+    weights_shared,
+)
 from kernelize.codegen.render import Renderer, _call, contraction
 from kernelize.codegen.template import fill, load_template
 from kernelize.codegen.triton_rows import RowRenderer, row_block
 from kernelize.ir.dtypes import HALF, DType, compute_dtype
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.shapes import Dim, bind, numel
+from kernelize.runtime import diskcache
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
 from kernelize.runtime.cache import KERNELS
 
@@ -369,6 +382,21 @@ class KernelSource:
     def row(self) -> str:
         return RowRenderer(self).render()
 
+    def splitk(self) -> str:
+        """A SPLITK kernel (:func:`kernelize.autokernel.matmul.splitk_kernel`): every row in one tile."""
+        k, r = self.k, self.r.dim
+        _, a, b = k.body
+        last = len(k.domain) - 1
+        index, names = _index_lines(k.domain[:last], "rm", "m", self.r)
+        a_row, _ = self.offset(_Ctx(names, [True] * last, "[BM]"), a.strides[:last], a.offset)
+        return self.header(
+            "triton_splitk.py.tmpl", index, [],
+            ROWS=r(numel(k.domain[:last])), N=r(k.domain[last]), K=r(k.body[0].arg),
+            A_PTR=self.ptr[a.buffer], A_ROW=a_row, A_SK=r(a.strides[last + 1]),
+            B_PTR=self.ptr[b.buffer], B_OFF=r(b.offset), B_SK=r(b.strides[last + 1]), B_SN=r(b.strides[last]),
+            **_dot_operands(a.dtype, b.dtype),
+        )
+
 
 def _static(d: Dim) -> float:
     return d if isinstance(d, int) else float("inf")
@@ -387,6 +415,8 @@ def render(kernel: Kernel) -> str:
         return src.row()
     if kernel.kind is KernelKind.MATMUL:
         return src.matmul()
+    if kernel.kind is KernelKind.SPLITK:
+        return src.splitk()
     raise ValueError(f"{kernel.name}: {kernel.kind} kernels are run by the runtime, not generated")
 
 
@@ -416,6 +446,8 @@ def launch_config(kernel: Kernel, sizes: Mapping[str, int]) -> tuple[tuple[int, 
         rows, size = numel(dom[: len(dom) - kernel.row_rank]), numel(dom[len(dom) - kernel.row_rank :])
         block = row_block(kernel, size)
         return (rows,), {"BLOCK": block, "num_warps": row_warps(block)}
+    if kernel.kind is KernelKind.SPLITK:
+        return splitk_config(kernel, dom, sizes)
     m, n, batch = dom[-2], dom[-1], numel(dom[:-2])
     bm, bn, bk = (min(b, max(16, next_power_of_2(x))) for b, x in zip(MATMUL_BLOCKS, (m, n, 1 << 30)))
     grid = (((m + bm - 1) // bm) * ((n + bn - 1) // bn), batch)
@@ -423,25 +455,47 @@ def launch_config(kernel: Kernel, sizes: Mapping[str, int]) -> tuple[tuple[int, 
     return grid, {"BM": bm, "BN": bn, "BK": bk, "UPCAST": upcast, "num_warps": 4}
 
 
+SPLITK_BLOCKS = (16, 64, 64)  # rows (tl.dot's least M), columns, K per step
+SPLITK_PROGRAMS = 512  # column tiles x K slices to aim at: a few waves over an H100's 132 SMs
+
+
+def splitk_config(
+    kernel: Kernel, dom: Sequence[int], sizes: Mapping[str, int]
+) -> tuple[tuple[int, ...], dict[str, int]]:
+    """Grid (column tiles, K slices) and constexprs of a SPLITK kernel: enough programs to fill the GPU
+    even for one row, each slice at least a few BK steps long."""
+    bm, bn, bk = SPLITK_BLOCKS
+    n, kdim = dom[-1], bind((kernel.body[0].arg,), sizes)[0]
+    tiles = max(1, (n + bn - 1) // bn)
+    splits = max(1, min((kdim + 4 * bk - 1) // (4 * bk), SPLITK_PROGRAMS // tiles))
+    ksplit = ((kdim + splits - 1) // splits + bk - 1) // bk * bk
+    splits = max(1, (kdim + ksplit - 1) // ksplit)
+    upcast = interpreting() and any(isinstance(e, Load) and e.dtype in HALF for e in kernel.body)
+    return (tiles, splits), {"BM": bm, "BN": bn, "BK": bk, "KSPLIT": ksplit, "UPCAST": upcast, "num_warps": 4}
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KERNELIZE_CACHE_DIR")
-    path = Path(root) / "triton" if root else Path.home() / ".cache" / "kernelize" / "triton"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where generated Triton modules live: ``<kernelize cache>/triton``, checked and with the same
+    fallback as the compiled-code cache (:func:`kernelize.runtime.diskcache.cache_dir`)."""
+    return diskcache.cache_dir("triton")
+
+
+def module_file(source: str, name: str) -> Path:
+    """The ``.py`` file holding exactly ``source`` in the checked cache folder (written when missing or
+    different): an existing file is reused only with the same content, in a folder only this user writes
+    (Python may also load its ``__pycache__`` bytecode)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return diskcache.cached_file("triton", f"{name}_{digest}.py", source.encode())
 
 
 def load_module(source: str, name: str, interpret: bool) -> ModuleType:
     """Write ``source`` to the cache dir and import it (``triton.jit`` needs a real file to inspect)."""
+    path = module_file(source, name)
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = cache_dir() / f"{name}_{digest}.py"
-    if not path.exists() or path.read_text() != source:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        tmp.replace(path)
     mod_name = f"kernelize_triton_{name}_{digest}_{'interp' if interpret else 'jit'}"
     spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(spec)
@@ -482,6 +536,11 @@ class TritonBackend:
             from kernelize.codegen.triton_attention import compile_attention
 
             return compile_attention(kernel, interpreting())
+        if kernel.kind is KernelKind.MATMUL and weights_shared(kernel):
+            return self._compile_matmul(kernel)
+        return self._compile(kernel)
+
+    def _compile(self, kernel: Kernel) -> CompiledKernel:
         source = render(kernel)
         interpret = interpreting()
         key = (hashlib.sha256(source.encode()).hexdigest(), "interpret" if interpret else "cuda")
@@ -499,6 +558,47 @@ class TritonBackend:
             fn[grid](*reads, *writes, *(int(sizes[s]) for s in symbols), IDX64=idx64, **meta)
 
         return CompiledKernel(kernel.name, "triton", source, launch, kernel)
+
+    def _compile_matmul(self, kernel: Kernel) -> CompiledKernel:
+        """Up to FEW_ROWS rows: split-K partial products into f32 temporaries, then the epilogue kernel;
+        more rows: the tiled matmul kernel."""
+        tiled = self._compile(kernel) if len(matmul_parts(kernel).mms) == 1 else None
+        epi, temps = epilogue_kernel(kernel)
+        f32 = [replace(t, dtype=DType.F32) for t in temps]  # partial sums accumulate in f32
+        epi = _retype(epi, dict(zip(temps, f32)))
+        parts = [self._compile(splitk_kernel(kernel, j, t)) for j, t in enumerate(f32)]
+        epilogue = self._compile(epi)
+        slots = [(b in f32, f32.index(b) if b in f32 else kernel.reads.index(b)) for b in epi.reads]
+        index = {b: i for i, b in enumerate(kernel.reads)}
+
+        def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
+            if tiled is not None and rows_of(kernel, sizes) > FEW_ROWS:
+                return tiled.launch(reads, writes, sizes)
+            dom = bind(kernel.domain, sizes)
+            acc = [torch.zeros(dom, dtype=torch.float32, device=writes[0].device) for _ in f32]
+            for part, t in zip(parts, acc):
+                part.launch([reads[index[b]] for b in part.kernel.reads], [t], sizes)
+            epilogue.launch([acc[i] if tmp else reads[i] for tmp, i in slots], writes, sizes)
+
+        sources = [c.source for c in (*parts, epilogue, *([tiled] if tiled else []))]
+        return CompiledKernel(kernel.name, "triton", "\n".join(sources), launch, kernel)
+
+
+def _dot_operands(a: DType, b: DType) -> dict[str, str]:
+    """``tl.dot`` operands and precision: 16-bit pairs as they are (f32 accumulate), anything with f32 in
+    exact f32 (``ieee``, not tf32), mixed 16-bit kinds as f32."""
+    if a == b and a in HALF:
+        return {"A_CAST": "a", "B_CAST": "b", "PRECISION": ""}
+    ieee = ', input_precision="ieee"'
+    return {"A_CAST": "a.to(tl.float32)", "B_CAST": "b.to(tl.float32)", "PRECISION": ieee}
+
+
+def _retype(k: Kernel, new: Mapping) -> Kernel:
+    """``k`` reading buffers ``new[b]`` instead of ``b``."""
+    return replace(
+        k, body=tuple(replace(e, buffer=new[e.buffer]) if isinstance(e, Load) and e.buffer in new else e
+                      for e in k.body)
+    )
 
 
 def compile_ahead(

@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -21,10 +20,10 @@ from kernelize.autokernel.kernels import Kernel
 from kernelize.codegen.triton import (
     SIG,
     KernelSource,
-    cache_dir,
     interpreting,
     launch_config,
     load_module,
+    module_file,
     render,
 )
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
@@ -33,10 +32,7 @@ from kernelize.runtime.backend import CompiledKernel, KernelCompileError
 def _aot_job(kernel: Kernel, arch: int, sizes: Mapping[str, int] | None) -> dict:
     """What ``triton.compile`` needs for one kernel: module path, function name, signature, constexprs."""
     source = render(kernel)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = cache_dir() / f"{kernel.name}_{digest}.py"
-    if not path.exists():
-        path.write_text(source)
+    path = module_file(source, kernel.name)  # checked folder, exact content: never a stale or planted file
     sizes = dict(sizes or {s: 64 for s in kernel.symbols})
     _, meta = launch_config(kernel, sizes)
     num_warps = meta.pop("num_warps")
@@ -160,11 +156,7 @@ def compile_attention_ahead(kernel: Kernel, archs: Sequence[int] = (80, 90), nsp
     result per (function, arch) in the order of :func:`kernelize.codegen.triton_attention.aot_jobs`."""
     from kernelize.codegen.triton_attention import aot_jobs, render_attention
 
-    source = render_attention(kernel)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = cache_dir() / f"{kernel.name}_{digest}.py"
-    if not path.exists():
-        path.write_text(source)
+    path = module_file(render_attention(kernel), kernel.name)  # checked folder, exact content
     jobs = [j for arch in archs for j in aot_jobs(kernel, arch, str(path), nsplit)]
     return [{**r, "name": j["name"], "arch": j["arch"]} for j, r in zip(jobs, run_jobs(jobs))]
 

@@ -11,7 +11,7 @@ Example:
 from kernelize.ir.autodiff import NotDifferentiable, split, vjp
 from kernelize.ir.dot import graph_to_svg, to_dot
 from kernelize.ir.dtypes import DType
-from kernelize.ir.errors import UnsupportedOpError
+from kernelize.ir.errors import FoldLimitError, UnsupportedOpError
 from kernelize.ir.graph import Constant, DTypeError, Graph, Node, Op
 from kernelize.ir.onnx_frontend import load_onnx
 from kernelize.ir.printer import format_graph, op_counts
@@ -34,6 +34,7 @@ __all__ = [
     "Constant",
     "DType",
     "DTypeError",
+    "FoldLimitError",
     "Graph",
     "Node",
     "NotDifferentiable",

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kernelize.ir.dtypes import DType, promote
+from kernelize.ir.dtypes import HALF, DType, promote
 from kernelize.ir.ops import (
     BINARY,
     COMPARE,
@@ -162,7 +163,7 @@ class Graph:
         """A graph input. String dims become symbolic dims (``"batch"`` -> ``Sym.of("batch")``)."""
         if any(i.arg == name for i in self.inputs):
             raise ValueError(f"graph already has an input named {name!r}")
-        dims = tuple(Sym.of(d) if isinstance(d, str) else d for d in shape)
+        dims = tuple(_input_dim(name, axis, d) for axis, d in enumerate(shape))
         node = self.push(Op.INPUT, DType(dtype), dims, (), name)
         self.inputs.append(node)
         return node
@@ -417,8 +418,16 @@ class Graph:
         return self.push(op, x.dtype, x.shape, (x,))
 
     def binary(self, op: Op, a: Operand, b: Operand) -> Node:
-        """Elementwise binary op; scalars take the other operand's dtype; shapes broadcast."""
+        """Elementwise binary op; scalars take the other operand's dtype; shapes broadcast.
+
+        Like torch, a python scalar multiplying or dividing a 16-bit float keeps f32 precision: the op
+        computes in f32 and rounds once (``x / 1e5`` on f16 is ``cast(cast(x, f32) / 1e5, f16)``, not a
+        division by f16's ``inf``). Other ops round the scalar to the tensor's dtype first, as torch does.
+        """
         assert op in BINARY, op
+        wide = self._opmath(op, a, b)
+        if wide is not None:
+            return wide
         a, b = self._operands(a, b)
         if a.dtype != b.dtype:
             raise DTypeError(f"{op} of {a} and {b}: dtypes differ (cast one of them first)")
@@ -515,6 +524,18 @@ class Graph:
         return out
 
     # -- helpers ------------------------------------------------------------------------------------------
+    def _opmath(self, op: Op, a: Operand, b: Operand) -> Node | None:
+        """``op(x, s)`` in f32 for a 16-bit ``x`` and a python scalar ``s`` of mul/div that the 16-bit type
+        cannot hold exactly (torch's opmath), else None (the plain rule is exact)."""
+        if op not in (Op.MUL, Op.DIV) or isinstance(a, Node) == isinstance(b, Node):
+            return None
+        x, s = (a, b) if isinstance(a, Node) else (b, a)
+        if x.dtype not in HALF or isinstance(s, bool) or fits_exactly(s, x.dtype):
+            return None
+        wide = self.cast(x, DType.F32)
+        out = self.binary(op, wide, s) if x is a else self.binary(op, s, wide)
+        return self.cast(out, x.dtype)
+
     def _operands(self, a: Operand, b: Operand) -> tuple[Node, Node]:
         if not isinstance(a, Node) and not isinstance(b, Node):
             raise TypeError("at least one operand must be a graph node")
@@ -537,6 +558,31 @@ class Graph:
             if op in ops and x.shape == shape and scalar_value(c) == neutral:
                 return x
         return None
+
+
+def _input_dim(name: str, axis: int, d: object) -> Dim:
+    """One dim of a graph input: a name becomes a Sym; a size must be an integer >= 0 (bools, floats and
+    negative sizes would pass later checks and fail only when kernels run)."""
+    if isinstance(d, str):
+        return Sym.of(d)
+    if isinstance(d, Sym):
+        return d
+    if not isinstance(d, bool):
+        try:
+            size = operator.index(d)
+        except TypeError:
+            size = -1
+        if size >= 0:
+            return size
+    raise ShapeError(f"input {name!r}: dim {axis} is {d!r}; a dim is an integer >= 0, a Sym or a name (str)")
+
+
+def fits_exactly(value: Scalar, dtype: DType) -> bool:
+    """Whether ``dtype`` holds the f32 value of python scalar ``value`` exactly (NaN counts as held)."""
+    if isinstance(value, float) and math.isnan(value):
+        return True
+    wide = torch.tensor(value, dtype=torch.float32)
+    return bool(wide.to(dtype.torch).to(torch.float32) == wide)
 
 
 def _exact_div(a: int, b: int) -> int:
@@ -600,6 +646,7 @@ __all__ = [
     "Op",
     "ShapeError",
     "Sym",
+    "fits_exactly",
     "promote",
     "scalar_value",
 ]

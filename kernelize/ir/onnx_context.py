@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +29,34 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 from kernelize.ir.dtypes import DType
-from kernelize.ir.errors import UnsupportedOpError
+from kernelize.ir.errors import FoldLimitError, UnsupportedOpError
 from kernelize.ir.graph import Graph, Node
 from kernelize.ir.shapes import Dim, Shape
+
+# constants folded at load time are capped: a tiny model (ConstantOfShape([20000, 20000]) -> ReduceSum) must
+# not allocate gigabytes while loading; larger values stay run-time computations
+FOLD_LIMIT_ENV = "KERNELIZE_FOLD_LIMIT"
+DEFAULT_FOLD_LIMIT = 64 * 2**20
+
+
+def fold_limit(value: int | None = None) -> int:
+    """The folding cap in bytes: ``value`` if given, else ``$KERNELIZE_FOLD_LIMIT``, else 64 MiB."""
+    source = "fold_limit"
+    if value is None:
+        raw = os.environ.get(FOLD_LIMIT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_FOLD_LIMIT
+        source = f"{FOLD_LIMIT_ENV}={raw!r}"
+        value = int(raw) if raw.isdigit() else -1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{source}: the folding cap is a byte count (an int >= 0), got {value!r}")
+    return value
+
+
+def nbytes(shape: Sequence[Dim], dtype: DType) -> int:
+    """Bytes of a static shape (``math.prod`` of python ints: no overflow)."""
+    return math.prod(int(d) for d in shape) * dtype.itemsize
+
 
 # ONNX element types the IR has; everything else is unsupported
 ONNX_TO_DTYPE = {
@@ -114,8 +141,9 @@ class NodeContext:
     """One ONNX node being converted: its operands, attributes, opset and the graph to build into."""
 
     def __init__(self, g: Graph, node: onnx.NodeProto, opset: int, values: Sequence[Value | None],
-                 where: str) -> None:
+                 where: str, limit: int = DEFAULT_FOLD_LIMIT) -> None:
         self.g = g
+        self.limit = limit  # folding cap in bytes
         self.node = node
         self.opset = opset
         self.values = list(values)
@@ -137,6 +165,17 @@ class NodeContext:
     def unsupported(self, reason: str) -> UnsupportedOpError:
         """An error naming op type, node name and opset; ``raise ctx.unsupported("...")``."""
         return UnsupportedOpError(f"{self.describe()}: {reason}")
+
+    def fits(self, shape: Sequence[Dim], dtype: DType) -> bool:
+        """Whether a load-time tensor of ``shape`` and ``dtype`` is within the folding cap."""
+        return nbytes(shape, dtype) <= self.limit
+
+    def too_large(self, what: str, shape: Sequence[Dim], dtype: DType) -> FoldLimitError:
+        """The error for a load-time value over the cap that the IR cannot compute at run time."""
+        return FoldLimitError(
+            f"{self.describe()}: {what} would be a {dtype}{list(shape)} constant of {nbytes(shape, dtype)} "
+            f"bytes, over the folding cap of {self.limit} bytes, and the IR cannot compute it at run time; "
+            f"raise the cap with load_onnx(..., fold_limit=bytes) or ${FOLD_LIMIT_ENV} if it is intended")
 
     # -- outputs ------------------------------------------------------------------------------------------
     @property
@@ -251,11 +290,14 @@ def materialize(g: Graph, t: torch.Tensor) -> Node:
 def _uniform(flat: torch.Tensor) -> bool:
     """All elements bitwise equal (NaN equals NaN, -0.0 differs from 0.0: the broadcast is exact)."""
     bits = flat if flat.dtype is torch.bool else flat.contiguous().view(_BITS[flat.element_size()])
-    probe = bits[torch.linspace(0, len(bits) - 1, min(len(bits), 8)).long()]
+    n, k = len(bits), min(len(bits), 8)
+    # integer probe positions: an f32 linspace rounds n - 1 up past the end once n > 2**24
+    probe = bits[torch.arange(k) * (n - 1) // max(k - 1, 1)]
     if bool((probe != bits[0]).any()):  # weights differ early: skip the full pass
         return False
     return bool((bits == bits[0]).all())
 
 
-__all__ = ["ONNX_TO_DTYPE", "Converter", "NodeContext", "SymInts", "Value", "materialize", "onnx_type_name",
-           "sym_or_const", "tensor_from_numpy", "tensor_from_proto", "to_dtype"]
+__all__ = ["DEFAULT_FOLD_LIMIT", "FOLD_LIMIT_ENV", "ONNX_TO_DTYPE", "Converter", "NodeContext", "SymInts",
+           "Value", "fold_limit", "materialize", "nbytes", "onnx_type_name", "sym_or_const",
+           "tensor_from_numpy", "tensor_from_proto", "to_dtype"]

@@ -25,19 +25,22 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import onnx
 import torch
 
-from kernelize.ir.errors import UnsupportedOpError
-from kernelize.ir.graph import DTypeError, Graph, Node
+from kernelize.ir.errors import FoldLimitError, UnsupportedOpError
+from kernelize.ir.graph import DTypeError, Graph, Node, Op
 from kernelize.ir.onnx_attention import ATTENTION_OPS
 from kernelize.ir.onnx_context import (
     Converter,
     NodeContext,
     SymInts,
     Value,
+    fold_limit,
     materialize,
+    nbytes,
     onnx_type_name,
     tensor_from_proto,
     to_dtype,
@@ -57,7 +60,7 @@ SYMBOLIC_OPS: dict[str, Converter] = dict(SYM_OPS)
 
 
 def load_onnx(path_or_model: str | os.PathLike | bytes | onnx.ModelProto, *,
-              dynamic_dims: Mapping[str, int | str] | None = None) -> Graph:
+              dynamic_dims: Mapping[str, int | str] | None = None, fold_limit: int | None = None) -> Graph:
     """Convert an ONNX model into a graph.
 
     Args:
@@ -66,6 +69,10 @@ def load_onnx(path_or_model: str | os.PathLike | bytes | onnx.ModelProto, *,
         dynamic_dims: renames or pins input dims. Keys are a ``dim_param`` name (``"batch"``) or
             ``"<input>:<axis>"`` (``"x:0"``, also for static dims); a value ``str`` makes that dim a symbolic
             dim of that name, an ``int`` makes it static.
+        fold_limit: the cap, in bytes, on each value folded at load time (default ``$KERNELIZE_FOLD_LIMIT``
+            or 64 MiB). A node whose folded result (or an intermediate of it) would be larger stays a
+            run-time computation; when the IR cannot express it at run time (``Range``, ``EyeLike``),
+            :class:`~kernelize.ir.errors.FoldLimitError` names the node.
 
     Returns:
         The graph, with one input per ONNX graph input (same names, initializers excluded) and one output
@@ -80,8 +87,9 @@ def load_onnx(path_or_model: str | os.PathLike | bytes | onnx.ModelProto, *,
     Example:
         >>> g = load_onnx("model.onnx", dynamic_dims={"x:0": "batch"})  # doctest: +SKIP
     """
+    limit = _fold_limit(fold_limit)
     model, where = _read(path_or_model)
-    return _Loader(model, where, dict(dynamic_dims or {})).run()
+    return _Loader(model, where, dict(dynamic_dims or {}), limit).run()
 
 
 def _read(src: str | os.PathLike | bytes | onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
@@ -120,8 +128,9 @@ def _sym_name(name: str) -> str:
 
 
 class _Loader:
-    def __init__(self, model: onnx.ModelProto, where: str, dynamic_dims: dict[str, int | str]) -> None:
-        self.model, self.where, self.dynamic = model, where, dynamic_dims
+    def __init__(self, model: onnx.ModelProto, where: str, dynamic_dims: dict[str, int | str],
+                 limit: int) -> None:
+        self.model, self.where, self.dynamic, self.limit = model, where, dynamic_dims, limit
         # a model of other domains only has no default opset; its nodes are then unsupported anyway
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
         self.g = Graph()
@@ -133,6 +142,12 @@ class _Loader:
         if unknown:
             raise ValueError(f"dynamic_dims keys {unknown} match no input dim of {self.where} (keys are "
                              "dim_param names or '<input>:<axis>')")
+        for key, value in self.dynamic.items():
+            # bool is an int, 2.5 is not a size, -3 passes every check until a kernel runs
+            if isinstance(value, bool) or not isinstance(value, int | str) or (
+                    isinstance(value, int) and value < 0):
+                raise ValueError(f"dynamic_dims[{key!r}] = {value!r} for {self.where}: a value is a dim name "
+                                 "(str) or a static size (int >= 0)")
         for init in graph.initializer:
             self.values[init.name] = tensor_from_proto(init, f"initializer {init.name!r} of {self.where}")
         if graph.sparse_initializer:
@@ -175,6 +190,10 @@ class _Loader:
             if pinned is not None:
                 dims.append(Sym.of(_sym_name(pinned)) if isinstance(pinned, str) else int(pinned))
             elif d.HasField("dim_value"):
+                if d.dim_value < 0:
+                    raise ValueError(f"graph input {vi.name!r} of {self.where}: dim {axis} has dim_value "
+                                     f"{d.dim_value}; sizes must be >= 0 (pin it with dynamic_dims="
+                                     f"{{'{vi.name}:{axis}': size}})")
                 dims.append(int(d.dim_value))
             else:
                 dims.append(Sym.of(_sym_name(d.dim_param or f"{vi.name}_{axis}")))
@@ -199,7 +218,7 @@ class _Loader:
             else:
                 raise ValueError(f"{self.where}: node {node.name or index!r} ({node.op_type}) reads "
                                  f"{name!r}, which no earlier node, input or initializer defines")
-        ctx = NodeContext(self.g, node, self.opset, values, self.where)
+        ctx = NodeContext(self.g, node, self.opset, values, self.where, self.limit)
         if node.domain not in ("", "ai.onnx"):
             raise ctx.unsupported(f"domain {node.domain!r} is not supported (only the default ONNX domain)")
         symbolic = any(isinstance(v, SymInts) for v in values)
@@ -213,12 +232,17 @@ class _Loader:
         if fold:
             ctx.g = Graph()
         try:
-            out = fn(ctx)
-            outs = list(out) if isinstance(out, (tuple, list)) else [out]
-            if fold:
+            outs = _outputs(fn(ctx))
+            if fold and _oversized(ctx.g, self.limit):  # keep it a run-time computation instead
+                ctx.g = self.g
+                outs = _outputs(fn(ctx))
+            elif fold:
                 outs = _fold(ctx.g, outs)
-        except UnsupportedOpError:
+        except (UnsupportedOpError, FoldLimitError):
             raise
+        except MemoryError as e:
+            raise MemoryError(f"{ctx.describe()}: out of memory while converting it (folding cap "
+                              f"{self.limit} bytes)") from e
         except (ShapeError, DTypeError, ValueError, TypeError, IndexError, KeyError, ZeroDivisionError,
                 RuntimeError) as e:  # operands that do not fit the op: a malformed model
             kind = ShapeError if isinstance(e, ShapeError) else ValueError
@@ -231,6 +255,23 @@ class _Loader:
             self.values[name] = outs[i]
 
 
+def _fold_limit(value: int | None) -> int:
+    try:
+        return fold_limit(value)
+    except ValueError as e:
+        raise ValueError(f"load_onnx: {e}") from None
+
+
+def _outputs(out: Any) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _oversized(scratch: Graph, limit: int) -> bool:
+    """Whether folding would allocate a value over ``limit`` bytes: some computed node of the scratch graph
+    (its constants exist already; converters that return tensors check the cap themselves)."""
+    return any(nbytes(n.shape, n.dtype) > limit for n in scratch.nodes if n.op is not Op.CONST)
+
+
 def _fold(scratch: Graph, outs: list) -> list:
     """Evaluate the nodes a converter built on a scratch graph of constants; tensors and None pass through."""
     nodes = [o for o in outs if isinstance(o, Node)]
@@ -241,4 +282,4 @@ def _fold(scratch: Graph, outs: list) -> list:
     return [next(vals) if isinstance(o, Node) else o for o in outs]
 
 
-__all__ = ["OPS", "SYMBOLIC_OPS", "UnsupportedOpError", "load_onnx", "onnx_type_name"]
+__all__ = ["OPS", "SYMBOLIC_OPS", "FoldLimitError", "UnsupportedOpError", "load_onnx", "onnx_type_name"]

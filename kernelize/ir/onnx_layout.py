@@ -8,6 +8,8 @@ data with a flat index computed at run time.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -309,9 +311,9 @@ def _constant(ctx: NodeContext):
 def _constant_of_shape(ctx: NodeContext):
     value = ctx.attr("value", torch.zeros(1, dtype=torch.float32)).reshape(())
     dims = ctx.dims(0)
-    if is_static(dims):
+    if is_static(dims) and ctx.fits(dims, DType.from_torch(value.dtype)):
         return torch.full(dims, value.item(), dtype=value.dtype)
-    return ctx.g.broadcast(ctx.g.const(value), dims)
+    return ctx.g.broadcast(ctx.g.const(value), dims)  # over the folding cap: a run-time broadcast
 
 
 def _range(ctx: NodeContext):
@@ -320,6 +322,11 @@ def _range(ctx: NodeContext):
         raise ctx.unsupported("Range with inputs known only at run time")
     start, limit, delta = (v.item() for v in vals)
     dtype = vals[0].dtype
+    if delta == 0:
+        raise ValueError("Range with delta 0")
+    count = max(0, math.ceil((limit - start) / delta))
+    if not ctx.fits((count,), DType.from_torch(dtype)):  # the IR has no run-time Range
+        raise ctx.too_large(f"Range({start}, {limit}, {delta})", (count,), DType.from_torch(dtype))
     stash = ctx.attr("stash_type")
     if stash is not None and dtype in (torch.float16, torch.bfloat16):  # count in f32/f64, then round
         compute = to_dtype(stash, "Range stash_type").torch
@@ -331,6 +338,8 @@ def _range(ctx: NodeContext):
 def _eye_like(ctx: NodeContext):
     shape = _static(ctx, ctx.shape(0), "EyeLike")
     dtype = to_dtype(ctx.attr("dtype"), "EyeLike dtype") if "dtype" in ctx.attrs else ctx.dtype(0)
+    if not ctx.fits(shape, DType.F64):  # numpy builds it in f64 first
+        raise ctx.too_large("EyeLike", shape, dtype)
     eye = np.eye(shape[0], shape[1], k=ctx.attr("k", 0))
     return torch.as_tensor(eye).to(dtype.torch)
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from kernelize.ir.dtypes import DType
-from kernelize.ir.graph import Node, Op
+from kernelize.ir.dtypes import HALF, DType
+from kernelize.ir.graph import Node, Op, scalar_value
 from kernelize.ir.shapes import Sym
 
 aten = torch.ops.aten
@@ -118,9 +118,25 @@ def _arith(op: Op) -> Handler:
         dtype = t.out_dtype()
         if alpha != 1:
             b = t.g.mul(t.cast(b, dtype), alpha) if isinstance(b, Node) else b * alpha
+        if op in (Op.MUL, Op.DIV) and dtype in HALF and _cpu_scalar(b):
+            return _opmath(t, op, a, b)
         return t.g.binary(op, t.cast(a, dtype), t.cast(b, dtype))
 
     return handler
+
+
+def _cpu_scalar(b: Any) -> bool:
+    """A 0-d tensor of a wider type as the second operand: torch reads it like a python scalar (at opmath
+    precision) in ``x * s`` and ``x / s`` (the builder does the same for python scalars)."""
+    return isinstance(b, Node) and b.rank == 0 and b.dtype not in HALF
+
+
+def _opmath(t, op: Op, a: Any, b: Node) -> Node:
+    """``a op b`` computed in f32 with ``b`` at f32 precision; the tracer rounds the result to 16 bits."""
+    value = scalar_value(b)
+    if value is not None and not isinstance(value, bool):
+        return t.g.binary(op, t.cast(a, t.out_dtype()), value)
+    return t.g.binary(op, t.cast(a, DType.F32), t.cast(b, DType.F32))
 
 
 def _compare(op: Op) -> Handler:
@@ -167,6 +183,8 @@ def _rsub(t, a, b, *, alpha=1):
 @_on(aten.div.Tensor_mode, aten.div.Scalar_mode)
 def _div_mode(t, a, b, *, rounding_mode=None):
     dtype = t.out_dtype()
+    if dtype in HALF and (not isinstance(b, Node) or _cpu_scalar(b)):
+        dtype = DType.F32  # torch divides by a scalar in f32 (opmath) and rounds once
     a, b = t.cast(a, dtype), t.cast(b, dtype)
     if rounding_mode is None:
         return t.g.div(a, b)

@@ -174,13 +174,14 @@ class Device:
 def _parse_capability(raw: str, source: str) -> int:
     """`"90"` -> 90, `"8.6"` -> 86, `"12.0"` -> 120."""
     text = raw.strip()
-    try:
-        if "." in text:
-            major, minor = text.split(".", 1)
-            return int(major) * 10 + int(minor)
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{source}={raw!r} is not a capability; use e.g. 90 or 8.6.") from None
+    # digits only: int() alone would take "-5", "+9" or "8.-6" and selection would then match nothing
+    major, _, minor = text.partition(".")
+    if not major.isdigit() or ("." in text and not (minor.isdigit() and len(minor) == 1)):
+        raise ValueError(f"{source}={raw!r} is not a capability; use e.g. 90 or 8.6.")
+    value = int(major) * 10 + int(minor) if minor else int(major)
+    if value == 0:
+        raise ValueError(f"{source}={raw!r} is not a capability; use e.g. 90 or 8.6.")
+    return value
 
 
 def device_capability(device_type: DeviceType, index: int | None = None) -> int | None:

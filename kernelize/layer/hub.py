@@ -19,7 +19,6 @@ import fnmatch
 import importlib.resources
 import logging
 import os
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -54,7 +53,7 @@ _REPO_TYPES = ("kernel", "model")  # newer Hub kernel repos first; older ones ar
 _BYTECODE = ["*.pyc", "*/__pycache__/*"]
 _TRUE = frozenset({"1", "true", "yes", "on", "all", "*"})
 
-TrustRemoteCode = bool | Collection[str]
+TrustRemoteCode = bool | list[str] | tuple[str, ...]  # repo ids or globs; a bare string is refused
 
 
 def bundled_hub_dir() -> Path:

@@ -66,11 +66,16 @@ def _logits(x: Node) -> tuple[Node, float, Node | None] | None:
 
 
 def _strip_scale(x: Node) -> tuple[Node, float | None]:
-    if x.op in (Op.MUL, Op.DIV):
-        for a, b in ((0, 1), (1, 0)) if x.op is Op.MUL else ((0, 1),):
-            c = scalar_value(x.src[b])
-            if c is not None and c != 0 and _scores(x.src[a]) is not None:
-                return x.src[a], c if x.op is Op.MUL else 1.0 / c
+    op = x
+    if x.op is Op.CAST and x.src[0].dtype is DType.F32 and x.src[0].op in (Op.MUL, Op.DIV):
+        op = x.src[0]  # 16-bit scores times a scale f16 cannot hold: cast(cast(s, f32) * c, f16)
+    if op.op in (Op.MUL, Op.DIV):
+        for a, b in ((0, 1), (1, 0)) if op.op is Op.MUL else ((0, 1),):
+            c, s = scalar_value(op.src[b]), op.src[a]
+            if op is not x and s.op is Op.CAST and s.src[0].dtype == x.dtype:
+                s = s.src[0]
+            if c is not None and c != 0 and _scores(s) is not None:
+                return s, c if op.op is Op.MUL else 1.0 / c
     return x, 1.0
 
 

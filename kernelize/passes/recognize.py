@@ -145,6 +145,9 @@ def _poly(node: Node, atoms: dict[int, Node], budget: list[int]) -> Poly | None:
     if v is not None:
         return {(): float(v)}
     op, src = node.op, node.src
+    if op is Op.CAST and node.dtype.is_float and src[0].dtype.is_float:
+        # a 16-bit graph computes `x / sqrt(2)` as cast(cast(x, f32) / sqrt(2), f16): the value is the same
+        return _poly(src[0], atoms, budget)
     if op in (Op.ADD, Op.SUB):
         a, b = _poly(src[0], atoms, budget), _poly(src[1], atoms, budget)
         if a is None or b is None:

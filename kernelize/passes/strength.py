@@ -13,20 +13,34 @@ from __future__ import annotations
 
 import torch
 
-from kernelize.ir.dtypes import compute_dtype
+from kernelize.ir.dtypes import HALF, compute_dtype
 from kernelize.ir.graph import Graph, Node, Op, scalar_value
 from kernelize.passes.rewrite import Const, Context, P, Rule, Scalar, Var, const_value, rewrite
 
 
 def _div_const(ctx: Context, x: Node, c: Node) -> Node | None:
-    """x / c -> x * (1 / c): x / 0 and x * inf agree (both +-inf, or nan for 0 / 0)."""
+    """x / c -> x * (1 / c) when 1 / c is a normal number, or c is 0 or inf (x / 0 and x * inf agree).
+
+    A subnormal c has no finite reciprocal (0 / c is 0, 0 * inf is nan) and a huge c a subnormal one that
+    loses digits: those divisions stay. A 16-bit x takes the reciprocal as an f32 scalar (the builder then
+    multiplies in f32, as torch's ``x / s`` does); a per-element 16-bit divisor keeps the exact division.
+    """
     if not x.dtype.is_float:
         return None
     value = const_value(c)
     if value is None:
         return None
-    recip = torch.reciprocal(value.to(torch.float64)).to(compute_dtype(x.dtype).torch).to(x.dtype.torch)
-    return ctx.g.mul(x, ctx.g.const(recip))
+    wide = compute_dtype(x.dtype).torch
+    recip = torch.reciprocal(value.to(torch.float64)).to(wide)
+    exact = value.to(wide)
+    normal = recip.isfinite() & (recip.abs() >= torch.finfo(wide).tiny)
+    if not bool((normal | (exact == 0) | exact.isinf()).all()):
+        return None
+    if x.dtype in HALF:
+        if scalar_value(c) is None:
+            return None
+        return ctx.g.mul(x, float(recip.reshape(-1)[0]))
+    return ctx.g.mul(x, ctx.g.const(recip.to(x.dtype.torch)))
 
 
 def _sq(g: Graph, x: Node) -> Node:

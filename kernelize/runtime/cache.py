@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
@@ -34,10 +35,16 @@ def graph_fingerprint(graph: Graph) -> str:
 
 
 class Cache(Generic[T]):
-    """A thread-safe memo: ``get_or_build(key, build)`` builds once per key."""
+    """A thread-safe memo: ``get_or_build(key, build)`` builds once per key.
 
-    def __init__(self) -> None:
-        self._items: dict[Hashable, T] = {}
+    With ``weak=True`` it holds its values weakly: a value nobody else references is freed (and built
+    again when asked for), so the memo never pins memory by itself.
+    """
+
+    def __init__(self, weak: bool = False) -> None:
+        self._items: dict[Hashable, T] | weakref.WeakValueDictionary = (
+            weakref.WeakValueDictionary() if weak else {}
+        )
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -47,9 +54,10 @@ class Cache(Generic[T]):
 
     def get_or_build(self, key: Hashable, build: Callable[[], T]) -> T:
         with self._lock:
-            if key in self._items:
+            value = self._items.get(key)  # one lookup: a weak value may vanish between two
+            if value is not None:
                 self.hits += 1
-                return self._items[key]
+                return value
         value = build()  # outside the lock: builds may compile for seconds
         with self._lock:
             self.misses += 1
@@ -64,8 +72,9 @@ class Cache(Generic[T]):
         return len(self._items)
 
 
-# (graph fingerprint, backend name, device string) -> CompiledGraph
-GRAPHS: Cache = Cache()
+# (graph fingerprint, backend name, device string) -> CompiledGraph, held weakly: a graph's constants can be
+# hundreds of MiB, and callers (hub entries, modules) keep the graphs they use alive themselves
+GRAPHS: Cache = Cache(weak=True)
 # (source hash, target) -> backend-specific loaded kernel
 KERNELS: Cache = Cache()
 

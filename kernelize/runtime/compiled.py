@@ -17,9 +17,11 @@ Example:
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import math
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -60,8 +62,11 @@ BACKENDS: dict[str, Callable[[], Backend]] = {
 }
 BACKEND_NAMES = ("reference", *BACKENDS)
 
-# key -> CompiledGraph, for the custom op (which can only take strings and tensors)
-_REGISTRY: dict[str, CompiledGraph] = {}
+# key -> CompiledGraph, for the custom op (which can only take strings and tensors). Held weakly, so a graph
+# nobody references is freed with its constants; whoever calls a graph (a hub entry, a module, a closure
+# that torch.compile traced) holds it, and a key is never reused (serial number, not id()).
+_REGISTRY: weakref.WeakValueDictionary[str, CompiledGraph] = weakref.WeakValueDictionary()
+_SERIAL = itertools.count()
 
 
 def default_device(backend: str) -> torch.device:
@@ -209,7 +214,7 @@ class CompiledGraph:
     ) -> None:
         self.graph, self.backend, self.device, self.plan = graph, backend, device, plan
         self.kernels: list[CompiledKernel] = [compiled[k.name] for k in kernels if k.name in compiled]
-        self.key = f"{graph_fingerprint(graph)}:{backend}:{device}:{id(self):x}"
+        self.key = f"{graph_fingerprint(graph)}:{backend}:{device}:{next(_SERIAL)}"
         self._consts = {n: n.arg.tensor.to(device) for n in graph.nodes if n.op is Op.CONST}
         # liveness: drop an intermediate after the last kernel that reads it
         last: dict[Node, int] = {}
@@ -252,7 +257,12 @@ class CompiledGraph:
 
         Under ``torch.compile`` the call is the ``kernelize::run_graph`` custom op (traced through its fake
         implementation); in eager mode it skips the dispatcher, which costs about 50 us per call.
+
+        Raises:
+            ValueError: an input requires grad while grad mode is on (compiled graphs have no backward).
         """
+        if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in inputs):
+            raise self._grad_error(inputs)
         if torch.compiler.is_compiling():
             return list(torch.ops.kernelize.run_graph(self.key, list(inputs)))
         return self.run(inputs)
@@ -294,6 +304,17 @@ class CompiledGraph:
             for b in step.free:
                 vals.pop(b, None)
         return _no_alias([_materialize(o, vals, env).contiguous() for o in self.graph.outputs], inputs)
+
+    def _grad_error(self, inputs: Sequence[torch.Tensor]) -> ValueError:
+        """Outputs of generated kernels carry no autograd history: say so rather than drop the gradient."""
+        names = [n.arg for n, t in zip(self.graph.inputs, inputs) if getattr(t, "requires_grad", False)]
+        return ValueError(
+            f"input {names[0]!r} of compiled graph {self.key} requires grad, but compiled graphs have no "
+            "backward, so the outputs would silently not require grad. For inference call it under "
+            "torch.no_grad() or torch.inference_mode() (or pass detached inputs); to train a kernelized "
+            "layer, kernelize with Mode.TRAINING (hub layers run their compiled graphs inside an "
+            "autograd.Function that supplies the backward)"
+        )
 
     def _bind(self, inputs: Sequence[torch.Tensor]) -> _Bound:
         """The symbol bindings and per-step shapes for ``inputs``, checked once per distinct input signature.
@@ -410,16 +431,22 @@ def _no_alias(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[
 @torch.library.custom_op("kernelize::run_graph", mutates_args=())
 def run_graph(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run the CompiledGraph registered under ``key`` (the op ``torch.compile`` sees)."""
-    try:
-        cg = _REGISTRY[key]
-    except KeyError:
-        raise RuntimeError(f"no compiled graph registered under {key!r}") from None
-    return cg.run(inputs)
+    return _registered(key).run(inputs)
+
+
+def _registered(key: str) -> CompiledGraph:
+    cg = _REGISTRY.get(key)
+    if cg is None:
+        raise RuntimeError(
+            f"no compiled graph under {key!r}: it was released when nothing referenced it any more; keep "
+            "the CompiledGraph (or the module that calls it) alive while code that calls it runs"
+        )
+    return cg
 
 
 @run_graph.register_fake
 def _run_graph_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    cg = _REGISTRY[key]
+    cg = _registered(key)
     env = bind_inputs(cg.graph, inputs)
     device = inputs[0].device if inputs else cg.device
     return [torch.empty(bind(o.shape, env), dtype=o.dtype.torch, device=device) for o in cg.graph.outputs]

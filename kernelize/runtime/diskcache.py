@@ -1,15 +1,25 @@
-"""A per-user disk cache of build artifacts (shared objects, cubins), safe across processes.
+"""A per-user disk cache of build artifacts (shared objects, cubins, generated modules), safe across
+processes.
 
 ``get_or_build(key_parts, build_fn, suffix)`` returns the path of an artifact keyed by the sha256 of
 ``key_parts`` (source text, compiler version, flags...). On a miss it calls ``build_fn(tmp_path)`` to write
 the artifact to a temporary name in the cache folder, records its sha256 in a sidecar ``<key>.sha256`` and
 publishes both with ``os.replace`` (atomic), all under a ``filelock.FileLock`` so concurrent processes
 build once. On a hit the artifact's hash is checked against the sidecar: a truncated or corrupt entry is
-rebuilt, never returned.
+rebuilt, never returned. The sidecar is a corruption check, not a trust boundary: whoever can write the
+folder can write a matching sidecar. Trust comes from the folder checks.
 
-The folder is ``$KERNELIZE_CACHE_DIR`` or ``~/.cache/kernelize``, created with mode 0700. When it cannot
-be written (read-only mount, foreign owner) the cache falls back to a private temporary folder and logs a
-warning once.
+The folder is ``$KERNELIZE_CACHE_DIR`` or ``~/.cache/kernelize``; missing components are created with mode
+0700. Since what it holds gets loaded and run (``dlopen``, ``import``), it is used only when, after
+following symlinks, it is a folder owned by this user and not writable by group or others, and every
+parent is owned by this user or root and not writable by group or others unless sticky (``/tmp``). Sub
+folders (``triton/``) get the same checks. A refused or unwritable folder falls back, with a warning that
+names the folder and the reason, to ``<tmp>/kernelize-cache-<uid>`` (checked the same way, reused across
+runs) or, when that one is taken, to a fresh private folder removed at exit.
+
+Leftovers: a folder (or any non-file) at an entry's name makes that entry build in the fallback folder,
+with a warning; temporaries of killed builds (hidden ``.tmp-*`` files) older than :data:`STALE_SECONDS`
+are deleted the first time a process uses the folder.
 
 Example:
     >>> def build(tmp):  # doctest: +SKIP
@@ -19,10 +29,16 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import getpass
 import hashlib
 import logging
 import os
+import shutil
+import stat
 import tempfile
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -32,7 +48,24 @@ from filelock import FileLock
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "KERNELIZE_CACHE_DIR"
+STALE_SECONDS = 3600.0  # a temporary older than this belongs to a build that was killed
+_TMP_PREFIX = ".tmp-"
+
 _fallback: Path | None = None
+_swept: set[Path] = set()
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+class CacheFolderError(RuntimeError):
+    """A cache folder that must not hold code this process loads; ``reason`` says why."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(
+            f"kernelize cache folder {path} is refused: {reason}; set {ENV_VAR} to a folder you own "
+            "with mode 0700"
+        )
+        self.path, self.reason = path, reason
 
 
 def cache_key(key_parts: Iterable[str | bytes]) -> str:
@@ -53,40 +86,188 @@ def _file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def _usable(folder: Path) -> bool:
-    """Create ``folder`` (mode 0700) if needed and check that this user can write to it."""
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(folder, os.W_OK | os.X_OK)
+# --- folder checks ------------------------------------------------------------------------------------------
+def _euid() -> int | None:
+    return os.geteuid() if hasattr(os, "geteuid") else None  # None: no POSIX owners (Windows)
 
 
-def cache_dir() -> Path:
-    """The cache folder to use now (``$KERNELIZE_CACHE_DIR``, else ``~/.cache/kernelize``).
+def folder_problem(folder: Path) -> str | None:
+    """Why the existing, symlink-free ``folder`` must not hold code this process loads, or None.
 
-    Falls back to a private temporary folder, with a warning, when the configured one is not writable.
+    Someone else must not be able to write the folder, nor rename or replace it through a parent.
     """
+    st = os.stat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a folder"
+    uid = _euid()
+    if uid is None:
+        return None
+    if st.st_uid != uid:
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {uid})"
+    if st.st_mode & 0o022:
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):#o})"
+    for parent in folder.parents:
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, uid):
+            return f"its parent {parent} is owned by uid {pst.st_uid}, not by this user or root"
+        if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+            mode = f"{stat.S_IMODE(pst.st_mode):#o}"
+            return f"its parent {parent} is writable by group or others without the sticky bit (mode {mode})"
+    return None
+
+
+def _make(path: Path) -> None:
+    """Create the missing components of ``path`` with mode 0700 (the checks run afterwards)."""
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:  # another process made it: the checks decide whether it is usable
+            pass
+
+
+def private_folder(path: Path) -> Path:
+    """``path`` created if missing, resolved through symlinks and checked; the resolved path is returned.
+
+    Callers use the resolved path, so a symlink swapped after the check cannot redirect them.
+
+    Raises:
+        CacheFolderError: the folder cannot be made or written, or someone else could write to it.
+
+    Example:
+        >>> private_folder(Path.home() / ".cache" / "kernelize")  # doctest: +SKIP
+        PosixPath('/home/me/.cache/kernelize')
+    """
+    path = real = Path(os.path.abspath(path.expanduser()))
+    try:
+        _make(path)
+        real = path.resolve(strict=True)
+        problem = folder_problem(real)
+        if problem is None and not os.access(real, os.W_OK | os.X_OK):
+            problem = "it is not writable"
+    except OSError as e:
+        problem = f"it cannot be created or read ({e.strerror or e})"
+    if problem is not None:
+        shown = path if path == real else Path(f"{path} (-> {real})")
+        raise CacheFolderError(shown, problem)
+    return real
+
+
+def _warn_once(msg: str) -> None:
+    with _lock:
+        if msg in _warned:
+            return
+        _warned.add(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=4)
+    logger.warning(msg)
+
+
+def _user() -> str:
+    uid = _euid()
+    return str(uid) if uid is not None else getpass.getuser()
+
+
+def fallback_dir() -> Path:
+    """The private folder used instead of a refused one: one per user under the temporary folder, reused
+    across runs; when someone else holds that name, a fresh folder removed when the process exits."""
     global _fallback
+    with _lock:
+        if _fallback is not None and _fallback.is_dir():
+            return _fallback
+    per_user = Path(tempfile.gettempdir()) / f"kernelize-cache-{_user()}"
+    try:
+        folder = private_folder(per_user)
+    except CacheFolderError as e:
+        folder = Path(tempfile.mkdtemp(prefix="kernelize-cache-"))  # mode 0700
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _warn_once(f"{e}; using {folder} for this process instead (removed at exit)")
+        folder = private_folder(folder)
+    with _lock:
+        _fallback = folder
+    return folder
+
+
+def cache_dir(sub: str = "") -> Path:
+    """The checked cache folder to use now (``$KERNELIZE_CACHE_DIR``, else ``~/.cache/kernelize``), or its
+    sub folder ``sub`` (created and checked the same way).
+
+    A refused folder (see :func:`private_folder`) falls back to :func:`fallback_dir`, with a warning that
+    names the folder and the reason.
+
+    Example:
+        >>> cache_dir("triton")  # doctest: +SKIP
+        PosixPath('/home/me/.cache/kernelize/triton')
+    """
     configured = os.environ.get(ENV_VAR)
-    folder = Path(configured).expanduser() if configured else Path.home() / ".cache" / "kernelize"
-    if _usable(folder):
-        return folder
-    if _fallback is None or not _fallback.is_dir():
-        _fallback = Path(tempfile.mkdtemp(prefix="kernelize-cache-"))  # mkdtemp makes it 0700
-        msg = (
-            f"kernelize cache folder {folder} is not writable; using the temporary folder {_fallback} "
-            f"for this process (set {ENV_VAR} to a writable folder to keep compiled kernels across runs)"
+    root = Path(configured) if configured else Path.home() / ".cache" / "kernelize"
+    try:
+        folder = private_folder(root)
+        if sub:  # checked after the root, so nothing is created inside a refused root
+            folder = private_folder(folder / sub)
+    except CacheFolderError as e:
+        fallback = fallback_dir()
+        _warn_once(
+            f"kernelize cache folder {e.path} is not used: {e.reason}. Compiled code is loaded from this "
+            f"folder, so it must be yours alone (chmod 700, or set {ENV_VAR} to such a folder); using "
+            f"{fallback} instead"
         )
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        logger.warning(msg)
-    return _fallback
+        folder = private_folder(fallback / sub) if sub else fallback
+    _sweep(folder)
+    return folder
+
+
+def _sweep(folder: Path) -> None:
+    """Delete temporaries that builds killed before publishing left behind (once per folder and process)."""
+    with _lock:
+        if folder in _swept:
+            return
+        _swept.add(folder)
+    cutoff = time.time() - STALE_SECONDS
+    for p in folder.glob(".*"):  # every hidden file in a cache folder is a temporary of ours
+        try:
+            st = p.lstat()
+            if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                p.unlink()
+                logger.debug("removed stale cache temporary %s", p)
+        except OSError:
+            pass
+
+
+# --- entries ------------------------------------------------------------------------------------------------
+def _entry_folder(folder: Path, names: Iterable[str], sub: str = "") -> Path:
+    """``folder``, or the fallback folder (its ``sub`` folder) when something that is not a file (a
+    folder, a socket...) sits at one of ``names``."""
+    for name in names:
+        path = folder / name
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                continue
+        except FileNotFoundError:
+            continue
+        fallback = private_folder(fallback_dir() / sub) if sub else fallback_dir()
+        if fallback == folder:
+            raise CacheFolderError(path, "it is not a regular file; remove it")
+        _warn_once(
+            f"kernelize cache entry {path} is not a regular file (a folder?); building in {fallback} "
+            f"instead: remove it to use {folder} again"
+        )
+        return fallback
+    return folder
+
+
+def _temporary(folder: Path, stem: str, suffix: str) -> Path:
+    fd, name = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{stem}-", suffix=suffix, dir=folder)
+    os.close(fd)
+    return Path(name)
 
 
 def _valid(artifact: Path, sidecar: Path) -> bool:
     try:
         want = sidecar.read_text().strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return False
     try:
         return artifact.is_file() and _file_hash(artifact) == want
@@ -110,9 +291,10 @@ def get_or_build(
         b'x'
     """
     key = cache_key(key_parts)
-    folder = cache_dir()
+    folder = _entry_folder(cache_dir(), (f"{key}{suffix}", f"{key}.sha256", f"{key}.lock"))
     artifact = folder / f"{key}{suffix}"
     sidecar = folder / f"{key}.sha256"
+    # the sidecar only detects corruption: the folder checks in cache_dir() are what make a hit trustworthy
     if _valid(artifact, sidecar):  # fast path: no lock taken for a good entry
         return artifact
     with FileLock(str(folder / f"{key}.lock")):
@@ -120,22 +302,54 @@ def get_or_build(
             return artifact
         if artifact.exists() or sidecar.exists():
             logger.warning("kernelize cache entry %s is corrupt or incomplete; rebuilding", artifact.name)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=suffix, dir=folder)
-        os.close(fd)
-        tmp = Path(tmp_name)
+        tmp = _temporary(folder, key[:16], suffix)
+        tmp_side = tmp.with_name(tmp.name + ".sha256")
         try:
             build_fn(tmp)
-            digest = _file_hash(tmp)
-            tmp_side = tmp.with_name(tmp.name + ".sha256")
-            tmp_side.write_text(digest + "\n")
+            tmp_side.write_text(_file_hash(tmp) + "\n")
             # artifact first, sidecar last: a reader that sees the new sidecar sees the new artifact
             os.replace(tmp, artifact)
             os.replace(tmp_side, sidecar)
         finally:
-            for p in (tmp, tmp.with_name(tmp.name + ".sha256")):
-                p.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
+            tmp_side.unlink(missing_ok=True)
     logger.debug("built cache entry %s", artifact)
     return artifact
 
 
-__all__ = ["ENV_VAR", "cache_dir", "cache_key", "get_or_build"]
+def cached_file(sub: str, name: str, data: bytes) -> Path:
+    """The file ``name`` holding exactly ``data`` in the checked cache sub folder ``sub``, written
+    atomically when it is missing or differs (generated sources that are imported by path).
+
+    Example:
+        >>> cached_file("triton", "k_0123.py", b"import triton\\n")  # doctest: +SKIP
+        PosixPath('/home/me/.cache/kernelize/triton/k_0123.py')
+    """
+    folder = _entry_folder(cache_dir(sub), (name,), sub)
+    path = folder / name
+    try:
+        if path.read_bytes() == data:
+            return path
+    except FileNotFoundError:
+        pass
+    tmp = _temporary(folder, Path(name).stem[:32], Path(name).suffix)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+__all__ = [
+    "ENV_VAR",
+    "STALE_SECONDS",
+    "CacheFolderError",
+    "cache_dir",
+    "cache_key",
+    "cached_file",
+    "fallback_dir",
+    "folder_problem",
+    "get_or_build",
+    "private_folder",
+]

@@ -6,7 +6,12 @@ tests/codegen/test_triton_layers.py goes through trace -> plan -> compile_graph.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
+import py_compile
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +21,19 @@ from triton_specs import broadcast_strides, check, contiguous, pointwise_from_gr
 
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
 from kernelize.codegen.template import TemplateError, fill
-from kernelize.codegen.triton import TritonBackend, TritonRenderer, launch_config, render
+from kernelize.codegen.triton import (
+    TritonBackend,
+    TritonRenderer,
+    cache_dir,
+    launch_config,
+    load_module,
+    render,
+)
 from kernelize.codegen.triton_rows import looped
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
 from kernelize.ir.shapes import Sym
+from kernelize.runtime import diskcache
 from kernelize.runtime.cache import KERNELS
 
 B, S = Sym.of("batch"), Sym.of("seq")
@@ -332,3 +345,38 @@ def test_zero_size_and_library_kernels_in_one_plan():
 def test_broadcast_strides_helper():
     assert broadcast_strides((1, 4), (3, 4)) == (0, 1)
     assert broadcast_strides((4,), (2, 3, 4)) == (0, 0, 1)
+
+
+# -- module cache: generated modules are imported only from a folder this user alone can write ----------
+@pytest.mark.parametrize("case", ["world_writable", "other_owner"])
+def test_planted_bytecode_in_unsafe_module_folder_is_never_loaded(case, tmp_path, monkeypatch):
+    marker = tmp_path / "marker"
+    source = f"ANSWER = 42\n# {'x' * 200} {tmp_path}\n"  # unique per test: the module name holds its hash
+    root = tmp_path / "shared"
+    (root / "triton").mkdir(parents=True)
+    planted = root / "triton" / f"kz_plant_{hashlib.sha256(source.encode()).hexdigest()[:16]}.py"
+    planted.write_text(source)  # the exact source kernelize would write...
+    evil = tmp_path / "evil.py"  # ...next to bytecode of other code that claims that source's size and time
+    evil_src = f"open({str(marker)!r}, 'w').write('ran'); ANSWER = 0\n"
+    evil.write_text(evil_src + "#" * (len(source) - len(evil_src) - 1) + "\n")
+    assert evil.stat().st_size == planted.stat().st_size
+    for p in (planted, evil):
+        os.utime(p, (1_700_000_000, 1_700_000_000))
+    py_compile.compile(str(evil), cfile=importlib.util.cache_from_source(str(planted)),
+                       invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP, doraise=True)
+    if case == "other_owner":
+        for p in (root, *root.rglob("*")):
+            os.chown(p, 4242, 4242)
+    else:
+        for p in (root, root / "triton"):
+            p.chmod(0o777)
+    private = tmp_path / "tmpdir"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    monkeypatch.setattr(diskcache, "_fallback", None)
+    monkeypatch.setenv("KERNELIZE_CACHE_DIR", str(root))
+    with pytest.warns(RuntimeWarning, match=f"{root}.*(writable by group or others|owned by uid 4242)"):
+        module = load_module(source, "kz_plant", interpret=True)
+    assert not marker.exists(), "bytecode planted in an unsafe module folder ran"
+    assert module.ANSWER == 42 and Path(module.__file__).is_relative_to(private)
+    assert cache_dir() == Path(module.__file__).parent and cache_dir().name == "triton"

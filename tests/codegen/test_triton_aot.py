@@ -7,6 +7,7 @@ runs Triton in interpreter mode).
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import pytest
@@ -74,3 +75,15 @@ def test_compile_errors_carry_numbered_source(monkeypatch):
     with pytest.raises(KernelCompileError) as err:
         kt.TritonBackend().compile(k)
     assert "   2 | def broken(:" in str(err.value) and "triton kernel k0" in str(err.value)
+
+
+def test_a_different_module_file_under_the_kernel_name_is_rewritten_not_compiled(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELIZE_CACHE_DIR", str(tmp_path / "cache"))
+    _, k = _row_graph("softmax", 64, DType.F32)
+    source = kt.render(k)
+    path = kt.cache_dir() / f"{k.name}_{hashlib.sha256(source.encode()).hexdigest()[:16]}.py"
+    marker = tmp_path / "marker"
+    path.write_text(f"open({str(marker)!r}, 'w').write('ran')\n{source}")  # stale, corrupt or planted
+    asm = kt.compile_ahead(k, arch=90)
+    assert not marker.exists(), "the compile imported a module file it did not write"
+    assert asm["cubin"][:4] == b"\x7fELF" and path.read_text() == source

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 
 import pytest
@@ -84,9 +85,10 @@ def test_capability_override(monkeypatch: pytest.MonkeyPatch, raw: str, expected
     assert device_capability(DeviceType.CPU) is None  # no capabilities outside cuda/rocm
 
 
-def test_bad_capability_override_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KERNELIZE_CUDA_CAPABILITY", "hopper")
-    with pytest.raises(ValueError, match="KERNELIZE_CUDA_CAPABILITY='hopper' is not a capability"):
+@pytest.mark.parametrize("raw", ["hopper", "-5", "+90", "8.-6", "-8.6", "0", "8.66", "9 0", "1e2"])
+def test_bad_capability_override_names_the_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv("KERNELIZE_CUDA_CAPABILITY", raw)
+    with pytest.raises(ValueError, match=re.escape(f"KERNELIZE_CUDA_CAPABILITY={raw!r} is not a capability")):
         device_capability(DeviceType.CUDA)
 
 

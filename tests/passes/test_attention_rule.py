@@ -86,3 +86,14 @@ def test_16_bit_with_casts_is_left_alone():
     q, k, v = (t.bfloat16() for t in _qkv())
     g = optimize(trace(f, q, k, v))
     assert Op.ATTENTION not in _ops(g)  # the casts round the scores: not the op's f32 accumulation
+
+
+def test_16_bit_scores_times_an_inexact_scale_are_recognised():
+    def f(q, k, v):
+        return torch.softmax((q @ k.transpose(-1, -2)) * 0.1, dim=-1) @ v  # 0.1 is not an f16 value
+
+    q, k, v = (t.half() for t in _qkv())
+    g = optimize(trace(f, q, k, v))
+    (att,) = [n for n in g.nodes if n.op is Op.ATTENTION]
+    assert abs(att.arg.scale - 0.1) < 1e-7
+    torch.testing.assert_close(evaluate(g, [q, k, v])[0], f(q, k, v), atol=2e-3, rtol=2e-3)

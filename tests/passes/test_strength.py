@@ -63,3 +63,18 @@ def test_small_powers(e, want):
     assert ops(out) == want
     t = torch.randn(3, 4)
     torch.testing.assert_close(evaluate(out, [t])[0], evaluate(g, [t])[0], equal_nan=True)
+
+
+@pytest.mark.parametrize("c", [1e-45, 3e38, -1e-40])
+def test_division_whose_reciprocal_is_not_normal_stays(c):
+    g, out = run(lambda g, x: g.div(x, c))
+    assert ops(out) == [Op.DIV]
+    t = torch.tensor([[0.0, 1.0, -2.0, 3e-39]] * 3)
+    torch.testing.assert_close(evaluate(out, [t])[0], t / torch.tensor(c), equal_nan=True)
+
+
+def test_16_bit_division_multiplies_by_an_f32_reciprocal():
+    g, out = run(lambda g, x: g.div(x, 3.0), dtype="f16")
+    assert ops(out) == [Op.CAST, Op.MUL, Op.CAST] and out.nodes[-1].src[0].dtype == "f32"
+    t = (torch.randn(3, 4) * 100).half()
+    torch.testing.assert_close(evaluate(out, [t])[0], t / 3.0, rtol=1e-3, atol=0)

@@ -3,10 +3,12 @@ torch.library custom op under torch.compile, the graph cache, print_kernels and 
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import subprocess
 import sys
+import weakref
 from argparse import Namespace
 
 import pytest
@@ -228,3 +230,60 @@ def test_repeated_shapes_reuse_the_bindings_and_new_ones_are_still_checked():
         cg.run([torch.randn(3, 32, device="meta"), torch.randn(32, device="meta")])
     xs = [torch.randn(0, 32), torch.randn(32)]  # empty outputs skip the launch
     assert [tuple(o.shape) for o in cg(*xs)] == [(0, 32), (0, 32)]
+
+
+def _const_graph(value: float) -> tuple[Graph, torch.Tensor]:
+    g = Graph()
+    x = g.input("x", (256, 1024), "f32")
+    c = g.const((value + torch.arange(1024.0)).repeat(256, 1))  # 1 MiB: a weight folded into the graph
+    g.output(g.add(x, c))
+    return g, c.arg.tensor
+
+
+def test_graphs_nobody_references_are_released_with_their_constants():
+    refs = []
+    for i in range(3):
+        g, const = _const_graph(float(i))
+        cg = compile_graph(g, backend="cpu", device="cpu")
+        assert cg(torch.ones(256, 1024))[0][0, 0] == i + 1 and len(cg.kernels) == 1
+        refs.append((weakref.ref(cg), weakref.ref(const), cg.key))
+        del g, const, cg
+    kept, const = _const_graph(7.0)
+    kept_cg = compile_graph(kept, backend="cpu", device="cpu")
+    del kept, const
+    gc.collect()
+    assert [r() for r, _, _ in refs] == [None] * 3, "a compiled graph outlived every user reference"
+    assert [c() for _, c, _ in refs] == [None] * 3, "a dropped graph's constant is still held"
+    with pytest.raises(RuntimeError, match="released"):
+        torch.ops.kernelize.run_graph(refs[0][2], [torch.ones(256, 1024)])
+    # a live graph is still found by its key (the custom op torch.compile traces to)
+    (y,) = torch.ops.kernelize.run_graph(kept_cg.key, [torch.zeros(256, 1024)])
+    assert torch.equal(y, (7.0 + torch.arange(1024.0)).repeat(256, 1))
+    assert compile_graph(_const_graph(7.0)[0], backend="cpu", device="cpu") is kept_cg  # still cached
+
+
+def test_inputs_that_require_grad_raise_instead_of_dropping_the_gradient():
+    g = _norm_graph()
+    cg = compile_graph(g, backend="cpu", device="cpu")
+    x, w = torch.randn(3, 32, requires_grad=True), torch.randn(32)
+    with pytest.raises(ValueError, match=r"input 'x' .*requires grad.*torch\.no_grad\(\).*Mode\.TRAINING"):
+        cg(x, w)
+    with pytest.raises(ValueError, match="requires grad"):
+        CompiledModule(cg)(x.detach(), w.requires_grad_())
+    w.requires_grad_(False)
+    with torch.no_grad():
+        y, _ = cg(x, w)
+    torch.testing.assert_close(y, evaluate(g, [x.detach(), w])[0])
+
+    class Wrapped(torch.autograd.Function):  # how hub layers call compiled graphs when training
+        @staticmethod
+        def forward(ctx, x, w):
+            return cg(x, w)[0]
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2, None
+
+    out = Wrapped.apply(x, w)
+    out.sum().backward()
+    assert out.requires_grad and torch.equal(x.grad, torch.full_like(x, 2.0))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernelize import hub
+from kernelize.merge import merged_parameter
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -65,6 +66,27 @@ def gelu_tanh_mul_math(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def silu_gate_up_math(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) with gate|up merged into one (2I, H) weight: one matmul kernel reads the
+    merged weight once (few rows: both accumulators and the product in registers)."""
+    i = gate_up.shape[0] // 2
+    return F.silu(x @ gate_up[:i].t()) * (x @ gate_up[i:].t())
+
+
+def gelu_gate_up_math(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    i = gate_up.shape[0] // 2
+    return F.gelu(x @ gate_up[:i].t()) * (x @ gate_up[i:].t())
+
+
+def gelu_tanh_gate_up_math(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    i = gate_up.shape[0] // 2
+    return F.gelu(x @ gate_up[:i].t(), approximate="tanh") * (x @ gate_up[i:].t())
+
+
+def down_math(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return h @ weight.t()
+
+
 # hidden_act name (transformers' config.hidden_act) -> gated math; other activations keep the module's own
 GATED_MATH = {
     "silu": silu_mul_math,
@@ -90,28 +112,42 @@ def _hidden_act(module: nn.Module) -> object:
     return own or getattr(getattr(module, "config", None), "hidden_act", None) or "silu"
 
 
+# the same, over the merged gate|up weight
+GATE_UP_MATH = {
+    silu_mul_math: silu_gate_up_math,
+    gelu_mul_math: gelu_gate_up_math,
+    gelu_tanh_mul_math: gelu_tanh_gate_up_math,
+}
+
+
 # ---- functional API (as in kernels-community/activation) --------------------------------------------------
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("silu_and_mul", x)
     return hub.run(None, silu_and_mul_math, [x])
 
 
 def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("gelu_and_mul", x)
     return hub.run(None, gelu_and_mul_math, [x])
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("gelu_tanh_and_mul", x)
     return hub.run(None, gelu_tanh_and_mul_math, [x])
 
 
 def fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("fast_gelu", x)
     return hub.run(None, fast_gelu_math, [x])
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("quick_gelu", x)
     return hub.run(None, quick_gelu_math, [x])
 
 
 def new_gelu(x: torch.Tensor) -> torch.Tensor:
+    hub.require_float("new_gelu", x)
     return hub.run(None, new_gelu_math, [x])
 
 
@@ -123,6 +159,7 @@ class SiluAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, silu_and_mul_math, [x])
 
 
@@ -133,6 +170,7 @@ class GeluAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, gelu_and_mul_math, [x])
 
 
@@ -143,6 +181,7 @@ class GeluTanhAndMul(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, gelu_tanh_and_mul_math, [x])
 
 
@@ -151,6 +190,7 @@ class FastGELU(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, fast_gelu_math, [x])
 
 
@@ -159,6 +199,7 @@ class QuickGELU(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, quick_gelu_math, [x])
 
 
@@ -167,15 +208,21 @@ class NewGELU(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, x)
         return hub.run(self, new_gelu_math, [x])
 
 
 class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)) for Llama-style MLPs (LlamaMLP, Qwen2MLP, MistralMLP...).
 
-    The projections stay torch matmuls; act(gate) * up runs as one generated kernel instead of two eager
-    passes plus a temporary. State read from the replaced module: `gate_proj`, `up_proj`, `down_proj`, and the
-    activation from `config.hidden_act` (or `hidden_act`), default silu. An activation without gated math here
+    Inference: gate_proj and up_proj (bias-free linears) are merged once, on the first call, into one
+    (2I, H) weight whose row halves become the two parameters (`kernelize.merge.merged_parameter`: no
+    extra memory, `state_dict` unchanged, a loaded state dict is what the kernel reads); one generated
+    matmul kernel computes `act(x @ gate.T) * (x @ up.T)` (on the CPU, up to 16 rows, the few-row kernel
+    with both accumulators and the product fused), and down_proj is a second matmul kernel. With
+    gradients, or biased projections, the projections stay torch matmuls and `act(gate) * up` runs as one
+    kernel. State read from the replaced module: `gate_proj`, `up_proj`, `down_proj`, and the activation
+    from `config.hidden_act` (or `hidden_act`), default silu. An activation without gated math here
     falls back to the module's own `act_fn`.
     """
 
@@ -184,19 +231,35 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = _hidden_act(self)
-        gate, up = self.gate_proj(x), self.up_proj(x)
         math_fn = GATED_MATH.get(act) if isinstance(act, str) else None
         if math_fn is None:
-            return self.down_proj(self.act_fn(gate) * up)
-        return self.down_proj(hub.run(self, math_fn, [gate, up]))
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
+        if _training(x, gate_proj, up_proj, down_proj) or not _bias_free(gate_proj, up_proj, down_proj):
+            gate, up = gate_proj(x), up_proj(x)
+            return down_proj(hub.run(self, math_fn, [gate, up]))
+        gate_up = merged_parameter(self, ("gate_proj", "up_proj"))
+        h = hub.run(self, GATE_UP_MATH[math_fn], [x], [gate_up])
+        return hub.run(self, down_math, [h], [down_proj.weight])
+
+
+def _training(x: torch.Tensor, *linears: nn.Module) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears))
+
+
+def _bias_free(*linears: nn.Module) -> bool:
+    return all(getattr(m, "bias", None) is None and isinstance(getattr(m, "weight", None), torch.Tensor)
+               for m in linears)
 
 
 class FusedGatedMLP(nn.Module):
     """down_proj(act(gate) * up) with gate and up from one fused projection (Phi-3's `gate_up_proj`).
 
-    The two projections stay one torch matmul; act(gate) * up over its halves runs as one generated kernel.
-    Reads `gate_up_proj`, `down_proj` and the activation from `config.hidden_act`; an activation without
-    gated math here falls back to the module's own `activation_fn`.
+    Inference with bias-free projections: `act(x @ gate.T) * (x @ up.T)` over the halves of
+    `gate_up_proj.weight` as one matmul kernel (few rows: the few-row kernel, product fused), then down_proj
+    as a second. Otherwise the projections stay one torch matmul and act(gate) * up over its halves runs as
+    one generated kernel. Reads `gate_up_proj`, `down_proj` and the activation from `config.hidden_act`; an
+    activation without gated math here falls back to the module's own `activation_fn`.
     """
 
     has_backward = True
@@ -204,9 +267,14 @@ class FusedGatedMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         act = _hidden_act(self)
-        gate_up = self.gate_up_proj(hidden_states)
         math_fn = GATED_PAIR_MATH.get(act) if isinstance(act, str) else None
+        fused, down_proj = self.gate_up_proj, self.down_proj
+        merged = not _training(hidden_states, fused, down_proj) and _bias_free(fused, down_proj)
+        if math_fn is not None and merged:
+            h = hub.run(self, GATE_UP_MATH[GATED_MATH[act]], [hidden_states], [fused.weight])
+            return hub.run(self, down_math, [h], [down_proj.weight])
+        gate_up = fused(hidden_states)
         if math_fn is None:
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(up * self.activation_fn(gate))
-        return self.down_proj(hub.run(self, math_fn, [gate_up]))
+            return down_proj(up * self.activation_fn(gate))
+        return down_proj(hub.run(self, math_fn, [gate_up]))

@@ -34,6 +34,12 @@ def gemma_rms_norm_math(x: torch.Tensor, weight: torch.Tensor, *, eps: float) ->
     return out.to(x.dtype)
 
 
+def rms_norm_plain_math(x: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) in f32 (f64 for f64), cast back (torch's RMSNorm without a weight)."""
+    xf = _up(x)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def layer_norm_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, eps: float) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) * weight + bias over the last axis (biased variance), in f32."""
     xf = _up(x)
@@ -79,15 +85,41 @@ def fused_add_gemma_rms_norm_math(
 FUSED_ADD_MATH = {"RMSNorm": fused_add_rms_norm_math, "GemmaRMSNorm": fused_add_gemma_rms_norm_math}
 
 
-def _eps(module: nn.Module) -> float:
+def _eps(module: nn.Module, x: torch.Tensor | None = None) -> float:
     for name in ("variance_epsilon", "eps", "epsilon"):
         value = getattr(module, name, None)
         if isinstance(value, int | float):
             return float(value)
+    if _unset(module, "eps"):  # torch's RMSNorm(eps=None): the epsilon of the compute dtype
+        dtype = torch.float32 if x is None else torch.promote_types(x.dtype, torch.float32)
+        return float(torch.finfo(dtype).eps)
     raise AttributeError(
         f"{type(module).__name__} has no epsilon attribute (variance_epsilon, eps or epsilon) for the norm "
         "kernel; add one or map this layer to another kernel."
     )
+
+
+def _unset(module: nn.Module, name: str) -> bool:
+    return hasattr(module, name) and getattr(module, name) is None
+
+
+def _flat(module: nn.Module, x: torch.Tensor, *params: torch.Tensor | None):
+    """Normalizing over k trailing dims (torch's `normalized_shape`) is normalizing over their flattening:
+    the kernels see one axis. Returns x, the params flattened alike, and the shape to restore."""
+    shape = tuple(getattr(module, "normalized_shape", None) or x.shape[-1:])
+    if tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
+        raise RuntimeError(
+            f"{type(module).__name__}: given normalized_shape={list(shape)}, expected input with shape "
+            f"[*, {', '.join(map(str, shape))}], but got input of size {list(x.shape)}"
+        )
+    if len(shape) == 1:
+        return x, params, None
+    flat = [None if p is None else p.reshape(-1) for p in params]
+    return x.reshape(*x.shape[: x.dim() - len(shape)], -1), flat, x.shape
+
+
+def _restore(y: torch.Tensor, shape: torch.Size | None) -> torch.Tensor:
+    return y if shape is None else y.reshape(shape)
 
 
 eps_of = _eps  # public: decoder layers that fuse a norm read its epsilon the same way
@@ -95,28 +127,37 @@ eps_of = _eps  # public: decoder layers that fuse a norm read its epsilon the sa
 
 # ---- functional API --------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    hub.require_float("rms_norm", x)
     return hub.run(None, rms_norm_math, [x], [weight], eps=float(eps))
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    hub.require_float("layer_norm", x)
     return hub.run(None, layer_norm_math, [x], [weight, bias], eps=float(eps))
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    hub.require_float("fused_add_rms_norm", x, residual)
     return hub.run(None, fused_add_rms_norm_math, [x, residual], [weight], eps=float(eps))
 
 
 # ---- kernel layers ----------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: `weight * normalize(x)`; reads `self.weight` and `self.variance_epsilon` or `eps`."""
+    """RMSNorm: `weight * normalize(x)`; reads `self.weight` (None: no scale) and `self.variance_epsilon` or
+    `eps` (None: torch's default). Llama's and torch's `nn.RMSNorm` (any `normalized_shape`)."""
 
     has_backward = True
     can_torch_compile = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hub.run(self, rms_norm_math, [hidden_states], [self.weight], eps=_eps(self))
+        hub.require_float(type(self).__name__, hidden_states)
+        eps = _eps(self, hidden_states)
+        x, (w,), shape = _flat(self, hidden_states, getattr(self, "weight", None))
+        if w is None:
+            return _restore(hub.run(self, rms_norm_plain_math, [x], eps=eps), shape)
+        return _restore(hub.run(self, rms_norm_math, [x], [w], eps=eps), shape)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -126,24 +167,28 @@ class GemmaRMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return hub.run(self, gemma_rms_norm_math, [x], [self.weight], eps=_eps(self))
+        hub.require_float(type(self).__name__, x)
+        return hub.run(self, gemma_rms_norm_math, [x], [self.weight], eps=_eps(self, x))
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm over the last axis; reads `self.weight`, `self.bias` (either may be None) and `self.eps`.
-
-    Like `torch.nn.LayerNorm` with one normalized axis and an affine weight.
-    """
+    """LayerNorm; reads `self.weight`, `self.bias` (either may be None), `self.eps` and `normalized_shape`
+    (one or more trailing dims, as `torch.nn.LayerNorm`)."""
 
     has_backward = True
     can_torch_compile = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
-            return hub.run(self, layer_norm_plain_math, [input], eps=_eps(self))
-        if self.bias is None:
-            return hub.run(self, layer_norm_nobias_math, [input], [self.weight], eps=_eps(self))
-        return hub.run(self, layer_norm_math, [input], [self.weight, self.bias], eps=_eps(self))
+        hub.require_float(type(self).__name__, input)
+        eps = _eps(self, input)
+        x, (w, b), shape = _flat(self, input, self.weight, self.bias)
+        if w is None:
+            y = hub.run(self, layer_norm_plain_math, [x], eps=eps)
+        elif b is None:
+            y = hub.run(self, layer_norm_nobias_math, [x], [w], eps=eps)
+        else:
+            y = hub.run(self, layer_norm_math, [x], [w, b], eps=eps)
+        return _restore(y, shape)
 
 
 class FusedAddRMSNorm(nn.Module):
@@ -153,4 +198,5 @@ class FusedAddRMSNorm(nn.Module):
     can_torch_compile = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return hub.run(self, fused_add_rms_norm_math, [x, residual], [self.weight], eps=_eps(self))
+        hub.require_float(type(self).__name__, x, residual)
+        return hub.run(self, fused_add_rms_norm_math, [x, residual], [self.weight], eps=_eps(self, x))

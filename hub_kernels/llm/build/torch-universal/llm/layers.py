@@ -6,13 +6,15 @@ Phi-3...). State comes from the replaced module: `q_proj`/`k_proj`/`v_proj` or a
 `kernelize.integrations.transformers.kernelize_model` from the model's own rotary function), and
 `sliding_window` when the family has one. The forward:
 
-1. `project_qkv` (torch matmuls; one small function, so faster projections can replace it);
+1. `project_qkv`: in inference, q|k|v merged once into one weight (`kernelize.merge`: the projections'
+   parameters become views of it) and projected by one generated matmul kernel (up to 16 rows, as in
+   decode: the few-row kernel reading each weight byte once); with gradients, torch matmuls;
 2. rotary on the query and key heads in one generated kernel that also writes the `(batch, heads, seq,
    head_dim)` layout (`kernelize/rotary`'s `apply_rotary_qk`);
 3. `past_key_values.update(...)` (transformers' `DynamicCache`, as the model's own forward calls it);
 4. `kernelize.integrations.hf_attention.attention_forward`: the generated attention kernel, or the module's
    eager attention with the reason noted for `kernelize.inspect`;
-5. `o_proj`.
+5. `o_proj` (in inference, a generated matmul kernel too).
 """
 
 from __future__ import annotations
@@ -41,17 +43,63 @@ def _norms() -> Any:
     return get_kernel("kernelize/layer_norm", version=1).layers
 
 
+def linear_math(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight.t()
+
+
+def linear_bias_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return x @ weight.t() + bias
+
+
+def _inference(x: torch.Tensor, *linears: nn.Module) -> bool:
+    """True when generated matmul kernels may stand in for these linears (no autograd involved)."""
+    return not (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears)))
+
+
+def linear(
+    owner: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` as one generated matmul kernel."""
+    if bias is None:
+        return hub.run(owner, linear_math, [x], [weight])
+    return hub.run(owner, linear_bias_math, [x], [weight, bias])
+
+
 def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(qk, v)`: the query and key projections side by side `(..., (heads + kv_heads) * head_dim)`, and v.
 
     Keeping q and k in one tensor lets one rotary kernel rotate both.
     """
+    from kernelize.merge import merged_parameter
+
+    n_qk = (module.config.num_attention_heads + module.config.num_key_value_heads) * module.head_dim
     if hasattr(module, "qkv_proj"):
-        qkv = module.qkv_proj(hidden_states)
-        n_qk = (module.config.num_attention_heads + module.config.num_key_value_heads) * module.head_dim
+        proj = module.qkv_proj
+        if _inference(hidden_states, proj):
+            qkv = linear(module, hidden_states, proj.weight, proj.bias)
+        else:
+            qkv = proj(hidden_states)
+        return qkv[..., :n_qk], qkv[..., n_qk:]
+    names = ("q_proj", "k_proj", "v_proj")
+    projs = [getattr(module, n) for n in names]
+    biases = [p.bias for p in projs]
+    if _inference(hidden_states, *projs) and (
+        all(b is None for b in biases) or all(b is not None for b in biases)
+    ):
+        weight = merged_parameter(module, names)
+        bias = merged_parameter(module, names, "bias") if biases[0] is not None else None
+        qkv = linear(module, hidden_states, weight, bias)
         return qkv[..., :n_qk], qkv[..., n_qk:]
     qk = torch.cat((module.q_proj(hidden_states), module.k_proj(hidden_states)), dim=-1)
     return qk, module.v_proj(hidden_states)
+
+
+def project_out(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """`o_proj(out)`: a generated matmul kernel in inference."""
+    proj = module.o_proj
+    if _inference(out, proj):
+        return linear(module, out, proj.weight, proj.bias)
+    return proj(out)
 
 
 def sliding_window_of(module: nn.Module) -> int | None:
@@ -102,7 +150,7 @@ class CausalSelfAttention(nn.Module):
             softcap=getattr(self, "attn_logit_softcapping", None),
             **kwargs,
         )
-        return self.o_proj(out.reshape(batch, seq, -1)), weights
+        return project_out(self, out.reshape(batch, seq, -1)), weights
 
 
 def add_norm(owner: nn.Module, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, style: str):

@@ -6,6 +6,8 @@ The row length (the softmax axis) is a static dim of the kernel: a new key lengt
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -43,6 +45,9 @@ def scaled_bool_masked_softmax_math(
 
 # ---- functional API --------------------------------------------------------------------------------------
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    hub.require_float("softmax", x)
+    if x.dim() == 0:  # torch's softmax of a scalar is 1; the kernels need an axis
+        return torch.softmax(x, 0)
     return hub.run(None, softmax_math, [x], dim=dim % x.dim())
 
 
@@ -55,6 +60,7 @@ def scaled_masked_softmax(
 def _scaled(
     owner: nn.Module | None, scores: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
+    hub.require_float(type(owner).__name__ if owner is not None else "scaled_masked_softmax", scores)
     if mask is None:
         return hub.run(owner, scaled_softmax_math, [scores], scale=scale)
     if mask.dtype == torch.bool:
@@ -63,15 +69,30 @@ def _scaled(
 
 
 # ---- kernel layers ----------------------------------------------------------------------------------------
+def implicit_dim(ndim: int) -> int:
+    """The axis `nn.Softmax(dim=None)` uses (torch's legacy rule): 0 for 0-, 1- and 3-d input, else 1."""
+    return 0 if ndim in (0, 1, 3) else 1
+
+
 class Softmax(nn.Module):
-    """Like `torch.nn.Softmax`: reads `self.dim` (None means the last axis)."""
+    """Like `torch.nn.Softmax`: reads `self.dim`; None picks the axis by torch's legacy rule (`implicit_dim`),
+    with torch's deprecation warning."""
 
     has_backward = True
     can_torch_compile = True
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        hub.require_float(type(self).__name__, input)
         dim = getattr(self, "dim", None)
-        dim = -1 if dim is None else dim
+        if dim is None:
+            warnings.warn(
+                "Implicit dimension choice for softmax has been deprecated. Change the call to include dim=X "
+                "as an argument.",
+                stacklevel=2,
+            )
+            dim = implicit_dim(input.dim())
+        if input.dim() == 0:  # torch's softmax of a scalar is 1; the kernels need an axis
+            return torch.softmax(input, 0)
         return hub.run(self, softmax_math, [input], dim=dim % input.dim())
 
 

@@ -1,0 +1,136 @@
+"""Few-row matmul forms of a MATMUL kernel, shared by the backends (the plan stays one MATMUL kernel).
+
+Decode multiplies a handful of rows by large weights. Backends keep the planner's MATMUL kernel (matmuls
+sharing their left operand, then an elementwise epilogue) and choose per call by the number of rows
+(:func:`rows_of`): up to :data:`FEW_ROWS` rows a kernel built around reading each weight byte once, above
+that a GEMM. The pieces here rewrite a MATMUL kernel for those paths:
+
+* :func:`epilogue_kernel`: the epilogue alone, as a POINTWISE kernel reading each matmul's result from a
+  temporary (the path after a library GEMM, or after split-K partial products);
+* :func:`splitk_kernel`: one matmul as a ``SPLITK`` kernel that adds its partial products over a slice
+  of K into an f32 temporary (GPU: columns x K slices fill the machine even for one row).
+
+Example:
+    >>> epi, temps = epilogue_kernel(matmul_kernel)  # doctest: +SKIP
+    >>> parts = [splitk_kernel(matmul_kernel, j, t) for j, t in enumerate(temps)]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
+from kernelize.ir.dtypes import DType
+from kernelize.ir.graph import Node, Op
+from kernelize.ir.shapes import Dim, bind
+
+FEW_ROWS = 16  # at most this many rows take the few-row path; more go to a GEMM
+
+
+@dataclass(frozen=True)
+class MatmulParts:
+    """Where the matmuls of a MATMUL kernel sit in its body: ``(matmul, right operand)`` positions."""
+
+    a: int
+    mms: tuple[tuple[int, int], ...]
+
+    @property
+    def operands(self) -> set[int]:
+        return {self.a, *(b for _, b in self.mms)}
+
+
+def matmul_parts(k: Kernel) -> MatmulParts:
+    """The matmuls of ``k`` (all must share their left operand, a plain strided load)."""
+    mms = [(i, e) for i, e in enumerate(k.body) if isinstance(e, Compute) and e.op is Op.MATMUL]
+    if not mms:
+        raise NotImplementedError(f"cpu matmul kernel {k.name}: no MATMUL in the body")
+    a = mms[0][1].src[0]
+    for _, e in mms:
+        if e.src[0] != a:
+            raise NotImplementedError(f"cpu matmul kernel {k.name}: matmuls must share their left operand")
+        for s in e.src:
+            ld = k.body[s]
+            if not isinstance(ld, Load) or ld.mask or ld.indirect:
+                raise NotImplementedError(f"cpu matmul kernel {k.name}: operands must be plain strided loads")
+    return MatmulParts(a, tuple((i, e.src[1]) for i, e in mms))
+
+
+def weights_shared(k: Kernel) -> bool:
+    """True when every matmul's right operand is the same for all rows (weights, not a batched matmul)."""
+    last = len(k.domain) - 1
+    return all(all(k.body[ib].strides[d] == 0 for d in range(last)) for _, ib in matmul_parts(k).mms)
+
+
+# ---- above FEW_ROWS: torch's GEMM into temporaries, then the epilogue as a pointwise kernel -------------
+def epilogue_kernel(k: Kernel) -> tuple[Kernel, tuple[Node, ...]]:
+    """``k`` with each matmul value read from a temporary buffer (``kz_mm<i>``, the domain's shape, row
+    major) instead of computed: the kernel the library path runs after torch's matmuls. Returns the
+    kernel and the temporaries' nodes in matmul order."""
+    parts = matmul_parts(k)
+    used = set()
+    for e in k.body:
+        if isinstance(e, Compute) and e.op is not Op.MATMUL:
+            used.update(e.src)
+        if isinstance(e, Load):
+            used.update(i.value for i in e.indirect)
+    used.update(s.value for s in k.stores)
+    drop = parts.operands - used
+    strides = _row_major(k.domain)
+    temps: list[Node] = []
+    new: dict[int, int] = {}
+    body: list[Load | Compute] = []
+    for i, e in enumerate(k.body):
+        if i in drop:
+            continue
+        if isinstance(e, Compute) and e.op is Op.MATMUL:
+            t = Node(Op.INPUT, e.dtype, tuple(k.domain), (), f"kz_mm{len(temps)}")
+            temps.append(t)
+            e = Load(t, strides)
+        elif isinstance(e, Compute):
+            e = replace(e, src=tuple(new[s] for s in e.src))
+        elif e.indirect:
+            e = replace(e, indirect=tuple(replace(x, value=new[x.value]) for x in e.indirect))
+        new[i] = len(body)
+        body.append(e)
+    stores = tuple(replace(s, value=new[s.value]) for s in k.stores)
+    return replace(k, kind=KernelKind.POINTWISE, body=tuple(body), stores=stores), tuple(temps)
+
+
+def _row_major(shape: Sequence[Dim]) -> tuple[Dim, ...]:
+    out: list[Dim] = []
+    acc: Dim = 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc = acc * d
+    return tuple(reversed(out))
+
+
+def splitk_kernel(k: Kernel, j: int, temp: Node) -> Kernel:
+    """Matmul ``j`` of ``k`` as a ``SPLITK`` kernel over ``k.domain``: ``temp`` (f32, row major over the
+    domain, zeroed by the caller) += x @ W over each program's slice of K. ``body`` is
+    ``(matmul(v1, v2), load x, load W)`` as in a MATMUL kernel; the one store names ``temp``."""
+    assert temp.dtype is DType.F32, "split-K partial sums accumulate in an f32 buffer"
+    parts = matmul_parts(k)
+    mi, ib = parts.mms[j]
+    mm = k.body[mi]
+    body = (Compute(Op.MATMUL, DType.F32, (1, 2), mm.arg), k.body[parts.a], k.body[ib])
+    store = Store(0, temp, _row_major(k.domain))
+    return Kernel(f"{k.name}_splitk{j}", KernelKind.SPLITK, k.domain, body, (store,))
+
+
+def rows_of(k: Kernel, sizes: Mapping[str, int]) -> int:
+    """How many rows the matmul kernel ``k`` has under ``sizes``."""
+    return math.prod(bind(k.domain[:-1], sizes))
+
+
+__all__ = [
+    "FEW_ROWS",
+    "MatmulParts",
+    "epilogue_kernel",
+    "matmul_parts",
+    "rows_of",
+    "splitk_kernel",
+    "weights_shared",
+]
