@@ -535,8 +535,8 @@ class CpuBackend:
         cache entry, so a warm start is one lookup per unit. ``progress(n)`` is called as units finish.
         """
         out: list[CompiledKernel | None] = [None] * len(kernels)
-        for i, k in enumerate(kernels):  # attention kernels have their own template: built alone
-            if k.kind is KernelKind.ATTENTION:
+        for i, k in enumerate(kernels):  # attention and matmul kernels build their own way: alone
+            if k.kind in (KernelKind.ATTENTION, KernelKind.MATMUL):
                 out[i] = self.compile(k)
                 if progress is not None:
                     progress(1)
@@ -558,7 +558,8 @@ class CpuBackend:
                 lib = load(path)
                 for i in chunk:
                     source, fn_name = rendered[i]
-                    out[i] = self._wrap(getattr(lib, fn_name), kernels[i], source)
+                    source, launch = self._wrap(getattr(lib, fn_name), kernels[i], source)
+                    out[i] = CompiledKernel(kernels[i].name, self.name, source, launch, kernels[i])
                 if progress is not None:
                     progress(len(chunk))
         return out
