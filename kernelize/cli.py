@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", default="cpu", choices=["reference", "triton", "cuda", "cpu"])
     run.add_argument("--inputs", help=".npz file with one array per graph input (random inputs otherwise)")
     run.add_argument("--repeat", type=int, default=10, help="timed repetitions")
+    run.add_argument(
+        "--compare",
+        choices=["onnxruntime"],
+        help="also run the model with onnxruntime (same inputs and threads): both times, largest difference",
+    )
     return p
 
 

@@ -130,6 +130,51 @@ def run_main(args: argparse.Namespace) -> int:
         )
         print(f"output {list(g.shape)} {node.dtype}: max |diff| vs reference = {diff:.3g}")
     print(f"time: {ms:.3f} ms per run ({repeat} runs)")
+    if getattr(args, "compare", None) == "onnxruntime":
+        return compare_onnxruntime(path, graph, inputs, got, ms, repeat)
+    return 0
+
+
+def compare_onnxruntime(path: Path, graph, inputs, got, kernelize_ms: float, repeat: int) -> int:
+    """Run ``path`` with onnxruntime on the same inputs and threads; print its time and the differences.
+
+    Raises:
+        RuntimeError: onnxruntime is not installed (the message names the extra that installs it).
+    """
+    import statistics
+    import time
+
+    import torch
+
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise RuntimeError(
+            "--compare onnxruntime needs the onnxruntime package: pip install 'kernelize[onnx]' "
+            "(or pip install onnxruntime)"
+        ) from None
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = torch.get_num_threads()
+    opts.inter_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    feed = {i.arg: t.numpy() for i, t in zip(graph.inputs, inputs)}
+    want = sess.run(None, feed)  # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    for node, g, w in zip(graph.outputs, got, want):
+        g, w = g.cpu().double(), torch.from_numpy(w).double()
+        diff = (g - w).abs().max().item() if g.numel() else 0.0
+        rel = diff / max(w.abs().max().item(), 1e-30) if g.numel() else 0.0
+        what = f"output {list(g.shape)} {node.dtype}"
+        print(f"{what}: max |diff| vs onnxruntime = {diff:.3g} (relative {rel:.2g})")
+    print(
+        f"onnxruntime: {ms:.3f} ms per run (median of {repeat}, {torch.get_num_threads()} threads); "
+        f"kernelize / onnxruntime = {kernelize_ms / ms:.2f}"
+    )
     return 0
 
 

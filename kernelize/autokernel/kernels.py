@@ -29,6 +29,9 @@ Kinds:
   (q, k, v and the broadcast mask) through the strides of the tensors the runtime hands it, which are the
   operands seen through their layout views (:func:`kernelize.autokernel.plan.library_operands`): a
   transposed or broadcast operand is never copied. No body.
+* ``CONV``: ``node`` is a conv run by the library (oneDNN with prepacked weights on the CPU, cuDNN on a GPU)
+  with ``epilogue`` (:class:`~kernelize.autokernel.conv.ConvEpilogue`: bias, residual, activation) fused as
+  post-ops; ``inputs`` are the activation, weight, bias and residual buffers; it writes ``epilogue.tail``.
 * ``LIBRARY``: ``node`` (conv, pool, or a matmul better left to a library) runs as one torch call on
   ``inputs``; no body.
 
@@ -61,6 +64,7 @@ class KernelKind(StrEnum):
     POINTWISE = "pointwise"
     ROW = "row"
     MATMUL = "matmul"
+    CONV = "conv"
     SPLITK = "splitk"
     ATTENTION = "attention"
     LIBRARY = "library"
@@ -146,15 +150,16 @@ class Kernel:
     body: tuple[Load | Compute, ...] = ()
     stores: tuple[Store, ...] = ()
     row_rank: int = 0
-    node: Node | None = None  # LIBRARY, ATTENTION: the graph op to run
-    inputs: tuple[Node, ...] = ()  # LIBRARY, ATTENTION: its operands' buffers
+    node: Node | None = None  # LIBRARY, ATTENTION, CONV: the graph op to run
+    inputs: tuple[Node, ...] = ()  # LIBRARY, ATTENTION, CONV: its operands' buffers
+    epilogue: Any = None  # CONV: the fused ConvEpilogue
     # graph values this kernel computes, for printing and pictures
     computes: tuple[Node, ...] = field(default=(), compare=False)
 
     @cached_property  # computed once per kernel: the runtime reads these on every launch
     def reads(self) -> tuple[Node, ...]:
         """Distinct buffers read, in first-use order (the generated function's input arguments)."""
-        if self.kind in NODE_KINDS:
+        if self.kind in NODE_KINDS or self.kind is KernelKind.CONV:
             return tuple(dict.fromkeys(self.inputs))
         return tuple(dict.fromkeys(e.buffer for e in self.body if isinstance(e, Load)))
 
@@ -163,6 +168,8 @@ class Kernel:
         """Distinct buffers written (the generated function's output arguments)."""
         if self.kind in NODE_KINDS:
             return (self.node,)
+        if self.kind is KernelKind.CONV:
+            return (self.epilogue.tail,)
         return tuple(dict.fromkeys(s.buffer for s in self.stores))
 
     @cached_property
@@ -182,9 +189,17 @@ class Kernel:
         if self.kind is KernelKind.ROW:
             head += f" (row = last {self.row_rank})"
         lines = [head]
-        if self.kind in NODE_KINDS:
+        if self.kind in NODE_KINDS or self.kind is KernelKind.CONV:
             arg = "" if self.node.arg is None else f" {format_arg(self.node.arg)}"
             lines.append(f"  {self.node.op}{arg}")
+        if self.kind is KernelKind.CONV:
+            ep = self.epilogue
+            post = [
+                "bias" if ep.bias is not None else "",
+                "+ residual" if ep.residual is not None else "",
+                f"{ep.activation}{list(ep.scalars) if ep.scalars else ''}" if ep.activation else "",
+            ]
+            lines.append(f"  post-ops: {' '.join(p for p in post if p) or '-'}")
         for i, e in enumerate(self.body):
             if isinstance(e, Load):
                 extra = f" mask={e.mask} other={e.other}" if e.mask else ""

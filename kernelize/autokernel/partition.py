@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kernelize.autokernel.kernels import KernelKind
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, Graph, Node, Op
@@ -42,6 +43,7 @@ class Group:
     row_rank: int = 0
     sel: dict[Node, Sel] = field(default_factory=dict)  # member -> selection map, in insertion order
     copy: bool = False  # a copy kernel materializing one layout value
+    epilogue: Any = None  # CONV: the ConvEpilogue its members form
 
     @property
     def members(self) -> list[Node]:
@@ -302,7 +304,9 @@ def _set(m: dict[int, int | None], key: int, value: int | None) -> bool:
 def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | None:
     """The group of ``g1`` (holding producer ``p``) and ``g2`` (holding consumer ``n``, reading it as operand
     ``i``), or None when they cannot form one kernel. Cycles are the caller's business."""
-    if KernelKind.LIBRARY in (g1.kind, g2.kind) or KernelKind.ATTENTION in (g1.kind, g2.kind):
+    if g1.kind in (KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV) or g2.kind in (
+        KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV
+    ):
         return None
     if g1.kind is KernelKind.MATMUL and g2.kind is KernelKind.MATMUL:
         return _merge_matmuls(g1, g2, p, n, i, ctx) if ctx.merge_matmuls else None
@@ -479,6 +483,19 @@ class Partition:
             anc |= self.anc[d] | (1 << d)
             self.kids[d].add(gid)
         self.anc[gid] = anc
+
+    def extend(self, gid: int, n: Node, reads: Sequence[Node]) -> None:
+        """Add ``n`` to the existing group ``gid`` (a conv epilogue member) with its extra dependencies."""
+        gid = self.find(gid)
+        g = self.groups[gid]
+        g.sel[n] = next(iter(g.sel.values()))
+        self.of[n] = gid
+        deps = {self.find(self.of[r]) for r in reads if r in self.of} - {gid} - self.deps[gid]
+        assert not deps or not self.kids[gid], "a conv epilogue gains dependencies after it has readers"
+        for d in deps:
+            self.deps[gid].add(d)
+            self.anc[gid] |= self.anc[d] | (1 << d)
+            self.kids[d].add(gid)
 
     def _reaches(self, src: int, dst: int, skip_direct: bool) -> bool:
         """Whether group ``dst`` depends on group ``src`` (through another group when ``skip_direct``)."""

@@ -40,6 +40,7 @@ import torch
 
 from kernelize.autokernel.body import BodyBuilder, Materialize
 from kernelize.autokernel.canon import sink_views
+from kernelize.autokernel.conv import conv_epilogue
 from kernelize.autokernel.kernels import NODE_KINDS, Kernel, KernelKind
 from kernelize.autokernel.legality import can_absorb
 from kernelize.autokernel.partition import (
@@ -75,6 +76,9 @@ class PlanSettings:
             (:func:`kernelize.autokernel.canon.sink_views`), so they fuse into it.
         horizontal: POINTWISE (or ROW, same rows) kernels over the same domain that read a common value
             merge (one launch, the value read once).
+        conv_epilogue: convolutions become CONV kernels that apply their bias, residual add and activation
+            inside the library call (:mod:`kernelize.autokernel.conv`); False leaves the conv alone as a
+            LIBRARY kernel.
         merge_matmuls: matmuls over the same domain that read the same left operand and meet in an
             elementwise epilogue (``silu(x @ Wg) * (x @ Wu)``) become one MATMUL kernel with several MATMUL
             values (for backends whose matmul kernels compute several accumulators: the CPU's few-row kernel).
@@ -90,6 +94,7 @@ class PlanSettings:
     recompute_max_ops: int = 8
     sink_views: bool = True
     horizontal: bool = True
+    conv_epilogue: bool = True
     merge_matmuls: bool = False
     column_reduce: Literal["generate", "library"] = "generate"
 
@@ -206,12 +211,25 @@ def _partition(
     library_mm = settings.matmul == "library"
     part = Partition(Ctx(graph, users, stop, settings.merge_matmuls))
     prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2}  # node kinds: 3
+    in_chain: dict[Node, int] = {}  # epilogue member -> gid of its CONV group
+    outputs = set(graph.outputs)
     for n in computed:
+        if n in in_chain:  # computed inside its conv's library call
+            part.extend(in_chain[n], n, [base(s, stop) for s in n.src])
+            continue
         kind = kind_of(n, library_mm, settings.column_reduce == "library")
+        if kind is KernelKind.LIBRARY and n.op is Op.CONV and settings.conv_epilogue and n.dtype.is_float:
+            kind = KernelKind.CONV
         g = new_group(len(part.parent), n, kind)
         if n in stop:
             g.copy = True
         part.add(g, [base(s, stop) for s in n.src])
+        if kind is KernelKind.CONV:
+            ok = lambda r, gid=g.gid: not _depends_on(part, r, gid, stop)  # noqa: E731
+            ep = conv_epilogue(n, users, outputs, ok, taken=in_chain)
+            g.epilogue = ep
+            in_chain.update((m, g.gid) for m in ep.nodes[1:] if m not in stop)
+            continue
         if not settings.fuse or kind in NODE_KINDS:
             continue
         edges = [(i, base(s, stop)) for i, s in enumerate(n.src)]
@@ -229,6 +247,15 @@ def _partition(
     return part
 
 
+def _depends_on(part: Partition, r: Node, gid: int, stop: set[Node]) -> bool:
+    """Whether value ``r`` is computed by group ``gid`` or by a group that depends on it."""
+    q = base(r, stop)
+    if q not in part.of:
+        return False
+    rg = part.find(part.of[q])
+    return rg == gid or bool((part.anc[rg] >> gid) & 1)
+
+
 def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple[Kernel, ...]:
     stop = {f for f in forced if f.op in LAYOUT}
     live = live_nodes(graph)  # dead code gets no kernel and forces no buffer
@@ -239,6 +266,7 @@ def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple
     users = _users(graph, stop, computed)
     part = _partition(graph, settings, stop, users, computed)
 
+    group_of_conv = {g.epilogue.conv: g.epilogue for g in part.groups.values() if g.kind is KernelKind.CONV}
     # values that must be in memory whatever the fusion
     pinned: set[Node] = {f for f in forced if f.op not in SOURCE}
     for n in graph.nodes:
@@ -247,6 +275,11 @@ def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple
         library = n in part.of and part.group(n).kind is KernelKind.LIBRARY  # e.g. a column sum on the cpu
         if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION) or library:
             pinned.update(base(s, stop) for s in n.src)
+        if n in group_of_conv:  # a CONV kernel's residual is a library operand, its tail a library result
+            ep = group_of_conv[n]
+            pinned.add(ep.tail)
+            if ep.residual is not None:
+                pinned.add(base(ep.residual, stop))
         elif n.op is Op.PAD:
             pinned.add(base(n.src[0], stop))
     pinned.update(base(o, stop) for o in graph.outputs)
@@ -297,6 +330,22 @@ def _lower(g: Group, buffers: set[Node], stop: set[Node], order: Mapping[Node, i
         (node,) = g.sel
         inputs = tuple(base(s, stop) for s in node.src)
         return [Kernel("", g.kind, node.shape, node=node, inputs=inputs, computes=(node,))]
+    if g.kind is KernelKind.CONV:
+        ep = g.epilogue
+        operands = (*ep.conv.src, *(v for v in (ep.bias, ep.residual) if v is not None))
+        inputs = tuple(base(s, stop) for s in operands)
+        assert ep.tail in buffers and all(m not in buffers for m in ep.nodes[:-1]), "conv epilogue stored"
+        return [
+            Kernel(
+                "",
+                KernelKind.CONV,
+                ep.tail.shape,
+                node=ep.conv,
+                inputs=inputs,
+                epilogue=ep,
+                computes=ep.nodes,
+            )
+        ]
     return [BodyBuilder(g, buffers, stop, order).kernel(stores)]
 
 
@@ -330,7 +379,8 @@ def _schedule(kernels: Sequence[Kernel], order: Mapping[Node, int]) -> tuple[Ker
 def library_operands(
     kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]
 ) -> list[torch.Tensor]:
-    """The operand tensors of a LIBRARY or ATTENTION kernel: its buffers seen through the node's views."""
+    """The operand tensors of a LIBRARY kernel: its buffers seen through the node's layout views (also
+    the operands of any node whose operands are buffers, views of buffers or constants)."""
     from kernelize.ir.reference import _EVAL
 
     vals = dict(values)
@@ -339,6 +389,9 @@ def library_operands(
         path = []
         v = s
         while v not in vals:
+            if v.op is Op.CONST:
+                vals[v] = v.arg.tensor
+                break
             assert v.op in LAYOUT, f"library operand {v} is neither a buffer nor a view of one"
             path.append(v)
             v = v.src[0]
@@ -352,6 +405,12 @@ def run_library(kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mappin
     """Run a LIBRARY kernel with the reference implementation of its op."""
     from kernelize.ir.reference import _EVAL
 
+    if kernel.kind is KernelKind.CONV:  # the chain, op by op: conv, bias, residual, activation
+        vals = dict(values)
+        for n in kernel.epilogue.nodes:
+            operands = library_operands(replace(kernel, node=n), vals, env)
+            vals[n] = _EVAL[n.op](n, operands, dict(env)).to(n.dtype.torch)
+        return vals[kernel.epilogue.tail].contiguous()
     node = kernel.node
     out = _EVAL[node.op](node, library_operands(kernel, values, env), dict(env))
     return out.to(node.dtype.torch).contiguous()

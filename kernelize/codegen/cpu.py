@@ -34,7 +34,8 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -272,7 +273,7 @@ class _Writer:
 
 def render(kernel: Kernel, renderer: CpuRenderer | None = None) -> tuple[str, str]:
     """The C++ source of ``kernel`` and its exported function name."""
-    if kernel.kind is KernelKind.LIBRARY:
+    if kernel.kind in (KernelKind.LIBRARY, KernelKind.CONV):
         raise ValueError(f"kernel {kernel.name} is a LIBRARY kernel: the runtime runs those with torch")
     if kernel.kind is KernelKind.ATTENTION:
         return render_attention(kernel, load_template("cpu_prelude.h"))
@@ -493,7 +494,9 @@ class CpuBackend:
     def _build(self, kernel: Kernel):
         source, fn_name = render(kernel, self.renderer)
         path = build_shared_object(source, kernel.name)
-        fn = getattr(load(path), fn_name)
+        return self._wrap(getattr(load(path), fn_name), kernel, source)
+
+    def _wrap(self, fn, kernel: Kernel, source: str) -> CompiledKernel:
         fn.restype = ctypes.c_int
         if kernel.kind is KernelKind.ATTENTION:
             fn.argtypes = ATTENTION_ARGTYPES
@@ -523,6 +526,43 @@ class CpuBackend:
 
         both = f"{source}\n// more than {FEW_ROWS} rows: torch's matmul, then\n{epi_source}"
         return CompiledKernel(kernel.name, self.name, both, launch, kernel)
+
+    def compile_many(self, kernels: Sequence[Kernel], progress: Callable[[int], None] | None = None):
+        """Compile ``kernels`` as a few translation units (one per core) built in parallel.
+
+        A compiler run costs ~0.3 s of start-up and prelude parsing before any kernel code, so dozens of
+        kernels in one unit build many times faster than one unit each; units of one graph share one
+        cache entry, so a warm start is one lookup per unit. ``progress(n)`` is called as units finish.
+        """
+        out: list[CompiledKernel | None] = [None] * len(kernels)
+        for i, k in enumerate(kernels):  # attention and matmul kernels build their own way: alone
+            if k.kind in (KernelKind.ATTENTION, KernelKind.MATMUL):
+                out[i] = self.compile(k)
+                if progress is not None:
+                    progress(1)
+        rest = [i for i, c in enumerate(out) if c is None]
+        if not rest:
+            return out
+        rendered = {i: render(kernels[i], self.renderer) for i in rest}
+        prelude = load_template("cpu_prelude.h")
+        assert len({name for _, name in rendered.values()}) == len(rendered), "kernel names collide"
+        units = max(1, min(os.cpu_count() or 1, len(rest), 4))
+        chunks = [rest[i::units] for i in range(units)]
+
+        def build(chunk: list[int]) -> tuple[list[int], Path]:
+            body = "\n".join(rendered[i][0].replace(prelude, "") for i in chunk)
+            return chunk, build_shared_object(prelude + body, f"{len(chunk)} kernels")
+
+        with ThreadPoolExecutor(max_workers=units) as pool:
+            for chunk, path in pool.map(build, chunks):
+                lib = load(path)
+                for i in chunk:
+                    source, fn_name = rendered[i]
+                    source, launch = self._wrap(getattr(lib, fn_name), kernels[i], source)
+                    out[i] = CompiledKernel(kernels[i].name, self.name, source, launch, kernels[i])
+                if progress is not None:
+                    progress(len(chunk))
+        return out
 
 
 __all__ = [

@@ -278,6 +278,32 @@ def _batch_norm(ctx: NodeContext) -> Node:
     return g.add(g.mul(g.sub(x, m), s), b)
 
 
+def _lrn(ctx: NodeContext) -> Node:
+    """LRN: ``x / (bias + alpha / size * sum of x**2 over a window of channels) ** beta``.
+
+    The window sum is ``size`` shifted slices of the zero-padded squares, layout ops that the planner
+    turns into strided loads of one pointwise kernel.
+    """
+    g, x = ctx.g, ctx.x(0)
+    size = ctx.attr("size")
+    if size is None or size < 1:
+        raise ctx.unsupported("LRN without a positive `size` attribute")
+    alpha, beta, bias = ctx.attr("alpha", 1e-4), ctx.attr("beta", 0.75), ctx.attr("bias", 1.0)
+    c = x.shape[1]
+    if isinstance(c, Sym):
+        raise ctx.unsupported(f"LRN over a symbolic channel dimension {c}")
+    xf = g.cast(x, DType.F32) if x.dtype in (DType.F16, DType.BF16) else x
+    lo, hi = (size - 1) // 2, size // 2  # the window is [c - floor((size-1)/2), c + ceil((size-1)/2)]
+    pads = [(0, 0)] * x.rank
+    pads[1] = (lo, hi)
+    sq = g.pad(g.mul(xf, xf), pads)
+    total = g.slice(sq, 1, 0, c)
+    for k in range(1, size):
+        total = g.add(total, g.slice(sq, 1, k, k + c))
+    den = g.pow(g.add(g.mul(total, alpha / size), float(bias)), float(beta))
+    return g.cast(g.div(xf, den), x.dtype)
+
+
 def _instance_norm(ctx: NodeContext) -> Node:
     g, x = ctx.g, ctx.x(0)
     eps = ctx.attr("epsilon", 1e-5)
@@ -552,7 +578,7 @@ NN_OPS: dict[str, Converter] = {
     "MatMul": _matmul, "Gemm": _gemm, "Einsum": _einsum, "Conv": _conv, "ConvTranspose": _conv_transpose,
     "MaxPool": _pool("max"), "AveragePool": _pool("avg"), "LpPool": _pool("lp"),
     "GlobalMaxPool": _global_pool(Op.REDUCE_MAX), "GlobalAveragePool": _global_pool(Op.MEAN),
-    "BatchNormalization": _batch_norm, "InstanceNormalization": _instance_norm,
+    "BatchNormalization": _batch_norm, "InstanceNormalization": _instance_norm, "LRN": _lrn,
     "LayerNormalization": lambda ctx: _trailing_norm(ctx, rms=False),
     "RMSNormalization": lambda ctx: _trailing_norm(ctx, rms=True),
     "GroupNormalization": _group_norm, "LpNormalization": _lp_norm, "MeanVarianceNormalization": _mvn,

@@ -16,6 +16,7 @@ from kernelize.ir.graph import Graph
 from kernelize.ir.verify import verify
 from kernelize.passes.affine import affine
 from kernelize.passes.clamp import clamp
+from kernelize.passes.conv_pad import conv_pad
 from kernelize.passes.dce import dce
 from kernelize.passes.fold import fold
 from kernelize.passes.recognize import recognize
@@ -35,6 +36,7 @@ class OptimizerSettings:
         strength: division by constants into multiplication, small powers into multiplications.
         clamp: relu / min / max chains into one clamp.
         affine: scale/bias chains (and batch norm) into one scale+bias, and into conv/matmul weights.
+        conv_pad: zero padding before a conv into the conv's own padding.
         verify: run ``verify`` after every pass (slower; for tests and debugging).
     """
 
@@ -44,6 +46,7 @@ class OptimizerSettings:
     strength: bool = True
     clamp: bool = True
     affine: bool = True
+    conv_pad: bool = True
     verify: bool = False
 
     def __post_init__(self) -> None:
@@ -61,6 +64,7 @@ PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("strength", strength),
     ("clamp", clamp),
     ("affine", affine),
+    ("conv_pad", conv_pad),
     ("fold", fold),
     ("dce", dce),
 )

@@ -35,6 +35,7 @@ from kernelize.ir.reference import _EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import Backend, CompiledKernel
 from kernelize.runtime.cache import GRAPHS, graph_fingerprint
+from kernelize.runtime.conv import ConvRunner
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +137,36 @@ def _build(graph: Graph, backend: str, device: torch.device, plan: Any) -> Compi
         plan = make_plan(graph, getattr(impl, "plan_settings", None))
     kernels = list(plan.kernels if hasattr(plan, "kernels") else plan)
     graph = getattr(plan, "graph", None) or graph
-    compiled: dict[str, CompiledKernel] = {}
-    for k in kernels:
-        if k.kind is not KernelKind.LIBRARY:
-            compiled[k.name] = impl.compile(k)
+    generated = [k for k in kernels if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV)]
+    compiled = _compile_all(impl, generated)
     logger.debug("compiled %d kernels (%d generated) with %s", len(kernels), len(compiled), backend)
     return CompiledGraph(graph, backend, device, plan=plan, kernels=kernels, compiled=compiled)
+
+
+def _compile_all(impl: Backend, kernels: Sequence[Kernel]) -> dict[str, CompiledKernel]:
+    """Compile every generated kernel, batched when the backend can (``compile_many``), behind a progress
+    bar on an interactive terminal when there is more than a handful."""
+    from tqdm.auto import tqdm
+
+    if not kernels:
+        return {}
+    with tqdm(
+        total=len(kernels),
+        desc=f"compiling {impl.name} kernels",
+        unit="kernel",
+        disable=None,
+        leave=False,
+        delay=0.5,
+    ) as bar:
+        many = getattr(impl, "compile_many", None)
+        if many is not None:
+            done = many(kernels, bar.update)
+        else:
+            done = []
+            for k in kernels:
+                done.append(impl.compile(k))
+                bar.update(1)
+    return {k.name: c for k, c in zip(kernels, done)}
 
 
 @dataclass(frozen=True)
@@ -151,6 +176,7 @@ class _Step:
     free: tuple[Node, ...]  # buffers dead after this step
     library: bool = False
     operands: bool = False  # launched on the node's operands seen through their views (attention)
+    conv: ConvRunner | None = None
 
 
 @dataclass(frozen=True)
@@ -203,9 +229,11 @@ class CompiledGraph:
                 tuple(b for b, j in last.items() if j == i and b not in keep),
                 k.kind is KernelKind.LIBRARY,
                 k.kind is KernelKind.ATTENTION,
+                self._conv_runner(k) if k.kind is KernelKind.CONV else None,
             )
             for i, k in enumerate(kernels)
         ]
+        self._cl = channels_last_buffers(kernels) if device.type == "cpu" else frozenset()
         self._bound: dict[tuple, _Bound] = {}
         # inputs only attention kernels read keep their strides: those kernels take any strides
         readers: dict[Node, set[KernelKind]] = {}
@@ -251,7 +279,12 @@ class CompiledGraph:
         pool = self._pool
         for step, shapes, sizes, launch in zip(self._steps, bound.shapes, bound.sizes, bound.launch):
             k = step.kernel
-            if step.library:
+            if step.conv is not None:
+                ep = k.epilogue
+                x, w = (_materialize(s, vals, env) for s in ep.conv.src)
+                r = None if ep.residual is None else _materialize(ep.residual, vals, env)
+                vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl)
+            elif step.library:
                 vals[k.node] = self._library(k, vals, env)
             else:
                 if step.operands:
@@ -261,8 +294,10 @@ class CompiledGraph:
                 if pool is not None:  # cpu backend: recycle large buffers the caller dropped
                     writes = [pool.empty(b, shape, b.dtype.torch) for b, shape in zip(k.writes, shapes)]
                 else:
-                    writes = [torch.empty(shape, dtype=b.dtype.torch, device=self.device)
-                              for b, shape in zip(k.writes, shapes)]
+                    writes = [
+                        torch.empty(shape, dtype=b.dtype.torch, device=self.device)
+                        for b, shape in zip(k.writes, shapes)
+                    ]
                 if launch:
                     step.compiled.launch(reads, writes, sizes)
                 vals.update(zip(k.writes, writes))
@@ -321,11 +356,44 @@ class CompiledGraph:
             out = torch.matmul(*args)  # cuBLAS accumulates 16-bit inputs in f32 already
         else:
             out = _EVAL[node.op](node, args, env)
-        return out.to(node.dtype.torch).contiguous()
+        fmt = torch.channels_last if node in self._cl else torch.contiguous_format
+        return out.to(node.dtype.torch).contiguous(memory_format=fmt)
+
+    def _conv_runner(self, k: Kernel) -> ConvRunner:
+        bias = k.epilogue.bias
+        return ConvRunner(k, None if bias is None else _materialize(bias, dict(self._consts), {}))
 
     def __repr__(self) -> str:
-        return (f"CompiledGraph({self.backend} on {self.device}, {len(self._steps)} steps, "
-                f"{len(self.kernels)} generated kernels)")
+        return (
+            f"CompiledGraph({self.backend} on {self.device}, {len(self._steps)} steps, "
+            f"{len(self.kernels)} generated kernels)"
+        )
+
+
+def channels_last_buffers(kernels: Sequence[Kernel]) -> frozenset[Node]:
+    """4-D buffers kept channels-last: written by a CONV kernel or a pool, and read only as the direct
+    activation or residual of CONV kernels or by pools (torch ops follow any strides; generated kernels
+    assume dense row-major buffers, so a buffer any of them reads stays NCHW)."""
+    readers: dict[Node, list[Kernel]] = {}
+    for k in kernels:
+        for b in k.reads:
+            readers.setdefault(b, []).append(k)
+
+    def pool(k: Kernel) -> bool:
+        return k.kind is KernelKind.LIBRARY and k.node.op is Op.POOL
+
+    def direct(k: Kernel, b: Node) -> bool:
+        if k.kind is KernelKind.CONV:
+            return k.node.src[0] is b or k.epilogue.residual is b
+        return pool(k) and k.node.src[0] is b
+
+    return frozenset(
+        b
+        for k in kernels
+        if k.kind is KernelKind.CONV or pool(k)
+        for b in k.writes
+        if b.rank == 4 and all(direct(r, b) for r in readers.get(b, ()))
+    )
 
 
 def _materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
@@ -413,7 +481,7 @@ def print_kernels(graph: Graph, backend: str = "triton", file: TextIO | None = N
     for k in kernels:
         print(str(k), file=file)
     for k in kernels:
-        if k.kind is KernelKind.LIBRARY:
+        if k.kind in (KernelKind.LIBRARY, KernelKind.CONV):
             print(f"\n# {k.name}: library call ({k.node.op}) run by the runtime with torch", file=file)
             continue
         src = impl.render(k) if hasattr(impl, "render") else impl.compile(k).source

@@ -97,8 +97,8 @@ def _compute(e: Compute, vals: list, dtypes: list[DType], grid: list[torch.Tenso
 
 def run_kernel(k: Kernel, values: dict[Node, torch.Tensor], env: Mapping[str, int]) -> None:
     """Run one kernel: read buffers from ``values``, add the buffers it writes."""
-    if k.kind is KernelKind.LIBRARY:
-        values[k.node] = run_library(k, values, env)
+    if k.kind in (KernelKind.LIBRARY, KernelKind.CONV):
+        values[k.writes[0]] = run_library(k, values, env)
         return
     sizes = [_dim(d, env) for d in k.domain]
     if 0 in sizes[: len(sizes) - k.row_rank]:  # no element (no row): the written buffers are empty

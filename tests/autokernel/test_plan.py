@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from spec_interpreter import run
 
 from kernelize.autokernel import Compute, KernelKind, Load, Plan, PlanSettings, plan, row_invariant
-from kernelize.ir import Graph, Op, Sym, evaluate
+from kernelize.ir import Graph, Op, Sym, evaluate, optimize
 from kernelize.ir.torch_frontend import trace
 
 K = KernelKind
@@ -294,9 +294,17 @@ def test_conv_bn_relu_is_a_library_conv_and_one_pointwise_kernel():
     x = torch.randn(2, 3, 6, 6)
     with torch.no_grad():
         g = trace(model, x)
-    p = check(g, [x], tol=1e-4)
+    p = check(g, [x], tol=1e-4, settings=PlanSettings(conv_epilogue=False))
     assert kinds(p) == ["library", "pointwise"]
     assert p.kernels[0].node.op is Op.CONV
+    # the traced batch norm is a scale before its shift, so only a conv kernel of its own is possible
+    p = check(g, [x], tol=1e-4)
+    assert kinds(p) == ["conv", "pointwise"]
+    # optimized, batch norm is in the weight and the bias: bias and relu are the conv's post-ops
+    p = check(optimize(g), [x], tol=1e-4)
+    assert kinds(p) == ["conv"]
+    ep = p.kernels[0].epilogue
+    assert ep.bias is not None and ep.activation == "relu" and ep.residual is None
 
 
 # -- layout, outputs, settings ----------------------------------------------------------------------------

@@ -212,7 +212,7 @@ def run_kernels(
 
 def run_plan(plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Run a plan as the runtime does: generated kernels under host emulation, LIBRARY ones with torch."""
-    from kernelize.ir.reference import _EVAL
+    from kernelize.autokernel.plan import run_library
     from kernelize.runtime.compiled import _materialize
 
     graph = plan.graph
@@ -220,9 +220,8 @@ def run_plan(plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     vals: dict[Node, torch.Tensor] = {n: n.arg.tensor for n in graph.nodes if n.op is Op.CONST}
     vals.update((n, t.contiguous()) for n, t in zip(graph.inputs, inputs))
     for k in plan.kernels:
-        if k.kind is KernelKind.LIBRARY:
-            args = [_materialize(s, vals, env) for s in k.node.src]
-            vals[k.node] = _EVAL[k.node.op](k.node, args, env).to(k.node.dtype.torch).contiguous()
+        if k.kind in (KernelKind.LIBRARY, KernelKind.CONV):
+            vals[k.writes[0]] = run_library(k, vals, env)
             continue
         reads = [_materialize(b, vals, env).contiguous() for b in k.reads]
         writes = [torch.empty(bind(b.shape, env), dtype=b.dtype.torch) for b in k.writes]

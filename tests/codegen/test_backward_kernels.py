@@ -108,7 +108,7 @@ def _backward_kernels():
         for name in CASES
         for graph in graphs(name)[:2]
         for k in plan(graph).kernels
-        if k.kind is not KernelKind.LIBRARY
+        if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV)
     ]
 
 

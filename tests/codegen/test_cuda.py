@@ -776,7 +776,7 @@ PLANNED = [(layer, dt) for layer in sorted(LAYERS) for dt in (DType.F32, DType.F
 @pytest.mark.parametrize("layer,dtype", PLANNED, ids=[f"{a}-{b}" for a, b in PLANNED])
 def test_planned_layers_emulated(layer, dtype):
     p, inputs, build = planned(layer, dtype)
-    generated = [k for k in p.kernels if k.kind is not KernelKind.LIBRARY]
+    generated = [k for k in p.kernels if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV)]
     assert generated, f"{layer}: the plan has no generated kernel"
     try:
         got = run_plan(p, inputs)

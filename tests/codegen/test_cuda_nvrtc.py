@@ -56,7 +56,7 @@ def test_corpus_compiles_to_cubin(layer, dtype, arch):
 def test_planned_corpus_compiles_for_sm80_and_sm90(layer, dtype):
     """The kernels the real pipeline (trace -> optimize -> plan) makes for each layer compile with NVRTC."""
     p, _, _ = planned(layer, dtype)
-    generated = [k for k in p.kernels if k.kind is not KernelKind.LIBRARY]
+    generated = [k for k in p.kernels if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV)]
     assert generated
     for k in generated:
         src = render(k)

@@ -19,7 +19,8 @@ SHAPE = (2, 3, 4)
 
 def test_settings_are_frozen_bools_with_one_switch_per_pass():
     s = OptimizerSettings()
-    assert {name for name, _ in PIPELINE} == {"dce", "fold", "recognize", "strength", "clamp", "affine"}
+    names = {"dce", "fold", "recognize", "strength", "clamp", "affine", "conv_pad"}
+    assert {name for name, _ in PIPELINE} == names
     assert all(getattr(s, name) is True for name, _ in PIPELINE) and s.verify is False
     with pytest.raises(AttributeError):
         s.fold = False  # type: ignore[misc]

@@ -170,6 +170,24 @@ def test_run_main_compares_with_reference(tmp_path, capsys):
     assert "output [3, 4]" in capsys.readouterr().out
 
 
+def test_run_compare_onnxruntime_prints_both_times_and_the_difference(tmp_path, capsys, monkeypatch):
+    from kernelize.tools import run_main
+
+    model = tmp_path / "tiny.onnx"
+    _tiny_onnx(model)
+    args = Namespace(model=str(model), backend="cpu", inputs=None, repeat=2, compare="onnxruntime")
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as if the extra were not installed
+    with pytest.raises(RuntimeError, match=r"kernelize\[onnx\]"):
+        run_main(args)
+    monkeypatch.undo()
+    pytest.importorskip("onnxruntime")
+    capsys.readouterr()
+    assert run_main(args) == 0
+    out = capsys.readouterr().out
+    rel = float(out.split("vs onnxruntime = ")[1].split("relative ")[1].split(")")[0])
+    assert rel < 1e-5 and "kernelize / onnxruntime = " in out and "onnxruntime: " in out
+
+
 def test_cli_run_sets_the_interpreter_itself(tmp_path):
     model = tmp_path / "tiny.onnx"
     _tiny_onnx(model)

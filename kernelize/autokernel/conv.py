@@ -1,0 +1,168 @@
+"""Convolution epilogues: which elementwise ops after a conv run inside the convolution library call.
+
+oneDNN (and cuDNN through torch) apply a bias, one residual add and one activation while the output tile
+is still in registers, so ``relu(conv(x, w) + b + r)`` costs one pass over memory instead of three. The
+planner makes each conv a ``CONV`` kernel and :func:`conv_epilogue` grows its chain along single-user
+edges, in the order the library applies them::
+
+    conv -> [add channel bias] -> [add residual of the same shape] -> [activation]
+
+The activation is one of :data:`ACTIVATIONS` (after a residual only ``relu``, the one oneDNN's binary
+post-op chain takes). A value in the middle of the chain must have no other reader and not be a graph
+output: otherwise it would have to be stored anyway.
+
+Example:
+    >>> ep = conv_epilogue(conv_node, users, outputs=set(graph.outputs))  # doctest: +SKIP
+    >>> ep.bias, ep.residual, ep.activation, ep.tail  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass
+
+from kernelize.ir.graph import Node, Op
+
+# activation name (oneDNN's unary post-op spelling) and its scalars
+ACTIVATIONS = ("relu", "hardtanh", "sigmoid", "tanh", "swish")
+
+
+@dataclass(frozen=True)
+class ConvEpilogue:
+    """What a CONV kernel computes after the convolution itself.
+
+    Attributes:
+        nodes: the graph values the kernel computes, conv first, ``tail`` last.
+        bias: a graph value of shape ``(1, C, 1, 1)`` (before broadcast) over a constant, or None.
+        residual: a value of the conv's output shape added after the bias, or None.
+        activation: one of :data:`ACTIVATIONS` or None; ``scalars`` its arguments (hardtanh: min, max).
+    """
+
+    nodes: tuple[Node, ...]
+    bias: Node | None = None
+    residual: Node | None = None
+    activation: str | None = None
+    scalars: tuple[float, ...] = ()
+
+    @property
+    def conv(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def tail(self) -> Node:
+        return self.nodes[-1]
+
+
+def channel_bias(v: Node, channels: int) -> Node | None:
+    """``v`` without its broadcasts when that is a constant of shape ``(1, C, 1, 1)`` over one constant."""
+    while v.op is Op.BROADCAST:
+        v = v.src[0]
+    if tuple(v.shape) != (1, channels, 1, 1):
+        return None
+    base = v
+    while base.op is Op.VIEW:
+        base = base.src[0]
+    return v if base.op is Op.CONST and math.prod(base.shape) == channels else None
+
+
+def _other(u: Node, t: Node) -> Node | None:
+    """The operand of binary ``u`` that is not ``t`` (None if ``t`` is not a direct operand)."""
+    if len(u.src) != 2 or t not in u.src:
+        return None
+    a, b = u.src
+    return b if a is t else a
+
+
+def _activation(t: Node, u: Node, users: Mapping[Node, Sequence[Node]]) -> tuple[str, tuple, Node] | None:
+    """The activation that ``u`` (the single reader of ``t``) starts, with its scalars and last node."""
+    if u.op is Op.CLAMP and u.src[0] is t:
+        lo, hi = u.arg
+        if lo == 0 and hi == math.inf:
+            return "relu", (), u
+        if math.isfinite(lo) and math.isfinite(hi):
+            return "hardtanh", (float(lo), float(hi)), u
+        return None
+    if u.op in (Op.SIGMOID, Op.TANH) and u.src[0] is t:
+        return u.op.value, (), u
+    return None
+
+
+def _swish(t: Node, readers: Sequence[Node], users: Mapping[Node, Sequence[Node]]) -> Node | None:
+    """``t * sigmoid(t)`` when those two are all the readers of ``t``: the mul, else None."""
+    if len(readers) != 2:
+        return None
+    s = next((r for r in readers if r.op is Op.SIGMOID and r.src[0] is t), None)
+    m = next((r for r in readers if r.op is Op.MUL and set(r.src) == {t, s}), None)
+    if s is None or m is None or list(users.get(s, ())) != [m]:
+        return None
+    return m
+
+
+def conv_epilogue(
+    conv: Node,
+    users: Mapping[Node, Sequence[Node]],
+    outputs: set[Node],
+    residual_ok: Callable[[Node], bool] | None = None,
+    taken: Container[Node] = (),
+) -> ConvEpilogue:
+    """Grow the epilogue chain of ``conv`` (see the module docstring).
+
+    Args:
+        conv: a ``conv`` graph node.
+        users: direct readers of each value (through layout ops).
+        outputs: graph outputs (they must be stored, so a chain stops there).
+        residual_ok: optional predicate on a residual candidate (the planner rejects one that would make
+            the kernels depend on each other in a cycle).
+        taken: values already in another conv's epilogue (``conv(a) + conv(b)`` is one conv's residual).
+    """
+    nodes = [conv]
+    bias = residual = act = None
+    scalars: tuple = ()
+    channels = conv.shape[1]
+    t = conv
+    while act is None and t not in outputs:
+        readers = list(dict.fromkeys(users.get(t, ())))
+        if any(r in taken for r in readers):
+            break
+        if len(readers) == 2 and t.dtype.is_float and residual is None:
+            m = _swish(t, readers, users)
+            if m is None:
+                break
+            nodes += [r for r in readers if r is not m] + [m]
+            act, t = "swish", m
+            break
+        if len(readers) != 1:
+            break
+        (u,) = readers
+        if u.dtype != t.dtype or tuple(u.shape) != tuple(t.shape):
+            break
+        other = _other(u, t) if u.op is Op.ADD else None
+        b = (
+            None
+            if other is None or bias is not None or residual is not None
+            else channel_bias(other, channels)
+        )
+        if b is not None:
+            bias, t = b, u
+            nodes.append(u)
+            continue
+        if (
+            other is not None
+            and residual is None
+            and other.op is not Op.BROADCAST
+            and tuple(other.shape) == tuple(t.shape)
+            and (residual_ok is None or residual_ok(other))
+        ):
+            residual, t = other, u
+            nodes.append(u)
+            continue
+        found = _activation(t, u, users)
+        if found is None or (residual is not None and found[0] != "relu"):
+            break
+        act, scalars, t = found
+        nodes.append(t)
+    return ConvEpilogue(tuple(nodes), bias, residual, act, scalars)
+
+
+__all__ = ["ACTIVATIONS", "ConvEpilogue", "channel_bias", "conv_epilogue"]

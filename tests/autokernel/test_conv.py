@@ -1,0 +1,125 @@
+"""CONV kernels: which epilogues fuse into the library convolution, and that every one runs right."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from spec_interpreter import run
+
+from kernelize.autokernel import KernelKind, PlanSettings, plan
+from kernelize.ir import Graph, Op, evaluate, optimize
+from kernelize.runtime.compiled import channels_last_buffers, compile_graph
+
+
+def _conv(g: Graph, x, cin: int, cout: int, k: int = 3, groups: int = 1, pad: int = 1, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = g.const(torch.randn(cout, cin // groups, k, k, generator=gen) * 0.3)
+    return g.conv(x, w, padding=(pad,) * 4, groups=groups)
+
+
+def _bias(g: Graph, y, c: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    return g.add(y, g.broadcast(g.const(torch.randn(1, c, 1, 1, generator=gen)), y.shape))
+
+
+def _check(g: Graph, inputs, want_kinds):
+    p = plan(g)
+    assert [k.kind for k in p.kernels] == want_kinds, str(p)
+    want = evaluate(g, inputs)
+    for got in (run(p, inputs), compile_graph(g, backend="cpu", cache=False)(*inputs)):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    return p
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6", "sigmoid", "tanh", "swish"])
+def test_bias_and_activation_are_post_ops(act):
+    g = Graph()
+    x = g.input("x", ("batch", 4, 7, 9), "f32")
+    y = _bias(g, _conv(g, x, 4, 6), 6)
+    y = {
+        "relu": lambda: g.clamp(y, 0, math.inf),
+        "relu6": lambda: g.clamp(y, 0, 6),
+        "sigmoid": lambda: g.sigmoid(y),
+        "tanh": lambda: g.tanh(y),
+        "swish": lambda: g.mul(y, g.sigmoid(y)),
+    }[act]()
+    g.output(y)
+    p = _check(g, [torch.randn(3, 4, 7, 9)], [KernelKind.CONV])
+    ep = p.kernels[0].epilogue
+    assert ep.bias is not None and ep.activation == {"relu6": "hardtanh"}.get(act, act)
+    assert ep.tail is g.outputs[0]
+
+
+def test_residual_add_then_relu_is_one_kernel_and_the_shortcut_conv_another():
+    g = Graph()
+    x = g.input("x", (2, 8, 5, 5), "f32")
+    a = _conv(g, x, 8, 8, seed=2)
+    b = _conv(g, x, 8, 8, k=1, pad=0, seed=3)  # the shortcut: conv(a) + conv(b) needs one of them stored
+    g.output(g.clamp(g.add(a, b), 0, math.inf))
+    p = _check(g, [torch.randn(2, 8, 5, 5)], [KernelKind.CONV, KernelKind.CONV])
+    eps = [k.epilogue for k in p.kernels]
+    assert sum(ep.residual is not None for ep in eps) == 1
+    assert {ep.activation for ep in eps} == {None, "relu"}
+
+
+def test_a_value_read_twice_ends_the_chain():
+    g = Graph()
+    x = g.input("x", (1, 4, 6, 6), "f32")
+    y = _bias(g, _conv(g, x, 4, 4), 4)
+    r = g.clamp(y, 0, math.inf)
+    g.output(r, g.exp(y))  # y has two readers: it must be stored, relu and exp run elsewhere
+    p = _check(g, [torch.randn(1, 4, 6, 6)], [KernelKind.CONV, KernelKind.POINTWISE])
+    assert p.kernels[0].epilogue.activation is None
+
+
+def test_graph_output_in_the_middle_stops_the_chain():
+    g = Graph()
+    x = g.input("x", (1, 4, 6, 6), "f32")
+    y = _bias(g, _conv(g, x, 4, 4), 4)
+    g.output(y, g.clamp(y, 0, math.inf))
+    _check(g, [torch.randn(1, 4, 6, 6)], [KernelKind.CONV, KernelKind.POINTWISE])
+
+
+def test_conv_epilogue_off_keeps_library_conv():
+    g = Graph()
+    x = g.input("x", (1, 4, 6, 6), "f32")
+    g.output(g.clamp(_conv(g, x, 4, 4), 0, math.inf))
+    p = plan(g, PlanSettings(conv_epilogue=False))
+    assert [k.kind for k in p.kernels] == [KernelKind.LIBRARY, KernelKind.POINTWISE]
+
+
+def test_depthwise_chain_stays_channels_last_and_asymmetric_padding_runs():
+    g = Graph()
+    x = g.input("x", ("batch", 8, 9, 9), "f32")
+    y = g.clamp(_bias(g, _conv(g, x, 8, 8, k=1, pad=0), 8), 0, 6)
+    w = g.const(torch.randn(8, 1, 3, 3))
+    y = g.clamp(g.conv(y, w, stride=(2, 2), padding=(0, 0, 1, 1), groups=8), 0, 6)  # TF "same"
+    z = g.add(_conv(g, y, 8, 8, k=1, pad=0, seed=5), y)  # projection + residual
+    g.output(z)
+    p = _check(g, [torch.randn(2, 8, 9, 9)], [KernelKind.CONV] * 3)
+    cl = channels_last_buffers(p.kernels)
+    assert p.kernels[0].writes[0] in cl and p.kernels[1].writes[0] in cl  # read only by convs
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 1, 1), (0, 3, 4, 4), (7, 3, 5, 129)])
+def test_awkward_shapes(shape):
+    g = Graph()
+    x = g.input("x", ("n", 3, *shape[2:]), "f32")  # spatial sizes are static in the conv builder
+    g.output(g.mul(y := _bias(g, _conv(g, x, 3, 5), 5), g.sigmoid(y)))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    xs = torch.randn(shape)
+    torch.testing.assert_close(cg(xs)[0], evaluate(g, [xs])[0], rtol=1e-4, atol=1e-4)
+
+
+def test_generated_reader_gets_a_dense_buffer():
+    """A conv output a generated kernel reads (here a mean) is stored NCHW, never channels-last."""
+    g = Graph()
+    x = g.input("x", (2, 4, 8, 8), "f32")
+    y = g.clamp(_conv(g, x, 4, 6), 0, math.inf)
+    m = g.reduce(Op.MEAN, y, (2, 3), keepdim=True)
+    g.output(g.add(_conv(g, y, 6, 6, seed=7), g.broadcast(m, (2, 6, 8, 8))))
+    p = _check(optimize(g), [torch.randn(2, 4, 8, 8)], [KernelKind.CONV, KernelKind.CONV, KernelKind.ROW])
+    assert p.kernels[0].writes[0] not in channels_last_buffers(p.kernels)
