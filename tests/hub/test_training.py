@@ -126,3 +126,23 @@ def test_torch_compile_traces_forward_and_backward_without_graph_break(hub_pkg) 
     torch.compile(step, fullgraph=True)(x, w).backward()
     torch.testing.assert_close(x.grad, want[0])
     torch.testing.assert_close(w.grad, want[1])
+
+
+def test_kernelized_demo_model_trains_with_eager_gradients() -> None:
+    import torch.nn.functional as F
+
+    import kernelize
+    from kernelize import Mode
+    from kernelize.models.llama_demo import LlamaDemo, LlamaDemoConfig
+
+    eager = LlamaDemo(LlamaDemoConfig.tiny()).train()
+    model = LlamaDemo(LlamaDemoConfig.tiny()).train()
+    with kernelize.use_kernel_mapping(hub.default_mapping()):
+        kernelize.kernelize(model, device="cpu", mode=Mode.TRAINING)
+    ids, labels = torch.randint(0, 128, (2, 9)), torch.randint(0, 128, (2, 9))
+    for m in (eager, model):
+        F.cross_entropy(m(ids).flatten(0, 1), labels.flatten()).backward()
+    used = [c for c in kernelize.inspect(model).values() if c.uses_kernel]
+    assert len(used) >= 4
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
