@@ -189,11 +189,28 @@ def _div_mode(t, a, b, *, rounding_mode=None):
     if rounding_mode is None:
         return t.g.div(a, b)
     if dtype.is_float:
-        q = t.g.div(a, b)
-        return t.g.floor(q) if rounding_mode == "floor" else _trunc(t, q)
+        return _floor_div(t, a, b) if rounding_mode == "floor" else _trunc(t, t.g.div(a, b))
     if rounding_mode == "trunc":
         return t.g.div(a, b)  # the IR's integer division truncates
     return t.g.div(t.g.sub(a, t.g.mod(a, b)), b)  # a - a mod b is a multiple of b: exact
+
+
+def _fmod_floor_fix(t, m, b):
+    """Whether the C remainder `m` of a / b has the other sign than b (floor semantics step down)."""
+    return t.g.and_(t.g.ne(m, 0), t.g.ne(t.g.lt(b, 0), t.g.lt(m, 0)))
+
+
+def _floor_div(t, a, b):
+    """torch's float floor division (c10 `div_floor_floating`), not floor(a / b): that rounds
+    once too often for large quotients and gives inf for inf // 2 where torch gives nan."""
+    q = t.g.div(a, b)
+    m = t.g.mod(a, b)  # float MOD is C fmod
+    div = t.g.div(t.g.sub(a, m), b)
+    div = t.g.where(_fmod_floor_fix(t, m, b), t.g.sub(div, 1), div)
+    fl = t.g.floor(div)
+    fl = t.g.where(t.g.gt(t.g.sub(div, fl), 0.5), t.g.add(fl, 1), fl)
+    fl = t.g.where(t.g.ne(div, 0), fl, t.g.mul(q, 0))  # a zero quotient keeps the sign of a / b
+    return t.g.where(t.g.eq(b, 0), q, fl)
 
 
 def _trunc(t, x):
@@ -211,7 +228,8 @@ def _remainder(t, a, b):
     a, b = t.cast(a, dtype), t.cast(b, dtype)
     if not dtype.is_float:
         return t.g.mod(a, b)  # integer mod is floor-mod, like torch.remainder
-    return t.g.sub(a, t.g.mul(t.g.floor(t.g.div(a, b)), b))
+    m = t.g.mod(a, b)  # C fmod is exact; a - floor(a / b) * b is not for large quotients
+    return t.g.where(_fmod_floor_fix(t, m, b), t.g.add(m, b), m)
 
 
 @_on(aten.fmod.Tensor, aten.fmod.Scalar)
