@@ -203,6 +203,7 @@ def _fmod_floor_fix(t, m, b):
 def _floor_div(t, a, b):
     """torch's float floor division (c10 `div_floor_floating`), not floor(a / b): that rounds
     once too often for large quotients and gives inf for inf // 2 where torch gives nan."""
+    b = b if isinstance(b, Node) else t.g.scalar(b, a.dtype)  # the sign tests need b as a node
     q = t.g.div(a, b)
     m = t.g.mod(a, b)  # float MOD is C fmod
     div = t.g.div(t.g.sub(a, m), b)
@@ -228,6 +229,7 @@ def _remainder(t, a, b):
     a, b = t.cast(a, dtype), t.cast(b, dtype)
     if not dtype.is_float:
         return t.g.mod(a, b)  # integer mod is floor-mod, like torch.remainder
+    b = b if isinstance(b, Node) else t.g.scalar(b, dtype)
     m = t.g.mod(a, b)  # C fmod is exact; a - floor(a / b) * b is not for large quotients
     return t.g.where(_fmod_floor_fix(t, m, b), t.g.add(m, b), m)
 

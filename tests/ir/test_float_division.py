@@ -47,3 +47,15 @@ def test_float_floor_division_matches_torch(name: str, backend: str) -> None:
     want = fn(a, b)
     bad = [(PAIRS[i], want[i].item(), got[i].item()) for i in range(len(PAIRS)) if not _same(want[i], got[i])]
     assert not bad, f"{name} on {backend}: (a, b), torch, ours: {bad[:6]}"
+
+
+@pytest.mark.parametrize("divisor", [0.1, -2.5, 0.0, math.inf, 1e-8])
+@pytest.mark.parametrize("name", sorted(FUNCS))
+def test_python_scalar_divisor(name: str, divisor: float) -> None:
+    """A python-number divisor (x // 0.1, x % -2.5) traces and matches torch."""
+    fn = FUNCS[name]
+    a = torch.tensor(VALUES)
+    graph = trace(lambda x: fn(x, divisor), a)
+    got = compile_graph(graph, backend="cpu")(a)[0]
+    want = fn(a, divisor)
+    assert _same(want, got), f"{name} by {divisor}: torch {want.tolist()}, ours {got.tolist()}"
