@@ -105,11 +105,20 @@ def _cast_cast(ctx: Context, outer: Node, inner: Node, x: Node) -> Node | None:
     return None
 
 
+def _pad_of_neg(ctx: Context, pad: Node, neg: Node, x: Node) -> Node | None:
+    """pad(-x, 0) -> -pad(x, 0): the pad then reads x in place (an autodiff'd rotate-half gives this), where
+    a pad of a computed value needs the value in a buffer first."""
+    if pad.arg[1] != 0:
+        return None
+    return ctx.g.neg(ctx.g.push(Op.PAD, x.dtype, pad.shape, (x,), pad.arg))
+
+
 RULES: list[Rule] = [
     (P(None, name="n", where=_foldable), _fold),
     (P(Op.SLICE, P(Op.SLICE, Var("x"), name="inner"), name="outer"), _slice_slice),
     (P(Op.PERMUTE, Var("x"), name="p"), _permute_as_view),
     (P(Op.CAST, P(Op.CAST, Var("x"), name="inner"), name="outer"), _cast_cast),
+    (P(Op.PAD, P(Op.NEG, Var("x"), name="neg"), name="pad"), _pad_of_neg),
 ]
 
 

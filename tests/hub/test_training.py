@@ -146,3 +146,17 @@ def test_kernelized_demo_model_trains_with_eager_gradients() -> None:
     assert len(used) >= 4
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_rotary_backward_is_one_kernel(hub_pkg) -> None:
+    """rotate-half's backward (pads of a negated slice) is planned as one kernel, not a copy plus an add."""
+    fn, ins, ws, params = _cases(hub_pkg, torch.float32, 7)["rotary"]
+    owner = torch.nn.Module()
+    out = hub.run(owner, fn, ins, ws, **params)
+    ct = torch.randn_like(out)
+    got = torch.autograd.grad(out, ins[:1], ct)[0]
+    x = ins[0].detach().requires_grad_()
+    want = torch.autograd.grad(fn(x, *ins[1:], **params), [x], ct)[0]
+    torch.testing.assert_close(got, want)
+    pair = hub_autograd.training_graphs(hub.compiled_ran(owner), (0,))
+    assert len(pair.backward.kernels) == 1, pair.backward.plan
