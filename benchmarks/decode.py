@@ -168,6 +168,7 @@ def bench_decode(
 ) -> dict:
     import copy
 
+    torch._dynamo.reset()  # each configuration traces afresh instead of hitting the recompile limit
     model = build_model(family, hidden, dtype, quick)
     prompt = torch.randint(
         0, model.config.vocab_size, (batch, 16), generator=torch.Generator().manual_seed(0)

@@ -12,6 +12,7 @@ with transformers, switches the model to it, and calls `kernelize` with the bund
 | `gate_up_proj`, `down_proj` (Phi-3), gated activation (probed) | `FusedGatedMLP` | `kernelize/activation` |
 | q/k/v/o or qkv/o linears + rotary (probed: neox or interleaved) | `CausalSelfAttention` | `kernelize/llm` |
 | norm, attn, `residual +`, norm, mlp, `residual +` (source order) | `PreNormDecoderLayer` | `kernelize/llm` |
+| the model's `lm_head`, a plain `nn.Linear` (its class becomes `LMHead`) | `Linear` | `kernelize/linear` |
 
 A module that looks like one of these but does not match is left eager, and `kernelize.inspect(model)`
 says why; so does a replaced attention module whose calls took the eager path (see
@@ -40,7 +41,7 @@ from kernelize.layer.record import FallbackReason, record_choice, recorded_choic
 
 from .hf_attention import KERNEL_UNAVAILABLE, attention_forward, attention_kernel
 
-__all__ = ["ATTENTION_NAME", "RULES", "Recognition", "kernelize_model", "register_attention"]
+__all__ = ["ATTENTION_NAME", "RULES", "LMHead", "Recognition", "kernelize_model", "register_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ _DECISION_ATTR = "_kernelize_recognition"
 class Recognition:
     """What the table made of one module: the hub layer to use (None: left eager) and why."""
 
-    kind: str  # "norm", "mlp", "attention"
+    kind: str  # "norm", "mlp", "attention", "decoder", "lm_head"
     layer_name: str | None
     reason: str
     setup: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # instance attributes the layer reads
@@ -280,9 +281,28 @@ def _decoder(module: nn.Module) -> Recognition | None:
     )
 
 
+# ---- the LM head ----------------------------------------------------------------------------------------
+class LMHead(nn.Linear):
+    """A causal LM's `lm_head`: `kernelize_model` gives the model's plain `nn.Linear` head this subclass, so
+    the head alone is marked (marking `nn.Linear` would mark every linear in the process). In decode its
+    forward is the few-row matmul kernel: one or a few rows against the largest weight of a small model."""
+
+
+def _adopt_lm_head(model: nn.Module) -> None:
+    head = getattr(model, "lm_head", None)
+    if type(head) is nn.Linear:
+        head.__class__ = LMHead
+
+
+def _lm_head(module: nn.Module) -> Recognition | None:
+    if type(module) is not LMHead:
+        return None
+    return Recognition("lm_head", "Linear", "x @ W.T (+ b): the few-row matmul kernel for up to 16 rows")
+
+
 # ---- the table ----------------------------------------------------------------------------------------
 # Each rule: module -> Recognition (a layer, or left eager with the reason), or None (not this kind).
-RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (_norm, _mlp, _attention, _decoder)
+RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (_norm, _mlp, _attention, _decoder, _lm_head)
 # The class mark of a kind whose modules are left eager: a name no mapping has, so nothing replaces them.
 _UNRECOGNISED = "{kind} (not recognised by kernelize_model)"
 
@@ -392,6 +412,7 @@ def kernelize_model(
         from kernelize.hub import default_mapping
 
         mapping = default_mapping()
+    _adopt_lm_head(model)
     found = _mark(model)
     with use_kernel_mapping(dict(mapping)):
         kernelize(model, mode=mode, device=device)
