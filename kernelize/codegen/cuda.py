@@ -31,12 +31,13 @@ import ctypes
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
+from kernelize.autokernel.matmul import weights_shared
 from kernelize.codegen.render import Renderer, c_name, closure, contraction
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -173,8 +174,24 @@ class CudaSource:
             return (max(1, min(math.ceil(math.prod(dom) / self.block), max_blocks)), 1, 1)
         if k.kind is KernelKind.ROW:
             return (max(1, min(math.prod(dom[: len(dom) - k.row_rank]), max_blocks)), 1, 1)
+        if k.kind is KernelKind.SPLITK:
+            return splitk_grid(k, dom, sizes, max_blocks)
         m, n = dom[-2], dom[-1]
         return (math.ceil(n / 64), math.ceil(m / 64), math.prod(dom[:-2]))
+
+
+SPLITK_COLS = 8  # columns per block of cuda_splitk.cu (one 32-thread group each)
+SPLITK_MIN_SLICE = 256  # K elements per slice at least: each lane still makes several steps
+
+
+def splitk_grid(
+    k: Kernel, dom: Sequence[int], sizes: Mapping[str, int], max_blocks: int
+) -> tuple[int, int, int]:
+    """(column blocks, K slices, 1): enough blocks to fill the GPU even for one row."""
+    n, kdim = dom[-1], bind((k.body[0].arg,), sizes)[0]
+    cols = max(1, math.ceil(n / SPLITK_COLS))
+    slices = max(1, min(math.ceil(kdim / SPLITK_MIN_SLICE), max_blocks // cols))
+    return (cols, slices, 1)
 
 
 class _Gen:
@@ -400,11 +417,36 @@ class _Gen:
         )
         return src, 256
 
+    def splitk(self) -> tuple[str, int]:
+        """A SPLITK kernel (:func:`kernelize.autokernel.matmul.splitk_kernel`): all rows in each block."""
+        k, dim = self.k, self.r.dim
+        _, a, b = k.body
+        last = self.rank - 1
+        rows = [f"i{d}" for d in range(last)]
+        src = fill(
+            load_template("cuda_splitk.cu"),
+            **{key: v for key, v in self.common(256).items() if key != "BLOCK"},
+            ROWS=dim(numel(k.domain[:last])),
+            N=dim(k.domain[last]),
+            K=dim(k.body[0].arg),
+            ROW_INDEX=self.decompose("kz_row", k.domain[:last], rows, " " * 6),
+            A_ROW=self.offset(replace(a, strides=a.strides[:last]), rows),
+            A_PTR=self.rname[a.buffer],
+            A_SK=dim(a.strides[last + 1]),
+            B=f"{self.rname[b.buffer]}[{self.offset(b, ['0'] * last + ['in', 'ik'])}]",
+        )
+        return src, 256
+
 
 def render(kernel: Kernel, renderer: CudaRenderer | None = None) -> CudaSource:
     """Generate the CUDA C of ``kernel`` (no GPU or NVRTC needed)."""
     gen = _Gen(kernel, renderer or CudaRenderer())
-    kinds = {KernelKind.POINTWISE: gen.pointwise, KernelKind.ROW: gen.row, KernelKind.MATMUL: gen.matmul}
+    kinds = {
+        KernelKind.POINTWISE: gen.pointwise,
+        KernelKind.ROW: gen.row,
+        KernelKind.MATMUL: gen.matmul,
+        KernelKind.SPLITK: gen.splitk,
+    }
     if kernel.kind not in kinds:
         raise ValueError(
             f"cuda backend cannot generate {kernel.kind} kernel {kernel.name}: the runtime runs it"
@@ -444,13 +486,23 @@ class CudaBackend:
         return torch.device(device).type == "cuda"
 
     def compile(self, kernel: Kernel) -> CompiledKernel:
-        """Render and compile ``kernel`` to a cubin (disk-cached); raises KernelCompileError on failure."""
-        from kernelize.codegen.nvrtc import CubinModule, compile_cubin, require_driver, sm_count
+        """Render and compile ``kernel`` to a cubin (disk-cached); raises KernelCompileError on failure.
 
+        A MATMUL kernel over weights becomes the few-row pair (split-K + epilogue, up to ``FEW_ROWS``
+        rows) around the tiled kernel (see :mod:`kernelize.codegen.few_rows`)."""
         if kernel.kind is KernelKind.ATTENTION:
             from kernelize.codegen.cuda_attention import compile_attention
 
             return compile_attention(kernel, self.arch)
+        if kernel.kind is KernelKind.MATMUL and len(kernel.domain) >= 2 and weights_shared(kernel):
+            from kernelize.codegen.few_rows import compile_few_rows
+
+            return compile_few_rows(kernel, self._compile, self.name)
+        return self._compile(kernel)
+
+    def _compile(self, kernel: Kernel) -> CompiledKernel:
+        from kernelize.codegen.nvrtc import CubinModule, compile_cubin, require_driver, sm_count
+
         src = render(kernel)
         cubin = compile_cubin(src.source, src.name, self.arch)
         logger.debug(

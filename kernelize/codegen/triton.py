@@ -34,7 +34,6 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -42,14 +41,7 @@ from typing import Any
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
-from kernelize.autokernel.matmul import (
-    FEW_ROWS,
-    epilogue_kernel,
-    matmul_parts,
-    rows_of,
-    splitk_kernel,
-    weights_shared,
-)
+from kernelize.autokernel.matmul import weights_shared
 from kernelize.codegen.render import Renderer, _call, contraction
 from kernelize.codegen.template import fill, load_template
 from kernelize.codegen.triton_rows import RowRenderer, row_block
@@ -560,28 +552,9 @@ class TritonBackend:
         return CompiledKernel(kernel.name, "triton", source, launch, kernel)
 
     def _compile_matmul(self, kernel: Kernel) -> CompiledKernel:
-        """Up to FEW_ROWS rows: split-K partial products into f32 temporaries, then the epilogue kernel;
-        more rows: the tiled matmul kernel."""
-        tiled = self._compile(kernel) if len(matmul_parts(kernel).mms) == 1 else None
-        epi, temps = epilogue_kernel(kernel)
-        f32 = [replace(t, dtype=DType.F32) for t in temps]  # partial sums accumulate in f32
-        epi = _retype(epi, dict(zip(temps, f32)))
-        parts = [self._compile(splitk_kernel(kernel, j, t)) for j, t in enumerate(f32)]
-        epilogue = self._compile(epi)
-        slots = [(b in f32, f32.index(b) if b in f32 else kernel.reads.index(b)) for b in epi.reads]
-        index = {b: i for i, b in enumerate(kernel.reads)}
+        from kernelize.codegen.few_rows import compile_few_rows
 
-        def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
-            if tiled is not None and rows_of(kernel, sizes) > FEW_ROWS:
-                return tiled.launch(reads, writes, sizes)
-            dom = bind(kernel.domain, sizes)
-            acc = [torch.zeros(dom, dtype=torch.float32, device=writes[0].device) for _ in f32]
-            for part, t in zip(parts, acc):
-                part.launch([reads[index[b]] for b in part.kernel.reads], [t], sizes)
-            epilogue.launch([acc[i] if tmp else reads[i] for tmp, i in slots], writes, sizes)
-
-        sources = [c.source for c in (*parts, epilogue, *([tiled] if tiled else []))]
-        return CompiledKernel(kernel.name, "triton", "\n".join(sources), launch, kernel)
+        return compile_few_rows(kernel, self._compile, self.name)
 
 
 def _dot_operands(a: DType, b: DType) -> dict[str, str]:
@@ -591,14 +564,6 @@ def _dot_operands(a: DType, b: DType) -> dict[str, str]:
         return {"A_CAST": "a", "B_CAST": "b", "PRECISION": ""}
     ieee = ', input_precision="ieee"'
     return {"A_CAST": "a.to(tl.float32)", "B_CAST": "b.to(tl.float32)", "PRECISION": ieee}
-
-
-def _retype(k: Kernel, new: Mapping) -> Kernel:
-    """``k`` reading buffers ``new[b]`` instead of ``b``."""
-    return replace(
-        k, body=tuple(replace(e, buffer=new[e.buffer]) if isinstance(e, Load) and e.buffer in new else e
-                      for e in k.body)
-    )
 
 
 def compile_ahead(

@@ -141,6 +141,13 @@ inline int launch(dim3 grid, dim3 block, std::function<void()> fn) {
 
 inline void __syncthreads() { kz_emu::syncthreads(); }
 
+// Fibers switch only at barriers and blocks run one at a time, so a plain read-modify-write is atomic here.
+inline float atomicAdd(float* p, float v) {
+  const float old = *p;
+  *p = old + v;
+  return old;
+}
+
 // __shfl_xor_sync as an exchange between two barriers: publish, wait for the whole block, read the
 // partner lane's slot, wait again before the slots are reused. Stricter than a warp-level sync (every
 // thread of the block must take part, else the divergence check fires), never laxer.
