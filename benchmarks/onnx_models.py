@@ -167,6 +167,9 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
+IDLE_S = 0.1  # pause before each timed run, so the previous variant's spinning threads have gone idle
+
+
 def bench(name: str, batch: int, rounds: int, compile_times: bool) -> dict:
     path = export(name)
     build, kind = MODELS[name]
@@ -195,6 +198,9 @@ def bench(name: str, batch: int, rounds: int, compile_times: bool) -> dict:
         times: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(rounds):
             for k, f in runs.items():
+                # onnxruntime's and OpenMP's worker threads spin for a while after a run; on 2 cores the
+                # next variant would share the CPU with them (measured: both times doubled back to back)
+                time.sleep(IDLE_S)
                 t0 = time.perf_counter()
                 f()
                 times[k].append((time.perf_counter() - t0) * 1e3)
