@@ -116,7 +116,11 @@ def run(
 
             note_kernels(owner, record)
         operands = [query, key, value] if mask is None else [query, key, value, mask]
-        launch(operands, [out], None)
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(f"kernelize::attention[{args.mask}, causal={args.causal}]"):
+                launch(operands, [out], None)
+        else:
+            launch(operands, [out], None)
     return out.squeeze(0) if squeeze else out
 
 

@@ -298,7 +298,10 @@ class CompiledGraph:
                         torch.empty(shape, dtype=b.dtype.torch, device=self.device)
                         for b, shape in zip(k.writes, shapes)
                     ]
-                if launch:
+                if launch and torch.autograd.profiler._is_profiler_enabled:
+                    with torch.profiler.record_function(_label(k)):  # a named row in the user's profile
+                        step.compiled.launch(reads, writes, sizes)
+                elif launch:
                     step.compiled.launch(reads, writes, sizes)
                 vals.update(zip(k.writes, writes))
             for b in step.free:
@@ -394,6 +397,12 @@ def channels_last_buffers(kernels: Sequence[Kernel]) -> frozenset[Node]:
         for b in k.writes
         if b.rank == 4 and all(direct(r, b) for r in readers.get(b, ()))
     )
+
+
+def _label(k: Kernel) -> str:
+    """``kernelize::<kind>[<ops>]:<name>``: what a generated kernel computes, for profiler tables."""
+    ops = sorted({str(e.op) for e in k.body if hasattr(e, "op")})
+    return f"kernelize::{k.kind}[{','.join(ops)}]:{k.name}"
 
 
 def _materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:

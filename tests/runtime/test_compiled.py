@@ -287,3 +287,23 @@ def test_inputs_that_require_grad_raise_instead_of_dropping_the_gradient():
     out = Wrapped.apply(x, w)
     out.sum().backward()
     assert out.requires_grad and torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+def test_generated_kernels_are_named_rows_in_a_torch_profile():
+    from torch.profiler import profile
+
+    from kernelize.attention import scaled_dot_product_attention
+
+    g = Graph()
+    x = g.input("x", ("n", 64), "f32")
+    g.output(g.softmax(g.mul(x, 2.0)))
+    cg = compile_graph(g, backend="cpu")
+    q = torch.randn(1, 2, 5, 16)
+    cg(torch.randn(3, 64))
+    scaled_dot_product_attention(q, q, q, is_causal=True)
+    with profile() as prof:
+        cg(torch.randn(3, 64))
+        scaled_dot_product_attention(q, q, q, is_causal=True)
+    names = {e.key for e in prof.key_averages()}
+    assert any(n.startswith("kernelize::row[") and "softmax" in n for n in names), names
+    assert "kernelize::attention[none, causal=True]" in names, names
