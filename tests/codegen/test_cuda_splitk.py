@@ -57,7 +57,9 @@ def test_split_k_matches_reference(dtype: DType, epilogue: str) -> None:
         inputs = inputs_for(g, {"m": m}, gen)
         atol, rtol = TOL[dtype]
         want = evaluate(g, inputs)[0].float()
-        torch.testing.assert_close(run_few_rows(g, inputs).float(), want, atol=atol, rtol=rtol, msg=f"{m} rows")
+        torch.testing.assert_close(
+            run_few_rows(g, inputs).float(), want, atol=atol, rtol=rtol, msg=f"{m} rows"
+        )
 
 
 def test_row_axes_decompose_and_awkward_sizes() -> None:

@@ -138,7 +138,9 @@ def test_one_call_replaces_norms_mlp_and_attention(family: str, kernel_calls: li
         assert used["model.layers.1.mlp"] == mlp
         # the head alone is marked (its class becomes an nn.Linear subclass); parameters and keys unchanged
         assert used["lm_head"] == "Linear" and isinstance(fast.lm_head, torch.nn.Linear)
-        assert type(eager.lm_head) is torch.nn.Linear and fast.state_dict().keys() == eager.state_dict().keys()
+        assert (
+            type(eager.lm_head) is torch.nn.Linear and fast.state_dict().keys() == eager.state_dict().keys()
+        )
         attention = kernelize.inspect(fast)["model.layers.0.self_attn"]
         if HAS_KERNEL:
             assert attention.layer_name == "CausalSelfAttention" and attention.uses_kernel, str(attention)
