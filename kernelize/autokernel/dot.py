@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kernelize.autokernel.plan import Plan
-from kernelize.ir.dot import CATEGORIES, _escape, _label, category, write_svg
+from kernelize.ir.dot import CATEGORIES, category, escape, node_label, write_svg
 from kernelize.ir.graph import Node, Op
 
 # cluster background per kernel kind
@@ -41,7 +41,7 @@ def plan_to_dot(plan: Plan, hide_constants: bool = True, title: str | None = Non
         '  edge [color="#555555", arrowsize=0.6];',
     ]
     if title:
-        lines.append(f'  labelloc=t; label="{_escape(title)}";')
+        lines.append(f'  labelloc=t; label="{escape(title)}";')
 
     def box(n: Node, indent: str) -> str:
         i = graph.index(n)
@@ -52,7 +52,7 @@ def plan_to_dot(plan: Plan, hide_constants: bool = True, title: str | None = Non
         elif n not in owner and n.op is not Op.INPUT and n.op is not Op.CONST and category(n) != "layout":
             style = "rounded,filled,dashed"
         return (
-            f'{indent}n{i} [label="{_label(graph, n)}", fillcolor="{CATEGORIES[category(n)][0]}", '
+            f'{indent}n{i} [label="{node_label(graph, n)}", fillcolor="{CATEGORIES[category(n)][0]}", '
             f'style="{style}"{extra}];'
         )
 

@@ -381,7 +381,7 @@ def library_operands(
 ) -> list[torch.Tensor]:
     """The operand tensors of a LIBRARY kernel: its buffers seen through the node's layout views (also
     the operands of any node whose operands are buffers, views of buffers or constants)."""
-    from kernelize.ir.reference import _EVAL
+    from kernelize.ir.reference import EVAL
 
     vals = dict(values)
     out = []
@@ -396,21 +396,21 @@ def library_operands(
             path.append(v)
             v = v.src[0]
         for lay in reversed(path):
-            vals[lay] = _EVAL[lay.op](lay, [vals[lay.src[0]]], dict(env))
+            vals[lay] = EVAL[lay.op](lay, [vals[lay.src[0]]], dict(env))
         out.append(vals[s])
     return out
 
 
 def run_library(kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]) -> torch.Tensor:
     """Run a LIBRARY kernel with the reference implementation of its op."""
-    from kernelize.ir.reference import _EVAL
+    from kernelize.ir.reference import EVAL
 
     if kernel.kind is KernelKind.CONV:  # the chain, op by op: conv, bias, residual, activation
         vals = dict(values)
         for n in kernel.epilogue.nodes:
             operands = library_operands(replace(kernel, node=n), vals, env)
-            vals[n] = _EVAL[n.op](n, operands, dict(env)).to(n.dtype.torch)
+            vals[n] = EVAL[n.op](n, operands, dict(env)).to(n.dtype.torch)
         return vals[kernel.epilogue.tail].contiguous()
     node = kernel.node
-    out = _EVAL[node.op](node, library_operands(kernel, values, env), dict(env))
+    out = EVAL[node.op](node, library_operands(kernel, values, env), dict(env))
     return out.to(node.dtype.torch).contiguous()

@@ -28,7 +28,7 @@ from kernelize.ir.shapes import Dim, Sym
 RenderFn = Callable[["Renderer", Compute, Sequence[str]], str]
 
 
-def _call(name: str) -> RenderFn:
+def call(name: str) -> RenderFn:
     return lambda r, e, a: f"{name}({', '.join(a)})"
 
 
@@ -52,23 +52,23 @@ class Renderer:
     }
 
     OP_RENDER: ClassVar[dict[Op, RenderFn]] = {
-        Op.ABS: _call("kz_abs"),
+        Op.ABS: call("kz_abs"),
         Op.NEG: lambda r, e, a: f"(-{a[0]})",
-        Op.EXP: _call("kz_exp"),
-        Op.LOG: _call("kz_log"),
-        Op.SQRT: _call("kz_sqrt"),
-        Op.RSQRT: _call("kz_rsqrt"),
+        Op.EXP: call("kz_exp"),
+        Op.LOG: call("kz_log"),
+        Op.SQRT: call("kz_sqrt"),
+        Op.RSQRT: call("kz_rsqrt"),
         Op.RECIPROCAL: lambda r, e, a: f"({r.literal(1, e.dtype)} / {a[0]})",
-        Op.SIN: _call("kz_sin"),
-        Op.COS: _call("kz_cos"),
-        Op.TANH: _call("kz_tanh"),
-        Op.SIGMOID: _call("kz_sigmoid"),
-        Op.ERF: _call("kz_erf"),
-        Op.SOFTPLUS: _call("kz_softplus"),
+        Op.SIN: call("kz_sin"),
+        Op.COS: call("kz_cos"),
+        Op.TANH: call("kz_tanh"),
+        Op.SIGMOID: call("kz_sigmoid"),
+        Op.ERF: call("kz_erf"),
+        Op.SOFTPLUS: call("kz_softplus"),
         Op.FLOOR: lambda r, e, a: f"kz_floor({a[0]})" if e.dtype.is_float else a[0],
         Op.CEIL: lambda r, e, a: f"kz_ceil({a[0]})" if e.dtype.is_float else a[0],
         Op.ROUND: lambda r, e, a: f"kz_round({a[0]})" if e.dtype.is_float else a[0],
-        Op.SIGN: _call("kz_sign"),
+        Op.SIGN: call("kz_sign"),
         Op.NOT: lambda r, e, a: f"(!{a[0]})",
         Op.CAST: lambda r, e, a: r.cast(a[0], e.dtype),
         Op.CLAMP: lambda r, e, a: (
@@ -79,9 +79,9 @@ class Renderer:
         Op.SUB: _infix("-"),
         Op.MUL: _infix("*"),
         Op.DIV: lambda r, e, a: f"({a[0]} / {a[1]})" if e.dtype.is_float else f"kz_idiv({a[0]}, {a[1]})",
-        Op.MIN: _call("kz_min"),
-        Op.MAX: _call("kz_max"),
-        Op.POW: _call("kz_pow"),
+        Op.MIN: call("kz_min"),
+        Op.MAX: call("kz_max"),
+        Op.POW: call("kz_pow"),
         Op.MOD: lambda r, e, a: (
             f"kz_fmod({a[0]}, {a[1]})" if e.dtype.is_float else f"kz_imod({a[0]}, {a[1]})"
         ),

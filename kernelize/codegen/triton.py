@@ -29,171 +29,33 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
-import os
-import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
 from kernelize.autokernel.matmul import weights_shared
-from kernelize.codegen.render import Renderer, _call, contraction
+from kernelize.codegen.render import contraction
 from kernelize.codegen.template import fill, load_template
+from kernelize.codegen.triton_base import (
+    TL,
+    IndexCtx,
+    TritonRenderer,
+    index_lines,
+    interpreting,
+    load_module,
+    next_power_of_2,
+)
 from kernelize.codegen.triton_rows import RowRenderer, row_block
 from kernelize.ir.dtypes import HALF, DType, compute_dtype
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.shapes import Dim, bind, numel
-from kernelize.runtime import diskcache
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
 from kernelize.runtime.cache import KERNELS
 
 logger = logging.getLogger(__name__)
-
-TL = {
-    DType.F16: "tl.float16",
-    DType.BF16: "tl.bfloat16",
-    DType.F32: "tl.float32",
-    DType.F64: "tl.float64",
-    DType.I8: "tl.int8",
-    DType.I16: "tl.int16",
-    DType.I32: "tl.int32",
-    DType.I64: "tl.int64",
-    DType.U8: "tl.uint8",
-    DType.BOOL: "tl.int1",
-}
-# pointer element types for triton.compile signatures
-SIG = {
-    DType.F16: "fp16",
-    DType.BF16: "bf16",
-    DType.F32: "fp32",
-    DType.F64: "fp64",
-    DType.I8: "i8",
-    DType.I16: "i16",
-    DType.I32: "i32",
-    DType.I64: "i64",
-    DType.U8: "u8",
-    DType.BOOL: "i1",
-}
-_NAN = "tl.PropagateNan.ALL"
-
-
-def _minmax(fn: str):
-    def render(r: Renderer, e: Compute, a: Sequence[str]) -> str:
-        nan = f", propagate_nan={_NAN}" if e.dtype.is_float else ""
-        return f"tl.{fn}({a[0]}, {a[1]}{nan})"
-
-    return render
-
-
-def _clamp(r: Renderer, e: Compute, a: Sequence[str]) -> str:
-    lo, hi = e.arg
-    nan = f", propagate_nan={_NAN}" if e.dtype.is_float else ""
-    out = a[0]
-    if lo != float("-inf"):
-        out = f"tl.maximum({out}, {r.literal(lo, e.dtype)}{nan})"
-    if hi != float("inf"):
-        out = f"tl.minimum({out}, {r.literal(hi, e.dtype)}{nan})"
-    return out
-
-
-class TritonRenderer(Renderer):
-    """Triton expressions for elementwise ops (helpers ``kz_*`` live in ``triton_prelude.py.tmpl``)."""
-
-    OP_RENDER = {
-        **Renderer.OP_RENDER,
-        Op.ABS: _call("tl.abs"),
-        Op.EXP: _call("tl.exp"),
-        Op.LOG: _call("tl.log"),
-        Op.SQRT: lambda r, e, a: f"tl.sqrt_rn({a[0]})" if e.dtype is DType.F32 else f"tl.sqrt({a[0]})",
-        Op.RSQRT: _call("tl.rsqrt"),
-        Op.SIN: _call("tl.sin"),
-        Op.COS: _call("tl.cos"),
-        Op.TANH: _call("kz_tanh"),
-        Op.SIGMOID: _call("tl.sigmoid"),
-        Op.ERF: _call("tl.math.erf"),
-        Op.SOFTPLUS: _call("kz_softplus"),
-        Op.FLOOR: lambda r, e, a: f"tl.floor({a[0]})" if e.dtype.is_float else a[0],
-        Op.CEIL: lambda r, e, a: f"tl.ceil({a[0]})" if e.dtype.is_float else a[0],
-        Op.ROUND: lambda r, e, a: f"kz_round({a[0]})" if e.dtype.is_float else a[0],
-        Op.SIGN: _call("kz_sign"),
-        Op.NOT: lambda r, e, a: f"({a[0]} == 0)",
-        Op.CLAMP: _clamp,
-        Op.DIV: lambda r, e, a: f"({a[0]} / {a[1]})" if e.dtype.is_float else f"({a[0]} // {a[1]})",
-        Op.MIN: _minmax("minimum"),
-        Op.MAX: _minmax("maximum"),
-        Op.POW: _call("kz_pow"),
-        Op.MOD: lambda r, e, a: f"({a[0]} % {a[1]})" if e.dtype.is_float else f"kz_imod({a[0]}, {a[1]})",
-        Op.AND: lambda r, e, a: f"({a[0]} & {a[1]})",
-        Op.OR: lambda r, e, a: f"({a[0]} | {a[1]})",
-        Op.WHERE: lambda r, e, a: f"tl.where({a[0]}, {a[1]}, {a[2]})",
-    }
-
-    def ctype(self, dtype: DType) -> str:
-        return TL[compute_dtype(dtype)]
-
-    def cast(self, value: str, dtype: DType) -> str:
-        if dtype is DType.BOOL:
-            return f"({value} != 0)"
-        if dtype in HALF:  # an explicit cast rounds, even though arithmetic stays in f32
-            return f"{value}.to({TL[dtype]}).to(tl.float32)"
-        return f"{value}.to({TL[dtype]})"
-
-    def literal(self, value: float | int | bool, dtype: DType) -> str:
-        dtype = compute_dtype(dtype)
-        if dtype is DType.BOOL:
-            return "True" if value else "False"
-        if not dtype.is_float:
-            return str(int(value))
-        value = float(value)
-        if value != value:
-            return 'float("nan")'
-        if value in (float("inf"), float("-inf")):
-            return 'float("inf")' if value > 0 else 'float("-inf")'
-        return repr(value)
-
-
-class _Ctx:
-    """Index expressions of one kernel shape: per domain axis an expression (None: always 0) and whether
-    it varies inside the program's tile."""
-
-    def __init__(
-        self, axes: list[str | None], vec: list[bool], shape: str, groups: Sequence[set[int]] = ()
-    ) -> None:
-        self.axes, self.vec, self.shape = axes, vec, shape
-        # the axes spanning each dimension of the tile: an offset needs one of each to have the tile's shape
-        self.groups = list(groups) or [{i for i, v in enumerate(vec) if v}]
-
-    def is_vec(self, used: set[int]) -> bool:
-        return any(self.vec[a] for a in used)
-
-    def is_full(self, used: set[int]) -> bool:
-        return all(used & g for g in self.groups)
-
-
-def _index_lines(
-    domain: Sequence[Dim], base: str, prefix: str, r: Renderer, keep_ones: bool = False
-) -> tuple[list[str], list]:
-    """Unflatten ``base`` (a flat index over ``domain``) into per-axis names, innermost first; size-1 axes
-    get no name (their index is 0) unless ``keep_ones``."""
-    lines: list[str] = []
-    names: list[str | None] = [None] * len(domain)
-    live = [i for i, d in enumerate(domain) if d != 1 or keep_ones]
-    rest = base
-    for j, i in enumerate(reversed(live)):
-        name = f"{prefix}{i}"
-        if j == len(live) - 1:
-            lines.append(f"    {name} = {rest}")
-        else:
-            lines.append(f"    {name} = {rest} % {r.dim(domain[i])}")
-            lines.append(f"    {prefix}r{i} = {rest} // {r.dim(domain[i])}")
-            rest = f"{prefix}r{i}"
-        names[i] = name
-    return lines, names
 
 
 class KernelSource:
@@ -218,7 +80,7 @@ class KernelSource:
 
     # -- shared pieces ------------------------------------------------------------------------------------
     def offset(
-        self, ctx: _Ctx, strides: Sequence[Dim], offset: Dim, extra: Sequence[str] = ()
+        self, ctx: IndexCtx, strides: Sequence[Dim], offset: Dim, extra: Sequence[str] = ()
     ) -> tuple[str, set[int]]:
         """The offset expression and the domain axes it uses."""
         terms = [] if offset == 0 else [self.r.dim(offset)]
@@ -231,7 +93,7 @@ class KernelSource:
         terms += extra
         return (" + ".join(terms) or "0"), used
 
-    def load(self, i: int, e: Load, ctx: _Ctx, base_mask: str, indent: str = "    ") -> str:
+    def load(self, i: int, e: Load, ctx: IndexCtx, base_mask: str, indent: str = "    ") -> str:
         const = e.constant
         if const is not None:  # a single-valued constant: inline it (its pointer stays an unused argument)
             self.vec[i] = False
@@ -263,7 +125,7 @@ class KernelSource:
         self.vec[i] = vec
         return f"{indent}v{i} = {text}"
 
-    def compute(self, i: int, e: Compute, ctx: _Ctx, indent: str = "    ") -> str:
+    def compute(self, i: int, e: Compute, ctx: IndexCtx, indent: str = "    ") -> str:
         args = [f"v{s}" for s in e.src]
         if e.op is Op.CONCAT:
             axis = e.arg[0]
@@ -273,7 +135,7 @@ class KernelSource:
         self.vec[i] = any(self.vec[s] for s in e.src)
         return f"{indent}v{i} = {self.r.expr(e, args)}"
 
-    def store(self, s: Store, ctx: _Ctx, mask: str, indent: str = "    ") -> str:
+    def store(self, s: Store, ctx: IndexCtx, mask: str, indent: str = "    ") -> str:
         off, used = self.offset(ctx, s.strides, s.offset)
         vec = ctx.is_vec(used) or self.vec[s.value]
         if vec and not ctx.is_full(used):
@@ -310,13 +172,13 @@ class KernelSource:
     # -- kernel shapes ------------------------------------------------------------------------------------
     def pointwise(self) -> str:
         k = self.k
-        index, names = _index_lines(k.domain, "lin", "i", self.r)
-        ctx = _Ctx(names, [True] * len(names), "[BLOCK]")
+        index, names = index_lines(k.domain, "lin", "i", self.r)
+        ctx = IndexCtx(names, [True] * len(names), "[BLOCK]")
         body = self._elementwise(ctx, range(len(k.body)))
         body += [self.store(s, ctx, "mask") for s in k.stores]
         return self.header("triton_pointwise.py.tmpl", index, body, NUMEL=self.r.dim(numel(k.domain)))
 
-    def _elementwise(self, ctx: _Ctx, entries) -> list[str]:
+    def _elementwise(self, ctx: IndexCtx, entries) -> list[str]:
         lines = []
         for i in entries:
             e = self.k.body[i]
@@ -345,11 +207,11 @@ class KernelSource:
         if {len(a.strides), len(b.strides)} != {nb + 3} or a.strides[nb + 1] != 0 or b.strides[nb] != 0:
             raise NotImplementedError(f"{k.name}: matmul operand strides must be over (*batch, M, N, K)")
         kdim = contraction(k, e, a, "triton")
-        batch, bnames = _index_lines(k.domain[:nb], "bid", "b", self.r) if nb else ([], [])
-        ctx = _Ctx([*bnames, "rm[:, None]", "rn[None, :]"], [False] * nb + [True, True], "[BM, BN]",
+        batch, bnames = index_lines(k.domain[:nb], "bid", "b", self.r) if nb else ([], [])
+        ctx = IndexCtx([*bnames, "rm[:, None]", "rn[None, :]"], [False] * nb + [True, True], "[BM, BN]",
                    [{nb}, {nb + 1}])
-        a_off, _ = self.offset(_Ctx(bnames, [False] * nb, ""), a.strides[:nb], a.offset)
-        b_off, _ = self.offset(_Ctx(bnames, [False] * nb, ""), b.strides[:nb], b.offset)
+        a_off, _ = self.offset(IndexCtx(bnames, [False] * nb, ""), a.strides[:nb], a.offset)
+        b_off, _ = self.offset(IndexCtx(bnames, [False] * nb, ""), b.strides[:nb], b.offset)
         body = []
         for i, x in enumerate(k.body):
             if i in e.src:
@@ -379,8 +241,8 @@ class KernelSource:
         k, r = self.k, self.r.dim
         _, a, b = k.body
         last = len(k.domain) - 1
-        index, names = _index_lines(k.domain[:last], "rm", "m", self.r)
-        a_row, _ = self.offset(_Ctx(names, [True] * last, "[BM]"), a.strides[:last], a.offset)
+        index, names = index_lines(k.domain[:last], "rm", "m", self.r)
+        a_row, _ = self.offset(IndexCtx(names, [True] * last, "[BM]"), a.strides[:last], a.offset)
         return self.header(
             "triton_splitk.py.tmpl", index, [],
             ROWS=r(numel(k.domain[:last])), N=r(k.domain[last]), K=r(k.body[0].arg),
@@ -413,10 +275,6 @@ def render(kernel: Kernel) -> str:
 
 
 # -- launch ------------------------------------------------------------------------------------------------
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 # (largest block, num_warps) rules for row kernels, like Liger's calculate_settings
 ROW_WARPS = ((2048, 4), (8192, 8), (65536, 16))
 POINTWISE_BLOCK, POINTWISE_WARPS = 1024, 4
@@ -464,44 +322,6 @@ def splitk_config(
     splits = max(1, (kdim + ksplit - 1) // ksplit)
     upcast = interpreting() and any(isinstance(e, Load) and e.dtype in HALF for e in kernel.body)
     return (tiles, splits), {"BM": bm, "BN": bn, "BK": bk, "KSPLIT": ksplit, "UPCAST": upcast, "num_warps": 4}
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def cache_dir() -> Path:
-    """Where generated Triton modules live: ``<kernelize cache>/triton``, checked and with the same
-    fallback as the compiled-code cache (:func:`kernelize.runtime.diskcache.cache_dir`)."""
-    return diskcache.cache_dir("triton")
-
-
-def module_file(source: str, name: str) -> Path:
-    """The ``.py`` file holding exactly ``source`` in the checked cache folder (written when missing or
-    different): an existing file is reused only with the same content, in a folder only this user writes
-    (Python may also load its ``__pycache__`` bytecode)."""
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    return diskcache.cached_file("triton", f"{name}_{digest}.py", source.encode())
-
-
-def load_module(source: str, name: str, interpret: bool) -> ModuleType:
-    """Write ``source`` to the cache dir and import it (``triton.jit`` needs a real file to inspect)."""
-    path = module_file(source, name)
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    mod_name = f"kernelize_triton_{name}_{digest}_{'interp' if interpret else 'jit'}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(spec)
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return module
 
 
 class TritonBackend:
@@ -566,21 +386,4 @@ def _dot_operands(a: DType, b: DType) -> dict[str, str]:
     return {"A_CAST": "a.to(tl.float32)", "B_CAST": "b.to(tl.float32)", "PRECISION": ieee}
 
 
-def compile_ahead(
-    kernel: Kernel | CompiledKernel, arch: int = 90, sizes: Mapping[str, int] | None = None
-) -> dict:
-    """See :func:`kernelize.codegen.triton_aot.compile_ahead` (PTX and cubin for ``sm_<arch>``)."""
-    from kernelize.codegen.triton_aot import compile_ahead as run
-
-    return run(kernel, arch, sizes)
-
-
-def compile_ahead_many(kernels, archs=(80, 90), sizes=None) -> list[dict[int, dict]]:
-    """See :func:`kernelize.codegen.triton_aot.compile_ahead_many`."""
-    from kernelize.codegen.triton_aot import compile_ahead_many as run
-
-    return run(kernels, archs, sizes)
-
-__all__ = [
-    "TritonBackend", "TritonRenderer", "compile_ahead", "compile_ahead_many", "launch_config", "render"
-]
+__all__ = ["TritonBackend", "TritonRenderer", "launch_config", "render"]

@@ -17,15 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kernelize.autokernel.kernels import Kernel
-from kernelize.codegen.triton import (
-    SIG,
-    KernelSource,
-    interpreting,
-    launch_config,
-    load_module,
-    module_file,
-    render,
-)
+from kernelize.codegen.triton import KernelSource, launch_config, render
+from kernelize.codegen.triton_base import SIG, interpreting, load_module, module_file
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
 
 

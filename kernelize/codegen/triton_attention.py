@@ -70,7 +70,7 @@ def _processors(device: torch.device) -> int:
 
 def compile_attention(kernel: Kernel, interpret: bool) -> CompiledKernel:
     """Load the rendered module (disk + memory cached) and return the launch for the runtime."""
-    from kernelize.codegen.triton import load_module
+    from kernelize.codegen.triton_base import load_module
     from kernelize.runtime.cache import KERNELS
 
     source = render_attention(kernel)
@@ -131,7 +131,7 @@ def compile_attention(kernel: Kernel, interpret: bool) -> CompiledKernel:
 def aot_jobs(kernel: Kernel, arch: int, path: str, nsplit: int = 1) -> list[dict]:
     """``triton.compile`` jobs (see :mod:`kernelize.codegen.triton_aot`) for the attention kernel and, when
     ``nsplit > 1``, its combine kernel."""
-    from kernelize.codegen.triton import SIG
+    from kernelize.codegen.triton_base import SIG
 
     node = kernel.node
     t = "*" + SIG[node.dtype]

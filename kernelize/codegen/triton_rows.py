@@ -55,7 +55,7 @@ def looped(kernel: Kernel) -> bool:
 
 def row_block(kernel: Kernel, size: int) -> int:
     """``BLOCK`` for a launch over rows of ``size`` elements."""
-    from kernelize.codegen.triton import next_power_of_2
+    from kernelize.codegen.triton_base import next_power_of_2
 
     if looped(kernel):
         return min(LOOP_BLOCK, max(16, next_power_of_2(size)))
@@ -74,16 +74,16 @@ def _highest(r, dtype: DType) -> str:
 
 class RowRenderer:
     def __init__(self, src: KernelSource) -> None:
-        from kernelize.codegen.triton import _Ctx, _index_lines
+        from kernelize.codegen.triton_base import IndexCtx, index_lines
 
         self.s, self.k, self.r = src, src.k, src.r
         k = self.k
         n_outer = len(k.domain) - k.row_rank
         self.outer, self.rowdims = k.domain[:n_outer], k.domain[n_outer:]
         self.R = self.r.dim(numel(self.rowdims))
-        self.outer_lines, onames = _index_lines(self.outer, "row", "i", self.r)
-        self.row_lines, rnames = _index_lines(self.rowdims, "cols", "j", self.r, keep_ones=True)
-        self.ctx = _Ctx([*onames, *rnames], [False] * n_outer + [True] * k.row_rank, "[BLOCK]")
+        self.outer_lines, onames = index_lines(self.outer, "row", "i", self.r)
+        self.row_lines, rnames = index_lines(self.rowdims, "cols", "j", self.r, keep_ones=True)
+        self.ctx = IndexCtx([*onames, *rnames], [False] * n_outer + [True] * k.row_rank, "[BLOCK]")
         self.inv = row_invariant(k)
         for i, v in enumerate(self.inv):
             src.vec[i] = not v

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernelize.ir.dtypes import DType
+from kernelize.ir.errors import DTypeError
 from kernelize.ir.ops import AttentionArgs, Op
 from kernelize.ir.shapes import ShapeError, Sym, broadcast_shapes, shape_str
 
@@ -43,8 +44,6 @@ def build_attention(
     gqa: bool = False,
 ) -> Node:
     """Append an ``ATTENTION`` node (see the module docstring); checks shapes and dtypes as it builds."""
-    from kernelize.ir.graph import DTypeError
-
     def where() -> str:
         return f"attention of q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)}"
 

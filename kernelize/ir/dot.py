@@ -50,17 +50,17 @@ def category(node: Node) -> str:
     return "elementwise"
 
 
-def _label(graph: Graph, node: Node) -> str:
+def node_label(graph: Graph, node: Node) -> str:
     i = graph.index(node)
     head = f"%{i} {node.arg}" if node.op is Op.INPUT else f"%{i} {node.op}"
     lines = [head, f"{node.dtype}{shape_str(node.shape)}"]
     if node.arg is not None and node.op is not Op.INPUT:
         arg = format_arg(node.arg) if not isinstance(node.arg, str) else node.arg
         lines.append(arg if len(arg) <= MAX_ARG_CHARS else arg[: MAX_ARG_CHARS - 3] + "...")
-    return "\\n".join(_escape(s) for s in lines)
+    return "\\n".join(escape(s) for s in lines)
 
 
-def _escape(s: str) -> str:
+def escape(s: str) -> str:
     return s.replace("\\", "\\\\").replace('"', '\\"')
 
 
@@ -95,13 +95,13 @@ def to_dot(graph: Graph, hide_constants: bool = False, title: str | None = None)
         '  edge [color="#555555", arrowsize=0.6];',
     ]
     if title:
-        lines.append(f'  labelloc=t; label="{_escape(title)}";')
+        lines.append(f'  labelloc=t; label="{escape(title)}";')
     for n in graph.nodes:
         if n in hidden:
             continue
         i = graph.index(n)
         fill = CATEGORIES[category(n)][0]
-        label = _label(graph, n)
+        label = node_label(graph, n)
         n_const = sum(s in hidden for s in n.src)
         if n_const:
             label += f"\\n(+{n_const} const)"
@@ -160,4 +160,4 @@ def write_svg(path: str | Path, dot_text: str, caller: str, text_api: str) -> Pa
     return path
 
 
-__all__ = ["CATEGORIES", "category", "graph_to_svg", "to_dot", "write_svg"]
+__all__ = ["CATEGORIES", "category", "escape", "graph_to_svg", "node_label", "to_dot", "write_svg"]

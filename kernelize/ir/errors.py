@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class DTypeError(TypeError):
+    """Dtypes of operands do not fit the operation."""
+
+
 class UnsupportedOpError(NotImplementedError):
     """A front end met an operation the IR cannot express.
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kernelize.ir.dtypes import HALF, DType, promote
+from kernelize.ir.errors import DTypeError
 from kernelize.ir.ops import (
     BINARY,
     COMPARE,
@@ -48,10 +49,6 @@ from kernelize.ir.shapes import (
     numel,
     shape_str,
 )
-
-
-class DTypeError(TypeError):
-    """Dtypes of operands do not fit the operation."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -56,7 +56,7 @@ def evaluate(graph: Graph, inputs: Sequence[torch.Tensor] | Mapping[str, torch.T
     for node in graph.nodes:
         if node.op is Op.INPUT:
             continue
-        out = _EVAL[node.op](node, [vals[s] for s in node.src], env)
+        out = EVAL[node.op](node, [vals[s] for s in node.src], env)
         want = bind(node.shape, env)
         assert tuple(out.shape) == want, (
             f"{node.op} gave {tuple(out.shape)}, IR says {shape_str(node.shape)}={want}"
@@ -180,7 +180,7 @@ def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a / b if a.is_floating_point() else torch.div(a, b, rounding_mode="trunc")
 
 
-_EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tensor]] = {
+EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tensor]] = {
     Op.CONST: lambda n, xs, env: n.arg.tensor,
     Op.VIEW: lambda n, xs, env: xs[0].reshape(bind(n.shape, env)),
     Op.BROADCAST: lambda n, xs, env: xs[0].expand(bind(n.shape, env)),
@@ -248,8 +248,8 @@ _EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tenso
     Op.LAYERNORM: _layernorm,
     Op.RMSNORM: _rmsnorm,
 }
-missing = set(Op) - set(_EVAL) - {Op.INPUT}
+missing = set(Op) - set(EVAL) - {Op.INPUT}
 assert not missing, f"reference executor lacks {missing}"
 del missing
 
-__all__ = ["ShapeError", "bind_inputs", "evaluate"]
+__all__ = ["EVAL", "ShapeError", "bind_inputs", "evaluate"]

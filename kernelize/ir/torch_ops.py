@@ -14,37 +14,16 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from kernelize.ir.aten_table import ATEN, Handler, Lazy, handles
 from kernelize.ir.dtypes import HALF, DType
 from kernelize.ir.graph import Node, Op, scalar_value
 from kernelize.ir.shapes import Sym
 
 aten = torch.ops.aten
-Handler = Callable[..., Any]
-ATEN: dict[Any, Handler] = {}
-
-
-class Lazy:
-    """A secondary result of a multi-output op (e.g. layer norm's mean), built only if something reads it."""
-
-    def __init__(self, build: Callable[[], Any]) -> None:
-        self.build = build
-
-    def __call__(self) -> Any:
-        return self.build()
-
-
-def _on(*ops: Any) -> Callable[[Handler], Handler]:
-    def register(fn: Handler) -> Handler:
-        for op in ops:
-            ATEN[op] = fn
-        return fn
-
-    return register
 
 
 # -- elementwise --------------------------------------------------------------------------------------------
@@ -175,12 +154,12 @@ ATEN.update({op: _compare(o) for op, o in _COMPARE.items()})
 ATEN.update({op: _logical(o) for op, o in _LOGICAL.items()})
 
 
-@_on(aten.rsub.Scalar, aten.rsub.Tensor)
+@handles(aten.rsub.Scalar, aten.rsub.Tensor)
 def _rsub(t, a, b, *, alpha=1):
     return _arith(Op.SUB)(t, b, a if alpha == 1 else t.g.mul(a, alpha))
 
 
-@_on(aten.div.Tensor_mode, aten.div.Scalar_mode)
+@handles(aten.div.Tensor_mode, aten.div.Scalar_mode)
 def _div_mode(t, a, b, *, rounding_mode=None):
     dtype = t.out_dtype()
     if dtype in HALF and (not isinstance(b, Node) or _cpu_scalar(b)):
@@ -218,12 +197,12 @@ def _trunc(t, x):
     return t.g.where(t.g.lt(x, 0), t.g.ceil(x), t.g.floor(x))
 
 
-@_on(aten.trunc.default)
+@handles(aten.trunc.default)
 def _trunc_op(t, x):
     return _trunc(t, x) if x.dtype.is_float else x
 
 
-@_on(aten.remainder.Tensor, aten.remainder.Scalar)
+@handles(aten.remainder.Tensor, aten.remainder.Scalar)
 def _remainder(t, a, b):
     dtype = t.out_dtype()
     a, b = t.cast(a, dtype), t.cast(b, dtype)
@@ -234,7 +213,7 @@ def _remainder(t, a, b):
     return t.g.where(_fmod_floor_fix(t, m, b), t.g.add(m, b), m)
 
 
-@_on(aten.fmod.Tensor, aten.fmod.Scalar)
+@handles(aten.fmod.Tensor, aten.fmod.Scalar)
 def _fmod(t, a, b):
     dtype = t.out_dtype()
     a, b = t.cast(a, dtype), t.cast(b, dtype)
@@ -243,36 +222,36 @@ def _fmod(t, a, b):
     return t.g.sub(a, t.g.mul(t.g.div(a, b), b))
 
 
-@_on(aten.where.self)
+@handles(aten.where.self)
 def _where(t, cond, a, b):
     dtype = t.out_dtype()
     return t.g.where(_truth(t, cond), t.cast(a, dtype), t.cast(b, dtype))
 
 
-@_on(aten.logical_not.default, aten.bitwise_not.default)
+@handles(aten.logical_not.default, aten.bitwise_not.default)
 def _not(t, x):
     if t.node.target is aten.bitwise_not.default and x.dtype is not DType.BOOL:
         raise t.fail("bitwise not of an integer tensor is not supported (only of bool)")
     return t.g.not_(_truth(t, x))
 
 
-@_on(aten.relu.default)
+@handles(aten.relu.default)
 def _relu(t, x):
     return t.g.clamp(x, 0.0)
 
 
-@_on(aten.hardtanh.default)
+@handles(aten.hardtanh.default)
 def _hardtanh(t, x, lo=-1.0, hi=1.0):
     return t.g.clamp(x, lo, hi)
 
 
-@_on(aten.clamp.default)
+@handles(aten.clamp.default)
 def _clamp(t, x, lo=None, hi=None):
     x = t.cast(x, t.out_dtype())
     return t.g.clamp(x, -math.inf if lo is None else lo, math.inf if hi is None else hi)
 
 
-@_on(aten.clamp.Tensor)
+@handles(aten.clamp.Tensor)
 def _clamp_tensor(t, x, lo=None, hi=None):
     dtype = t.out_dtype()
     x = t.cast(x, dtype)
@@ -280,43 +259,43 @@ def _clamp_tensor(t, x, lo=None, hi=None):
     return x if hi is None else t.g.min(x, t.cast(hi, dtype))
 
 
-@_on(aten.leaky_relu.default)
+@handles(aten.leaky_relu.default)
 def _leaky_relu(t, x, slope=0.01):
     return t.g.where(t.g.gt(x, 0), x, t.g.mul(x, slope))
 
 
-@_on(aten.elu.default)
+@handles(aten.elu.default)
 def _elu(t, x, alpha=1.0, scale=1.0, input_scale=1.0):
     neg = t.g.mul(t.g.sub(t.g.exp(t.g.mul(x, input_scale)), 1.0), alpha * scale)
     return t.g.where(t.g.gt(x, 0), t.g.mul(x, scale), neg)
 
 
-@_on(aten.silu.default)
+@handles(aten.silu.default)
 def _silu(t, x):
     return t.g.mul(x, t.g.sigmoid(x))
 
 
-@_on(aten.hardsigmoid.default)
+@handles(aten.hardsigmoid.default)
 def _hardsigmoid(t, x):
     return t.g.clamp(t.g.add(t.g.div(x, 6.0), 0.5), 0.0, 1.0)
 
 
-@_on(aten.hardswish.default)
+@handles(aten.hardswish.default)
 def _hardswish(t, x):
     return t.g.mul(x, _hardsigmoid(t, x))
 
 
-@_on(aten.mish.default)
+@handles(aten.mish.default)
 def _mish(t, x):
     return t.g.mul(x, t.g.tanh(t.g.softplus(x)))
 
 
-@_on(aten.gelu.default)
+@handles(aten.gelu.default)
 def _gelu(t, x, *, approximate="none"):
     return t.g.gelu(x, approximate)
 
 
-@_on(aten.softplus.default)
+@handles(aten.softplus.default)
 def _softplus(t, x, beta=1, threshold=20):
     if beta == 1 and threshold == 20:
         return t.g.softplus(x)
@@ -324,39 +303,39 @@ def _softplus(t, x, beta=1, threshold=20):
     return t.g.where(t.g.gt(y, threshold), x, t.g.div(t.g.softplus(y), beta))
 
 
-@_on(aten.log1p.default)
+@handles(aten.log1p.default)
 def _log1p(t, x):
     return t.g.log(t.g.add(t.cast(x, t.out_dtype()), 1.0))
 
 
-@_on(aten.expm1.default)
+@handles(aten.expm1.default)
 def _expm1(t, x):
     return t.g.sub(t.g.exp(t.cast(x, t.out_dtype())), 1.0)
 
 
-@_on(aten.exp2.default)
+@handles(aten.exp2.default)
 def _exp2(t, x):
     return t.g.exp(t.g.mul(t.cast(x, t.out_dtype()), math.log(2.0)))
 
 
-@_on(aten.log2.default, aten.log10.default)
+@handles(aten.log2.default, aten.log10.default)
 def _log_base(t, x):
     base = 2.0 if t.node.target is aten.log2.default else 10.0
     return t.g.mul(t.g.log(t.cast(x, t.out_dtype())), 1.0 / math.log(base))
 
 
-@_on(aten.erfc.default)
+@handles(aten.erfc.default)
 def _erfc(t, x):
     return t.g.sub(1.0, t.g.erf(t.cast(x, t.out_dtype())))
 
 
-@_on(aten.isnan.default)
+@handles(aten.isnan.default)
 def _isnan(t, x):
     return t.g.ne(x, x)
 
 
 # -- casts and identities -----------------------------------------------------------------------------------
-@_on(
+@handles(
     aten._to_copy.default,
     aten.to.dtype,
     aten.to.dtype_layout,
@@ -368,7 +347,7 @@ def _to(t, x, *args, **kwargs):
     return t.cast(x, t.out_dtype())
 
 
-@_on(
+@handles(
     aten.clone.default,
     aten.contiguous.default,
     aten.alias.default,
@@ -382,21 +361,21 @@ def _identity(t, x, *args, **kwargs):
     return x
 
 
-@_on(aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default)
+@handles(aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default)
 def _dropout(t, x, p, train):
     if train and p > 0:
         raise t.fail("dropout in training mode: call module.eval() before kernelize.ir.trace")
     return x
 
 
-@_on(aten.native_dropout.default)
+@handles(aten.native_dropout.default)
 def _native_dropout(t, x, p, train):
     _dropout(t, x, p, train if train is not None else True)
     return x, Lazy(lambda: t.g.broadcast(t.g.scalar(True, DType.BOOL), x.shape))
 
 
 # -- creation -----------------------------------------------------------------------------------------------
-@_on(
+@handles(
     aten.full.default,
     aten.full_like.default,
     aten.zeros_like.default,
@@ -416,7 +395,7 @@ def _full(t, like_or_size, value=None, *args, **kwargs):
     return t.g.broadcast(t.g.scalar(value, t.out_dtype()), shape)
 
 
-@_on(aten.arange.default, aten.arange.start, aten.arange.start_step)
+@handles(aten.arange.default, aten.arange.start, aten.arange.start_step)
 def _arange(t, *args, **kwargs):
     if any(isinstance(a, Sym) for a in args):
         raise t.fail("arange with a symbolic size is not supported")

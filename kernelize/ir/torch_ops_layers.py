@@ -1,6 +1,6 @@
 """The second half of the torch front end's aten table: layout, reductions, norms, matmul, conv and pool.
 
-Handlers register into :data:`kernelize.ir.torch_ops.ATEN` (see that module for the handler contract).
+Handlers register into :data:`kernelize.ir.aten_table.ATEN` (see that module for the handler contract).
 
 Example:
     >>> ATEN[torch.ops.aten.permute.default]  # doctest: +SKIP
@@ -14,21 +14,21 @@ from typing import Any
 
 import torch
 
+from kernelize.ir.aten_table import ATEN, Handler, Lazy, handles
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Node, Op
 from kernelize.ir.shapes import Sym, normalize_axis, numel
-from kernelize.ir.torch_ops import ATEN, Handler, Lazy, _on
 
 aten = torch.ops.aten
 
 
 # -- layout -------------------------------------------------------------------------------------------------
-@_on(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(t, x, shape):
     return t.g.view(x, tuple(shape))
 
 
-@_on(aten.expand.default)
+@handles(aten.expand.default)
 def _expand(t, x, shape, *, implicit=False):
     shape = list(shape)
     off = len(shape) - x.rank
@@ -36,47 +36,47 @@ def _expand(t, x, shape, *, implicit=False):
     return t.g.broadcast(x, shape)
 
 
-@_on(aten.permute.default)
+@handles(aten.permute.default)
 def _permute(t, x, dims):
     return t.g.permute(x, dims)
 
 
-@_on(aten.t.default)
+@handles(aten.t.default)
 def _t(t, x):
     return t.g.transpose(x, 0, 1) if x.rank == 2 else x
 
 
-@_on(aten.transpose.int)
+@handles(aten.transpose.int)
 def _transpose(t, x, a, b):
     return t.g.transpose(x, a, b) if x.rank else x
 
 
-@_on(aten.mT.default, aten.mH.default, aten.adjoint.default)
+@handles(aten.mT.default, aten.mH.default, aten.adjoint.default)
 def _mT(t, x):
     return t.g.transpose(x, -2, -1)
 
 
-@_on(aten.movedim.int)
+@handles(aten.movedim.int)
 def _movedim(t, x, src, dst):
     perm = list(range(x.rank))
     perm.insert(normalize_axis(dst, x.rank), perm.pop(normalize_axis(src, x.rank)))
     return t.g.permute(x, perm)
 
 
-@_on(aten.unsqueeze.default)
+@handles(aten.unsqueeze.default)
 def _unsqueeze(t, x, dim):
     dim = normalize_axis(dim, x.rank + 1)
     return t.g.view(x, x.shape[:dim] + (1,) + x.shape[dim:])
 
 
-@_on(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+@handles(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(t, x, dims=None):
     dims = range(x.rank) if dims is None else [dims] if isinstance(dims, int) else dims
     drop = {normalize_axis(d, x.rank) for d in dims} if x.rank else set()
     return t.g.view(x, tuple(d for i, d in enumerate(x.shape) if not (i in drop and d == 1)))
 
 
-@_on(aten.flatten.using_ints)
+@handles(aten.flatten.using_ints)
 def _flatten(t, x, start=0, end=-1):
     if x.rank == 0:
         return t.g.view(x, (1,))
@@ -84,7 +84,7 @@ def _flatten(t, x, start=0, end=-1):
     return t.g.view(x, x.shape[:start] + (numel(x.shape[start : end + 1]),) + x.shape[end + 1 :])
 
 
-@_on(aten.unflatten.int)
+@handles(aten.unflatten.int)
 def _unflatten(t, x, dim, sizes):
     dim = normalize_axis(dim, x.rank)
     return t.g.view(x, x.shape[:dim] + tuple(sizes) + x.shape[dim + 1 :])
@@ -99,18 +99,18 @@ def _bound(t, x: Node, axis: int, v: Any) -> int | None:
     return int(v)
 
 
-@_on(aten.slice.Tensor)
+@handles(aten.slice.Tensor)
 def _slice(t, x, dim=0, start=None, end=None, step=1):
     dim = normalize_axis(dim, x.rank)
     return t.g.slice(x, dim, _bound(t, x, dim, start) or 0, _bound(t, x, dim, end), step)
 
 
-@_on(aten.narrow.default)
+@handles(aten.narrow.default)
 def _narrow(t, x, dim, start, length):
     return t.g.slice(x, dim, start, start + length)
 
 
-@_on(aten.select.int)
+@handles(aten.select.int)
 def _select(t, x, dim, index):
     dim = normalize_axis(dim, x.rank)
     if isinstance(x.shape[dim], Sym):
@@ -134,24 +134,24 @@ def _static(t, x: Node, dim: int) -> int:
     return d
 
 
-@_on(aten.split.Tensor)
+@handles(aten.split.Tensor)
 def _split(t, x, size, dim=0):
     n = _static(t, x, dim)
     return _pieces(t, x, [min(size, n - i) for i in range(0, n, size)] or [0], dim)
 
 
-@_on(aten.split_with_sizes.default)
+@handles(aten.split_with_sizes.default)
 def _split_sizes(t, x, sizes, dim=0):
     return _pieces(t, x, sizes, dim)
 
 
-@_on(aten.tensor_split.sections)
+@handles(aten.tensor_split.sections)
 def _tensor_split(t, x, sections, dim=0):
     n = _static(t, x, dim)
     return _pieces(t, x, [n // sections + (i < n % sections) for i in range(sections)], dim)
 
 
-@_on(aten.tensor_split.indices)
+@handles(aten.tensor_split.indices)
 def _tensor_split_at(t, x, indices, dim=0):
     n = _static(t, x, dim)
     bounds = [min(max(i % n if i < 0 else i, 0), n) for i in indices]
@@ -159,36 +159,36 @@ def _tensor_split_at(t, x, indices, dim=0):
     return _pieces(t, x, [max(b - a, 0) for a, b in zip(edges, edges[1:])], dim)
 
 
-@_on(aten.chunk.default)
+@handles(aten.chunk.default)
 def _chunk(t, x, chunks, dim=0):
     n = _static(t, x, dim)
     size = -(-n // chunks)
     return _split(t, x, max(size, 1), dim)
 
 
-@_on(aten.unbind.int)
+@handles(aten.unbind.int)
 def _unbind(t, x, dim=0):
     return tuple(Lazy(lambda i=i: _select(t, x, dim, i)) for i in range(_static(t, x, dim)))
 
 
-@_on(aten.cat.default)
+@handles(aten.cat.default)
 def _cat(t, xs, dim=0):
     dtype = t.out_dtype()
     xs = [t.cast(x, dtype) for x in xs if not (x.rank == 1 and x.shape[0] == 0)]  # torch skips legacy empties
     return t.g.concat(xs, dim)
 
 
-@_on(aten.stack.default)
+@handles(aten.stack.default)
 def _stack(t, xs, dim=0):
     return _cat(t, [_unsqueeze(t, x, normalize_axis(dim, x.rank + 1)) for x in xs], dim)
 
 
-@_on(aten.flip.default)
+@handles(aten.flip.default)
 def _flip(t, x, dims):
     return t.g.flip(x, dims)
 
 
-@_on(aten.constant_pad_nd.default)
+@handles(aten.constant_pad_nd.default)
 def _pad(t, x, pad, value=0):
     pads = [(0, 0)] * x.rank
     for i in range(len(pad) // 2):
@@ -196,7 +196,7 @@ def _pad(t, x, pad, value=0):
     return t.g.pad(x, pads, value)
 
 
-@_on(aten.repeat.default)
+@handles(aten.repeat.default)
 def _repeat(t, x, repeats):
     x = t.g.view(x, (1,) * (len(repeats) - x.rank) + x.shape)
     inter = tuple(v for d in x.shape for v in (1, d))
@@ -205,17 +205,17 @@ def _repeat(t, x, repeats):
     return t.g.view(y, tuple(d * r for r, d in zip(repeats, x.shape)))
 
 
-@_on(aten.index_select.default)
+@handles(aten.index_select.default)
 def _index_select(t, x, dim, index):
     return t.g.gather(x, index, dim)
 
 
-@_on(aten.embedding.default)
+@handles(aten.embedding.default)
 def _embedding(t, weight, index, *args):
     return t.g.gather(weight, index, 0)
 
 
-@_on(aten.index.Tensor)
+@handles(aten.index.Tensor)
 def _index(t, x, indices):
     used = [i for i, v in enumerate(indices) if v is not None]
     if len(used) != 1 or indices[used[0]].dtype is DType.BOOL:
@@ -248,26 +248,26 @@ for _op, _ir in (
     ATEN[_op] = _reduce(_ir)
 
 
-@_on(aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims)
+@handles(aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims)
 def _any_all(t, x, dims=None, keepdim=False):
     is_any = t.node.target in (aten.any.default, aten.any.dim, aten.any.dims)
     flags = t.g.cast(x if x.dtype is DType.BOOL else t.g.ne(x, 0), DType.I32)
     return t.g.gt(t.g.reduce(Op.REDUCE_MAX if is_any else Op.REDUCE_MIN, flags, _axes(dims), keepdim), 0)
 
 
-@_on(aten.prod.default, aten.prod.dim_int)
+@handles(aten.prod.default, aten.prod.dim_int)
 def _prod(t, x, dim=None, keepdim=False, *, dtype=None):
     return t.g.reduce(Op.PROD, t.cast(x, t.out_dtype()), dim, keepdim)
 
 
-@_on(aten.max.dim, aten.min.dim)
+@handles(aten.max.dim, aten.min.dim)
 def _max_dim(t, x, dim, keepdim=False):
     is_max = t.node.target is aten.max.dim
     values = t.g.reduce(Op.REDUCE_MAX if is_max else Op.REDUCE_MIN, x, dim, keepdim)
     return values, Lazy(lambda: t.g.reduce(Op.ARGMAX if is_max else Op.ARGMIN, x, dim, keepdim))
 
 
-@_on(aten.argmax.default, aten.argmin.default)
+@handles(aten.argmax.default, aten.argmin.default)
 def _argmax(t, x, dim=None, keepdim=False):
     op = Op.ARGMAX if t.node.target is aten.argmax.default else Op.ARGMIN
     if dim is None:
@@ -291,22 +291,22 @@ def _variance(t, x: Node, dims: Any, correction: Any, keepdim: bool) -> tuple[No
     return var, mean if keepdim else t.g.reduce(Op.MEAN, x, _axes(dims), False)
 
 
-@_on(aten.var.correction, aten.var.dim, aten.var.default)
+@handles(aten.var.correction, aten.var.dim, aten.var.default)
 def _var(t, x, dims=None, unbiased=None, keepdim=False, *, correction=None):
     return _variance(t, x, dims, _correction(unbiased, correction), keepdim)[0]
 
 
-@_on(aten.std.correction, aten.std.dim, aten.std.default)
+@handles(aten.std.correction, aten.std.dim, aten.std.default)
 def _std(t, x, dims=None, unbiased=None, keepdim=False, *, correction=None):
     return t.g.sqrt(_variance(t, x, dims, _correction(unbiased, correction), keepdim)[0])
 
 
-@_on(aten.var_mean.correction, aten.var_mean.dim)
+@handles(aten.var_mean.correction, aten.var_mean.dim)
 def _var_mean(t, x, dims=None, unbiased=None, keepdim=False, *, correction=None):
     return _variance(t, x, dims, _correction(unbiased, correction), keepdim)
 
 
-@_on(aten.std_mean.correction, aten.std_mean.dim)
+@handles(aten.std_mean.correction, aten.std_mean.dim)
 def _std_mean(t, x, dims=None, unbiased=None, keepdim=False, *, correction=None):
     var, mean = _variance(t, x, dims, _correction(unbiased, correction), keepdim)
     return t.g.sqrt(var), mean
@@ -319,13 +319,13 @@ def _correction(unbiased: Any, correction: Any) -> Any:
 
 
 # -- row ops ------------------------------------------------------------------------------------------------
-@_on(aten._softmax.default, aten._log_softmax.default)
+@handles(aten._softmax.default, aten._log_softmax.default)
 def _softmax(t, x, dim, half_to_float=False):
     x = t.cast(x, t.out_dtype())
     return (t.g.softmax if t.node.target is aten._softmax.default else t.g.log_softmax)(x, dim)
 
 
-@_on(aten.softmax.int, aten.log_softmax.int)
+@handles(aten.softmax.int, aten.log_softmax.int)
 def _softmax_int(t, x, dim, dtype=None):
     x = t.cast(x, t.out_dtype())
     return (t.g.softmax if t.node.target is aten.softmax.int else t.g.log_softmax)(x, dim)
@@ -341,7 +341,7 @@ def _last_dims(t, x: Node, params: Sequence[Node | None], k: int, build: Callabl
     return t.g.view(build(flat, *params), x.shape)
 
 
-@_on(aten.native_layer_norm.default)
+@handles(aten.native_layer_norm.default)
 def _native_layer_norm(t, x, shape, weight, bias, eps):
     k = len(shape)
     y = _last_dims(t, x, [weight, bias], k, lambda v, w, b: t.g.layernorm(v, w, b, eps))
@@ -355,18 +355,18 @@ def _native_layer_norm(t, x, shape, weight, bias, eps):
     return y, Lazy(lambda: stats(0)), Lazy(lambda: stats(1))
 
 
-@_on(aten.layer_norm.default)
+@handles(aten.layer_norm.default)
 def _layer_norm(t, x, shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     return _last_dims(t, x, [weight, bias], len(shape), lambda v, w, b: t.g.layernorm(v, w, b, eps))
 
 
-@_on(aten.rms_norm.default)
+@handles(aten.rms_norm.default)
 def _rms_norm(t, x, shape, weight=None, eps=None):
     eps = torch.finfo(x.dtype.torch).eps if eps is None else eps
     return _last_dims(t, x, [weight], len(shape), lambda v, w: t.g.rmsnorm(v, w, eps))
 
 
-@_on(
+@handles(
     aten.batch_norm.default,
     aten._native_batch_norm_legit_no_training.default,
     aten.native_batch_norm.default,
@@ -397,12 +397,12 @@ def _batch_norm(t, x, weight, bias, mean, var, *args):
 
 
 # -- heavy ops ----------------------------------------------------------------------------------------------
-@_on(aten.mm.default, aten.bmm.default, aten.matmul.default, aten.dot.default, aten.mv.default)
+@handles(aten.mm.default, aten.bmm.default, aten.matmul.default, aten.dot.default, aten.mv.default)
 def _matmul(t, a, b):
     return t.g.matmul(a, b)
 
 
-@_on(aten.addmm.default, aten.baddbmm.default)
+@handles(aten.addmm.default, aten.baddbmm.default)
 def _addmm(t, bias, a, b, *, beta=1, alpha=1):
     out = t.g.matmul(a, b)
     if alpha != 1:
@@ -412,7 +412,7 @@ def _addmm(t, bias, a, b, *, beta=1, alpha=1):
     return t.g.add(out, bias if beta == 1 else t.g.mul(bias, beta))
 
 
-@_on(aten.linear.default)
+@handles(aten.linear.default)
 def _linear(t, x, w, b=None):
     out = t.g.matmul(x, t.g.transpose(w, -2, -1) if w.rank == 2 else w)
     return out if b is None else t.g.add(out, b)
@@ -423,14 +423,14 @@ def _pair(v: Any) -> tuple[int, int]:
     return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
 
 
-@_on(aten.convolution.default)
+@handles(aten.convolution.default)
 def _convolution(t, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     if transposed:
         raise t.fail("transposed convolution is not supported")
     return _conv(t, x, w, bias, stride, padding, dilation, groups)
 
 
-@_on(aten.conv2d.default, aten.conv1d.default)
+@handles(aten.conv2d.default, aten.conv1d.default)
 def _conv_nd(t, x, w, bias=None, stride=1, padding=0, dilation=1, groups=1):
     if isinstance(padding, str):
         raise t.fail(f"string padding {padding!r} is not supported")
@@ -453,7 +453,7 @@ def _conv(t, x, w, bias, stride, padding, dilation, groups):
     )
 
 
-@_on(aten.max_pool2d_with_indices.default, aten.max_pool2d.default)
+@handles(aten.max_pool2d_with_indices.default, aten.max_pool2d.default)
 def _max_pool(t, x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
     ph, pw = _pair(padding)
     out = t.g.pool(
@@ -470,7 +470,7 @@ def _max_pool(t, x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
     return out, Lazy(lambda: (_ for _ in ()).throw(t.fail("max pool indices are not supported")))
 
 
-@_on(aten.avg_pool2d.default)
+@handles(aten.avg_pool2d.default)
 def _avg_pool(
     t, x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None
 ):
@@ -489,7 +489,7 @@ def _avg_pool(
     )
 
 
-@_on(aten.adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d.default)
+@handles(aten.adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d.default)
 def _adaptive_avg_pool(t, x, size):
     oh, ow = _pair(size)
     h, w = x.shape[-2:]

@@ -13,8 +13,9 @@ from .decorators import (
     use_kernelized_func,
 )
 from .device import CUDAProperties, Device, DeviceType, ROCMProperties
-from .hub import get_kernel, get_local_kernel, get_locked_kernel, has_kernel
+from .hub import get_kernel, get_local_kernel, has_kernel
 from .kernelize import KernelizeFallback, kernelize
+from .lockfile import get_locked_kernel
 from .mapping import register_kernel_mapping, use_kernel_mapping
 from .mode import Mode
 from .record import FallbackReason, KernelChoice, inspect

@@ -25,7 +25,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from .importer import import_variant
-from .lockfile import locked_commit
 from .variants import SystemInfo, format_decisions, rank_variants
 
 if TYPE_CHECKING:
@@ -40,7 +39,6 @@ __all__ = [
     "check_trusted",
     "get_kernel",
     "get_local_kernel",
-    "get_locked_kernel",
     "has_kernel",
     "resolve_kernel",
     "resolve_local_variant",
@@ -464,20 +462,6 @@ def get_local_kernel(
     del trust_remote_code, user_agent  # a folder the caller names is trusted; nothing is downloaded
     variant_dir = resolve_local_variant(Path(repo_path), SystemInfo.detect(backend))
     return import_variant(variant_dir, package_name=package_name)
-
-
-def get_locked_kernel(
-    repo_id: str,
-    *,
-    lockfile: str | os.PathLike[str] | None = None,
-    trust_remote_code: TrustRemoteCode = False,
-    user_agent: str | dict | None = None,
-) -> ModuleType:
-    """Load the commit of `repo_id` pinned in a `kernels.lock` file (see `kernelize.layer.lockfile`)."""
-    check_repo_id(repo_id)
-    check_trust_setting(trust_remote_code, repo_id)
-    commit = locked_commit(repo_id, None if lockfile is None else Path(lockfile))
-    return get_kernel(repo_id, revision=commit, trust_remote_code=trust_remote_code, user_agent=user_agent)
 
 
 def has_kernel(

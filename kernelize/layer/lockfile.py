@@ -16,8 +16,11 @@ import json
 import re
 import sys
 from pathlib import Path
+from types import ModuleType
 
-__all__ = ["locked_commit"]
+from .hub import TrustRemoteCode, check_repo_id, check_trust_setting, get_kernel
+
+__all__ = ["get_locked_kernel", "locked_commit"]
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -35,8 +38,6 @@ def _entry_lock(entry: object) -> tuple[object, object]:
 
 def _parse(text: str, source: str) -> dict[str, str]:
     """`repo_id -> commit` for every entry of a lock file."""
-    from .hub import check_repo_id
-
     try:
         entries = json.loads(text)
     except ValueError as exc:
@@ -115,3 +116,17 @@ def locked_commit(repo_id: str, lockfile: str | Path | None = None) -> str:
             "Add it to [tool.kernels.dependencies] and run `kernels lock`."
         )
     return locks[repo_id]
+
+
+def get_locked_kernel(
+    repo_id: str,
+    *,
+    lockfile: str | Path | None = None,
+    trust_remote_code: TrustRemoteCode = False,
+    user_agent: str | dict | None = None,
+) -> ModuleType:
+    """Load the commit of `repo_id` pinned in a `kernels.lock` file (see `kernelize.layer.lockfile`)."""
+    check_repo_id(repo_id)
+    check_trust_setting(trust_remote_code, repo_id)
+    commit = locked_commit(repo_id, None if lockfile is None else Path(lockfile))
+    return get_kernel(repo_id, revision=commit, trust_remote_code=trust_remote_code, user_agent=user_agent)

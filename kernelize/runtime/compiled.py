@@ -31,7 +31,7 @@ from torch import nn
 
 from kernelize.autokernel.kernels import Kernel, KernelKind
 from kernelize.ir.graph import LAYOUT, Graph, Node, Op
-from kernelize.ir.reference import _EVAL, bind_inputs, evaluate
+from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import Backend, CompiledKernel
 from kernelize.runtime.cache import GRAPHS, graph_fingerprint
@@ -358,7 +358,7 @@ class CompiledGraph:
         if node.op is Op.MATMUL and node.dtype.is_float and self.device.type == "cuda":
             out = torch.matmul(*args)  # cuBLAS accumulates 16-bit inputs in f32 already
         else:
-            out = _EVAL[node.op](node, args, env)
+            out = EVAL[node.op](node, args, env)
         fmt = torch.channels_last if node in self._cl else torch.contiguous_format
         return out.to(node.dtype.torch).contiguous(memory_format=fmt)
 
@@ -419,7 +419,7 @@ def _materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]
             stack.extend(missing)
             continue
         stack.pop()
-        vals[n] = _EVAL[n.op](n, [vals[s] for s in n.src], env)
+        vals[n] = EVAL[n.op](n, [vals[s] for s in n.src], env)
     return vals[node]
 
 

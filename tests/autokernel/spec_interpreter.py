@@ -22,7 +22,7 @@ from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load
 from kernelize.autokernel.plan import Plan, run_library
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import LAYOUT, Node, Op
-from kernelize.ir.reference import _EVAL, bind_inputs
+from kernelize.ir.reference import EVAL, bind_inputs
 from kernelize.ir.shapes import Dim, bind
 
 SENTINEL = -(2**31) + 7
@@ -92,7 +92,7 @@ def _compute(e: Compute, vals: list, dtypes: list[DType], grid: list[torch.Tenso
         return y
     if e.op in (Op.SUM, Op.MEAN, Op.REDUCE_MAX, Op.REDUCE_MIN, Op.PROD, Op.ARGMAX, Op.ARGMIN) and not e.arg:
         return xs[0] if e.op not in (Op.ARGMAX, Op.ARGMIN) else torch.zeros_like(xs[0], dtype=torch.int64)
-    return _EVAL[e.op](node, xs, dict(env))
+    return EVAL[e.op](node, xs, dict(env))
 
 
 def run_kernel(k: Kernel, values: dict[Node, torch.Tensor], env: Mapping[str, int]) -> None:
@@ -124,7 +124,7 @@ def run_kernel(k: Kernel, values: dict[Node, torch.Tensor], env: Mapping[str, in
             else torch.zeros([*sizes[:-2], kk, sizes[-1]], dtype=vals[2].dtype)
         )
         node = Node(Op.MATMUL, mm.dtype, (), (_fake(dtypes[1]), _fake(dtypes[2])))
-        vals[0] = _EVAL[Op.MATMUL](node, [a, b], dict(env)).to(mm.dtype.torch)
+        vals[0] = EVAL[Op.MATMUL](node, [a, b], dict(env)).to(mm.dtype.torch)
         order = order[3:]
     for i in order:
         e = k.body[i]
@@ -172,7 +172,7 @@ def _materialize(node: Node, values: dict, env: Mapping[str, int]) -> torch.Tens
         path.append(v)
         v = v.src[0]
     for lay in reversed(path):
-        values[lay] = _EVAL[lay.op](lay, [values[lay.src[0]]], dict(env))
+        values[lay] = EVAL[lay.op](lay, [values[lay.src[0]]], dict(env))
     return values[node]
 
 

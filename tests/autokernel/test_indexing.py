@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kernelize.autokernel.indexing import Affine, NotAffine, contiguous_strides, dadd, divides
 from kernelize.ir import Graph, Sym
 from kernelize.ir.graph import LAYOUT
-from kernelize.ir.reference import _EVAL
+from kernelize.ir.reference import EVAL
 
 
 def gather_through(v, buf: torch.Tensor) -> torch.Tensor:
@@ -36,7 +36,7 @@ def torch_value(v, buf: torch.Tensor) -> torch.Tensor:
         v = v.src[0]
     t = buf
     for n in reversed(chain):
-        t = _EVAL[n.op](n, [t], {})
+        t = EVAL[n.op](n, [t], {})
     return t
 
 

@@ -113,10 +113,10 @@ def _backward_kernels():
 
 
 def test_backward_kernels_compile_to_cubin_with_triton_aot() -> None:
-    from kernelize.codegen import triton as kt
+    from kernelize.codegen import triton_aot
 
     kernels = _backward_kernels()
-    for k, per_arch in zip(kernels, kt.compile_ahead_many(kernels, archs=(90,))):
+    for k, per_arch in zip(kernels, triton_aot.compile_ahead_many(kernels, archs=(90,))):
         assert per_arch[90]["cubin"][:4] == b"\x7fELF", k.name
 
 

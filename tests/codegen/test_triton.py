@@ -21,14 +21,8 @@ from triton_specs import broadcast_strides, check, contiguous, pointwise_from_gr
 
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
 from kernelize.codegen.template import TemplateError, fill
-from kernelize.codegen.triton import (
-    TritonBackend,
-    TritonRenderer,
-    cache_dir,
-    launch_config,
-    load_module,
-    render,
-)
+from kernelize.codegen.triton import TritonBackend, TritonRenderer, launch_config, render
+from kernelize.codegen.triton_base import cache_dir, load_module
 from kernelize.codegen.triton_rows import looped
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op

@@ -19,6 +19,8 @@ from triton_specs import contiguous
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
 from kernelize.autokernel.plan import plan
 from kernelize.codegen import triton as kt
+from kernelize.codegen import triton_aot
+from kernelize.codegen.triton_base import cache_dir
 from kernelize.ir import optimize, trace
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
@@ -59,7 +61,7 @@ def test_every_corpus_kernel_compiles_to_cubin_for_sm80_and_sm90():
     kernels = _corpus_kernels()
     assert len(kernels) >= 30
     t0 = time.perf_counter()
-    results = kt.compile_ahead_many(kernels, archs=(80, 90))
+    results = triton_aot.compile_ahead_many(kernels, archs=(80, 90))
     elapsed = time.perf_counter() - t0
     for k, per_arch in zip(kernels, results):
         for arch, asm in per_arch.items():
@@ -81,9 +83,9 @@ def test_a_different_module_file_under_the_kernel_name_is_rewritten_not_compiled
     monkeypatch.setenv("KERNELIZE_CACHE_DIR", str(tmp_path / "cache"))
     _, k = _row_graph("softmax", 64, DType.F32)
     source = kt.render(k)
-    path = kt.cache_dir() / f"{k.name}_{hashlib.sha256(source.encode()).hexdigest()[:16]}.py"
+    path = cache_dir() / f"{k.name}_{hashlib.sha256(source.encode()).hexdigest()[:16]}.py"
     marker = tmp_path / "marker"
     path.write_text(f"open({str(marker)!r}, 'w').write('ran')\n{source}")  # stale, corrupt or planted
-    asm = kt.compile_ahead(k, arch=90)
+    asm = triton_aot.compile_ahead(k, arch=90)
     assert not marker.exists(), "the compile imported a module file it did not write"
     assert asm["cubin"][:4] == b"\x7fELF" and path.read_text() == source
