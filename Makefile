@@ -20,6 +20,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_FLAGS)
 
 test-slow: $(STAMP)
@@ -27,7 +28,7 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	.venv/bin/ruff check --fix .
-	.venv/bin/ruff format --check . || true
+	.venv/bin/ruff format .
 
 bench: $(STAMP)
 	$(PY) benchmarks/cpu_layers.py

@@ -87,8 +87,12 @@ def plan_to_svg(path: str | Path, plan: Plan, hide_constants: bool = True, title
     Raises:
         RuntimeError: ``dot`` is not installed, or it failed (its error output is included).
     """
-    return write_svg(path, plan_to_dot(plan, hide_constants, title), "plan_to_svg",
-                     "kernelize.autokernel.plan_to_dot(plan)")
+    return write_svg(
+        path,
+        plan_to_dot(plan, hide_constants, title),
+        "plan_to_svg",
+        "kernelize.autokernel.plan_to_dot(plan)",
+    )
 
 
 __all__ = ["plan_to_dot", "plan_to_svg"]

@@ -305,7 +305,9 @@ def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | N
     """The group of ``g1`` (holding producer ``p``) and ``g2`` (holding consumer ``n``, reading it as operand
     ``i``), or None when they cannot form one kernel. Cycles are the caller's business."""
     if g1.kind in (KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV) or g2.kind in (
-        KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV
+        KernelKind.LIBRARY,
+        KernelKind.ATTENTION,
+        KernelKind.CONV,
     ):
         return None
     if g1.kind is KernelKind.MATMUL and g2.kind is KernelKind.MATMUL:

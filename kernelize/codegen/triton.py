@@ -208,8 +208,9 @@ class KernelSource:
             raise NotImplementedError(f"{k.name}: matmul operand strides must be over (*batch, M, N, K)")
         kdim = contraction(k, e, a, "triton")
         batch, bnames = index_lines(k.domain[:nb], "bid", "b", self.r) if nb else ([], [])
-        ctx = IndexCtx([*bnames, "rm[:, None]", "rn[None, :]"], [False] * nb + [True, True], "[BM, BN]",
-                   [{nb}, {nb + 1}])
+        ctx = IndexCtx(
+            [*bnames, "rm[:, None]", "rn[None, :]"], [False] * nb + [True, True], "[BM, BN]", [{nb}, {nb + 1}]
+        )
         a_off, _ = self.offset(IndexCtx(bnames, [False] * nb, ""), a.strides[:nb], a.offset)
         b_off, _ = self.offset(IndexCtx(bnames, [False] * nb, ""), b.strides[:nb], b.offset)
         body = []
@@ -226,11 +227,21 @@ class KernelSource:
         body += [self.store(s, ctx, "mask") for s in k.stores]
         r = self.r.dim
         return self.header(
-            "triton_matmul.py.tmpl", batch, body,
-            M=r(k.domain[-2]), N=r(k.domain[-1]), K=r(kdim),
-            A_PTR=self.ptr[a.buffer], A_OFF=a_off, A_SM=r(a.strides[nb]), A_SK=r(a.strides[nb + 2]),
-            B_PTR=self.ptr[b.buffer], B_OFF=b_off, B_SK=r(b.strides[nb + 2]), B_SN=r(b.strides[nb + 1]),
-            PRECISION=', input_precision="ieee"' if a.dtype is DType.F32 else '',
+            "triton_matmul.py.tmpl",
+            batch,
+            body,
+            M=r(k.domain[-2]),
+            N=r(k.domain[-1]),
+            K=r(kdim),
+            A_PTR=self.ptr[a.buffer],
+            A_OFF=a_off,
+            A_SM=r(a.strides[nb]),
+            A_SK=r(a.strides[nb + 2]),
+            B_PTR=self.ptr[b.buffer],
+            B_OFF=b_off,
+            B_SK=r(b.strides[nb + 2]),
+            B_SN=r(b.strides[nb + 1]),
+            PRECISION=', input_precision="ieee"' if a.dtype is DType.F32 else "",
         )
 
     def row(self) -> str:
@@ -244,10 +255,19 @@ class KernelSource:
         index, names = index_lines(k.domain[:last], "rm", "m", self.r)
         a_row, _ = self.offset(IndexCtx(names, [True] * last, "[BM]"), a.strides[:last], a.offset)
         return self.header(
-            "triton_splitk.py.tmpl", index, [],
-            ROWS=r(numel(k.domain[:last])), N=r(k.domain[last]), K=r(k.body[0].arg),
-            A_PTR=self.ptr[a.buffer], A_ROW=a_row, A_SK=r(a.strides[last + 1]),
-            B_PTR=self.ptr[b.buffer], B_OFF=r(b.offset), B_SK=r(b.strides[last + 1]), B_SN=r(b.strides[last]),
+            "triton_splitk.py.tmpl",
+            index,
+            [],
+            ROWS=r(numel(k.domain[:last])),
+            N=r(k.domain[last]),
+            K=r(k.body[0].arg),
+            A_PTR=self.ptr[a.buffer],
+            A_ROW=a_row,
+            A_SK=r(a.strides[last + 1]),
+            B_PTR=self.ptr[b.buffer],
+            B_OFF=r(b.offset),
+            B_SK=r(b.strides[last + 1]),
+            B_SN=r(b.strides[last]),
             **_dot_operands(a.dtype, b.dtype),
         )
 

@@ -36,8 +36,15 @@ def _aot_job(kernel: Kernel, arch: int, sizes: Mapping[str, int] | None) -> dict
     if "UPCAST" in consts:
         consts["UPCAST"] = False  # the GPU path, whatever this process runs
     sig.update({c: "constexpr" for c in consts})
-    return {"path": str(path), "name": kernel.name, "signature": sig, "constexprs": consts, "arch": arch,
-            "num_warps": num_warps, "source": source}
+    return {
+        "path": str(path),
+        "name": kernel.name,
+        "signature": sig,
+        "constexprs": consts,
+        "arch": arch,
+        "num_warps": num_warps,
+        "source": source,
+    }
 
 
 def _aot_compile(job: dict) -> dict:
@@ -51,8 +58,9 @@ def _aot_compile(job: dict) -> dict:
     t0 = time.perf_counter()
     fn = getattr(load_module(Path(job["path"]).read_text(), job["name"], interpret=False), job["name"])
     src = ASTSource(fn, job["signature"], constexprs=job["constexprs"])
-    compiled = triton.compile(src, target=GPUTarget("cuda", job["arch"], 32),
-                              options={"num_warps": job["num_warps"]})
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", job["arch"], 32), options={"num_warps": job["num_warps"]}
+    )
     return {"ptx": compiled.asm["ptx"], "cubin": compiled.asm["cubin"], "seconds": time.perf_counter() - t0}
 
 
@@ -71,7 +79,8 @@ def _aot_worker() -> None:
 
 
 def compile_ahead_many(
-    kernels: Sequence[Kernel | CompiledKernel], archs: Sequence[int] = (80, 90),
+    kernels: Sequence[Kernel | CompiledKernel],
+    archs: Sequence[int] = (80, 90),
     sizes: Mapping[str, int] | None = None,
 ) -> list[dict[int, dict]]:
     """Compile kernels for NVIDIA GPUs without one: per kernel, ``{arch: {"ptx", "cubin", "seconds"}}``.

@@ -142,7 +142,7 @@ class RowRenderer:
         v, R = f"v{i}", self.R
         if e.op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
             lines = [
-                f"    {v}_m = tl.max(tl.where(mask, {x}, float(\"-inf\")), axis=0)",
+                f'    {v}_m = tl.max(tl.where(mask, {x}, float("-inf")), axis=0)',
                 f"    {v}_e = tl.where(mask, tl.exp({x} - {v}_m), 0.0)",
                 f"    {v}_s = tl.sum({v}_e, axis=0)",
             ]
@@ -252,15 +252,21 @@ class RowRenderer:
         fin: list[str]
         op = e.op
         if op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
-            init = [f"    {acc}_m = tl.full([BLOCK], float(\"-inf\"), dtype=tl.float32)",
-                    f"    {acc}_s = tl.zeros([BLOCK], dtype=tl.float32)"]
-            step = [f"        xm = tl.where(mask, {x}, float(\"-inf\"))",
-                    f"        new_m = tl.maximum({acc}_m, xm)",
-                    "        safe = tl.where(new_m == float(\"-inf\"), 0.0, new_m)",
-                    f"        {acc}_s = {acc}_s * tl.exp({acc}_m - safe) + tl.exp(xm - safe)",
-                    f"        {acc}_m = new_m"]
-            fin = [f"    {v}_m = tl.max({acc}_m, axis=0)",
-                   f"    {v}_s = tl.sum({acc}_s * tl.exp({acc}_m - {v}_m), axis=0)"]
+            init = [
+                f'    {acc}_m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)',
+                f"    {acc}_s = tl.zeros([BLOCK], dtype=tl.float32)",
+            ]
+            step = [
+                f'        xm = tl.where(mask, {x}, float("-inf"))',
+                f"        new_m = tl.maximum({acc}_m, xm)",
+                '        safe = tl.where(new_m == float("-inf"), 0.0, new_m)',
+                f"        {acc}_s = {acc}_s * tl.exp({acc}_m - safe) + tl.exp(xm - safe)",
+                f"        {acc}_m = new_m",
+            ]
+            fin = [
+                f"    {v}_m = tl.max({acc}_m, axis=0)",
+                f"    {v}_s = tl.sum({acc}_s * tl.exp({acc}_m - {v}_m), axis=0)",
+            ]
         elif op is Op.RMSNORM:
             init = [f"    {acc} = tl.zeros([BLOCK], dtype=tl.float32)"]
             step = [f"        {acc} += tl.where(mask, {x} * {x}, 0.0)"]
@@ -290,13 +296,19 @@ class RowRenderer:
         else:  # argmax / argmin: best value and first index per lane, then the first lane index of the best
             better, lit = (">", _lowest(self.r, dt)) if op is Op.ARGMAX else ("<", _highest(self.r, dt))
             pick = "max" if op is Op.ARGMAX else "min"
-            init = [f"    {acc}_v = tl.full([BLOCK], {lit}, dtype={tl_dt})",
-                    f"    {acc}_i = tl.zeros([BLOCK], dtype=tl.int64)"]
-            step = [f"        xm = tl.where(mask, {x}, {lit})",
-                    f"        upd = xm {better} {acc}_v",
-                    f"        {acc}_i = tl.where(upd, cols.to(tl.int64), {acc}_i)",
-                    f"        {acc}_v = tl.where(upd, xm, {acc}_v)"]
-            fin = [f"    {v}_best = tl.{pick}({acc}_v, axis=0)",
-                   f"    {v} = tl.min(tl.where({acc}_v == {v}_best, {acc}_i, {2**62}), axis=0)"]
+            init = [
+                f"    {acc}_v = tl.full([BLOCK], {lit}, dtype={tl_dt})",
+                f"    {acc}_i = tl.zeros([BLOCK], dtype=tl.int64)",
+            ]
+            step = [
+                f"        xm = tl.where(mask, {x}, {lit})",
+                f"        upd = xm {better} {acc}_v",
+                f"        {acc}_i = tl.where(upd, cols.to(tl.int64), {acc}_i)",
+                f"        {acc}_v = tl.where(upd, xm, {acc}_v)",
+            ]
+            fin = [
+                f"    {v}_best = tl.{pick}({acc}_v, axis=0)",
+                f"    {v} = tl.min(tl.where({acc}_v == {v}_best, {acc}_i, {2**62}), axis=0)",
+            ]
         need = closure(self.k, [xi], self.inv)
         return [*init, *self._loop_head(), *self._loop_entries(need), *step, *fin]

@@ -44,6 +44,7 @@ def build_attention(
     gqa: bool = False,
 ) -> Node:
     """Append an ``ATTENTION`` node (see the module docstring); checks shapes and dtypes as it builds."""
+
     def where() -> str:
         return f"attention of q {shape_str(q.shape)}, k {shape_str(k.shape)}, v {shape_str(v.shape)}"
 

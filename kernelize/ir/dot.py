@@ -148,8 +148,9 @@ def write_svg(path: str | Path, dot_text: str, caller: str, text_api: str) -> Pa
             "(apt-get install graphviz, brew install graphviz, conda install graphviz) or "
             f"render the text of {text_api} elsewhere"
         )
-    proc = subprocess.run([exe, "-Tsvg"], input=dot_text.encode(), capture_output=True, timeout=120,
-                          check=False)
+    proc = subprocess.run(
+        [exe, "-Tsvg"], input=dot_text.encode(), capture_output=True, timeout=120, check=False
+    )
     if proc.returncode != 0:
         raise RuntimeError(
             f"Graphviz dot failed with exit code {proc.returncode}:\n{proc.stderr.decode(errors='replace')}"

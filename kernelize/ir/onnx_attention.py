@@ -32,8 +32,16 @@ def _additive(g: Graph, mask: Node, dtype: DType) -> Node:
     return g.cast(mask, dtype)
 
 
-def _frontier(g: Graph, sq: int, skv: int, offset: int | Node, dtype: DType, left: int = -1,
-              right: int = -1, causal: bool = True) -> Node:
+def _frontier(
+    g: Graph,
+    sq: int,
+    skv: int,
+    offset: int | Node,
+    dtype: DType,
+    left: int = -1,
+    right: int = -1,
+    causal: bool = True,
+) -> Node:
     """Bias allowing key ``j`` for query ``i`` iff ``j <= i + offset`` (causal) and inside the window.
 
     ``offset`` is a python int, or a ``[B]`` node (per-batch, external cache); the result is ``[sq, skv]``
@@ -54,8 +62,11 @@ def _frontier(g: Graph, sq: int, skv: int, offset: int | Node, dtype: DType, lef
     off = g.view(g.cast(offset, DType.I64), (offset.shape[0], 1, 1, 1))
     diff = g.sub(g.add(g.const(i.reshape(1, 1, sq, 1)), off), g.const(j.reshape(1, 1, 1, skv)))
     allowed = None
-    for cond in ([g.ge(diff, 0)] if causal else []) + ([g.le(diff, left)] if left >= 0 else []) + \
-            ([g.le(g.neg(diff), right)] if right >= 0 else []):
+    for cond in (
+        ([g.ge(diff, 0)] if causal else [])
+        + ([g.le(diff, left)] if left >= 0 else [])
+        + ([g.le(g.neg(diff), right)] if right >= 0 else [])
+    ):
         allowed = cond if allowed is None else g.and_(allowed, cond)
     if allowed is None:
         return g.const(torch.zeros(sq, skv, dtype=dtype.torch))
@@ -106,11 +117,15 @@ def _attention(ctx: NodeContext):
     elif mask is not None:
         bias = g.add(zeros, mask)
     if windowed:
-        bias = g.add(zeros if bias is None else g.add(zeros, bias),
-                     _frontier(g, sq, skv, offset, dtype, left, right, causal=False))
+        bias = g.add(
+            zeros if bias is None else g.add(zeros, bias),
+            _frontier(g, sq, skv, offset, dtype, left, right, causal=False),
+        )
     if nonpad is not None:
-        keep = g.lt(g.const(torch.arange(skv).reshape(1, 1, 1, skv)),
-                    g.view(g.cast(nonpad, DType.I64), (nonpad.shape[0], 1, 1, 1)))
+        keep = g.lt(
+            g.const(torch.arange(skv).reshape(1, 1, 1, skv)),
+            g.view(g.cast(nonpad, DType.I64), (nonpad.shape[0], 1, 1, 1)),
+        )
         pad_bias = g.where(keep, g.scalar(0, dtype), g.scalar(-math.inf, dtype))
         bias = pad_bias if bias is None else g.add(bias, pad_bias)
     heads_q, heads_k = q.shape[1], k.shape[1]
@@ -237,8 +252,11 @@ def _softmax_ce(ctx: NodeContext):
 
 
 ATTENTION_OPS: dict[str, Converter] = {
-    "Attention": _attention, "RotaryEmbedding": _rotary, "SwiGLU": _swiglu,
-    "NegativeLogLikelihoodLoss": _nll_loss, "SoftmaxCrossEntropyLoss": _softmax_ce,
+    "Attention": _attention,
+    "RotaryEmbedding": _rotary,
+    "SwiGLU": _swiglu,
+    "NegativeLogLikelihoodLoss": _nll_loss,
+    "SoftmaxCrossEntropyLoss": _softmax_ce,
 }
 
 __all__ = ["ATTENTION_OPS"]

@@ -86,8 +86,10 @@ def to_dtype(elem_type: int, what: str) -> DType:
         return ONNX_TO_DTYPE[elem_type]
     except KeyError:
         supported = ", ".join(onnx_type_name(t) for t in ONNX_TO_DTYPE)
-        raise UnsupportedOpError(f"{what} has ONNX element type {onnx_type_name(elem_type)}, which kernelize "
-                                 f"does not support (supported: {supported})") from None
+        raise UnsupportedOpError(
+            f"{what} has ONNX element type {onnx_type_name(elem_type)}, which kernelize "
+            f"does not support (supported: {supported})"
+        ) from None
 
 
 def tensor_from_numpy(a: np.ndarray) -> torch.Tensor:
@@ -102,8 +104,10 @@ def tensor_from_numpy(a: np.ndarray) -> torch.Tensor:
 def tensor_from_proto(t: TensorProto, what: str) -> torch.Tensor:
     to_dtype(t.data_type, what)
     if t.data_location == TensorProto.EXTERNAL and not t.raw_data:
-        raise ValueError(f"{what}: tensor {t.name!r} keeps its data in an external file that was not loaded; "
-                         "load the model from its path (not from bytes) so the data file is found")
+        raise ValueError(
+            f"{what}: tensor {t.name!r} keeps its data in an external file that was not loaded; "
+            "load the model from its path (not from bytes) so the data file is found"
+        )
     return tensor_from_numpy(numpy_helper.to_array(t))
 
 
@@ -128,8 +132,9 @@ Value = Node | torch.Tensor | SymInts
 Converter = Callable[["NodeContext"], Any]
 
 
-def sym_or_const(dims: Sequence[Dim], scalar: bool = False,
-                 dtype: DType = DType.I64) -> torch.Tensor | SymInts:
+def sym_or_const(
+    dims: Sequence[Dim], scalar: bool = False, dtype: DType = DType.I64
+) -> torch.Tensor | SymInts:
     """A constant tensor when every element is static, else a :class:`SymInts`."""
     if all(isinstance(d, int) for d in dims):
         t = torch.tensor([int(d) for d in dims], dtype=dtype.torch)
@@ -140,8 +145,15 @@ def sym_or_const(dims: Sequence[Dim], scalar: bool = False,
 class NodeContext:
     """One ONNX node being converted: its operands, attributes, opset and the graph to build into."""
 
-    def __init__(self, g: Graph, node: onnx.NodeProto, opset: int, values: Sequence[Value | None],
-                 where: str, limit: int = DEFAULT_FOLD_LIMIT) -> None:
+    def __init__(
+        self,
+        g: Graph,
+        node: onnx.NodeProto,
+        opset: int,
+        values: Sequence[Value | None],
+        where: str,
+        limit: int = DEFAULT_FOLD_LIMIT,
+    ) -> None:
         self.g = g
         self.limit = limit  # folding cap in bytes
         self.node = node
@@ -175,7 +187,8 @@ class NodeContext:
         return FoldLimitError(
             f"{self.describe()}: {what} would be a {dtype}{list(shape)} constant of {nbytes(shape, dtype)} "
             f"bytes, over the folding cap of {self.limit} bytes, and the IR cannot compute it at run time; "
-            f"raise the cap with load_onnx(..., fold_limit=bytes) or ${FOLD_LIMIT_ENV} if it is intended")
+            f"raise the cap with load_onnx(..., fold_limit=bytes) or ${FOLD_LIMIT_ENV} if it is intended"
+        )
 
     # -- outputs ------------------------------------------------------------------------------------------
     @property
@@ -227,9 +240,11 @@ class NodeContext:
             return v
         if isinstance(v, SymInts):
             sizes = [str(d) for d in v.dims]
-            raise self.unsupported(f"input {i} is a shape with symbolic sizes {sizes} needed as a run-time "
-                                   "tensor; give those dims static sizes with "
-                                   "load_onnx(..., dynamic_dims={name: size})")
+            raise self.unsupported(
+                f"input {i} is a shape with symbolic sizes {sizes} needed as a run-time "
+                "tensor; give those dims static sizes with "
+                "load_onnx(..., dynamic_dims={name: size})"
+            )
         return materialize(self.g, v)
 
     def const(self, i: int) -> torch.Tensor | None:
@@ -243,8 +258,10 @@ class NodeContext:
             return None
         t = self.const(i)
         if t is None:
-            raise self.unsupported(f"input {i}{' (' + what + ')' if what else ''} must be known at load time "
-                                   "(a constant or computed from constants and static shapes)")
+            raise self.unsupported(
+                f"input {i}{' (' + what + ')' if what else ''} must be known at load time "
+                "(a constant or computed from constants and static shapes)"
+            )
         return [int(v) for v in t.reshape(-1).tolist()]
 
     def scalar(self, i: int, default: Any = None, what: str = "") -> Any:
@@ -298,6 +315,20 @@ def _uniform(flat: torch.Tensor) -> bool:
     return bool((bits == bits[0]).all())
 
 
-__all__ = ["DEFAULT_FOLD_LIMIT", "FOLD_LIMIT_ENV", "ONNX_TO_DTYPE", "Converter", "NodeContext", "SymInts",
-           "Value", "fold_limit", "materialize", "nbytes", "onnx_type_name", "sym_or_const",
-           "tensor_from_numpy", "tensor_from_proto", "to_dtype"]
+__all__ = [
+    "DEFAULT_FOLD_LIMIT",
+    "FOLD_LIMIT_ENV",
+    "ONNX_TO_DTYPE",
+    "Converter",
+    "NodeContext",
+    "SymInts",
+    "Value",
+    "fold_limit",
+    "materialize",
+    "nbytes",
+    "onnx_type_name",
+    "sym_or_const",
+    "tensor_from_numpy",
+    "tensor_from_proto",
+    "to_dtype",
+]

@@ -59,8 +59,12 @@ OPS: dict[str, Converter] = {**MATH_OPS, **LAYOUT_OPS, **NN_OPS, **ATTENTION_OPS
 SYMBOLIC_OPS: dict[str, Converter] = dict(SYM_OPS)
 
 
-def load_onnx(path_or_model: str | os.PathLike | bytes | onnx.ModelProto, *,
-              dynamic_dims: Mapping[str, int | str] | None = None, fold_limit: int | None = None) -> Graph:
+def load_onnx(
+    path_or_model: str | os.PathLike | bytes | onnx.ModelProto,
+    *,
+    dynamic_dims: Mapping[str, int | str] | None = None,
+    fold_limit: int | None = None,
+) -> Graph:
     """Convert an ONNX model into a graph.
 
     Args:
@@ -128,8 +132,9 @@ def _sym_name(name: str) -> str:
 
 
 class _Loader:
-    def __init__(self, model: onnx.ModelProto, where: str, dynamic_dims: dict[str, int | str],
-                 limit: int) -> None:
+    def __init__(
+        self, model: onnx.ModelProto, where: str, dynamic_dims: dict[str, int | str], limit: int
+    ) -> None:
         self.model, self.where, self.dynamic, self.limit = model, where, dynamic_dims, limit
         # a model of other domains only has no default opset; its nodes are then unsupported anyway
         self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
@@ -140,14 +145,21 @@ class _Loader:
         graph = self.model.graph
         unknown = sorted(set(self.dynamic) - self._dim_keys())
         if unknown:
-            raise ValueError(f"dynamic_dims keys {unknown} match no input dim of {self.where} (keys are "
-                             "dim_param names or '<input>:<axis>')")
+            raise ValueError(
+                f"dynamic_dims keys {unknown} match no input dim of {self.where} (keys are "
+                "dim_param names or '<input>:<axis>')"
+            )
         for key, value in self.dynamic.items():
             # bool is an int, 2.5 is not a size, -3 passes every check until a kernel runs
-            if isinstance(value, bool) or not isinstance(value, int | str) or (
-                    isinstance(value, int) and value < 0):
-                raise ValueError(f"dynamic_dims[{key!r}] = {value!r} for {self.where}: a value is a dim name "
-                                 "(str) or a static size (int >= 0)")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | str)
+                or (isinstance(value, int) and value < 0)
+            ):
+                raise ValueError(
+                    f"dynamic_dims[{key!r}] = {value!r} for {self.where}: a value is a dim name "
+                    "(str) or a static size (int >= 0)"
+                )
         for init in graph.initializer:
             self.values[init.name] = tensor_from_proto(init, f"initializer {init.name!r} of {self.where}")
         if graph.sparse_initializer:
@@ -166,20 +178,28 @@ class _Loader:
             v = self.values[vo.name]
             if isinstance(v, SymInts):
                 sizes = [str(d) for d in v.dims]
-                raise UnsupportedOpError(f"graph output {vo.name!r} of {self.where} is a shape with symbolic "
-                                         f"sizes {sizes}; kernelize has no run-time shape op")
+                raise UnsupportedOpError(
+                    f"graph output {vo.name!r} of {self.where} is a shape with symbolic "
+                    f"sizes {sizes}; kernelize has no run-time shape op"
+                )
             outputs.append(v if isinstance(v, Node) else materialize(self.g, v))
         self.g.output(*outputs)
-        logger.debug("loaded %s: %d ONNX nodes (opset %d) -> %d IR nodes", self.where, len(graph.node),
-                     self.opset, len(self.g))
+        logger.debug(
+            "loaded %s: %d ONNX nodes (opset %d) -> %d IR nodes",
+            self.where,
+            len(graph.node),
+            self.opset,
+            len(self.g),
+        )
         return self.g
 
     # -- inputs -------------------------------------------------------------------------------------------
     def _input(self, vi: onnx.ValueInfoProto) -> Node:
         kind = vi.type.WhichOneof("value")
         if kind != "tensor_type":
-            raise UnsupportedOpError(f"graph input {vi.name!r} of {self.where} is a {kind}; kernelize "
-                                     "supports tensor inputs only")
+            raise UnsupportedOpError(
+                f"graph input {vi.name!r} of {self.where} is a {kind}; kernelize supports tensor inputs only"
+            )
         tt = vi.type.tensor_type
         dtype = to_dtype(tt.elem_type, f"graph input {vi.name!r} of {self.where}")
         if not tt.HasField("shape"):
@@ -191,9 +211,11 @@ class _Loader:
                 dims.append(Sym.of(_sym_name(pinned)) if isinstance(pinned, str) else int(pinned))
             elif d.HasField("dim_value"):
                 if d.dim_value < 0:
-                    raise ValueError(f"graph input {vi.name!r} of {self.where}: dim {axis} has dim_value "
-                                     f"{d.dim_value}; sizes must be >= 0 (pin it with dynamic_dims="
-                                     f"{{'{vi.name}:{axis}': size}})")
+                    raise ValueError(
+                        f"graph input {vi.name!r} of {self.where}: dim {axis} has dim_value "
+                        f"{d.dim_value}; sizes must be >= 0 (pin it with dynamic_dims="
+                        f"{{'{vi.name}:{axis}': size}})"
+                    )
                 dims.append(int(d.dim_value))
             else:
                 dims.append(Sym.of(_sym_name(d.dim_param or f"{vi.name}_{axis}")))
@@ -216,8 +238,10 @@ class _Loader:
             elif name in self.values:
                 values.append(self.values[name])
             else:
-                raise ValueError(f"{self.where}: node {node.name or index!r} ({node.op_type}) reads "
-                                 f"{name!r}, which no earlier node, input or initializer defines")
+                raise ValueError(
+                    f"{self.where}: node {node.name or index!r} ({node.op_type}) reads "
+                    f"{name!r}, which no earlier node, input or initializer defines"
+                )
         ctx = NodeContext(self.g, node, self.opset, values, self.where, self.limit)
         if node.domain not in ("", "ai.onnx"):
             raise ctx.unsupported(f"domain {node.domain!r} is not supported (only the default ONNX domain)")
@@ -225,8 +249,10 @@ class _Loader:
         fn = SYMBOLIC_OPS.get(node.op_type) if symbolic else None
         fn = fn or OPS.get(node.op_type)
         if fn is None:
-            raise ctx.unsupported(f"this op type is not supported (the {len(OPS)} supported ones are listed "
-                                  "in kernelize.ir.onnx_frontend.OPS)")
+            raise ctx.unsupported(
+                f"this op type is not supported (the {len(OPS)} supported ones are listed "
+                "in kernelize.ir.onnx_frontend.OPS)"
+            )
         # every supported op is pure, so a node of constants is folded (random ops are unsupported)
         fold = not symbolic and all(v is None or isinstance(v, torch.Tensor) for v in values)
         if fold:
@@ -241,10 +267,19 @@ class _Loader:
         except (UnsupportedOpError, FoldLimitError):
             raise
         except MemoryError as e:
-            raise MemoryError(f"{ctx.describe()}: out of memory while converting it (folding cap "
-                              f"{self.limit} bytes)") from e
-        except (ShapeError, DTypeError, ValueError, TypeError, IndexError, KeyError, ZeroDivisionError,
-                RuntimeError) as e:  # operands that do not fit the op: a malformed model
+            raise MemoryError(
+                f"{ctx.describe()}: out of memory while converting it (folding cap {self.limit} bytes)"
+            ) from e
+        except (
+            ShapeError,
+            DTypeError,
+            ValueError,
+            TypeError,
+            IndexError,
+            KeyError,
+            ZeroDivisionError,
+            RuntimeError,
+        ) as e:  # operands that do not fit the op: a malformed model
             kind = ShapeError if isinstance(e, ShapeError) else ValueError
             raise kind(f"{ctx.describe()}: {e}") from e
         for i, name in enumerate(node.output):

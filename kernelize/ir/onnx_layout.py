@@ -162,7 +162,7 @@ def _gather_elements(ctx: NodeContext) -> Node:
     shape = _static(ctx, x.shape, "GatherElements data")
     ishape = _static(ctx, idx.shape, "GatherElements indices")
     axis = normalize_axis(ctx.attr("axis", 0), x.rank)
-    d, stride = shape[axis], int(np.prod(shape[axis + 1:], dtype=np.int64))
+    d, stride = shape[axis], int(np.prod(shape[axis + 1 :], dtype=np.int64))
     idx = g.cast(idx, DType.I64)
     idx = g.where(g.lt(idx, 0), g.add(idx, d), idx)
     flat = g.add(g.mul(idx, stride), g.const(_flat_offsets(shape, ishape, axis)))
@@ -177,8 +177,8 @@ def _gather_nd(ctx: NodeContext) -> Node:
     ishape = _static(ctx, idx.shape, "GatherND indices")
     b = ctx.attr("batch_dims", 0)
     k = ishape[-1]
-    inner = shape[b:b + k]
-    rest = shape[b + k:]
+    inner = shape[b : b + k]
+    rest = shape[b + k :]
     idx = g.cast(idx, DType.I64)
     flat = bad = None
     for j, size in enumerate(inner):
@@ -186,7 +186,7 @@ def _gather_nd(ctx: NodeContext) -> Node:
         ij = g.where(g.lt(ij, 0), g.add(ij, size), ij)
         out_of_range = g.or_(g.lt(ij, 0), g.ge(ij, size))
         bad = out_of_range if bad is None else g.or_(bad, out_of_range)
-        term = g.mul(ij, int(np.prod(inner[j + 1:], dtype=np.int64)))
+        term = g.mul(ij, int(np.prod(inner[j + 1 :], dtype=np.int64)))
         flat = term if flat is None else g.add(flat, term)
     if flat is None:
         flat = g.const(torch.zeros(ishape[:-1], dtype=torch.int64))
@@ -260,7 +260,7 @@ def _tile(ctx: NodeContext) -> Node:
         if r != 1:
             v = g.view(x, (*x.shape[:a], 1, *x.shape[a:]))
             v = g.broadcast(v, (*x.shape[:a], r, *x.shape[a:]))
-            x = g.view(v, (*x.shape[:a], r * x.shape[a], *x.shape[a + 1:]))
+            x = g.view(v, (*x.shape[:a], r * x.shape[a], *x.shape[a + 1 :]))
     return x
 
 
@@ -301,8 +301,12 @@ def _constant(ctx: NodeContext):
             raise ctx.unsupported(f"Constant with {key} (kernelize has no string or sparse tensors)")
     if "value" in ctx.attrs:
         return ctx.attr("value")
-    for key, dtype in (("value_float", torch.float32), ("value_floats", torch.float32),
-                       ("value_int", torch.int64), ("value_ints", torch.int64)):
+    for key, dtype in (
+        ("value_float", torch.float32),
+        ("value_floats", torch.float32),
+        ("value_int", torch.int64),
+        ("value_ints", torch.int64),
+    ):
         if key in ctx.attrs:
             return torch.tensor(ctx.attr(key), dtype=dtype)
     raise ValueError("Constant has no value attribute")
@@ -387,12 +391,32 @@ def _nonzero(ctx: NodeContext):
 
 
 LAYOUT_OPS: dict[str, Converter] = {
-    "Reshape": _reshape, "Flatten": _flatten, "Transpose": _transpose, "Squeeze": _squeeze,
-    "Unsqueeze": _unsqueeze, "Expand": _expand, "Slice": _slice, "Split": _split, "Concat": _concat,
-    "Gather": _gather, "GatherElements": _gather_elements, "GatherND": _gather_nd, "Pad": _pad, "Tile": _tile,
-    "DepthToSpace": _depth_to_space, "SpaceToDepth": _space_to_depth, "Shape": _shape, "Size": _size,
-    "Constant": _constant, "ConstantOfShape": _constant_of_shape, "Range": _range, "EyeLike": _eye_like,
-    "Trilu": _trilu, "OneHot": _one_hot, "Compress": _compress, "NonZero": _nonzero,
+    "Reshape": _reshape,
+    "Flatten": _flatten,
+    "Transpose": _transpose,
+    "Squeeze": _squeeze,
+    "Unsqueeze": _unsqueeze,
+    "Expand": _expand,
+    "Slice": _slice,
+    "Split": _split,
+    "Concat": _concat,
+    "Gather": _gather,
+    "GatherElements": _gather_elements,
+    "GatherND": _gather_nd,
+    "Pad": _pad,
+    "Tile": _tile,
+    "DepthToSpace": _depth_to_space,
+    "SpaceToDepth": _space_to_depth,
+    "Shape": _shape,
+    "Size": _size,
+    "Constant": _constant,
+    "ConstantOfShape": _constant_of_shape,
+    "Range": _range,
+    "EyeLike": _eye_like,
+    "Trilu": _trilu,
+    "OneHot": _one_hot,
+    "Compress": _compress,
+    "NonZero": _nonzero,
 }
 
 __all__ = ["LAYOUT_OPS", "slice_axis"]

@@ -56,8 +56,10 @@ def _einsum(ctx: NodeContext) -> Node:
     ell_rank = max((x.rank - len(t.replace("...", "")) for t, x in zip(terms, xs) if "..." in t), default=0)
     ell = "".join(free[:ell_rank])
     # "..." stands for the leading dims of each operand, right-aligned like numpy broadcasting
-    terms = [t.replace("...", ell[ell_rank - (x.rank - len(t) + 3):]) if "..." in t else t
-             for t, x in zip(terms, xs)]
+    terms = [
+        t.replace("...", ell[ell_rank - (x.rank - len(t) + 3) :]) if "..." in t else t
+        for t, x in zip(terms, xs)
+    ]
     if not arrow:
         counts = {c: sum(t.count(c) for t in terms) for c in set("".join(terms)) - set(ell)}
         rhs = ell + "".join(sorted(c for c, n in counts.items() if n == 1))
@@ -83,7 +85,7 @@ def _einsum(ctx: NodeContext) -> Node:
     x, t = ops[0]
     for k in range(1, len(ops)):
         y, u = ops[k]
-        keep = set(rhs + "".join(tt for _, tt in ops[k + 1:]))
+        keep = set(rhs + "".join(tt for _, tt in ops[k + 1 :]))
         x, t = _contract(g, x, t, y, u, keep, sizes)
     gone = [i for i, c in enumerate(t) if c not in rhs]
     if gone:
@@ -152,11 +154,25 @@ def _conv(ctx: NodeContext) -> Node:
     bias = ctx.x(2) if ctx.has(2) else None
     groups = ctx.attr("group", 1)
     if n == 1:
-        y = g.conv(_as_2d(g, x), _as_2d(g, w), bias, stride=(1, strides[0]), dilation=(1, dilations[0]),
-                   padding=(0, pads[0][0], 0, pads[0][1]), groups=groups)
+        y = g.conv(
+            _as_2d(g, x),
+            _as_2d(g, w),
+            bias,
+            stride=(1, strides[0]),
+            dilation=(1, dilations[0]),
+            padding=(0, pads[0][0], 0, pads[0][1]),
+            groups=groups,
+        )
         return g.view(y, (y.shape[0], y.shape[1], y.shape[3]))
-    return g.conv(x, w, bias, stride=strides, dilation=dilations, groups=groups,
-                  padding=(pads[0][0], pads[1][0], pads[0][1], pads[1][1]))
+    return g.conv(
+        x,
+        w,
+        bias,
+        stride=strides,
+        dilation=dilations,
+        groups=groups,
+        padding=(pads[0][0], pads[1][0], pads[0][1], pads[1][1]),
+    )
 
 
 def _conv_transpose(ctx: NodeContext) -> Node:
@@ -180,8 +196,13 @@ def _conv_transpose(ctx: NodeContext) -> Node:
     elif ctx.attr("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER"):
         pads = []
         for i in range(n):
-            total = max(0, strides[i] * (sizes[i] - 1) + out_pad[i] + ((kernel[i] - 1) * dilations[i] + 1)
-                        - sizes[i] * strides[i])
+            total = max(
+                0,
+                strides[i] * (sizes[i] - 1)
+                + out_pad[i]
+                + ((kernel[i] - 1) * dilations[i] + 1)
+                - sizes[i] * strides[i],
+            )
             lo = total // 2 if ctx.attr("auto_pad") == "SAME_UPPER" else total - total // 2
             pads.append((lo, total - lo))
     else:
@@ -238,11 +259,13 @@ def _pool(kind: str) -> Converter:
             pads = [(0, 0), *pads]
         padding = (pads[0][0], pads[1][0], pads[0][1], pads[1][1])
         count_pad = bool(ctx.attr("count_include_pad", 0)) or kind == "lp"
-        y = g.pool(x, "max" if kind == "max" else "avg", kernel, strides, padding, dilations, ceil_mode,
-                   count_pad)
+        y = g.pool(
+            x, "max" if kind == "max" else "avg", kernel, strides, padding, dilations, ceil_mode, count_pad
+        )
         if kind == "lp":
             y = g.pow(g.mul(y, float(kernel[0] * kernel[1])), 1.0 / p)
         return g.view(y, (*y.shape[:2], y.shape[3])) if n == 1 else y
+
     return run
 
 
@@ -250,6 +273,7 @@ def _global_pool(op: Op) -> Converter:
     def run(ctx: NodeContext) -> Node:
         x = ctx.x(0)
         return ctx.g.reduce(op, x, range(2, x.rank), keepdim=True)
+
     return run
 
 
@@ -312,8 +336,10 @@ def _instance_norm(ctx: NodeContext) -> Node:
     mean = g.reduce(Op.MEAN, xf, axes, True)
     d = g.sub(xf, mean)
     inv = g.rsqrt(g.add(g.reduce(Op.MEAN, g.mul(d, d), axes, True), eps))
-    y = g.add(g.mul(g.mul(d, inv), _per_channel(g, ctx.x(1), x.rank, xf.dtype)),
-              _per_channel(g, ctx.x(2), x.rank, xf.dtype))
+    y = g.add(
+        g.mul(g.mul(d, inv), _per_channel(g, ctx.x(1), x.rank, xf.dtype)),
+        _per_channel(g, ctx.x(2), x.rank, xf.dtype),
+    )
     return g.cast(y, x.dtype)
 
 
@@ -400,6 +426,7 @@ def _softmax(op: Op) -> Converter:
         axis = normalize_axis(ctx.attr("axis", 1), x.rank)  # old opsets: softmax of the 2-d flattening
         v = g.view(x, (numel(x.shape[:axis]), numel(x.shape[axis:])))
         return g.view(_row_op(g, op, v, 1), x.shape)
+
     return run
 
 
@@ -435,10 +462,15 @@ def _coeffs(mode: str, ratio: np.ndarray, a: float, nearest_mode: str) -> np.nda
     if mode == "linear":
         return np.concatenate([1 - r, r], 1)
     s = 1 - r
-    return np.concatenate([((a * (r + 1) - 5 * a) * (r + 1) + 8 * a) * (r + 1) - 4 * a,
-                           ((a + 2) * r - (a + 3)) * r * r + 1,
-                           ((a + 2) * s - (a + 3)) * s * s + 1,
-                           ((a * (s + 1) - 5 * a) * (s + 1) + 8 * a) * (s + 1) - 4 * a], 1)
+    return np.concatenate(
+        [
+            ((a * (r + 1) - 5 * a) * (r + 1) + 8 * a) * (r + 1) - 4 * a,
+            ((a + 2) * r - (a + 3)) * r * r + 1,
+            ((a + 2) * s - (a + 3)) * s * s + 1,
+            ((a * (s + 1) - 5 * a) * (s + 1) + 8 * a) * (s + 1) - 4 * a,
+        ],
+        1,
+    )
 
 
 def _source_coords(ctm: str, y: np.ndarray, scale: float, d: int, out: int, roi) -> np.ndarray:
@@ -448,8 +480,11 @@ def _source_coords(ctm: str, y: np.ndarray, scale: float, d: int, out: int, roi)
     if ctm == "asymmetric":
         return y / scale
     if ctm == "tf_crop_and_resize":
-        x = np.full(out, (roi[1] - roi[0]) * (d - 1) / 2) if width == 1 else \
-            y * (roi[1] - roi[0]) * (d - 1) / (width - 1)
+        x = (
+            np.full(out, (roi[1] - roi[0]) * (d - 1) / 2)
+            if width == 1
+            else y * (roi[1] - roi[0]) * (d - 1) / (width - 1)
+        )
         return x + roi[0] * (d - 1)
     if ctm == "pytorch_half_pixel":
         return np.full(out, -0.5) if width == 1 else (y + 0.5) / scale - 0.5
@@ -461,8 +496,20 @@ def _source_coords(ctm: str, y: np.ndarray, scale: float, d: int, out: int, roi)
     raise ValueError(f"unknown coordinate_transformation_mode {ctm!r}")
 
 
-def _resize_axis(g: Graph, x: Node, axis: int, scale: float, out: int, mode: str, ctm: str, roi,
-                 cubic_a: float, exclude_outside: bool, extrapolation: float, nearest_mode: str) -> Node:
+def _resize_axis(
+    g: Graph,
+    x: Node,
+    axis: int,
+    scale: float,
+    out: int,
+    mode: str,
+    ctm: str,
+    roi,
+    cubic_a: float,
+    exclude_outside: bool,
+    extrapolation: float,
+    nearest_mode: str,
+) -> Node:
     d = x.shape[axis]
     if out == 0:
         return g.slice(x, axis, 0, 0)
@@ -492,8 +539,10 @@ def _resize_axis(g: Graph, x: Node, axis: int, scale: float, out: int, mode: str
         for t in range(n):
             if not coeffs[:, t].any():
                 continue
-            term = g.mul(g.gather(x, g.const(torch.as_tensor(idx[:, t])), axis),
-                         g.const(torch.as_tensor(coeffs[:, t].reshape(shape)).to(x.dtype.torch)))
+            term = g.mul(
+                g.gather(x, g.const(torch.as_tensor(idx[:, t])), axis),
+                g.const(torch.as_tensor(coeffs[:, t].reshape(shape)).to(x.dtype.torch)),
+            )
             res = term if res is None else g.add(res, term)
     if ctm == "tf_crop_and_resize":
         outside = (src < 0) | (src > d - 1)
@@ -565,25 +614,53 @@ def _resize(ctx: NodeContext) -> Node:
         full_sizes = [int(full_scales[a] * x.shape[a]) if a in axes else x.shape[a] for a in range(r)]
     for a in axes:
         roi_a = None if full_roi is None else (full_roi[a], full_roi[a + r])
-        if math.isclose(full_scales[a], 1.0) and full_sizes[a] == x.shape[a] and \
-                (roi_a is None or (math.isclose(roi_a[0], 0.0) and math.isclose(roi_a[1], 1.0))):
+        if (
+            math.isclose(full_scales[a], 1.0)
+            and full_sizes[a] == x.shape[a]
+            and (roi_a is None or (math.isclose(roi_a[0], 0.0) and math.isclose(roi_a[1], 1.0)))
+        ):
             continue
-        x = _resize_axis(g, x, a, full_scales[a], full_sizes[a], mode, ctm, roi_a,
-                         ctx.attr("cubic_coeff_a", -0.75), bool(ctx.attr("exclude_outside", 0)),
-                         ctx.attr("extrapolation_value", 0.0), nearest_mode)
+        x = _resize_axis(
+            g,
+            x,
+            a,
+            full_scales[a],
+            full_sizes[a],
+            mode,
+            ctm,
+            roi_a,
+            ctx.attr("cubic_coeff_a", -0.75),
+            bool(ctx.attr("exclude_outside", 0)),
+            ctx.attr("extrapolation_value", 0.0),
+            nearest_mode,
+        )
     return x
 
 
 NN_OPS: dict[str, Converter] = {
-    "MatMul": _matmul, "Gemm": _gemm, "Einsum": _einsum, "Conv": _conv, "ConvTranspose": _conv_transpose,
-    "MaxPool": _pool("max"), "AveragePool": _pool("avg"), "LpPool": _pool("lp"),
-    "GlobalMaxPool": _global_pool(Op.REDUCE_MAX), "GlobalAveragePool": _global_pool(Op.MEAN),
-    "BatchNormalization": _batch_norm, "InstanceNormalization": _instance_norm, "LRN": _lrn,
+    "MatMul": _matmul,
+    "Gemm": _gemm,
+    "Einsum": _einsum,
+    "Conv": _conv,
+    "ConvTranspose": _conv_transpose,
+    "MaxPool": _pool("max"),
+    "AveragePool": _pool("avg"),
+    "LpPool": _pool("lp"),
+    "GlobalMaxPool": _global_pool(Op.REDUCE_MAX),
+    "GlobalAveragePool": _global_pool(Op.MEAN),
+    "BatchNormalization": _batch_norm,
+    "InstanceNormalization": _instance_norm,
+    "LRN": _lrn,
     "LayerNormalization": lambda ctx: _trailing_norm(ctx, rms=False),
     "RMSNormalization": lambda ctx: _trailing_norm(ctx, rms=True),
-    "GroupNormalization": _group_norm, "LpNormalization": _lp_norm, "MeanVarianceNormalization": _mvn,
-    "Softmax": _softmax(Op.SOFTMAX), "LogSoftmax": _softmax(Op.LOG_SOFTMAX), "Hardmax": _softmax(Op.ARGMAX),
-    "Resize": _resize, "Upsample": _resize,
+    "GroupNormalization": _group_norm,
+    "LpNormalization": _lp_norm,
+    "MeanVarianceNormalization": _mvn,
+    "Softmax": _softmax(Op.SOFTMAX),
+    "LogSoftmax": _softmax(Op.LOG_SOFTMAX),
+    "Hardmax": _softmax(Op.ARGMAX),
+    "Resize": _resize,
+    "Upsample": _resize,
 }
 
 __all__ = ["NN_OPS"]

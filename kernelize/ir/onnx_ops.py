@@ -119,6 +119,7 @@ def _sinh_cosh(sign: int) -> Converter:
         g, x = ctx.g, _float_input(ctx)
         e, ei = g.exp(x), g.exp(g.neg(x))
         return g.mul(g.sub(e, ei) if sign < 0 else g.add(e, ei), 0.5)
+
     return run
 
 
@@ -172,6 +173,7 @@ def _variadic(op: Op, mean: bool = False) -> Converter:
         for i in range(1, len(ctx)):
             out = ctx.g.binary(op, out, ctx.x(i))
         return ctx.g.div(out, len(ctx)) if mean else out
+
     return run
 
 
@@ -297,6 +299,7 @@ def _limit(dtype: DType, high: bool) -> float:
 
 def _reduce(kind: str, input_since: int = 18) -> Converter:
     """ReduceSum/Mean/Max/Min/Prod/L1/L2/LogSum/LogSumExp/SumSquare: elementwise pre, reduce, post."""
+
     def run(ctx: NodeContext) -> Node:
         g, x = ctx.g, ctx.x(0)
         axes = _reduce_axes(ctx, input_since)
@@ -336,6 +339,7 @@ def _reduce(kind: str, input_since: int = 18) -> Converter:
             mx = g.reduce(Op.REDUCE_MAX, finite, axes, True) if axes else finite
             out = g.add(g.log(total(g.exp(g.sub(x, mx)))), mx)
         return _finish(ctx, out, axes, keep)
+
     return run
 
 
@@ -352,11 +356,15 @@ def _arg(op: Op) -> Converter:
         axis = normalize_axis(ctx.attr("axis", 0), x.rank)
         if ctx.attr("select_last_index", 0):
             d = x.shape[axis]
-            out = g.sub(g.scalar(d - 1, DType.I64), g.reduce(op, g.flip(x, [axis]), axis, True)) \
-                if d != 1 else g.reduce(op, x, axis, True)
+            out = (
+                g.sub(g.scalar(d - 1, DType.I64), g.reduce(op, g.flip(x, [axis]), axis, True))
+                if d != 1
+                else g.reduce(op, x, axis, True)
+            )
         else:
             out = g.reduce(op, x, axis, True)
         return _finish(ctx, out, (axis,), ctx.attr("keepdims", 1))
+
     return run
 
 
@@ -454,6 +462,7 @@ def _sym_arith(op: str) -> Converter:
                 except (ShapeError, TypeError, AttributeError):
                     raise ctx.unsupported(f"{p} / {q} is not a whole size") from None
         return sym_or_const(out, scalar=sa and sb, dtype=ctx.dtype(0))
+
     return run
 
 
@@ -469,35 +478,94 @@ def _sym_prod(ctx: NodeContext):
 
 
 MATH_OPS: dict[str, Converter] = {
-    "Abs": _unary(Op.ABS), "Neg": _unary(Op.NEG), "Exp": _unary(Op.EXP), "Log": _unary(Op.LOG),
-    "Sqrt": _unary(Op.SQRT), "Reciprocal": _unary(Op.RECIPROCAL), "Sin": _unary(Op.SIN),
+    "Abs": _unary(Op.ABS),
+    "Neg": _unary(Op.NEG),
+    "Exp": _unary(Op.EXP),
+    "Log": _unary(Op.LOG),
+    "Sqrt": _unary(Op.SQRT),
+    "Reciprocal": _unary(Op.RECIPROCAL),
+    "Sin": _unary(Op.SIN),
     "Cos": _unary(Op.COS),
-    "Tanh": _unary(Op.TANH), "Sigmoid": _unary(Op.SIGMOID), "Erf": _unary(Op.ERF),
-    "Softplus": _unary(Op.SOFTPLUS), "Floor": _unary(Op.FLOOR), "Ceil": _unary(Op.CEIL),
-    "Round": _unary(Op.ROUND), "Sign": _unary(Op.SIGN), "Not": _unary(Op.NOT),
-    "Relu": _relu, "LeakyRelu": _leaky_relu, "PRelu": _prelu, "Elu": _elu, "Selu": _selu, "Celu": _celu,
-    "ThresholdedRelu": _thresholded_relu, "HardSigmoid": _hard_sigmoid, "HardSwish": _hard_swish,
-    "Softsign": _softsign, "Shrink": _shrink, "Mish": _mish, "Swish": _swish, "Gelu": _gelu,
-    "Sinh": _sinh_cosh(-1), "Cosh": _sinh_cosh(1), "Tan": _tan, "IsNaN": _isnan, "IsInf": _isinf,
-    "Identity": _identity, "Dropout": _dropout,
-    "Add": _binary(Op.ADD), "Sub": _binary(Op.SUB), "Mul": _binary(Op.MUL), "Div": _binary(Op.DIV),
-    "Pow": _pow, "Mod": _mod, "Equal": _binary(Op.EQ), "Less": _binary(Op.LT), "Greater": _binary(Op.GT),
-    "LessOrEqual": _binary(Op.LE), "GreaterOrEqual": _binary(Op.GE), "And": _binary(Op.AND),
-    "Or": _binary(Op.OR), "Xor": _xor, "BitShift": _bitshift,
-    "Max": _variadic(Op.MAX), "Min": _variadic(Op.MIN), "Sum": _variadic(Op.ADD),
+    "Tanh": _unary(Op.TANH),
+    "Sigmoid": _unary(Op.SIGMOID),
+    "Erf": _unary(Op.ERF),
+    "Softplus": _unary(Op.SOFTPLUS),
+    "Floor": _unary(Op.FLOOR),
+    "Ceil": _unary(Op.CEIL),
+    "Round": _unary(Op.ROUND),
+    "Sign": _unary(Op.SIGN),
+    "Not": _unary(Op.NOT),
+    "Relu": _relu,
+    "LeakyRelu": _leaky_relu,
+    "PRelu": _prelu,
+    "Elu": _elu,
+    "Selu": _selu,
+    "Celu": _celu,
+    "ThresholdedRelu": _thresholded_relu,
+    "HardSigmoid": _hard_sigmoid,
+    "HardSwish": _hard_swish,
+    "Softsign": _softsign,
+    "Shrink": _shrink,
+    "Mish": _mish,
+    "Swish": _swish,
+    "Gelu": _gelu,
+    "Sinh": _sinh_cosh(-1),
+    "Cosh": _sinh_cosh(1),
+    "Tan": _tan,
+    "IsNaN": _isnan,
+    "IsInf": _isinf,
+    "Identity": _identity,
+    "Dropout": _dropout,
+    "Add": _binary(Op.ADD),
+    "Sub": _binary(Op.SUB),
+    "Mul": _binary(Op.MUL),
+    "Div": _binary(Op.DIV),
+    "Pow": _pow,
+    "Mod": _mod,
+    "Equal": _binary(Op.EQ),
+    "Less": _binary(Op.LT),
+    "Greater": _binary(Op.GT),
+    "LessOrEqual": _binary(Op.LE),
+    "GreaterOrEqual": _binary(Op.GE),
+    "And": _binary(Op.AND),
+    "Or": _binary(Op.OR),
+    "Xor": _xor,
+    "BitShift": _bitshift,
+    "Max": _variadic(Op.MAX),
+    "Min": _variadic(Op.MIN),
+    "Sum": _variadic(Op.ADD),
     "Mean": _variadic(Op.ADD, True),
-    "Where": _where, "Clip": _clip, "Cast": _cast, "CastLike": _cast_like,
-    "ReduceSum": _reduce("sum", 13), "ReduceMean": _reduce("mean"), "ReduceMax": _reduce("max"),
-    "ReduceMin": _reduce("min"), "ReduceProd": _reduce("prod"), "ReduceL1": _reduce("l1"),
-    "ReduceL2": _reduce("l2"), "ReduceSumSquare": _reduce("sum_square"), "ReduceLogSum": _reduce("log_sum"),
-    "ReduceLogSumExp": _reduce("log_sum_exp"), "ArgMax": _arg(Op.ARGMAX), "ArgMin": _arg(Op.ARGMIN),
+    "Where": _where,
+    "Clip": _clip,
+    "Cast": _cast,
+    "CastLike": _cast_like,
+    "ReduceSum": _reduce("sum", 13),
+    "ReduceMean": _reduce("mean"),
+    "ReduceMax": _reduce("max"),
+    "ReduceMin": _reduce("min"),
+    "ReduceProd": _reduce("prod"),
+    "ReduceL1": _reduce("l1"),
+    "ReduceL2": _reduce("l2"),
+    "ReduceSumSquare": _reduce("sum_square"),
+    "ReduceLogSum": _reduce("log_sum"),
+    "ReduceLogSumExp": _reduce("log_sum_exp"),
+    "ArgMax": _arg(Op.ARGMAX),
+    "ArgMin": _arg(Op.ARGMIN),
     "CumSum": _cumsum,
 }
 
 SYM_OPS: dict[str, Converter] = {
-    "Gather": _sym_gather, "Concat": _sym_concat, "Unsqueeze": _sym_unsqueeze, "Squeeze": _sym_squeeze,
-    "Slice": _sym_slice, "Cast": _cast, "CastLike": _cast_like, "Identity": _identity,
-    "Mul": _sym_arith("mul"), "Div": _sym_arith("div"), "ReduceProd": _sym_prod,
+    "Gather": _sym_gather,
+    "Concat": _sym_concat,
+    "Unsqueeze": _sym_unsqueeze,
+    "Squeeze": _sym_squeeze,
+    "Slice": _sym_slice,
+    "Cast": _cast,
+    "CastLike": _cast_like,
+    "Identity": _identity,
+    "Mul": _sym_arith("mul"),
+    "Div": _sym_arith("div"),
+    "ReduceProd": _sym_prod,
 }
 
 __all__ = ["MATH_OPS", "SYM_OPS", "clamp"]

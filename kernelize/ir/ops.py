@@ -87,9 +87,31 @@ SOURCE = frozenset({Op.INPUT, Op.CONST})
 # pure re-indexing of one operand: strides and offsets, never a copy
 LAYOUT = frozenset({Op.VIEW, Op.BROADCAST, Op.PERMUTE, Op.SLICE, Op.FLIP})
 # one output element from the same-index elements of the operands
-UNARY = frozenset({Op.ABS, Op.NEG, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.RECIPROCAL, Op.SIN, Op.COS,
-    Op.TANH, Op.SIGMOID, Op.ERF, Op.SOFTPLUS, Op.FLOOR, Op.CEIL, Op.ROUND, Op.SIGN, Op.NOT, Op.CAST,
-    Op.CLAMP, Op.GELU})
+UNARY = frozenset(
+    {
+        Op.ABS,
+        Op.NEG,
+        Op.EXP,
+        Op.LOG,
+        Op.SQRT,
+        Op.RSQRT,
+        Op.RECIPROCAL,
+        Op.SIN,
+        Op.COS,
+        Op.TANH,
+        Op.SIGMOID,
+        Op.ERF,
+        Op.SOFTPLUS,
+        Op.FLOOR,
+        Op.CEIL,
+        Op.ROUND,
+        Op.SIGN,
+        Op.NOT,
+        Op.CAST,
+        Op.CLAMP,
+        Op.GELU,
+    }
+)
 COMPARE = frozenset({Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MIN, Op.MAX, Op.POW, Op.MOD, Op.AND, Op.OR}) | COMPARE
 ELEMENTWISE = UNARY | BINARY | {Op.WHERE}
@@ -98,8 +120,22 @@ REDUCE = frozenset({Op.SUM, Op.MEAN, Op.REDUCE_MAX, Op.REDUCE_MIN, Op.PROD, Op.A
 # row ops: a reduction and its elementwise use in one op
 ROW = frozenset({Op.SOFTMAX, Op.LOG_SOFTMAX, Op.LAYERNORM, Op.RMSNORM})
 # unary ops defined on floats only
-FLOAT_ONLY = frozenset({Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.RECIPROCAL, Op.SIN, Op.COS, Op.TANH,
-    Op.SIGMOID, Op.ERF, Op.SOFTPLUS, Op.GELU})
+FLOAT_ONLY = frozenset(
+    {
+        Op.EXP,
+        Op.LOG,
+        Op.SQRT,
+        Op.RSQRT,
+        Op.RECIPROCAL,
+        Op.SIN,
+        Op.COS,
+        Op.TANH,
+        Op.SIGMOID,
+        Op.ERF,
+        Op.SOFTPLUS,
+        Op.GELU,
+    }
+)
 
 # mask kinds of an attention op: no mask, a boolean keep-mask, an additive float mask
 ATTENTION_MASKS = ("none", "bool", "add")

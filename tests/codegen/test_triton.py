@@ -78,8 +78,25 @@ def test_template_filler_rejects_bad_keys():
 
 
 # -- pointwise ------------------------------------------------------------------------------------------
-UNARY_F = [Op.ABS, Op.NEG, Op.EXP, Op.LOG, Op.SQRT, Op.RSQRT, Op.RECIPROCAL, Op.SIN, Op.COS, Op.TANH,
-           Op.SIGMOID, Op.ERF, Op.SOFTPLUS, Op.FLOOR, Op.CEIL, Op.ROUND, Op.SIGN]
+UNARY_F = [
+    Op.ABS,
+    Op.NEG,
+    Op.EXP,
+    Op.LOG,
+    Op.SQRT,
+    Op.RSQRT,
+    Op.RECIPROCAL,
+    Op.SIN,
+    Op.COS,
+    Op.TANH,
+    Op.SIGMOID,
+    Op.ERF,
+    Op.SOFTPLUS,
+    Op.FLOOR,
+    Op.CEIL,
+    Op.ROUND,
+    Op.SIGN,
+]
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -138,8 +155,11 @@ def test_casts_compares_and_where_mixed():
 @given(
     shape=st.sampled_from([(1,), (7,), (33, 7), (4097,), (2, 3, 5), (0, 5), (3, 1, 33)]),
     dtype=st.sampled_from(FLOATS),
-    ops=st.lists(st.sampled_from([Op.ADD, Op.MUL, Op.SUB, Op.MAX, Op.EXP, Op.TANH, Op.SIGMOID, Op.NEG]),
-                 min_size=1, max_size=5),
+    ops=st.lists(
+        st.sampled_from([Op.ADD, Op.MUL, Op.SUB, Op.MAX, Op.EXP, Op.TANH, Op.SIGMOID, Op.NEG]),
+        min_size=1,
+        max_size=5,
+    ),
     bcast=st.booleans(),
 )
 def test_random_elementwise_chains(shape, dtype, ops, bcast):
@@ -175,11 +195,19 @@ def test_silu_and_mul_reads_halves_of_one_buffer():
     a, b = g.slice(x, 1, 0, h), g.slice(x, 1, h)
     y = g.mul(g.mul(a, g.sigmoid(a)), b)
     g.output(y)
-    k = Kernel("silu_and_mul", KernelKind.POINTWISE, (B, h), (
-        Load(x, (2 * h, 1)), Load(x, (2 * h, 1), offset=h),
-        Compute(Op.SIGMOID, DType.F16, (0,)), Compute(Op.MUL, DType.F16, (0, 2)),
-        Compute(Op.MUL, DType.F16, (3, 1)),
-    ), (Store(4, y, (h, 1)),))
+    k = Kernel(
+        "silu_and_mul",
+        KernelKind.POINTWISE,
+        (B, h),
+        (
+            Load(x, (2 * h, 1)),
+            Load(x, (2 * h, 1), offset=h),
+            Compute(Op.SIGMOID, DType.F16, (0,)),
+            Compute(Op.MUL, DType.F16, (0, 2)),
+            Compute(Op.MUL, DType.F16, (3, 1)),
+        ),
+        (Store(4, y, (h, 1)),),
+    )
     check(g, [k], [torch.randn(5, 2 * h).half()])
 
 
@@ -193,11 +221,18 @@ def test_noncontiguous_load_and_concat_with_masks():
     y = g.concat([g.neg(x2), x1], 1)
     g.output(y)
     tr = (1, 6)  # strides of x = xt.T over (6, d)
-    k = Kernel("rot", KernelKind.POINTWISE, (6, d), (
-        Load(xt, tr, offset=d // 2 * 6, mask=((1, 0, d // 2),)), Compute(Op.NEG, DType.F32, (0,)),
-        Load(xt, tr, offset=-(d // 2) * 6, mask=((1, d // 2, d),)),
-        Compute(Op.CONCAT, DType.F32, (1, 2), (1, (d // 2, d))),
-    ), (Store(3, y, (d, 1)),))
+    k = Kernel(
+        "rot",
+        KernelKind.POINTWISE,
+        (6, d),
+        (
+            Load(xt, tr, offset=d // 2 * 6, mask=((1, 0, d // 2),)),
+            Compute(Op.NEG, DType.F32, (0,)),
+            Load(xt, tr, offset=-(d // 2) * 6, mask=((1, d // 2, d),)),
+            Compute(Op.CONCAT, DType.F32, (1, 2), (1, (d // 2, d))),
+        ),
+        (Store(3, y, (d, 1)),),
+    )
     check(g, [k], [torch.randn(d, 6)])
 
 
@@ -207,9 +242,16 @@ def test_indirect_gather_load():
     idx = g.input("idx", (B,), "i64")
     y = g.gather(table, idx, 0)
     g.output(y)
-    k = Kernel("emb", KernelKind.POINTWISE, (B, 4), (
-        Load(idx, (1, 0)), Load(table, (0, 1), indirect=(Indirect(0, 4, 10),)),
-    ), (Store(1, y, (4, 1)),))
+    k = Kernel(
+        "emb",
+        KernelKind.POINTWISE,
+        (B, 4),
+        (
+            Load(idx, (1, 0)),
+            Load(table, (0, 1), indirect=(Indirect(0, 4, 10),)),
+        ),
+        (Store(1, y, (4, 1)),),
+    )
     check(g, [k], [torch.randn(10, 4), torch.tensor([0, 9, -1, 3, -10])])
 
 
@@ -272,9 +314,17 @@ def test_reductions_over_any_axis(op, axis, n):
     xs = contiguous(shape)
     domain = (*(shape[i] for i in outer), n)
     ys = contiguous(y.shape)
-    k = Kernel("red", KernelKind.ROW, domain, (
-        Load(x, (*(xs[i] for i in outer), xs[axis])), Compute(op, y.dtype, (0,), (2,)),
-    ), (Store(1, y, (*(ys[i] for i in outer), 0)),), row_rank=1)
+    k = Kernel(
+        "red",
+        KernelKind.ROW,
+        domain,
+        (
+            Load(x, (*(xs[i] for i in outer), xs[axis])),
+            Compute(op, y.dtype, (0,), (2,)),
+        ),
+        (Store(1, y, (*(ys[i] for i in outer), 0)),),
+        row_rank=1,
+    )
     scale = 0.05 if op is Op.PROD else 1.0
     check(g, [k], [1.0 + torch.randn(*shape) * scale if op is Op.PROD else torch.randn(*shape)])
 
@@ -287,10 +337,21 @@ def test_row_kernel_with_per_row_and_full_stores():
     y = g.rmsnorm(h, w, 1e-6)
     m = g.reduce(Op.MEAN, h, 1, keepdim=True)
     g.output(y, h, m)
-    k = Kernel("add_rms", KernelKind.ROW, (B, 64), (
-        Load(x, (64, 1)), Load(r, (64, 1)), Compute(Op.ADD, DType.BF16, (0, 1)), Load(w, (0, 1)),
-        Compute(Op.RMSNORM, DType.BF16, (2, 3), (1e-6, True)), Compute(Op.MEAN, DType.BF16, (2,), (1,)),
-    ), (Store(4, y, (64, 1)), Store(2, h, (64, 1)), Store(5, m, (1, 0))), row_rank=1)
+    k = Kernel(
+        "add_rms",
+        KernelKind.ROW,
+        (B, 64),
+        (
+            Load(x, (64, 1)),
+            Load(r, (64, 1)),
+            Compute(Op.ADD, DType.BF16, (0, 1)),
+            Load(w, (0, 1)),
+            Compute(Op.RMSNORM, DType.BF16, (2, 3), (1e-6, True)),
+            Compute(Op.MEAN, DType.BF16, (2,), (1,)),
+        ),
+        (Store(4, y, (64, 1)), Store(2, h, (64, 1)), Store(5, m, (1, 0))),
+        row_rank=1,
+    )
     check(g, [k], [torch.randn(5, 64).bfloat16() for _ in range(2)] + [torch.randn(64).bfloat16()])
 
 
@@ -306,12 +367,21 @@ def test_matmul_bias_relu_epilogue(dtype, mnk):
     mm = g.matmul(x, g.transpose(w))
     y = g.max(g.add(mm, bias), g.scalar(0, dtype))
     g.output(y)
-    k = Kernel("linear_relu", KernelKind.MATMUL, (2, m, n), (
-        Compute(Op.MATMUL, dtype, (1, 2), kk),
-        Load(x, (m * kk, kk, 0, 1)), Load(w, (0, 0, kk, 1)),
-        Load(bias, (0, 0, 1)), Compute(Op.ADD, dtype, (0, 3)), Load(g.scalar(0, dtype), (0, 0, 0)),
-        Compute(Op.MAX, dtype, (4, 5)),
-    ), (Store(6, y, contiguous(y.shape)),))
+    k = Kernel(
+        "linear_relu",
+        KernelKind.MATMUL,
+        (2, m, n),
+        (
+            Compute(Op.MATMUL, dtype, (1, 2), kk),
+            Load(x, (m * kk, kk, 0, 1)),
+            Load(w, (0, 0, kk, 1)),
+            Load(bias, (0, 0, 1)),
+            Compute(Op.ADD, dtype, (0, 3)),
+            Load(g.scalar(0, dtype), (0, 0, 0)),
+            Compute(Op.MAX, dtype, (4, 5)),
+        ),
+        (Store(6, y, contiguous(y.shape)),),
+    )
     grid, meta = launch_config(k, {})
     assert meta["BK"] >= 16 and grid[1] == 2
     check(g, [k], [randn(x.shape, dtype), randn(w.shape, dtype), randn(bias.shape, dtype)])
@@ -329,9 +399,13 @@ def test_zero_size_and_library_kernels_in_one_plan():
     zero = y.src[1]
     while zero.op is not Op.CONST:
         zero = zero.src[0]
-    relu = Kernel("relu", KernelKind.POINTWISE, y.shape,
-                  (Load(c, contiguous(c.shape)), Load(zero, (0, 0, 0, 0)),
-                   Compute(Op.MAX, DType.F32, (0, 1))), (Store(2, y, contiguous(y.shape)),))
+    relu = Kernel(
+        "relu",
+        KernelKind.POINTWISE,
+        y.shape,
+        (Load(c, contiguous(c.shape)), Load(zero, (0, 0, 0, 0)), Compute(Op.MAX, DType.F32, (0, 1))),
+        (Store(2, y, contiguous(y.shape)),),
+    )
     for b in (2, 0):
         check(g, [lib, relu], [torch.randn(b, 2, 5, 5), torch.randn(3, 2, 3, 3)])
 
@@ -356,8 +430,12 @@ def test_planted_bytecode_in_unsafe_module_folder_is_never_loaded(case, tmp_path
     assert evil.stat().st_size == planted.stat().st_size
     for p in (planted, evil):
         os.utime(p, (1_700_000_000, 1_700_000_000))
-    py_compile.compile(str(evil), cfile=importlib.util.cache_from_source(str(planted)),
-                       invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP, doraise=True)
+    py_compile.compile(
+        str(evil),
+        cfile=importlib.util.cache_from_source(str(planted)),
+        invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP,
+        doraise=True,
+    )
     if case == "other_owner":
         for p in (root, *root.rglob("*")):
             os.chown(p, 4242, 4242)

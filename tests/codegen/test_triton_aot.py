@@ -35,25 +35,48 @@ def _corpus_kernels() -> list[Kernel]:
             g = optimize(trace(module, *inputs, dynamic_dims={0: "batch"}))
             ks += [k for k in plan(g).kernels if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV)]
     # the loop form of row kernels (symbolic and long rows), and reductions over a non-last axis
-    ks += [_row_graph(kind, n, DType.F16)[1] for kind in ("rmsnorm", "layernorm", "softmax")
-           for n in (Sym.of("seq"), 70000)]
+    ks += [
+        _row_graph(kind, n, DType.F16)[1]
+        for kind in ("rmsnorm", "layernorm", "softmax")
+        for n in (Sym.of("seq"), 70000)
+    ]
     for op in REDUCES:
         g = Graph()
         x = g.input("x", (5, Sym.of("seq"), 3), "f32")
         y = g.reduce(op, x, 1, keepdim=True)
-        ks.append(Kernel(f"red_{op}", KernelKind.ROW, (5, 3, Sym.of("seq")),
-                         (Load(x, (Sym(("seq",), 3), 1, 3)), Compute(op, y.dtype, (0,), (2,))),
-                         (Store(1, y, (3, 1, 0)),), row_rank=1))
+        ks.append(
+            Kernel(
+                f"red_{op}",
+                KernelKind.ROW,
+                (5, 3, Sym.of("seq")),
+                (Load(x, (Sym(("seq",), 3), 1, 3)), Compute(op, y.dtype, (0,), (2,))),
+                (Store(1, y, (3, 1, 0)),),
+                row_rank=1,
+            )
+        )
     g = Graph()
     table, idx = g.input("table", (100, 16), "bf16"), g.input("idx", ("n",), "i32")
     a = g.input("a", ("n", 16), "i32")
     y = g.gather(table, idx, 0)
-    ks.append(Kernel("gather_int_ops", KernelKind.POINTWISE, (Sym.of("n"), 16), (
-        Load(idx, (1, 0)), Load(table, (0, 1), indirect=(Indirect(0, 16, 100),)), Load(a, (16, 1)),
-        Compute(Op.MOD, DType.I32, (2, 0)), Compute(Op.DIV, DType.I32, (2, 0)),
-        Compute(Op.CAST, DType.BF16, (3,)), Compute(Op.ADD, DType.BF16, (1, 5)),
-        Compute(Op.POW, DType.BF16, (6, 6)), Compute(Op.ROUND, DType.BF16, (7,)),
-    ), (Store(8, y, contiguous(y.shape)),)))
+    ks.append(
+        Kernel(
+            "gather_int_ops",
+            KernelKind.POINTWISE,
+            (Sym.of("n"), 16),
+            (
+                Load(idx, (1, 0)),
+                Load(table, (0, 1), indirect=(Indirect(0, 16, 100),)),
+                Load(a, (16, 1)),
+                Compute(Op.MOD, DType.I32, (2, 0)),
+                Compute(Op.DIV, DType.I32, (2, 0)),
+                Compute(Op.CAST, DType.BF16, (3,)),
+                Compute(Op.ADD, DType.BF16, (1, 5)),
+                Compute(Op.POW, DType.BF16, (6, 6)),
+                Compute(Op.ROUND, DType.BF16, (7,)),
+            ),
+            (Store(8, y, contiguous(y.shape)),),
+        )
+    )
     return ks
 
 

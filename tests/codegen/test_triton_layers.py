@@ -61,8 +61,18 @@ def test_linear_as_library_matmul_plus_fused_epilogue():
 
 # -- random graphs ---------------------------------------------------------------------------------------
 SHAPES = [(1,), (7,), (33, 7), (4097,), (3, 33), (0, 5), (2, 7, 33), (5, 1, 7)]
-STEPS = ["unary", "binary_full", "binary_bcast", "reduce", "softmax", "rmsnorm", "layernorm", "permute",
-         "slice", "matmul"]
+STEPS = [
+    "unary",
+    "binary_full",
+    "binary_bcast",
+    "reduce",
+    "softmax",
+    "rmsnorm",
+    "layernorm",
+    "permute",
+    "slice",
+    "matmul",
+]
 DT_TOL = {DType.F32: (1e-4, 1e-4), DType.F16: (2e-2, 2e-2), DType.BF16: (6e-2, 6e-2)}
 
 
@@ -130,8 +140,10 @@ def test_assert_close_helper_catches_differences():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs a CUDA GPU and compiled (not interpreted) Triton")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU and compiled (not interpreted) Triton",
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_layer_corpus_on_gpu(dtype):
     for name, module, inputs in corpus(dtype):

@@ -71,8 +71,15 @@ def corpus(dtype: torch.dtype = torch.float32):
         ("silu_and_mul", SiluAndMul(), (torch.randn(4, 2 * h, dtype=dtype),)),
         ("gelu_and_mul", GeluAndMul(), (torch.randn(4, 2 * h, dtype=dtype),)),
         ("softmax", Softmax(), (x,)),
-        ("rotary", Rotary(), (torch.randn(4, 2, 16, dtype=dtype), torch.randn(4, 1, 16, dtype=dtype),
-                              torch.randn(4, 1, 16, dtype=dtype))),
+        (
+            "rotary",
+            Rotary(),
+            (
+                torch.randn(4, 2, 16, dtype=dtype),
+                torch.randn(4, 1, 16, dtype=dtype),
+                torch.randn(4, 1, 16, dtype=dtype),
+            ),
+        ),
         ("linear_relu", LinearReLU(32, 48), (torch.randn(4, 32, dtype=dtype),)),
     ]
     return [(name, m.to(dtype), inputs) for name, m, inputs in layers]

@@ -56,12 +56,14 @@ def pointwise_from_graph(g: Graph, name: str = "k0") -> Kernel:
         src = tuple(operand(s) for s in n.src)
         pos[n] = len(body)
         body.append(Compute(n.op, n.dtype, src, n.arg))
-    return Kernel(name, KernelKind.POINTWISE, out.shape, tuple(body),
-                  (Store(operand(out), out, contiguous(out.shape)),))
+    return Kernel(
+        name, KernelKind.POINTWISE, out.shape, tuple(body), (Store(operand(out), out, contiguous(out.shape)),)
+    )
 
 
-def row_kernel(g: Graph, x: Node, out: Node, op_entries: Sequence[Compute], params: Sequence[Node] = (),
-               name: str = "k0") -> Kernel:
+def row_kernel(
+    g: Graph, x: Node, out: Node, op_entries: Sequence[Compute], params: Sequence[Node] = (), name: str = "k0"
+) -> Kernel:
     """A row kernel over the last axis of ``x``: loads x and ``params`` (last-axis vectors), then entries."""
     body = [Load(x, contiguous(x.shape))]
     body += [Load(p, broadcast_strides(p.shape, x.shape)) for p in params]
@@ -97,5 +99,14 @@ def randn(shape, dtype: DType, gen: torch.Generator | None = None) -> torch.Tens
     return torch.randint(-50, 50, tuple(shape), generator=gen).to(dtype.torch)
 
 
-__all__ = ["TOL", "assert_close", "broadcast_strides", "check", "contiguous", "numel", "pointwise_from_graph",
-           "randn", "row_kernel"]
+__all__ = [
+    "TOL",
+    "assert_close",
+    "broadcast_strides",
+    "check",
+    "contiguous",
+    "numel",
+    "pointwise_from_graph",
+    "randn",
+    "row_kernel",
+]

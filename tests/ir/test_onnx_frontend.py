@@ -65,8 +65,7 @@ def test_conv_bn_relu_cnn_matches_torch():
         helper.make_node("GlobalAveragePool", ["c2"], ["y"], name="gap"),
     ]
     inits = [_init(k, v) for k, v in dict(w=w, b=b, s=scale, t=shift, m=mean, v=var, w2=w2).items()]
-    model = _model(nodes, [helper.make_tensor_value_info("x", F32, ["N", 3, 9, 9])],
-                   [_out("y", 4)], inits)
+    model = _model(nodes, [helper.make_tensor_value_info("x", F32, ["N", 3, 9, 9])], [_out("y", 4)], inits)
     g = load_onnx(model)
     assert g.inputs[0].shape == (Sym.of("N"), 3, 9, 9)
     assert {"conv", "mean"} <= _ops(g) and not _ops(g) & {"layernorm", "softmax"}
@@ -86,7 +85,8 @@ def test_attention_block_with_einsum_softmax_matmul():
     wq, wk, wv = (rng.randn(d, d).astype(np.float32) * 0.3 for _ in range(3))
     shape4 = np.array([0, 0, h, d // h], dtype=np.int64)  # 0 copies the input dim (batch, seq)
     nodes = [
-        helper.make_node("MatMul", ["x", "wq"], ["q0"]), helper.make_node("MatMul", ["x", "wk"], ["k0"]),
+        helper.make_node("MatMul", ["x", "wq"], ["q0"]),
+        helper.make_node("MatMul", ["x", "wk"], ["k0"]),
         helper.make_node("MatMul", ["x", "wv"], ["v0"]),
         *[helper.make_node("Reshape", [f"{n}0", "shape4"], [f"{n}1"]) for n in "qkv"],
         *[helper.make_node("Transpose", [f"{n}1"], [n], perm=[0, 2, 1, 3]) for n in "qkv"],
@@ -96,10 +96,17 @@ def test_attention_block_with_einsum_softmax_matmul():
         helper.make_node("Einsum", ["p", "v"], ["o"], equation="bhqk,bhkd->bqhd"),
         helper.make_node("Reshape", ["o", "shape3"], ["y"]),
     ]
-    inits = [_init("wq", wq), _init("wk", wk), _init("wv", wv), _init("shape4", shape4),
-             _init("scale", np.float32(1 / np.sqrt(d // h))), _init("shape3", np.array([0, 0, -1]))]
-    model = _model(nodes, [helper.make_tensor_value_info("x", F32, ["batch", "seq", d])],
-                   [_out("y", 3)], inits)
+    inits = [
+        _init("wq", wq),
+        _init("wk", wk),
+        _init("wv", wv),
+        _init("shape4", shape4),
+        _init("scale", np.float32(1 / np.sqrt(d // h))),
+        _init("shape3", np.array([0, 0, -1])),
+    ]
+    model = _model(
+        nodes, [helper.make_tensor_value_info("x", F32, ["batch", "seq", d])], [_out("y", 3)], inits
+    )
     g = load_onnx(model)
     assert op_counts(g)["matmul"] == 5 and op_counts(g)["softmax"] == 1
     for b, s in ((1, 1), (2, 7)):
@@ -118,8 +125,7 @@ def test_shape_subgraph_folds_to_a_view():
         helper.make_node("Reshape", ["x", "target"], ["y"]),
     ]
     inits = [_init("zero", np.int64(0)), _init("axes0", np.array([0])), _init("minus1", np.array([-1]))]
-    model = _model(nodes, [helper.make_tensor_value_info("x", F32, ["batch", 3, 4])],
-                   [_out("y", 2)], inits)
+    model = _model(nodes, [helper.make_tensor_value_info("x", F32, ["batch", 3, 4])], [_out("y", 2)], inits)
     g = load_onnx(model)
     batch = Sym.of("batch")
     assert [n.op for n in g.nodes] == [Op.INPUT, Op.VIEW]
@@ -143,23 +149,34 @@ def test_constant_subgraphs_fold():
         helper.make_node("Add", ["c2", "r2"], ["k"]),
         helper.make_node("MatMul", ["x", "k"], ["y"]),
     ]
-    inits = [_init("two", np.float32(2)), _init("zero", np.int64(0)), _init("six", np.int64(6)),
-             _init("one", np.int64(1)), _init("shape", np.array([3, 2]))]
-    model = _model(nodes, [helper.make_tensor_value_info("x", F32, [4, 3])],
-                   [_out("y", 2)], inits)
+    inits = [
+        _init("two", np.float32(2)),
+        _init("zero", np.int64(0)),
+        _init("six", np.int64(6)),
+        _init("one", np.int64(1)),
+        _init("shape", np.array([3, 2])),
+    ]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F32, [4, 3])], [_out("y", 2)], inits)
     g = load_onnx(model)
     assert [n.op for n in g.nodes] == [Op.INPUT, Op.CONST, Op.MATMUL]
     x = np.random.RandomState(2).randn(4, 3).astype(np.float32)
-    np.testing.assert_allclose(evaluate(g, [torch.from_numpy(x)])[0].numpy(), _reference(model, {"x": x})[0],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        evaluate(g, [torch.from_numpy(x)])[0].numpy(), _reference(model, {"x": x})[0], rtol=1e-6
+    )
 
 
 def test_uniform_constants_become_broadcast_scalars():
     fill = _init("v", np.array([1.5], np.float32))
-    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["c"], value=fill),
-             helper.make_node("Add", ["x", "c"], ["y"])]
-    model = _model(nodes, [helper.make_tensor_value_info("x", F32, [64, 64])],
-                   [_out("y", 2)], [_init("shape", np.array([64, 64]))])
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["c"], value=fill),
+        helper.make_node("Add", ["x", "c"], ["y"]),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", F32, [64, 64])],
+        [_out("y", 2)],
+        [_init("shape", np.array([64, 64]))],
+    )
     g = load_onnx(model)
     assert max(n.arg.tensor.numel() for n in g.nodes if n.op is Op.CONST) == 1
     x = torch.randn(64, 64)
@@ -168,9 +185,11 @@ def test_uniform_constants_become_broadcast_scalars():
 
 # -- symbolic dims -------------------------------------------------------------------------------------------
 def test_dynamic_dims_rename_pin_and_make_symbolic():
-    model = _model([helper.make_node("Relu", ["x"], ["y"])],
-                   [helper.make_tensor_value_info("x", F32, ["N", 8, 4])],
-                   [_out("y", 3)])
+    model = _model(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", F32, ["N", 8, 4])],
+        [_out("y", 3)],
+    )
     assert load_onnx(model).inputs[0].shape == (Sym.of("N"), 8, 4)
     assert load_onnx(model, dynamic_dims={"N": "batch"}).inputs[0].shape == (Sym.of("batch"), 8, 4)
     assert load_onnx(model, dynamic_dims={"N": 3}).inputs[0].shape == (3, 8, 4)
@@ -180,9 +199,11 @@ def test_dynamic_dims_rename_pin_and_make_symbolic():
 
 
 def test_unnamed_dims_and_odd_dim_params_become_identifiers():
-    model = _model([helper.make_node("Relu", ["x"], ["y"])],
-                   [helper.make_tensor_value_info("x", F32, ["batch size", None, 2])],
-                   [_out("y", 3)])
+    model = _model(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", F32, ["batch size", None, 2])],
+        [_out("y", 3)],
+    )
     d0, d1, _ = load_onnx(model).inputs[0].shape
     assert isinstance(d0, Sym) and isinstance(d1, Sym) and d0 != d1
     assert all(n.isidentifier() for n in d0.names + d1.names)
@@ -198,30 +219,65 @@ def _single(op: str, x_shape, extra_inputs=(), inits=(), out_rank=None, opset=17
 
 SYMBOLIC_CASES = {
     "softmax": lambda: _single("Softmax", ["B", 5, 7], axis=1),
-    "layernorm_2_axes": lambda: _single("LayerNormalization", ["B", 3, 4], inits=[
-        _init("s", np.linspace(0.5, 2, 12, dtype=np.float32).reshape(3, 4)),
-        _init("b", np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4))], axis=1, epsilon=1e-3),
-    "gemm_trans": lambda: _single("Gemm", ["B", 6], inits=[
-        _init("w", np.random.RandomState(3).randn(4, 6).astype(np.float32)),
-        _init("c", np.ones(4, np.float32))],
-        transB=1, alpha=0.5, beta=2.0),
-    "conv1d": lambda: _single("Conv", ["B", 2, 9], inits=[
-        _init("w", np.random.RandomState(4).randn(4, 1, 3).astype(np.float32))], group=2, pads=[1, 2],
-        dilations=[2]),
-    "maxpool_same": lambda: _single("MaxPool", ["B", 2, 7, 6], kernel_shape=[3, 2], strides=[2, 2],
-                                    auto_pad="SAME_UPPER"),
-    "slice_static_axis": lambda: _single("Slice", ["B", 10], inits=[
-        _init("st", np.array([8])), _init("en", np.array([1])), _init("ax", np.array([1])),
-        _init("sp", np.array([-3]))]),
-    "instance_norm": lambda: _single("InstanceNormalization", ["B", 3, 4, 5], inits=[
-        _init("s", np.array([1, 2, 3], np.float32)), _init("b", np.array([0, 1, -1], np.float32))]),
-    "reduce_l2": lambda: _single("ReduceL2", ["B", 3, 4], inits=[_init("axes", np.array([-1]))], out_rank=2,
-                                 opset=18, keepdims=0),
-    "resize_linear": lambda: _single("Resize", ["B", 2, 3, 4], inits=[
-        _init("roi", np.zeros(0, np.float32)), _init("sc", np.array([1, 1, 2, 1.5], np.float32))],
-        mode="linear"),
-    "einsum_implicit": lambda: _single("Einsum", ["B", 3, 4], extra_inputs=[("z", ["B", 4, 5])],
-                                       equation="bij,bjk"),
+    "layernorm_2_axes": lambda: _single(
+        "LayerNormalization",
+        ["B", 3, 4],
+        inits=[
+            _init("s", np.linspace(0.5, 2, 12, dtype=np.float32).reshape(3, 4)),
+            _init("b", np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)),
+        ],
+        axis=1,
+        epsilon=1e-3,
+    ),
+    "gemm_trans": lambda: _single(
+        "Gemm",
+        ["B", 6],
+        inits=[
+            _init("w", np.random.RandomState(3).randn(4, 6).astype(np.float32)),
+            _init("c", np.ones(4, np.float32)),
+        ],
+        transB=1,
+        alpha=0.5,
+        beta=2.0,
+    ),
+    "conv1d": lambda: _single(
+        "Conv",
+        ["B", 2, 9],
+        inits=[_init("w", np.random.RandomState(4).randn(4, 1, 3).astype(np.float32))],
+        group=2,
+        pads=[1, 2],
+        dilations=[2],
+    ),
+    "maxpool_same": lambda: _single(
+        "MaxPool", ["B", 2, 7, 6], kernel_shape=[3, 2], strides=[2, 2], auto_pad="SAME_UPPER"
+    ),
+    "slice_static_axis": lambda: _single(
+        "Slice",
+        ["B", 10],
+        inits=[
+            _init("st", np.array([8])),
+            _init("en", np.array([1])),
+            _init("ax", np.array([1])),
+            _init("sp", np.array([-3])),
+        ],
+    ),
+    "instance_norm": lambda: _single(
+        "InstanceNormalization",
+        ["B", 3, 4, 5],
+        inits=[_init("s", np.array([1, 2, 3], np.float32)), _init("b", np.array([0, 1, -1], np.float32))],
+    ),
+    "reduce_l2": lambda: _single(
+        "ReduceL2", ["B", 3, 4], inits=[_init("axes", np.array([-1]))], out_rank=2, opset=18, keepdims=0
+    ),
+    "resize_linear": lambda: _single(
+        "Resize",
+        ["B", 2, 3, 4],
+        inits=[_init("roi", np.zeros(0, np.float32)), _init("sc", np.array([1, 1, 2, 1.5], np.float32))],
+        mode="linear",
+    ),
+    "einsum_implicit": lambda: _single(
+        "Einsum", ["B", 3, 4], extra_inputs=[("z", ["B", 4, 5])], equation="bij,bjk"
+    ),
 }
 
 
@@ -232,26 +288,34 @@ def test_symbolic_batch_matches_onnx_reference(name):
     assert g.inputs[0].shape[0] == Sym.of("B")
     rng = np.random.RandomState(5)
     for batch in (1, 3):
-        feeds = {i.name: rng.randn(batch, *[d.dim_value for d in i.type.tensor_type.shape.dim[1:]])
-                 .astype(np.float32) for i in model.graph.input}
+        feeds = {
+            i.name: rng.randn(batch, *[d.dim_value for d in i.type.tensor_type.shape.dim[1:]]).astype(
+                np.float32
+            )
+            for i in model.graph.input
+        }
         (got,) = evaluate(g, {k: torch.from_numpy(v) for k, v in feeds.items()})
         np.testing.assert_allclose(got.numpy(), _reference(model, feeds)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_slicing_a_symbolic_dim_is_unsupported_not_wrong():
-    model = _single("Slice", ["B", 10], inits=[_init("st", np.array([1])), _init("en", np.array([3])),
-                                               _init("ax", np.array([0]))])
+    model = _single(
+        "Slice",
+        ["B", 10],
+        inits=[_init("st", np.array([1])), _init("en", np.array([3])), _init("ax", np.array([0]))],
+    )
     with pytest.raises(UnsupportedOpError, match="symbolic dimension B"):
         load_onnx(model)
 
 
 # -- exported models -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,shapes", [("tiny_cnn", [(1, 3, 16, 16), (3, 3, 16, 16)]),
-                                         ("tiny_block", [(1, 1, 32), (2, 7, 32)])])
+@pytest.mark.parametrize(
+    "name,shapes", [("tiny_cnn", [(1, 3, 16, 16), (3, 3, 16, 16)]), ("tiny_block", [(1, 1, 32), (2, 7, 32)])]
+)
 def test_torch_exported_models_match_onnx_reference(name, shapes):
     path = DATA / f"{name}.onnx"
     g = load_onnx(path)
-    assert all(isinstance(d, Sym) for d in g.inputs[0].shape[:-3 if name == "tiny_cnn" else -1])
+    assert all(isinstance(d, Sym) for d in g.inputs[0].shape[: -3 if name == "tiny_cnn" else -1])
     assert not _ops(g) & {"gather", "concat"}, "shape subgraphs must fold away"
     ref = ReferenceEvaluator(str(path))
     for shape in shapes:
@@ -262,10 +326,13 @@ def test_torch_exported_models_match_onnx_reference(name, shapes):
 
 # -- errors --------------------------------------------------------------------------------------------------
 def test_unsupported_op_names_op_node_and_opset():
-    model = _model([helper.make_node("TopK", ["x", "k"], ["v", "i"], name="my_topk")],
-                   [helper.make_tensor_value_info("x", F32, [4])],
-                   [_out("v", 1), _out("i", 1, TensorProto.INT64)],
-                   [_init("k", np.array([2]))], opset=16)
+    model = _model(
+        [helper.make_node("TopK", ["x", "k"], ["v", "i"], name="my_topk")],
+        [helper.make_tensor_value_info("x", F32, [4])],
+        [_out("v", 1), _out("i", 1, TensorProto.INT64)],
+        [_init("k", np.array([2]))],
+        opset=16,
+    )
     with pytest.raises(UnsupportedOpError) as e:
         load_onnx(model)
     assert "TopK" in str(e.value) and "my_topk" in str(e.value) and "opset 16" in str(e.value)
@@ -277,13 +344,19 @@ def test_unsupported_attribute_value_and_dtype():
     with pytest.raises(UnsupportedOpError, match=r"'p0' \(Pad, opset 17\).*pad mode 'mirror'"):
         load_onnx(model)
     u16 = TensorProto.UINT16
-    model = _model([helper.make_node("Abs", ["x"], ["y"])], [helper.make_tensor_value_info("x", u16, [3])],
-                   [_out("y", 1, u16)])
+    model = _model(
+        [helper.make_node("Abs", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", u16, [3])],
+        [_out("y", 1, u16)],
+    )
     with pytest.raises(UnsupportedOpError, match="UINT16"):
         load_onnx(model)
-    model = _model([helper.make_node("Conv", ["x", "w"], ["y"], name="conv3d")],
-                   [helper.make_tensor_value_info("x", F32, [1, 1, 4, 4, 4])],
-                   [_out("y", 5)], [_init("w", np.ones((1, 1, 2, 2, 2), np.float32))])
+    model = _model(
+        [helper.make_node("Conv", ["x", "w"], ["y"], name="conv3d")],
+        [helper.make_tensor_value_info("x", F32, [1, 1, 4, 4, 4])],
+        [_out("y", 5)],
+        [_init("w", np.ones((1, 1, 2, 2, 2), np.float32))],
+    )
     with pytest.raises(UnsupportedOpError, match=r"conv3d.*Conv, opset 17.*3-d"):
         load_onnx(model)
 
@@ -300,9 +373,11 @@ def test_malformed_models_raise_value_error_naming_the_source(tmp_path):
     with pytest.raises(TypeError):
         load_onnx(42)
     # a node reading a value nobody defines: the checker rejects it
-    model = _model([helper.make_node("Relu", ["nowhere"], ["y"])],
-                   [helper.make_tensor_value_info("x", F32, [2])],
-                   [_out("y", 1)])
+    model = _model(
+        [helper.make_node("Relu", ["nowhere"], ["y"])],
+        [helper.make_tensor_value_info("x", F32, [2])],
+        [_out("y", 1)],
+    )
     path = tmp_path / "dangling.onnx"
     onnx.save(model, str(path))
     with pytest.raises(ValueError, match="dangling.onnx"):
@@ -310,9 +385,12 @@ def test_malformed_models_raise_value_error_naming_the_source(tmp_path):
 
 
 def test_shape_mismatch_names_the_node():
-    model = _model([helper.make_node("MatMul", ["x", "w"], ["y"], name="proj")],
-                   [helper.make_tensor_value_info("x", F32, [2, 3])], [_out("y", 2)],
-                   [_init("w", np.ones((4, 5), np.float32))])
+    model = _model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="proj")],
+        [helper.make_tensor_value_info("x", F32, [2, 3])],
+        [_out("y", 2)],
+        [_init("w", np.ones((4, 5), np.float32))],
+    )
     with pytest.raises(ShapeError, match=r"'proj' \(MatMul, opset 17\).*inner dims"):
         load_onnx(model)
 

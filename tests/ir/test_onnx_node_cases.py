@@ -33,8 +33,11 @@ UNREPRESENTABLE_DATA = "sequence, optional or string data"
 
 # dtype -> (rtol, atol) floor; the case's own rtol/atol are used when larger. Half types compute in f32
 # and round once per op, so they get their own precision's tolerance.
-_TOL = {np.dtype(np.float64): (1e-7, 1e-9), np.dtype(np.float32): (1e-5, 1e-6),
-        np.dtype(np.float16): (4e-3, 1e-3)}
+_TOL = {
+    np.dtype(np.float64): (1e-7, 1e-9),
+    np.dtype(np.float32): (1e-5, 1e-6),
+    np.dtype(np.float16): (4e-3, 1e-3),
+}
 _BF16_TOL = (2e-2, 1e-2)
 
 
@@ -181,9 +184,11 @@ def test_onnx_backend_node_cases(cases):
     counts, detail = run_all(cases)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     bad = detail.get("crash", []) + detail.get("wrong", [])
-    summary = (f"passed {counts['passed']} (+{counts['frozen']} with shape inputs frozen), unsupported "
-               f"{counts['unsupported']}, crashed {counts['crash']}, wrong {counts['wrong']} of "
-               f"{sum(counts.values())} cases in {seconds:.1f} s ({cpu:.1f} s CPU)")
+    summary = (
+        f"passed {counts['passed']} (+{counts['frozen']} with shape inputs frozen), unsupported "
+        f"{counts['unsupported']}, crashed {counts['crash']}, wrong {counts['wrong']} of "
+        f"{sum(counts.values())} cases in {seconds:.1f} s ({cpu:.1f} s CPU)"
+    )
     print(summary)
     assert not bad, summary + "\n" + "\n".join(f"{n}: {m}" for n, m in bad[:30])
     assert counts["passed"] >= MIN_PASSED, summary

@@ -90,9 +90,13 @@ def test_library_kernel_views_liveness_and_aliasing():
     flat = g.view(y, (B, 64))
     g.output(flat, x)
     lib = Kernel("conv", KernelKind.LIBRARY, c.shape, node=c, inputs=(x, w))
-    relu = Kernel("relu", KernelKind.POINTWISE, c.shape,
-                  (Load(c, (64, 16, 4, 1)), Load(zero, (0, 0, 0, 0)), Compute(Op.MAX, DType.F32, (0, 1))),
-                  (Store(2, y, (64, 16, 4, 1)),))
+    relu = Kernel(
+        "relu",
+        KernelKind.POINTWISE,
+        c.shape,
+        (Load(c, (64, 16, 4, 1)), Load(zero, (0, 0, 0, 0)), Compute(Op.MAX, DType.F32, (0, 1))),
+        (Store(2, y, (64, 16, 4, 1)),),
+    )
     cg = compile_graph(g, backend="triton", device="cpu", plan=[lib, relu])
     assert cg._steps[1].free == (c,)  # the conv output dies after the relu kernel reads it
     xs = [torch.randn(2, 2, 6, 6), torch.randn(4, 2, 3, 3)]
@@ -143,8 +147,12 @@ def _tiny_onnx(path):
 
     w = helper.make_tensor("w", TensorProto.FLOAT, [8, 4], torch.randn(8, 4).flatten().tolist())
     b = helper.make_tensor("b", TensorProto.FLOAT, [4], torch.randn(4).tolist())
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
-             helper.make_node("Relu", ["a"], ["r"]), helper.make_node("Softmax", ["r"], ["y"], axis=-1)]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["a"]),
+        helper.make_node("Relu", ["a"], ["r"]),
+        helper.make_node("Softmax", ["r"], ["y"], axis=-1),
+    ]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])
     graph = helper.make_graph(nodes, "tiny", [x], [y], [w, b])
@@ -192,8 +200,13 @@ def test_cli_run_sets_the_interpreter_itself(tmp_path):
     model = tmp_path / "tiny.onnx"
     _tiny_onnx(model)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "kernelize", "run", str(model), "--backend", "triton",
-                           "--repeat", "1"], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelize", "run", str(model), "--backend", "triton", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "interpreter" in proc.stdout and "max |diff| vs reference" in proc.stdout
 

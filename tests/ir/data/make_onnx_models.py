@@ -19,9 +19,13 @@ class TinyCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
             nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2), nn.BatchNorm2d(16), nn.Hardswish(),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2),
+            nn.BatchNorm2d(16),
+            nn.Hardswish(),
             nn.AdaptiveAvgPool2d(1),
         )
         self.head = nn.Linear(16, 10)
@@ -60,12 +64,26 @@ def main() -> None:
     block = TinyBlock().eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(cnn, (torch.randn(2, 3, 16, 16),), str(HERE / "tiny_cnn.onnx"), dynamo=False,
-                          opset_version=17, input_names=["x"], output_names=["logits"],
-                          dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}})
-        torch.onnx.export(block, (torch.randn(2, 5, 32),), str(HERE / "tiny_block.onnx"), dynamo=False,
-                          opset_version=17, input_names=["x"], output_names=["y"],
-                          dynamic_axes={"x": {0: "batch", 1: "seq"}, "y": {0: "batch", 1: "seq"}})
+        torch.onnx.export(
+            cnn,
+            (torch.randn(2, 3, 16, 16),),
+            str(HERE / "tiny_cnn.onnx"),
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            output_names=["logits"],
+            dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}},
+        )
+        torch.onnx.export(
+            block,
+            (torch.randn(2, 5, 32),),
+            str(HERE / "tiny_block.onnx"),
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": {0: "batch", 1: "seq"}, "y": {0: "batch", 1: "seq"}},
+        )
 
 
 if __name__ == "__main__":

@@ -248,8 +248,10 @@ def _training(x: torch.Tensor, *linears: nn.Module) -> bool:
 
 
 def _bias_free(*linears: nn.Module) -> bool:
-    return all(getattr(m, "bias", None) is None and isinstance(getattr(m, "weight", None), torch.Tensor)
-               for m in linears)
+    return all(
+        getattr(m, "bias", None) is None and isinstance(getattr(m, "weight", None), torch.Tensor)
+        for m in linears
+    )
 
 
 class FusedGatedMLP(nn.Module):
