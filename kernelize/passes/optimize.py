@@ -16,6 +16,7 @@ from kernelize.ir.graph import Graph
 from kernelize.ir.verify import verify
 from kernelize.passes.affine import affine
 from kernelize.passes.clamp import clamp
+from kernelize.passes.conv_matmul import conv_matmul
 from kernelize.passes.conv_pad import conv_pad
 from kernelize.passes.dce import dce
 from kernelize.passes.fold import fold
@@ -37,6 +38,7 @@ class OptimizerSettings:
         clamp: relu / min / max chains into one clamp.
         affine: scale/bias chains (and batch norm) into one scale+bias, and into conv/matmul weights.
         conv_pad: zero padding before a conv into the conv's own padding.
+        conv_matmul: 1x1 convs of a 1x1 image (squeeze-and-excite) into matmuls.
         verify: run ``verify`` after every pass (slower; for tests and debugging).
     """
 
@@ -47,6 +49,7 @@ class OptimizerSettings:
     clamp: bool = True
     affine: bool = True
     conv_pad: bool = True
+    conv_matmul: bool = True
     verify: bool = False
 
     def __post_init__(self) -> None:
@@ -65,6 +68,7 @@ PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("clamp", clamp),
     ("affine", affine),
     ("conv_pad", conv_pad),
+    ("conv_matmul", conv_matmul),
     ("fold", fold),
     ("dce", dce),
 )
