@@ -123,3 +123,23 @@ def test_generated_reader_gets_a_dense_buffer():
     g.output(g.add(_conv(g, y, 6, 6, seed=7), g.broadcast(m, (2, 6, 8, 8))))
     p = _check(optimize(g), [torch.randn(2, 4, 8, 8)], [KernelKind.CONV, KernelKind.CONV, KernelKind.ROW])
     assert p.kernels[0].writes[0] not in channels_last_buffers(p.kernels)
+
+
+@pytest.mark.parametrize("pads", [(0, 0, 1, 1), (1, 0, 2, 1), (2, 1, 0, 0), (0, 3, 2, 0)])
+@pytest.mark.parametrize("stride,dilation", [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((3, 2), (2, 1))])
+def test_asymmetric_padding_without_a_padded_copy(pads, stride, dilation):
+    """Asymmetric pads run as a symmetric pad by whole strides and a crop of the extra leading outputs."""
+    g = Graph()
+    x = g.input("x", ("n", 4, 11, 10), "f32")
+    w = g.const(torch.randn(6, 4, 3, 3))
+    g.output(g.clamp(g.conv(x, w, stride=stride, padding=pads, dilation=dilation), 0, 6))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    (runner,) = [s.conv for s in cg._steps if s.conv is not None]
+    assert runner.crop is not None  # no F.pad copy of the input
+    for n in (1, 2):
+        xs = torch.randn(n, 4, 11, 10)
+        top, left, bottom, right = pads
+        want = torch.nn.functional.conv2d(
+            torch.nn.functional.pad(xs, (left, right, top, bottom)), w.arg.tensor, None, stride, 0, dilation
+        ).clamp(0, 6)
+        torch.testing.assert_close(cg(xs)[0], want, rtol=1e-4, atol=1e-4)
