@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kernelize.autokernel.kernels import Kernel, Load
-from kernelize.autokernel.matmul import matmul_parts
+from kernelize.autokernel.matmul import matmul_parts, weights_shared
 from kernelize.codegen.render import closure, contraction
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -169,6 +169,7 @@ def library_matmuls(k: Kernel, reads: Sequence[torch.Tensor], sizes: Mapping[str
     kk = int(bind((contraction(k, k.body[parts.mms[0][0]], a, "cpu"),), sizes)[0])
     batch = list(range(rank - 2))
     av = _operand_view(reads[index[a.buffer]], a, (*dom[:-1], kk), (*batch, rank - 2, rank), sizes)
+    shared = weights_shared(k)
     out = []
     for mi, ib in parts.mms:
         b = k.body[ib]
@@ -177,11 +178,21 @@ def library_matmuls(k: Kernel, reads: Sequence[torch.Tensor], sizes: Mapping[str
             reads[index[b.buffer]], b, (*dom[:-2], kk, dom[-1]), (*batch, rank, rank - 1), sizes
         )
         if av.dtype == bv.dtype == dtype.torch:
-            out.append(torch.matmul(av, bv).contiguous())
+            out.append(_matmul(av, bv, shared, dom))
         else:  # mixed operands: the reference semantics, math in the accumulator type
             ct = torch.float64 if dtype is DType.F64 else torch.float32
-            out.append(torch.matmul(av.to(ct), bv.to(ct)).to(dtype.torch).contiguous())
+            out.append(_matmul(av.to(ct), bv.to(ct), shared, dom).to(dtype.torch))
     return out
+
+
+def _matmul(av: torch.Tensor, bv: torch.Tensor, shared: bool, dom: Sequence[int]) -> torch.Tensor:
+    """``av @ bv`` row major over ``dom``. With weights shared by every batch index (a linear layer over
+    ``[B, H, W, C]``) it is one GEMM over all rows: torch.matmul of the broadcast operands would run a
+    batched GEMM of small matrices instead (measured 8x slower on ConvNeXt's MLPs)."""
+    if shared and av.dim() > 2:
+        flat = torch.matmul(av.reshape(-1, av.shape[-1]), bv[(0,) * (bv.dim() - 2)])
+        return flat.reshape(tuple(dom))
+    return torch.matmul(av, bv).contiguous()
 
 
 __all__ = ["library_matmuls", "render_gemv"]

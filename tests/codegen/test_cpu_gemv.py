@@ -170,3 +170,12 @@ def test_full_grid(dtype):
                 rtol=rtol,
                 msg=f"m={m} k={k} n={n} {epilogue}",
             )
+
+
+def test_linear_over_image_rows_is_one_gemm_above_few_rows():
+    """x [B, H, W, C] @ W.T: above FEW_ROWS the weights are shared by every batch index, so torch runs one
+    GEMM over B*H*W rows (not a batched GEMM of H small ones); results equal the reference."""
+    gen = torch.Generator().manual_seed(3)
+    g = linear_graph(("b", "h", "w"), 16, 24, DType.F32, "bias_gelu")
+    for sizes in ({"b": 1, "h": 7, "w": 9}, {"b": 2, "h": 3, "w": 1}, {"b": 1, "h": 1, "w": 5}):
+        check(g, inputs_for(g, sizes, gen), DType.F32)
