@@ -2,10 +2,11 @@
 
 On the CPU with f32 the convolution goes to oneDNN through torch's mkldnn ops: the weight is reordered
 into oneDNN's blocked layout once (per input shape) and kept, activations are channels-last, padding is
-the convolution's own (asymmetric padding too, as a symmetric pad by whole strides and a crop), and the bias, residual add and activation are oneDNN post-ops. Measured
-on this machine's 2 cores for ResNet-50 convolutions, that is 2-4x faster than ``F.conv2d`` on NCHW
-tensors (which reorders the weight on every call and, with an explicit pad, copies the input first).
-Elsewhere (GPU through cuDNN, 16-bit floats) it is ``F.conv2d`` followed by the same epilogue in torch.
+the convolution's own (asymmetric padding too, as a symmetric pad by whole strides and a crop), and the
+bias, residual add and activation are oneDNN post-ops. Measured on this machine's 2 cores for ResNet-50
+convolutions, that is 2-4x faster than ``F.conv2d`` on NCHW tensors (which reorders the weight on every
+call and, with an explicit pad, copies the input first). Elsewhere (GPU through cuDNN, 16-bit floats) it
+is ``F.conv2d`` followed by the same epilogue in torch.
 
 Example:
     >>> runner = ConvRunner(kernel, bias=b)  # doctest: +SKIP
