@@ -72,7 +72,6 @@ def run_main(args: argparse.Namespace) -> int:
     import os
     import time
 
-    import numpy as np
     import torch
 
     path = Path(args.model)
@@ -83,26 +82,13 @@ def run_main(args: argparse.Namespace) -> int:
         print("# no GPU: running Triton kernels under the interpreter (slow; TRITON_INTERPRET=1)")
     from kernelize.ir import evaluate, optimize
     from kernelize.ir.onnx_frontend import load_onnx
-    from kernelize.ir.shapes import bind
     from kernelize.runtime.compiled import compile_graph, default_device
 
     graph = load_onnx(path)
     device = default_device(args.backend)
-    if args.inputs:
-        arrays = np.load(args.inputs)
-        missing = [i.arg for i in graph.inputs if i.arg not in arrays]
-        if missing:
-            print(
-                f"kernelize run: {args.inputs} lacks inputs {missing} (has {list(arrays)})", file=sys.stderr
-            )
-            return 2
-        inputs = [
-            torch.from_numpy(np.ascontiguousarray(arrays[i.arg])).to(i.dtype.torch) for i in graph.inputs
-        ]
-    else:
-        gen = torch.Generator().manual_seed(0)
-        env = {s: 2 for i in graph.inputs for d in i.shape if not isinstance(d, int) for s in d.names}
-        inputs = [_random_input(bind(i.shape, env), i.dtype, gen) for i in graph.inputs]
+    inputs = _run_inputs(graph, args.inputs)
+    if inputs is None:
+        return 2
     want = evaluate(graph, inputs)
     cg = compile_graph(graph if args.backend == "reference" else optimize(graph), args.backend, device)
     xs = [t.to(device) for t in inputs]
@@ -121,6 +107,36 @@ def run_main(args: argparse.Namespace) -> int:
         f"model {path.name}: backend {args.backend} on {device}, {len(cg.kernels)} generated kernels"
         f" + {n_lib} library calls"
     )
+    _print_differences(graph, got, want)
+    print(f"time: {ms:.3f} ms per run ({repeat} runs)")
+    if getattr(args, "compare", None) == "onnxruntime":
+        return compare_onnxruntime(path, graph, inputs, got, ms, repeat)
+    return 0
+
+
+def _run_inputs(graph, npz: str | None):
+    """The inputs of ``kernelize run``: from an ``.npz`` file, or random with every symbolic dim 2 (None
+    after printing the error when the file lacks an input)."""
+    import numpy as np
+    import torch
+
+    from kernelize.ir.shapes import bind
+
+    if npz:
+        arrays = np.load(npz)
+        missing = [i.arg for i in graph.inputs if i.arg not in arrays]
+        if missing:
+            print(f"kernelize run: {npz} lacks inputs {missing} (has {list(arrays)})", file=sys.stderr)
+            return None
+        return [torch.from_numpy(np.ascontiguousarray(arrays[i.arg])).to(i.dtype.torch) for i in graph.inputs]
+    gen = torch.Generator().manual_seed(0)
+    env = {s: 2 for i in graph.inputs for d in i.shape if not isinstance(d, int) for s in d.names}
+    return [_random_input(bind(i.shape, env), i.dtype, gen) for i in graph.inputs]
+
+
+def _print_differences(graph, got, want) -> None:
+    import torch
+
     for node, g, w in zip(graph.outputs, got, want):
         g = g.cpu()
         diff = (
@@ -129,10 +145,6 @@ def run_main(args: argparse.Namespace) -> int:
             else (float((g != w).sum()) if g.numel() else 0.0)
         )
         print(f"output {list(g.shape)} {node.dtype}: max |diff| vs reference = {diff:.3g}")
-    print(f"time: {ms:.3f} ms per run ({repeat} runs)")
-    if getattr(args, "compare", None) == "onnxruntime":
-        return compare_onnxruntime(path, graph, inputs, got, ms, repeat)
-    return 0
 
 
 def compare_onnxruntime(path: Path, graph, inputs, got, kernelize_ms: float, repeat: int) -> int:

@@ -19,13 +19,9 @@ LONG_TODAY = {
     "ir/onnx_nn.py:_resize": 84,
     "ir/onnx_attention.py:_attention": 79,
     "codegen/triton_rows.py:_pass": 72,
-    "tools.py:run_main": 71,
     "layer/kernelize.py:_decide": 70,
-    "layer/kernelize.py:kernelize": 64,
     "codegen/cuda.py:row": 64,
-    "autokernel/plan.py:_plan_once": 64,
     "autokernel/conv.py:conv_epilogue": 64,
-    "ir/verify.py:verify": 63,
 }
 
 

@@ -34,7 +34,7 @@ import heapq
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -256,18 +256,10 @@ def _depends_on(part: Partition, r: Node, gid: int, stop: set[Node]) -> bool:
     return rg == gid or bool((part.anc[rg] >> gid) & 1)
 
 
-def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple[Kernel, ...]:
-    stop = {f for f in forced if f.op in LAYOUT}
-    live = live_nodes(graph)  # dead code gets no kernel and forces no buffer
-    # values some kernel computes, in graph order (layout ops are index maps unless materialized)
-    computed = [
-        n for n in graph.nodes if n in live and n.op not in SOURCE and (n.op not in LAYOUT or n in stop)
-    ]
-    users = _users(graph, stop, computed)
-    part = _partition(graph, settings, stop, users, computed)
-
+def _pinned(graph: Graph, live: set[Node], part: Any, forced: set[Node], stop: set[Node]) -> set[Node]:
+    """Values that must be in memory whatever the fusion: library / matmul / conv / attention operands,
+    a CONV kernel's residual and tail, pad sources, graph outputs, and ``forced``."""
     group_of_conv = {g.epilogue.conv: g.epilogue for g in part.groups.values() if g.kind is KernelKind.CONV}
-    # values that must be in memory whatever the fusion
     pinned: set[Node] = {f for f in forced if f.op not in SOURCE}
     for n in graph.nodes:
         if n not in live:
@@ -283,7 +275,20 @@ def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple
         elif n.op is Op.PAD:
             pinned.add(base(n.src[0], stop))
     pinned.update(base(o, stop) for o in graph.outputs)
-    pinned = {p for p in pinned if p.op not in SOURCE}
+    return {p for p in pinned if p.op not in SOURCE}
+
+
+def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple[Kernel, ...]:
+    stop = {f for f in forced if f.op in LAYOUT}
+    live = live_nodes(graph)  # dead code gets no kernel and forces no buffer
+    # values some kernel computes, in graph order (layout ops are index maps unless materialized)
+    computed = [
+        n for n in graph.nodes if n in live and n.op not in SOURCE and (n.op not in LAYOUT or n in stop)
+    ]
+    users = _users(graph, stop, computed)
+    part = _partition(graph, settings, stop, users, computed)
+
+    pinned = _pinned(graph, live, part, forced, stop)
 
     group_of = {n: part.group(n) for n in part.of}
     buffers = set(pinned) | stop

@@ -74,6 +74,18 @@ def verify(graph: Graph) -> None:
             bad(node, msg)
         if node.op is Op.INPUT and node not in input_set:
             bad(node, "is an input node missing from graph.inputs")
+    _check_io(graph, seen, bad)
+    if problems:
+        more = f"\n  ... and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
+        raise VerifyError(
+            f"graph fails verification ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "
+            + "\n  ".join(problems[:MAX_PROBLEMS])
+            + more
+        )
+
+
+def _check_io(graph: Graph, seen: dict[Node, int], bad: Callable[[Node | None, str], None]) -> None:
+    """Inputs registered, input nodes and uniquely named; outputs in the graph."""
     names = [i.arg for i in graph.inputs]
     for inp in graph.inputs:
         if inp not in seen:
@@ -86,13 +98,6 @@ def verify(graph: Graph) -> None:
     for k, out in enumerate(graph.outputs):
         if out not in seen:
             bad(None, f"output {k} ({out}) is not in graph.nodes")
-    if problems:
-        more = f"\n  ... and {len(problems) - MAX_PROBLEMS} more" if len(problems) > MAX_PROBLEMS else ""
-        raise VerifyError(
-            f"graph fails verification ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "
-            + "\n  ".join(problems[:MAX_PROBLEMS])
-            + more
-        )
 
 
 def _ref(graph: Graph, node: Node) -> str:

@@ -249,6 +249,21 @@ def _apply(module: nn.Module, choice: KernelChoice, layer: type | None) -> None:
     record_choice(module, choice)
 
 
+def _context(
+    model: nn.Module, mode: Mode, device: str | torch.device | None, use_fallback: bool | KernelizeFallback
+) -> _Context:
+    """What every decision of one `kernelize` call reads: mode, device and its capability, the mapping."""
+    device_type, index = _resolve_device(model, device)
+    return _Context(
+        mode=mode,
+        device_type=device_type,
+        capability=device_capability(device_type, index),
+        registry=current_mapping(),
+        permitted=_as_fallback(use_fallback),
+        disabled=os.environ.get("DISABLE_KERNEL_MAPPING", "").strip().lower() in _TRUE,
+    )
+
+
 def kernelize(
     model: nn.Module,
     *,
@@ -287,16 +302,7 @@ def kernelize(
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize: model must be a torch.nn.Module, got {type(model).__name__}.")
-    permitted = _as_fallback(use_fallback)
-    device_type, index = _resolve_device(model, device)
-    ctx = _Context(
-        mode=mode,
-        device_type=device_type,
-        capability=device_capability(device_type, index),
-        registry=current_mapping(),
-        permitted=permitted,
-        disabled=os.environ.get("DISABLE_KERNEL_MAPPING", "").strip().lower() in _TRUE,
-    )
+    ctx = _context(model, mode, device, use_fallback)
     # Decide for every module first (loading and validating kernels, raising on a fallback that is not
     # permitted), and only then swap forwards: an error leaves every module exactly as it was.
     decided: list[tuple[nn.Module, KernelChoice, type | None]] = []
