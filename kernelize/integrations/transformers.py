@@ -183,7 +183,12 @@ def _rotary_layers() -> Any:
 
 
 _ATTENTION_ATTRS = ("head_dim", "scaling", "layer_idx", "config")
-_FORWARD_CALLS = ("apply_rotary_pos_emb(", "past_key_values.update(", "ALL_ATTENTION_FUNCTIONS")
+# each step may be spelled several ways: transformers 5.24 renamed `past_key_values` to `cache`
+_FORWARD_CALLS = (
+    ("apply_rotary_pos_emb(",),
+    ("past_key_values.update(", "cache.update("),
+    ("ALL_ATTENTION_FUNCTIONS",),
+)
 
 
 def _attention(module: nn.Module) -> Recognition | None:
@@ -228,7 +233,7 @@ def _attention_blocker(module: nn.Module) -> str | None:
         source = pyinspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return "the forward's source is not available to check its structure"
-    absent = [call for call in _FORWARD_CALLS if call not in source]
+    absent = [" or ".join(calls) for calls in _FORWARD_CALLS if not any(c in source for c in calls)]
     if absent:
         return f"the forward does not call {', '.join(absent)}: not the Llama-style attention structure"
     if attention_kernel() is None:
@@ -239,7 +244,7 @@ def _attention_blocker(module: nn.Module) -> str | None:
 # ---- decoder layers: residual add + norm ------------------------------------------------------------------
 _DECODER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
 _DECODER_OPTIONAL = frozenset({"resid_attn_dropout", "resid_mlp_dropout"})  # Phi-3
-_DECODER_PARAMS = ("self", "hidden_states", "attention_mask", "position_ids", "past_key_values", "use_cache")
+_DECODER_PARAMS = ("self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache")
 # the pre-norm data flow, in source order: the second residual add and the norm after it fuse
 _DECODER_STEPS = (
     "residual = hidden_states",
@@ -263,6 +268,7 @@ def _decoder(module: nn.Module) -> Recognition | None:
     try:
         source = pyinspect.getsource(type(module).forward)
         params = tuple(pyinspect.signature(type(module).forward).parameters)
+        params = tuple("cache" if p == "past_key_values" else p for p in params)  # its name before 5.24
     except (OSError, TypeError):
         return _eager("decoder", "the forward's source is not available to check its data flow")
     at = 0

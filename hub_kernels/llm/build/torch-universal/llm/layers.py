@@ -11,7 +11,8 @@ Phi-3...). State comes from the replaced module: `q_proj`/`k_proj`/`v_proj` or a
    decode: the few-row kernel reading each weight byte once); with gradients, torch matmuls;
 2. rotary on the query and key heads in one generated kernel that also writes the `(batch, heads, seq,
    head_dim)` layout (`kernelize/rotary`'s `apply_rotary_qk`);
-3. `past_key_values.update(...)` (transformers' `DynamicCache`, as the model's own forward calls it);
+3. `cache.update(...)` (transformers' `DynamicCache`, as the model's own forward calls it; the argument is
+   `cache` since transformers 5.24, `past_key_values` before, and both names are taken);
 4. `kernelize.integrations.hf_attention.attention_forward`: the generated attention kernel, or the module's
    eager attention with the reason noted for `kernelize.inspect`;
 5. `o_proj` (in inference, a generated matmul kernel too).
@@ -120,9 +121,10 @@ class CausalSelfAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,  # named `past_key_values` before transformers 5.24: then it comes in `kwargs`
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         batch, seq = hidden_states.shape[:2]
         heads, kv_heads, head_dim = (
             self.config.num_attention_heads,
@@ -136,8 +138,8 @@ class CausalSelfAttention(nn.Module):
         )
         query, key = rotated[:, :heads], rotated[:, heads:]
         value = value.reshape(batch, seq, kv_heads, head_dim).transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
         out, weights = attention_forward(
             self,
             query,
@@ -178,17 +180,18 @@ class PreNormDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,  # named `past_key_values` before transformers 5.24: then it comes in `kwargs`
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        if cache is not None:  # passed on under the name it came with
+            kwargs["cache"] = cache
         residual = hidden_states
         hidden_states, _ = self.self_attn(
             hidden_states=self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
