@@ -1,69 +1,18 @@
 """kernelize: swap the forward of marked PyTorch layers for fused kernels.
 
 Layer substitution is compatible with Hugging Face `kernels`: change `from kernels import ...` to
-`from kernelize import ...`.
+`from kernelize import ...`. The graph IR and compiler live in `kernelize.ir`, `kernelize.autokernel`,
+`kernelize.codegen` and `kernelize.runtime`.
 """
 
 from __future__ import annotations
 
-# layer substitution API: see kernelize.layer
-from kernelize.layer import (
-    CUDAProperties,
-    Device,
-    FallbackReason,
-    FuncRepository,
-    KernelChoice,
-    KernelizeFallback,
-    LayerRepository,
-    LocalFuncRepository,
-    LocalLayerRepository,
-    LockedFuncRepository,
-    LockedLayerRepository,
-    Mode,
-    ROCMProperties,
-    get_kernel,
-    get_local_kernel,
-    get_locked_kernel,
-    has_kernel,
-    inspect,
-    kernelize,
-    register_kernel_mapping,
-    replace_kernel_forward_from_hub,
-    use_kernel_forward_from_hub,
-    use_kernel_func_from_hub,
-    use_kernel_mapping,
-    use_kernelized_func,
-)
+from kernelize import layer
 
-# graph IR / compiler API: see kernelize.ir, kernelize.runtime
+# the mapping from common layer names to the bundled kernel repositories
+from kernelize.hub import default_mapping
 
-__all__ = [
-    "CUDAProperties",
-    "Device",
-    "FallbackReason",
-    "FuncRepository",
-    "KernelChoice",
-    "KernelizeFallback",
-    "LayerRepository",
-    "LocalFuncRepository",
-    "LocalLayerRepository",
-    "LockedFuncRepository",
-    "LockedLayerRepository",
-    "Mode",
-    "ROCMProperties",
-    "get_kernel",
-    "get_local_kernel",
-    "get_locked_kernel",
-    "has_kernel",
-    "inspect",
-    "kernelize",
-    "register_kernel_mapping",
-    "replace_kernel_forward_from_hub",
-    "use_kernel_forward_from_hub",
-    "use_kernel_func_from_hub",
-    "use_kernel_mapping",
-    "use_kernelized_func",
-]
+# the layer substitution API (`kernelize.layer`), re-exported whole: it is what `kernels` users import
+from kernelize.layer import *  # noqa: F403
 
-# issue 7 (bundled hub): the mapping from common layer names to the bundled kernel repositories
-from kernelize.hub import default_mapping as default_mapping  # noqa: E402
+__all__ = [*layer.__all__, "default_mapping"]

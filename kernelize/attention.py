@@ -53,8 +53,11 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    owner: torch.nn.Module | None = None,
 ) -> torch.Tensor:
-    """``torch.nn.functional.scaled_dot_product_attention`` run by a generated fused kernel.
+    """``torch.nn.functional.scaled_dot_product_attention`` as a generated fused kernel (``owner``: a hub
+    layer whose ``kernelize.inspect`` record then lists the kernel).
 
     Raises:
         AttentionUnsupported: inputs the kernels do not handle (see the module docstring), with the reason.
@@ -64,28 +67,8 @@ def scaled_dot_product_attention(
         >>> torch.allclose(scaled_dot_product_attention(q, q, q),
         ...                torch.nn.functional.scaled_dot_product_attention(q, q, q), atol=1e-5)
         True
-    """
-    return run(None, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-def run(
-    owner: torch.nn.Module | None,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """:func:`scaled_dot_product_attention` on behalf of the hub layer ``owner``, whose ``kernelize.inspect``
-    record then lists the attention kernel (``owner=None`` records nothing).
-
-    Example:
-        >>> q = torch.randn(1, 2, 5, 16)
-        >>> run(None, q, q, q, is_causal=True).shape
-        torch.Size([1, 2, 5, 16])
+        >>> scaled_dot_product_attention(q[0], q[0], q[0], is_causal=True).shape  # no batch axis
+        torch.Size([4, 7, 32])
     """
     squeeze = query.dim() == 3
     if squeeze:
@@ -94,14 +77,7 @@ def run(
     b, hq, lq, d = query.shape
     hkv, lk, dv = key.shape[1], key.shape[2], value.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    mask = None
-    if attn_mask is not None:
-        try:
-            mask = attn_mask.expand(b, hq, lq, lk)  # a view: broadcast axes get stride 0
-        except RuntimeError:
-            raise AttentionUnsupported(
-                f"attn_mask of shape {list(attn_mask.shape)} does not broadcast to {[b, hq, lq, lk]}"
-            ) from None
+    mask = None if attn_mask is None else _expanded(attn_mask, (b, hq, lq, lk))
     out = torch.empty((b, hq, lq, dv), dtype=query.dtype, device=query.device)
     if out.numel():
         args = AttentionArgs(
@@ -122,6 +98,15 @@ def run(
         else:
             launch(operands, [out], None)
     return out.squeeze(0) if squeeze else out
+
+
+def _expanded(mask: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    try:
+        return mask.expand(shape)  # a view: broadcast axes get stride 0
+    except RuntimeError:
+        raise AttentionUnsupported(
+            f"attn_mask of shape {list(mask.shape)} does not broadcast to {list(shape)}"
+        ) from None
 
 
 def _check(q, k, v, mask, dropout_p, is_causal, enable_gqa) -> None:
@@ -236,4 +221,4 @@ def _build(backend: str, q, k, v, mask, args: AttentionArgs):
     return compiled.launch, KernelRecord(backend, ((compiled.name, compiled.source_hash),), sig)
 
 
-__all__ = ["AttentionUnsupported", "run", "scaled_dot_product_attention"]
+__all__ = ["AttentionUnsupported", "scaled_dot_product_attention"]

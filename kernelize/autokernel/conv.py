@@ -23,6 +23,7 @@ from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
 from kernelize.ir.graph import Node, Op
+from kernelize.ir.shapes import Dim
 
 # activation name (oneDNN's unary post-op spelling) and its scalars
 ACTIVATIONS = ("relu", "hardtanh", "sigmoid", "tanh", "swish")
@@ -99,6 +100,31 @@ def _swish(t: Node, readers: Sequence[Node], users: Mapping[Node, Sequence[Node]
     return m
 
 
+def _added(
+    u: Node,
+    t: Node,
+    channels: Dim,
+    bias_free: bool,
+    residual_free: bool,
+    residual_ok: Callable[[Node], bool] | None,
+) -> tuple[str, Node] | None:
+    """``("bias", b)`` or ``("residual", r)`` when ``u`` adds a per-channel bias or a residual to ``t``."""
+    other = _other(u, t) if u.op is Op.ADD else None
+    if other is None:
+        return None
+    b = channel_bias(other, channels) if bias_free else None
+    if b is not None:
+        return "bias", b
+    if (
+        residual_free
+        and other.op is not Op.BROADCAST
+        and tuple(other.shape) == tuple(t.shape)
+        and (residual_ok is None or residual_ok(other))
+    ):
+        return "residual", other
+    return None
+
+
 def conv_epilogue(
     conv: Node,
     users: Mapping[Node, Sequence[Node]],
@@ -137,24 +163,13 @@ def conv_epilogue(
         (u,) = readers
         if u.dtype != t.dtype or tuple(u.shape) != tuple(t.shape):
             break
-        other = _other(u, t) if u.op is Op.ADD else None
-        b = (
-            None
-            if other is None or bias is not None or residual is not None
-            else channel_bias(other, channels)
-        )
-        if b is not None:
-            bias, t = b, u
-            nodes.append(u)
-            continue
-        if (
-            other is not None
-            and residual is None
-            and other.op is not Op.BROADCAST
-            and tuple(other.shape) == tuple(t.shape)
-            and (residual_ok is None or residual_ok(other))
-        ):
-            residual, t = other, u
+        added = _added(u, t, channels, bias is None and residual is None, residual is None, residual_ok)
+        if added is not None:
+            if added[0] == "bias":
+                bias = added[1]
+            else:
+                residual = added[1]
+            t = u
             nodes.append(u)
             continue
         found = _activation(t, u, users)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kernelize.autokernel.plan import Plan
-from kernelize.ir.dot import CATEGORIES, category, escape, node_label, write_svg
+from kernelize.ir.dot import CATEGORIES, category, closing_lines, escape, node_label, write_svg
 from kernelize.ir.graph import Node, Op
 
 # cluster background per kernel kind
@@ -74,11 +74,7 @@ def plan_to_dot(plan: Plan, hide_constants: bool = True, title: str | None = Non
         for s in dict.fromkeys(n.src):
             if s not in hidden:
                 lines.append(f"  n{graph.index(s)} -> n{graph.index(n)};")
-    for j, o in enumerate(graph.outputs):
-        lines.append(f'  out{j} [label="output {j}", shape=plaintext, style=""];')
-        lines.append(f"  n{graph.index(o)} -> out{j};")
-    lines.append("}")
-    return "\n".join(lines)
+    return "\n".join(lines + closing_lines(graph))
 
 
 def plan_to_svg(path: str | Path, plan: Plan, hide_constants: bool = True, title: str | None = None) -> Path:

@@ -117,13 +117,7 @@ def sel_down(node: Node, sel: Sel) -> Sel | None:
             for e, s, d in zip(sel, src.shape, node.shape)
         )
     if node.op is Op.VIEW:
-        pairs = _squeeze_pairs(node.shape, src.shape)
-        if pairs is None:
-            return None
-        out = [None] * src.rank
-        for i, j in pairs:
-            out[j] = sel[i]
-        return tuple(out)
+        return _view_sel(node.shape, src.shape, sel)
     return None  # slice, flip: offsets and negative strides are no selection
 
 
@@ -143,14 +137,19 @@ def sel_up(node: Node, sel: Sel, domain: Sequence[Dim]) -> Sel | None:
             out.append(e)
         return tuple(out)
     if node.op is Op.VIEW:
-        pairs = _squeeze_pairs(src.shape, node.shape)
-        if pairs is None:
-            return None
-        out = [None] * node.rank
-        for i, j in pairs:
-            out[j] = sel[i]
-        return tuple(out)
+        return _view_sel(src.shape, node.shape, sel)
     return None
+
+
+def _view_sel(from_shape: Sequence[Dim], to_shape: Sequence[Dim], sel: Sel) -> Sel | None:
+    """A selection at ``from_shape`` carried through a view that only adds or drops size-1 axes."""
+    pairs = _squeeze_pairs(from_shape, to_shape)
+    if pairs is None:
+        return None
+    out: list = [None] * len(to_shape)
+    for i, j in pairs:
+        out[j] = sel[i]
+    return tuple(out)
 
 
 def operand_sel(n: Node, i: int, sel: Sel) -> Sel | None:
@@ -301,14 +300,13 @@ def _set(m: dict[int, int | None], key: int, value: int | None) -> bool:
     return True
 
 
+_NODE_KINDS = (KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV)  # kernels of one node: never merged
+
+
 def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | None:
     """The group of ``g1`` (holding producer ``p``) and ``g2`` (holding consumer ``n``, reading it as operand
     ``i``), or None when they cannot form one kernel. Cycles are the caller's business."""
-    if g1.kind in (KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV) or g2.kind in (
-        KernelKind.LIBRARY,
-        KernelKind.ATTENTION,
-        KernelKind.CONV,
-    ):
+    if g1.kind in _NODE_KINDS or g2.kind in _NODE_KINDS:
         return None
     if g1.kind is KernelKind.MATMUL and g2.kind is KernelKind.MATMUL:
         return _merge_matmuls(g1, g2, p, n, i, ctx) if ctx.merge_matmuls else None
@@ -318,8 +316,16 @@ def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | N
     have = g1.sel[p]
     if want is None or len(want) != len(have):
         return None
-    # sigma: axes of g1 -> axes of g2 (None or ~origin: a size-1 axis read at 0), from the edge; extra:
-    # size-1 axes of g2 that stand for a reduced / broadcast axis of g1
+    maps = _edge_maps(g1, g2, have, want)
+    if maps is None:
+        return None
+    oriented = _orient(g1, g2, *maps)
+    return None if oriented is None else _combine(*oriented, ctx)
+
+
+def _edge_maps(g1: Group, g2: Group, have: Sel, want: Sel) -> tuple[dict, dict] | None:
+    """From the edge's selections: sigma, the axes of g1 -> axes of g2 (None or ~origin: a size-1 axis read
+    at 0), and extra, the size-1 axes of g2 that stand for a reduced / broadcast axis of g1."""
     sigma: dict[int, int | None] = {}
     extra: dict[int, int] = {}
     for a, b in zip(have, want):
@@ -334,6 +340,15 @@ def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | N
                     return None
             elif is_axis(b) and g2.domain[b] == 1:
                 extra[b] = a
+    return sigma, extra
+
+
+_KIND_RANK = {KernelKind.MATMUL: 2, KernelKind.ROW: 1, KernelKind.POINTWISE: 0}
+
+
+def _orient(g1: Group, g2: Group, sigma: dict, extra: dict) -> tuple[Group, Group, list] | None:
+    """``(k, o, phi)``: the group whose domain the merged kernel keeps, the other, and phi, the other's axes
+    in k's axes; None when neither domain covers the other."""
     big1 = [a for a, d in enumerate(g1.domain) if d != 1 and a not in sigma]
     image = {b for b in sigma.values() if is_axis(b)}
     big2 = [b for b, d in enumerate(g2.domain) if d != 1 and b not in image]
@@ -341,36 +356,32 @@ def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | N
         return None
     if any(is_axis(b) and g1.domain[a] != g2.domain[b] for a, b in sigma.items()):
         return None
-    rank = {KernelKind.MATMUL: 2, KernelKind.ROW: 1, KernelKind.POINTWISE: 0}
     if big1 or big2:
         keep_first = bool(big1)
-    elif rank[g1.kind] != rank[g2.kind]:
-        keep_first = rank[g1.kind] > rank[g2.kind]
+    elif _KIND_RANK[g1.kind] != _KIND_RANK[g2.kind]:
+        keep_first = _KIND_RANK[g1.kind] > _KIND_RANK[g2.kind]
     else:
         keep_first = len(g1.sel) > len(g2.sel)
     if (g1 if not keep_first else g2).kind is KernelKind.MATMUL:
         return None  # a matmul's domain is (*batch, M, N) and stays so
-    if keep_first:
-        k, o = g1, g2
-        inv: dict[int, int | None] = dict(extra)
-        inv.update({b: a for a, b in sigma.items() if is_axis(b)})
-        phi = [inv.get(b) for b in range(len(g2.domain))]
-        if any(not is_axis(ph) and d != 1 for ph, d in zip(phi, g2.domain)):
-            return None
-    else:
-        k, o = g2, g1
-        phi = [sigma.get(a) for a in range(len(g1.domain))]
-    # row axes of the merged group, in k's axes
+    if not keep_first:
+        return g2, g1, [sigma.get(a) for a in range(len(g1.domain))]
+    inv: dict[int, int | None] = dict(extra)
+    inv.update({b: a for a, b in sigma.items() if is_axis(b)})
+    phi = [inv.get(b) for b in range(len(g2.domain))]
+    if any(not is_axis(ph) and d != 1 for ph, d in zip(phi, g2.domain)):
+        return None
+    return g1, g2, phi
+
+
+def _combine(k: Group, o: Group, phi: list, ctx: Ctx) -> Group | None:
+    """The merged group over k's domain (row axes moved last), if every member and edge stays legal."""
     rows_k = list(k.row_axes) if k.kind is KernelKind.ROW else []
     rows_o = [phi[a] for a in o.row_axes if is_axis(phi[a])] if o.kind is KernelKind.ROW else []
     if k.kind is KernelKind.ROW and o.kind is KernelKind.ROW:
         if {a for a in rows_k if k.domain[a] != 1} != {a for a in rows_o if k.domain[a] != 1}:
             return None
-    kind = k.kind
-    for kk in (KernelKind.MATMUL, KernelKind.ROW):
-        if kk in (k.kind, o.kind):
-            kind = kk
-            break
+    kind = next((kk for kk in (KernelKind.MATMUL, KernelKind.ROW) if kk in (k.kind, o.kind)), k.kind)
     rows = rows_k if k.kind is KernelKind.ROW else rows_o
     order = [a for a in range(len(k.domain)) if a not in rows] + list(rows)
     pi = [0] * len(k.domain)
@@ -387,9 +398,7 @@ def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | N
     check = list(g.sel) if moved_k else list(o.sel)
     if not all(member_ok(g, m, g.sel[m]) for m in check):
         return None
-    if not edges_ok(g, check, ctx):
-        return None
-    return g
+    return g if edges_ok(g, check, ctx) else None
 
 
 def _matmul_of(g: Group) -> Node:

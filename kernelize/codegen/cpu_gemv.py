@@ -50,83 +50,14 @@ def render_gemv(w: Any) -> str:
     acc_t = r.ctype(k.body[parts.mms[0][0]].dtype)
     accesses = w.named_accesses()
     slot = {name: s for s, (name, _) in enumerate(accesses)}
-    a_name = f"kz_l{parts.a}"
-    accesses.insert(0, accesses.pop(slot[a_name]))  # x first: the packing loop reads kz_rb[0]
+    accesses.insert(0, accesses.pop(slot[f"kz_l{parts.a}"]))  # x first: the packing loop reads kz_rb[0]
     slot = {name: s for s, (name, _) in enumerate(accesses)}
-
-    ind = " " * 12
-    setup = w.outer_index(last, "kz_o", ind)
-    setup += [f"{ind}kz_ri[{d}][kz_r] = i{d};" for d in range(last)]
-    for name, acc in accesses:
-        terms = [r.dim(acc.offset)] + [
-            f"i{d} * {r.dim(acc.strides[d])}" for d in range(last) if acc.strides[d]
-        ]
-        setup.append(f"{ind}kz_rb[{slot[name]}][kz_r] = {' + '.join(terms)};")
-
     a_ks = a.strides[rank]
     a_load = f"kz_ld({w.ptr[a.buffer]}, kz_la" + (f" + kz_kk * {r.dim(a_ks)})" if a_ks != 0 else ")")
-
-    forms = []
-    for _, ib in parts.mms:
-        b = k.body[ib]
-        ns, ks = b.strides[last], b.strides[rank]
-        forms.append("dot" if ks == 1 and _static(ns) else "axpy" if ns == 1 and _static(ks) else "generic")
-    if acc_t != "float":
-        forms = ["generic"] * len(forms)
+    forms = _forms(k, parts, acc_t, last)
     dot = all(f == "dot" for f in forms)
-    if not dot:
-        forms = ["generic" if f == "dot" else f for f in forms]
-    cb = "KZ_NB" if dot else str(AXPY_COLUMNS)
     # bf16 weights read as pairs (x packed to match): only when every matmul reads bf16 in the dot form
     pairs = "true" if dot and all(k.body[ib].dtype is DType.BF16 for _, ib in parts.mms) else "false"
-    cols = []
-    ind = " " * 20
-    for m, ((_, ib), form) in enumerate(zip(parts.mms, forms)):
-        b = k.body[ib]
-        shared = all(b.strides[d] == 0 for d in range(last))
-        ptr, bslot = w.ptr[b.buffer], slot[f"kz_l{ib}"]
-        wt = r.storage(b.dtype)
-        ns, ks = r.dim(b.strides[last]), r.dim(b.strides[rank])
-        nrows = "1" if shared else "kz_nr"
-        sh = "true" if shared else "false"
-        if form == "dot":
-            cols += [
-                f"{ind}{{ const {wt}* kz_w[KZ_MAXR * KZ_NB];",
-                f"{ind}  for (int kz_r = 0; kz_r < {nrows}; ++kz_r)",
-                f"{ind}    for (int kz_j = 0; kz_j < KZ_NB; ++kz_j)  // short block: last column again",
-                f"{ind}      kz_w[kz_r * KZ_NB + kz_j] = {ptr} + kz_rb[{bslot}][kz_r] + "
-                f"(kz_c0 + (kz_j < kz_nb ? kz_j : kz_nb - 1)) * {ns};",
-                f"{ind}  const char* kz_pf = kz_splitk || kz_b + 1 >= kz_b1 ? 0 : "
-                f"(const char*)({ptr} + kz_rb[{bslot}][0] + (kz_c0 + KZ_NB) * {ns});",
-                f"{ind}  kz_dot_cols<{pairs}>(kz_x, kz_ldx, kz_nr, kz_w, {sh}, kz_k0, kz_k1, kz_blk[{m}], "
-                "kz_pf); }",
-            ]
-        else:
-            call = (
-                f"kz_axpy_cols(kz_x, kz_ldx, kz_nr, kz_w, {sh}, {ks}, kz_nb, kz_k0, kz_k1, "
-                f"kz_blk[{m}], kz_cb);"
-                if form == "axpy"
-                else f"kz_generic_cols(kz_x, kz_ldx, kz_nr, kz_w, {sh}, {ks}, {ns}, kz_nb, kz_k0, kz_k1, "
-                f"kz_blk[{m}], kz_cb);"
-            )
-            cols += [
-                f"{ind}{{ const {wt}* kz_w[KZ_MAXR];",
-                f"{ind}  for (int kz_r = 0; kz_r < {nrows}; ++kz_r)",
-                f"{ind}    kz_w[kz_r] = {ptr} + kz_rb[{bslot}][kz_r] + kz_c0 * {ns};",
-                f"{ind}  {call} }}",
-            ]
-
-    ind = " " * 16
-    epi = [f"{ind}const int64_t i{d} = kz_ri[{d}][kz_r];" for d in range(last)]
-    epi += [f"{ind}const int64_t {name} = kz_rb[{slot[name]}][kz_r];" for name, _ in accesses]
-    skip = [False] * len(k.body)
-    for i in parts.operands:
-        skip[i] = True
-    for m, (mi, _) in enumerate(parts.mms):
-        skip[mi] = True
-        epi.append(f"{ind}const {acc_t} v{mi} = kz_mv[{m}];")
-    epi += [ind + w.value(i, [last], {}) for i in closure(k, [s.value for s in k.stores], skip)]
-    epi += [ind + w.store(j, s, [last]) for j, s in enumerate(k.stores)]
     return fill(
         load_template("cpu_gemv.cpp"),
         PRELUDE=load_template("cpu_prelude.h"),
@@ -140,16 +71,94 @@ def render_gemv(w: Any) -> str:
         K=r.dim(contraction(k, k.body[parts.mms[0][0]], a, "cpu")),
         NSLOT=str(len(accesses)),
         NOUTER=str(max(last, 1)),
-        ROW_SETUP="\n".join(setup),
+        ROW_SETUP="\n".join(_row_setup(w, accesses, slot, last)),
         A_LOAD=a_load,
         ACC_T=acc_t,
         PAIRS=pairs,
         PARALLEL_MIN="32768",
-        CB=cb,
+        CB="KZ_NB" if dot else str(AXPY_COLUMNS),
         J=f"i{last}",
-        COLS="\n".join(cols),
-        EPILOGUE="\n".join(epi),
+        COLS="\n".join(_column_lines(w, parts, forms, slot, pairs)),
+        EPILOGUE="\n".join(_epilogue(w, parts, accesses, slot, acc_t)),
     )
+
+
+def _row_setup(w: Any, accesses: list, slot: dict[str, int], last: int) -> list[str]:
+    """Per output row: its outer indices and the base offset of every access."""
+    ind = " " * 12
+    setup = w.outer_index(last, "kz_o", ind)
+    setup += [f"{ind}kz_ri[{d}][kz_r] = i{d};" for d in range(last)]
+    for name, acc in accesses:
+        terms = [w.r.dim(acc.offset)] + [
+            f"i{d} * {w.r.dim(acc.strides[d])}" for d in range(last) if acc.strides[d]
+        ]
+        setup.append(f"{ind}kz_rb[{slot[name]}][kz_r] = {' + '.join(terms)};")
+    return setup
+
+
+def _forms(k: Kernel, parts: Any, acc_t: str, last: int) -> list[str]:
+    """How each matmul reads its weight: ``dot`` (contiguous along K, every matmul so), ``axpy``
+    (contiguous along N) or ``generic``."""
+    forms = []
+    for _, ib in parts.mms:
+        b = k.body[ib]
+        ns, ks = b.strides[last], b.strides[last + 1]
+        forms.append("dot" if ks == 1 and _static(ns) else "axpy" if ns == 1 and _static(ks) else "generic")
+    if acc_t != "float":
+        return ["generic"] * len(forms)
+    if all(f == "dot" for f in forms):
+        return forms
+    return ["generic" if f == "dot" else f for f in forms]
+
+
+def _column_lines(w: Any, parts: Any, forms: list[str], slot: dict[str, int], pairs: str) -> list[str]:
+    """For each matmul, the call that accumulates a block of columns over the rows."""
+    r, cols, ind = w.r, [], " " * 20
+    for m, ((_, ib), form) in enumerate(zip(parts.mms, forms)):
+        b = w.k.body[ib]
+        shared = all(b.strides[d] == 0 for d in range(w.rank - 1))
+        ptr, bslot = w.ptr[b.buffer], slot[f"kz_l{ib}"]
+        wt = r.storage(b.dtype)
+        ns, ks = r.dim(b.strides[w.rank - 1]), r.dim(b.strides[w.rank])
+        nrows, sh = ("1", "true") if shared else ("kz_nr", "false")
+        if form == "dot":
+            cols += [
+                f"{ind}{{ const {wt}* kz_w[KZ_MAXR * KZ_NB];",
+                f"{ind}  for (int kz_r = 0; kz_r < {nrows}; ++kz_r)",
+                f"{ind}    for (int kz_j = 0; kz_j < KZ_NB; ++kz_j)  // short block: last column again",
+                f"{ind}      kz_w[kz_r * KZ_NB + kz_j] = {ptr} + kz_rb[{bslot}][kz_r] + "
+                f"(kz_c0 + (kz_j < kz_nb ? kz_j : kz_nb - 1)) * {ns};",
+                f"{ind}  const char* kz_pf = kz_splitk || kz_b + 1 >= kz_b1 ? 0 : "
+                f"(const char*)({ptr} + kz_rb[{bslot}][0] + (kz_c0 + KZ_NB) * {ns});",
+                f"{ind}  kz_dot_cols<{pairs}>(kz_x, kz_ldx, kz_nr, kz_w, {sh}, kz_k0, kz_k1, kz_blk[{m}], "
+                "kz_pf); }",
+            ]
+            continue
+        strides = f"{ks}, kz_nb" if form == "axpy" else f"{ks}, {ns}, kz_nb"
+        cols += [
+            f"{ind}{{ const {wt}* kz_w[KZ_MAXR];",
+            f"{ind}  for (int kz_r = 0; kz_r < {nrows}; ++kz_r)",
+            f"{ind}    kz_w[kz_r] = {ptr} + kz_rb[{bslot}][kz_r] + kz_c0 * {ns};",
+            f"{ind}  kz_{form}_cols(kz_x, kz_ldx, kz_nr, kz_w, {sh}, {strides}, kz_k0, kz_k1, kz_blk[{m}], "
+            "kz_cb); }",
+        ]
+    return cols
+
+
+def _epilogue(w: Any, parts: Any, accesses: list, slot: dict[str, int], acc_t: str) -> list[str]:
+    """Per output row: the matmul results, the fused epilogue and the stores."""
+    k, ind, last = w.k, " " * 16, w.rank - 1
+    epi = [f"{ind}const int64_t i{d} = kz_ri[{d}][kz_r];" for d in range(last)]
+    epi += [f"{ind}const int64_t {name} = kz_rb[{slot[name]}][kz_r];" for name, _ in accesses]
+    skip = [False] * len(k.body)
+    for i in parts.operands:
+        skip[i] = True
+    for m, (mi, _) in enumerate(parts.mms):
+        skip[mi] = True
+        epi.append(f"{ind}const {acc_t} v{mi} = kz_mv[{m}];")
+    epi += [ind + w.value(i, [last], {}) for i in closure(k, [s.value for s in k.stores], skip)]
+    epi += [ind + w.store(j, s, [last]) for j, s in enumerate(k.stores)]
+    return epi
 
 
 def _operand_view(

@@ -19,7 +19,9 @@ Example (rmsnorm, as generated)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kernelize.autokernel.kernels import Compute
 from kernelize.codegen.render import closure, deps
@@ -48,166 +50,199 @@ def _row_pos(w, split: int) -> str:
     return pos
 
 
+@dataclass
+class _Stat:
+    """The names one row op's statistics are written with: entry ``i`` of the kernel body reads value ``x``;
+    ``ct`` is its C type, ``at`` the accumulator type of its sums, ``a`` the accumulator's name."""
+
+    w: Any
+    i: int
+    e: Compute
+    full: dict[int, str]  # full-row formulas of row ops, set by their writers
+    split: int
+    x: int
+    ct: str
+    at: str
+
+    @property
+    def a(self) -> str:
+        return f"kz_a{self.i}"
+
+    def lit(self, value: float) -> str:
+        return self.w.r.literal(value, self.e.dtype)
+
+    def mean(self, acc: str) -> str:
+        """``acc`` over the row length (0 for an empty row)."""
+        return f"({_N} ? {acc} / ({self.at}){_N} : ({self.at})0)"
+
+    def inv_std(self, acc: str, eps: float) -> str:
+        """``kz_r{i}``: one over the root of ``acc``'s mean plus ``eps``."""
+        ct = self.ct
+        return f"const {ct} kz_r{self.i} = ({ct})1 / kz_sqrt(({ct}){self.mean(acc)} + {self.lit(eps)});"
+
+
+_N = "kz_rowlen"
+
+
 def _stat_passes(w, i: int, e: Compute, full: dict[int, str], split: int) -> list[_Pass]:
     """The passes computing entry ``i``'s statistics; sets ``full[i]`` for row ops."""
-    r = w.r
-    x = e.src[0]
-    src_dtype = w.k.body[x].dtype
-    ct = r.ctype(e.dtype)
-    a = f"kz_a{i}"
-    n = "kz_rowlen"
+    ct = w.r.ctype(e.dtype)
     # float sums: the simd loop keeps one partial sum per lane, so a static row of up to SHORT_ROW elements
     # sums <= 1k values per lane in float (measured 10-30% faster than double on rmsnorm / softmax); longer
     # or symbolic rows accumulate in double to keep f32-level accuracy (torch uses a cascade)
     rowlen = numel(w.k.domain[split:])
     at = "float" if ct == "float" and isinstance(rowlen, int) and rowlen <= SHORT_ROW else ct
     at = "double" if e.dtype.is_float and at != "float" else at
-    lit = r.literal
-    if e.op in (Op.SUM, Op.MEAN, Op.PROD):
-        init, upd, red = ("1", f"{a} *= v{x};", "*") if e.op is Op.PROD else ("0", f"{a} += v{x};", "+")
-        fin = f"kz_div_or_nan({a}, {n})" if e.op is Op.MEAN else a
+    writer = _STATS.get(e.op)
+    if writer is None:
+        raise NotImplementedError(f"cpu backend: no row statistics for {e.op}")
+    return writer(_Stat(w, i, e, full, split, e.src[0], ct, at))
+
+
+def _sum(c: _Stat) -> list[_Pass]:
+    a, x, ct = c.a, c.x, c.ct
+    if c.e.op is Op.PROD:
         return [
             _Pass(
                 [x],
-                [f"{at if red == '+' else ct} {a} = {init};"],
-                [upd],
-                [f"reduction({red}: {a})"],
-                [f"const {ct} v{i} = ({ct})({fin});"],
+                [f"{ct} {a} = 1;"],
+                [f"{a} *= v{x};"],
+                [f"reduction(*: {a})"],
+                [f"const {ct} v{c.i} = ({ct})({a});"],
             )
         ]
-    if e.op in (Op.REDUCE_MAX, Op.REDUCE_MIN):
-        cmp, red = (">", "max") if e.op is Op.REDUCE_MAX else ("<", "min")
-        if e.dtype.is_float:
-            init = lit(float("-inf") if e.op is Op.REDUCE_MAX else float("inf"), e.dtype)
-            return [
-                _Pass(
-                    [x],
-                    [f"{ct} {a} = {init};", f"int {a}n = 0;"],
-                    [f"{a} = v{x} {cmp} {a} ? v{x} : {a};", f"{a}n |= v{x} != v{x};"],
-                    [f"reduction({red}: {a})", f"reduction(|: {a}n)"],
-                    [f"const {ct} v{i} = {a}n ? ({ct})NAN : {a};"],
-                )
-            ]
-        init = f"kz_lowest<{ct}>()" if e.op is Op.REDUCE_MAX else f"kz_highest<{ct}>()"
-        return [
-            _Pass(
-                [x],
-                [f"{ct} {a} = {init};"],
-                [f"{a} = v{x} {cmp} {a} ? v{x} : {a};"],
-                [f"reduction({red}: {a})"],
-                [f"const {ct} v{i} = {a};"],
-            )
-        ]
-    if e.op in (Op.ARGMAX, Op.ARGMIN):
-        st = r.ctype(src_dtype)
-        cmp = ">" if e.op is Op.ARGMAX else "<"
-        nan = f"v{x} != v{x} || " if src_dtype.is_float else ""
-        upd = (
-            f"if (!{a}h || ({a} == {a} && ({nan}v{x} {cmp} {a}))) "
-            f"{{ {a} = v{x}; {a}i = {_row_pos(w, split)}; {a}h = true; }}"
+    fin = f"kz_div_or_nan({a}, {_N})" if c.e.op is Op.MEAN else a
+    return [
+        _Pass(
+            [x],
+            [f"{c.at} {a} = 0;"],
+            [f"{a} += v{x};"],
+            [f"reduction(+: {a})"],
+            [f"const {ct} v{c.i} = ({ct})({fin});"],
         )
-        return [
-            _Pass(
-                [x],
-                [f"{st} {a} = 0;", f"int64_t {a}i = 0;", f"bool {a}h = false;"],
-                [upd],
-                [],
-                [f"const int64_t v{i} = {a}i;"],
-                simd=False,
-            )
+    ]
+
+
+def _nan_extreme(c: _Stat, red: str, target: str) -> _Pass:
+    """max / min of a float row into ``target``, NaN when any element is NaN (as torch)."""
+    a, x, ct = c.a, c.x, c.ct
+    cmp = ">" if red == "max" else "<"
+    return _Pass(
+        [x],
+        [f"{ct} {a} = {c.lit(float('-inf') if red == 'max' else float('inf'))};", f"int {a}n = 0;"],
+        [f"{a} = v{x} {cmp} {a} ? v{x} : {a};", f"{a}n |= v{x} != v{x};"],
+        [f"reduction({red}: {a})", f"reduction(|: {a}n)"],
+        [f"const {ct} {target} = {a}n ? ({ct})NAN : {a};"],
+    )
+
+
+def _extreme(c: _Stat) -> list[_Pass]:
+    a, x, ct = c.a, c.x, c.ct
+    red = "max" if c.e.op is Op.REDUCE_MAX else "min"
+    if c.e.dtype.is_float:
+        return [_nan_extreme(c, red, f"v{c.i}")]
+    init = f"kz_lowest<{ct}>()" if red == "max" else f"kz_highest<{ct}>()"
+    cmp = ">" if red == "max" else "<"
+    upd = f"{a} = v{x} {cmp} {a} ? v{x} : {a};"
+    return [
+        _Pass([x], [f"{ct} {a} = {init};"], [upd], [f"reduction({red}: {a})"], [f"const {ct} v{c.i} = {a};"])
+    ]
+
+
+def _arg(c: _Stat) -> list[_Pass]:
+    a, x = c.a, c.x
+    src_dtype = c.w.k.body[x].dtype
+    cmp = ">" if c.e.op is Op.ARGMAX else "<"
+    nan = f"v{x} != v{x} || " if src_dtype.is_float else ""
+    upd = (
+        f"if (!{a}h || ({a} == {a} && ({nan}v{x} {cmp} {a}))) "
+        f"{{ {a} = v{x}; {a}i = {_row_pos(c.w, c.split)}; {a}h = true; }}"
+    )
+    decl = [f"{c.w.r.ctype(src_dtype)} {a} = 0;", f"int64_t {a}i = 0;", f"bool {a}h = false;"]
+    return [_Pass([x], decl, [upd], [], [f"const int64_t v{c.i} = {a}i;"], simd=False)]
+
+
+def _rmsnorm(c: _Stat) -> list[_Pass]:
+    a, x, i = c.a, c.x, c.i
+    eps, has_w = c.e.arg
+    c.full[i] = f"(v{x} * kz_r{i}" + (f" * v{c.e.src[1]})" if has_w else ")")
+    return [
+        _Pass(
+            [x], [f"{c.at} {a} = 0;"], [f"{a} += v{x} * v{x};"], [f"reduction(+: {a})"], [c.inv_std(a, eps)]
+        )
+    ]
+
+
+def _layernorm(c: _Stat) -> list[_Pass]:
+    a, x, i, ct = c.a, c.x, c.i, c.ct
+    eps, has_w, has_b = c.e.arg
+    y = f"(v{x} - kz_m{i}) * kz_r{i}"
+    if has_w:
+        y += f" * v{c.e.src[1]}"
+    if has_b:
+        y += f" + v{c.e.src[1 + has_w]}"
+    c.full[i] = f"({y})"
+    if ct == "float":
+        # one statistics pass: sum and sum of squares in double (var = E[x^2] - E[x]^2 keeps f32
+        # accuracy in double unless |mean| / std exceeds ~1e6), so the row is read twice, not three times
+        final = [
+            f"const double {a}m = {_N} ? {a} / (double){_N} : 0.0;",
+            f"const double {a}v = {_N} ? {a}q / (double){_N} - {a}m * {a}m : 0.0;",
+            f"const float kz_m{i} = (float){a}m;",
+            f"const float kz_r{i} = (float)(1.0 / sqrt(({a}v > 0.0 ? {a}v : 0.0) + {eps!r}));",
         ]
-    if e.op is Op.RMSNORM:
-        eps, has_w = e.arg
-        full[i] = f"(v{x} * kz_r{i}" + (f" * v{e.src[1]})" if has_w else ")")
-        return [
-            _Pass(
-                [x],
-                [f"{at} {a} = 0;"],
-                [f"{a} += v{x} * v{x};"],
-                [f"reduction(+: {a})"],
-                [
-                    f"const {ct} kz_r{i} = ({ct})1 / kz_sqrt(({ct})({n} ? {a} / ({at}){n} : ({at})0) + "
-                    f"{lit(eps, e.dtype)});"
-                ],
-            )
-        ]
-    if e.op is Op.LAYERNORM:
-        eps, has_w, has_b = e.arg
-        y = f"(v{x} - kz_m{i}) * kz_r{i}"
-        if has_w:
-            y += f" * v{e.src[1]}"
-        if has_b:
-            y += f" + v{e.src[1 + has_w]}"
-        full[i] = f"({y})"
-        if ct == "float":
-            # one statistics pass: sum and sum of squares in double (var = E[x^2] - E[x]^2 keeps f32
-            # accuracy in double unless |mean| / std exceeds ~1e6), so the row is read twice, not three times
-            return [
-                _Pass(
-                    [x],
-                    [f"double {a} = 0;", f"double {a}q = 0;"],
-                    [f"{a} += v{x};", f"{a}q += (double)v{x} * (double)v{x};"],
-                    [f"reduction(+: {a})", f"reduction(+: {a}q)"],
-                    [
-                        f"const double {a}m = {n} ? {a} / (double){n} : 0.0;",
-                        f"const double {a}v = {n} ? {a}q / (double){n} - {a}m * {a}m : 0.0;",
-                        f"const float kz_m{i} = (float){a}m;",
-                        f"const float kz_r{i} = (float)(1.0 / sqrt(({a}v > 0.0 ? {a}v : 0.0) + {eps!r}));",
-                    ],
-                )
-            ]
-        return [
-            _Pass(
-                [x],
-                [f"{at} {a} = 0;"],
-                [f"{a} += v{x};"],
-                [f"reduction(+: {a})"],
-                [f"const {ct} kz_m{i} = ({ct})({n} ? {a} / ({at}){n} : ({at})0);"],
-            ),
-            _Pass(
-                [x],
-                [f"{at} {a}q = 0;"],
-                [f"const {ct} {a}d = v{x} - kz_m{i};", f"{a}q += {a}d * {a}d;"],
-                [f"reduction(+: {a}q)"],
-                [
-                    f"const {ct} kz_r{i} = ({ct})1 / kz_sqrt(({ct})({n} ? {a}q / ({at}){n} : ({at})0) + "
-                    f"{lit(eps, e.dtype)});"
-                ],
-            ),
-        ]
-    if e.op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
-        update = [f"{a}s += kz_exp_neg(v{x} - kz_m{i});"]
-        decl = [f"{at} {a}s = 0;"]
-        if e.op is Op.SOFTMAX and w.scratch_slots < SCRATCH_SLOTS:
-            # the sum pass keeps exp(x - max) in a per-thread scratch row (in cache): the write pass
-            # scales it instead of computing exp again, which is what bounds softmax on the CPU
-            pos = _row_pos(w, split)
-            decl.append(f"{ct}* __restrict {a}w = kz_scratch<{ct}>({w.scratch_slots}, {n});")
-            update = [
-                f"const {ct} {a}e = kz_exp_neg(v{x} - kz_m{i});",
-                f"{a}w[{pos}] = {a}e;",
-                f"{a}s += {a}e;",
-            ]
-            full[i] = f"({a}w[{pos}] * kz_r{i})"
-            w.scratch_slots += 1
-            fin = f"const {ct} kz_r{i} = ({ct})(1 / {a}s);"
-        elif e.op is Op.SOFTMAX:
-            full[i] = f"(kz_exp_neg(v{x} - kz_m{i}) * kz_r{i})"
-            fin = f"const {ct} kz_r{i} = ({ct})(1 / {a}s);"
-        else:
-            full[i] = f"((v{x} - kz_m{i}) - kz_r{i})"
-            fin = f"const {ct} kz_r{i} = ({ct})kz_log({a}s);"
-        return [
-            _Pass(
-                [x],
-                [f"{ct} {a} = {lit(float('-inf'), e.dtype)};", f"int {a}n = 0;"],
-                [f"{a} = v{x} > {a} ? v{x} : {a};", f"{a}n |= v{x} != v{x};"],
-                [f"reduction(max: {a})", f"reduction(|: {a}n)"],
-                [f"const {ct} kz_m{i} = {a}n ? ({ct})NAN : {a};"],
-            ),
-            _Pass([x], decl, update, [f"reduction(+: {a}s)"], [fin]),
-        ]
-    raise NotImplementedError(f"cpu backend: no row statistics for {e.op}")
+        decl, upd = (
+            [f"double {a} = 0;", f"double {a}q = 0;"],
+            [f"{a} += v{x};", f"{a}q += (double)v{x} * (double)v{x};"],
+        )
+        return [_Pass([x], decl, upd, [f"reduction(+: {a})", f"reduction(+: {a}q)"], final)]
+    mean = _Pass(
+        [x],
+        [f"{c.at} {a} = 0;"],
+        [f"{a} += v{x};"],
+        [f"reduction(+: {a})"],
+        [f"const {ct} kz_m{i} = ({ct}){c.mean(a)};"],
+    )
+    upd = [f"const {ct} {a}d = v{x} - kz_m{i};", f"{a}q += {a}d * {a}d;"]
+    var = _Pass([x], [f"{c.at} {a}q = 0;"], upd, [f"reduction(+: {a}q)"], [c.inv_std(f"{a}q", eps)])
+    return [mean, var]
+
+
+def _softmax(c: _Stat) -> list[_Pass]:
+    a, x, i, ct, w = c.a, c.x, c.i, c.ct, c.w
+    update = [f"{a}s += kz_exp_neg(v{x} - kz_m{i});"]
+    decl = [f"{c.at} {a}s = 0;"]
+    fin = f"const {ct} kz_r{i} = ({ct})(1 / {a}s);"
+    if c.e.op is Op.SOFTMAX and w.scratch_slots < SCRATCH_SLOTS:
+        # the sum pass keeps exp(x - max) in a per-thread scratch row (in cache): the write pass
+        # scales it instead of computing exp again, which is what bounds softmax on the CPU
+        pos = _row_pos(w, c.split)
+        decl.append(f"{ct}* __restrict {a}w = kz_scratch<{ct}>({w.scratch_slots}, {_N});")
+        update = [f"const {ct} {a}e = kz_exp_neg(v{x} - kz_m{i});", f"{a}w[{pos}] = {a}e;", f"{a}s += {a}e;"]
+        c.full[i] = f"({a}w[{pos}] * kz_r{i})"
+        w.scratch_slots += 1
+    elif c.e.op is Op.SOFTMAX:
+        c.full[i] = f"(kz_exp_neg(v{x} - kz_m{i}) * kz_r{i})"
+    else:
+        c.full[i] = f"((v{x} - kz_m{i}) - kz_r{i})"
+        fin = f"const {ct} kz_r{i} = ({ct})kz_log({a}s);"
+    return [_nan_extreme(c, "max", f"kz_m{i}"), _Pass([x], decl, update, [f"reduction(+: {a}s)"], [fin])]
+
+
+# the row statistics each reduction and row op needs, written as passes
+_STATS: dict[Op, Callable[[_Stat], list[_Pass]]] = {
+    Op.SUM: _sum,
+    Op.MEAN: _sum,
+    Op.PROD: _sum,
+    Op.REDUCE_MAX: _extreme,
+    Op.REDUCE_MIN: _extreme,
+    Op.ARGMAX: _arg,
+    Op.ARGMIN: _arg,
+    Op.RMSNORM: _rmsnorm,
+    Op.LAYERNORM: _layernorm,
+    Op.SOFTMAX: _softmax,
+    Op.LOG_SOFTMAX: _softmax,
+}
 
 
 def _loop(w, split: int, simd: bool, clauses: list[str], body: list[str]) -> list[str]:

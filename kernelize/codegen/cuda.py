@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -77,64 +77,35 @@ def _acc_type(r: CudaRenderer, dtype: DType) -> str:
 
 @dataclass(frozen=True)
 class _Stat:
-    acc: Callable[[CudaRenderer, Compute, DType], str]  # accumulator C type (given the source dtype)
+    acc: str  # accumulator C type; {at} (sum accumulation type of the source), {st} (source C type)
     update: str  # update expression; {acc}, {x} (source value), {j} (row index)
     finish: str  # statements after the block reduction; {acc}, {v} (value name), {ct} (result C type), {k}
     elem: str | None = None  # element formula of a row op; {x}, {k}, plus operand names
 
 
+_SUM, _ONE = "{acc}.add(({at}){x})", "{acc}.add({x})"
 _STATS: dict[Op, _Stat] = {
-    Op.SUM: _Stat(
-        lambda r, e, s: f"KzSum<{_acc_type(r, s)}>",
-        "{acc}.add(({at}){x})",
-        "const {ct} {v} = kz_cvt<{ct}>({acc}.v);",
-    ),
-    Op.MEAN: _Stat(
-        lambda r, e, s: f"KzSum<{_acc_type(r, s)}>",
-        "{acc}.add(({at}){x})",
-        "const {ct} {v} = ({ct})({acc}.v / ({at})rowlen);",
-    ),
-    Op.PROD: _Stat(
-        lambda r, e, s: f"KzProd<{_acc_type(r, s)}>",
-        "{acc}.add(({at}){x})",
-        "const {ct} {v} = kz_cvt<{ct}>({acc}.v);",
-    ),
-    Op.REDUCE_MAX: _Stat(
-        lambda r, e, s: f"KzExt<{r.ctype(s)}, true>", "{acc}.add({x})", "const {ct} {v} = {acc}.v;"
-    ),
-    Op.REDUCE_MIN: _Stat(
-        lambda r, e, s: f"KzExt<{r.ctype(s)}, false>", "{acc}.add({x})", "const {ct} {v} = {acc}.v;"
-    ),
-    Op.ARGMAX: _Stat(
-        lambda r, e, s: f"KzArg<{r.ctype(s)}, true>",
-        "{acc}.add({x}, (long long)j)",
-        "const {ct} {v} = ({ct}){acc}.i;",
-    ),
-    Op.ARGMIN: _Stat(
-        lambda r, e, s: f"KzArg<{r.ctype(s)}, false>",
-        "{acc}.add({x}, (long long)j)",
-        "const {ct} {v} = ({ct}){acc}.i;",
-    ),
+    Op.SUM: _Stat("KzSum<{at}>", _SUM, "const {ct} {v} = kz_cvt<{ct}>({acc}.v);"),
+    Op.MEAN: _Stat("KzSum<{at}>", _SUM, "const {ct} {v} = ({ct})({acc}.v / ({at})rowlen);"),
+    Op.PROD: _Stat("KzProd<{at}>", _SUM, "const {ct} {v} = kz_cvt<{ct}>({acc}.v);"),
+    Op.REDUCE_MAX: _Stat("KzExt<{st}, true>", _ONE, "const {ct} {v} = {acc}.v;"),
+    Op.REDUCE_MIN: _Stat("KzExt<{st}, false>", _ONE, "const {ct} {v} = {acc}.v;"),
+    Op.ARGMAX: _Stat("KzArg<{st}, true>", "{acc}.add({x}, (long long)j)", "const {ct} {v} = ({ct}){acc}.i;"),
+    Op.ARGMIN: _Stat("KzArg<{st}, false>", "{acc}.add({x}, (long long)j)", "const {ct} {v} = ({ct}){acc}.i;"),
     Op.SOFTMAX: _Stat(
-        lambda r, e, s: f"KzSoftmax<{r.ctype(s)}>",
-        "{acc}.add({x})",
-        "const {ct} m{k} = {acc}.m, s{k} = {acc}.s;",
-        "(kz_exp({x} - m{k}) / s{k})",
+        "KzSoftmax<{st}>", _ONE, "const {ct} m{k} = {acc}.m, s{k} = {acc}.s;", "(kz_exp({x} - m{k}) / s{k})"
     ),
     Op.LOG_SOFTMAX: _Stat(
-        lambda r, e, s: f"KzSoftmax<{r.ctype(s)}>",
-        "{acc}.add({x})",
-        "const {ct} m{k} = {acc}.m, l{k} = kz_log({acc}.s);",
-        "(({x} - m{k}) - l{k})",
+        "KzSoftmax<{st}>", _ONE, "const {ct} m{k} = {acc}.m, l{k} = kz_log({acc}.s);", "(({x} - m{k}) - l{k})"
     ),
     Op.LAYERNORM: _Stat(
-        lambda r, e, s: f"KzWelford<{r.ctype(s)}>",
-        "{acc}.add({x})",
+        "KzWelford<{st}>",
+        _ONE,
         "const {ct} mu{k} = {acc}.mean, rs{k} = kz_rsqrt({acc}.m2 / {acc}.n + {eps});",
         "(({x} - mu{k}) * rs{k})",
     ),
     Op.RMSNORM: _Stat(
-        lambda r, e, s: f"KzSum<{r.ctype(s)}>",
+        "KzSum<{st}>",
         "{acc}.add({x} * {x})",
         "const {ct} rs{k} = kz_rsqrt({acc}.v / ({ct})rowlen + {eps});",
         "({x} * rs{k})",
@@ -321,6 +292,34 @@ class _Gen:
         )
         return src, block
 
+    def stat_pass(self, i: int, e: Compute, idx: list[str], inv: list[bool], inner_index: str) -> str:
+        """One statistic of a row: a block-strided loop over the row, then a block reduction."""
+        r, ind, ind2 = self.r, " " * 4, " " * 6
+        src_dtype = self.k.body[e.src[0]].dtype
+        spec = _STATS[e.op]
+        acc = f"acc{i}"
+        fmt = {
+            "acc": acc,
+            "x": f"v{e.src[0]}",
+            "k": i,
+            "v": f"v{i}",
+            "ct": r.ctype(e.dtype),
+            "at": _acc_type(r, src_dtype),
+            "eps": r.literal(e.arg[0], e.dtype) if e.op in (Op.LAYERNORM, Op.RMSNORM) else "",
+            "j": "j",
+        }
+        acc_t = spec.acc.format(at=fmt["at"], st=r.ctype(src_dtype))
+        return fill(
+            load_template("cuda_row_pass.cu"),
+            PASS=str(i),
+            WHAT=f"v{i} = {e.op}(v{e.src[0]})",
+            ACC_DECL=f"{acc_t} {acc} = {acc_t}::init();",
+            INNER_INDEX=inner_index,
+            BODY="\n".join(ind2 + self.value(j, idx) for j in closure(self.k, [e.src[0]], inv)),
+            UPDATE=f"{ind2}{acc} = " + spec.update.format(**fmt) + ";",
+            FINISH=f"{ind}{acc} = kz_block_reduce({acc});\n{ind}" + spec.finish.format(**fmt),
+        ).rstrip("\n")
+
     def row(self) -> tuple[str, int]:
         k, r = self.k, self.r
         outer, inner = k.domain[: self.rank - k.row_rank], k.domain[self.rank - k.row_rank :]
@@ -332,37 +331,10 @@ class _Gen:
         inner_index = self.decompose("j", inner, idx[len(outer) :], ind2)
         lines: list[str] = []
         for i, e in enumerate(k.body):
-            stat = isinstance(e, Compute) and (e.op in REDUCE or e.op in ROW)
-            if not stat:
-                if inv[i]:
-                    lines.append(ind + self.value(i, idx))
-                continue
-            src_dtype = k.body[e.src[0]].dtype
-            spec = _STATS[e.op]
-            acc, ct = f"acc{i}", r.ctype(e.dtype)
-            fmt = {
-                "acc": acc,
-                "x": f"v{e.src[0]}",
-                "k": i,
-                "v": f"v{i}",
-                "ct": ct,
-                "at": _acc_type(r, src_dtype),
-                "eps": r.literal(e.arg[0], e.dtype) if e.op in (Op.LAYERNORM, Op.RMSNORM) else "",
-                "j": "j",
-            }
-            acc_t = spec.acc(r, e, src_dtype)
-            lines.append(
-                fill(
-                    load_template("cuda_row_pass.cu"),
-                    PASS=str(i),
-                    WHAT=f"v{i} = {e.op}(v{e.src[0]})",
-                    ACC_DECL=f"{acc_t} {acc} = {acc_t}::init();",
-                    INNER_INDEX=inner_index,
-                    BODY="\n".join(ind2 + self.value(j, idx) for j in closure(k, [e.src[0]], inv)),
-                    UPDATE=f"{ind2}{acc} = " + spec.update.format(**fmt) + ";",
-                    FINISH=f"{ind}{acc} = kz_block_reduce({acc});\n{ind}" + spec.finish.format(**fmt),
-                ).rstrip("\n")
-            )
+            if isinstance(e, Compute) and (e.op in REDUCE or e.op in ROW):
+                lines.append(self.stat_pass(i, e, idx, inv, inner_index))
+            elif inv[i]:
+                lines.append(ind + self.value(i, idx))
         full_stores = [s for s in k.stores if not inv[s.value]]
         if full_stores:
             lines.append(f"{ind}// output pass")

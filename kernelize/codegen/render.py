@@ -32,6 +32,11 @@ def call(name: str) -> RenderFn:
     return lambda r, e, a: f"{name}({', '.join(a)})"
 
 
+def float_call(name: str) -> RenderFn:
+    """``name(x)`` on floats; integers pass through (floor, ceil and round of an integer are itself)."""
+    return lambda r, e, a: f"{name}({a[0]})" if e.dtype.is_float else a[0]
+
+
 def _infix(sym: str) -> RenderFn:
     return lambda r, e, a: f"({a[0]} {sym} {a[1]})"
 
@@ -65,9 +70,9 @@ class Renderer:
         Op.SIGMOID: call("kz_sigmoid"),
         Op.ERF: call("kz_erf"),
         Op.SOFTPLUS: call("kz_softplus"),
-        Op.FLOOR: lambda r, e, a: f"kz_floor({a[0]})" if e.dtype.is_float else a[0],
-        Op.CEIL: lambda r, e, a: f"kz_ceil({a[0]})" if e.dtype.is_float else a[0],
-        Op.ROUND: lambda r, e, a: f"kz_round({a[0]})" if e.dtype.is_float else a[0],
+        Op.FLOOR: float_call("kz_floor"),
+        Op.CEIL: float_call("kz_ceil"),
+        Op.ROUND: float_call("kz_round"),
         Op.SIGN: call("kz_sign"),
         Op.NOT: lambda r, e, a: f"(!{a[0]})",
         Op.CAST: lambda r, e, a: r.cast(a[0], e.dtype),

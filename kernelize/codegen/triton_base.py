@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 from kernelize.autokernel.kernels import Compute
-from kernelize.codegen.render import Renderer, call
+from kernelize.codegen.render import Renderer, call, float_call
 from kernelize.ir.dtypes import HALF, DType, compute_dtype
 from kernelize.ir.graph import Op
 from kernelize.ir.shapes import Dim
@@ -84,9 +84,9 @@ class TritonRenderer(Renderer):
         Op.SIGMOID: call("tl.sigmoid"),
         Op.ERF: call("tl.math.erf"),
         Op.SOFTPLUS: call("kz_softplus"),
-        Op.FLOOR: lambda r, e, a: f"tl.floor({a[0]})" if e.dtype.is_float else a[0],
-        Op.CEIL: lambda r, e, a: f"tl.ceil({a[0]})" if e.dtype.is_float else a[0],
-        Op.ROUND: lambda r, e, a: f"kz_round({a[0]})" if e.dtype.is_float else a[0],
+        Op.FLOOR: float_call("tl.floor"),
+        Op.CEIL: float_call("tl.ceil"),
+        Op.ROUND: float_call("kz_round"),
         Op.SIGN: call("kz_sign"),
         Op.NOT: lambda r, e, a: f"({a[0]} == 0)",
         Op.CLAMP: _clamp,

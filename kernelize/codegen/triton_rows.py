@@ -62,6 +62,48 @@ def row_block(kernel: Kernel, size: int) -> int:
     return max(1, next_power_of_2(size))
 
 
+def _online_softmax(acc: str, v: str, x: str) -> tuple[list[str], list[str], list[str]]:
+    """Per lane a running max and a sum of exponentials rescaled to it; then both over the lanes."""
+    init = [
+        f'    {acc}_m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)',
+        f"    {acc}_s = tl.zeros([BLOCK], dtype=tl.float32)",
+    ]
+    step = [
+        f'        xm = tl.where(mask, {x}, float("-inf"))',
+        f"        new_m = tl.maximum({acc}_m, xm)",
+        '        safe = tl.where(new_m == float("-inf"), 0.0, new_m)',
+        f"        {acc}_s = {acc}_s * tl.exp({acc}_m - safe) + tl.exp(xm - safe)",
+        f"        {acc}_m = new_m",
+    ]
+    fin = [
+        f"    {v}_m = tl.max({acc}_m, axis=0)",
+        f"    {v}_s = tl.sum({acc}_s * tl.exp({acc}_m - {v}_m), axis=0)",
+    ]
+    return init, step, fin
+
+
+def _arg_extreme(
+    is_max: bool, acc: str, v: str, x: str, lit: str, tl_dt: str
+) -> tuple[list[str], list[str], list[str]]:
+    """argmax / argmin: best value and first index per lane, then the first lane index of the best."""
+    better, pick = (">", "max") if is_max else ("<", "min")
+    init = [
+        f"    {acc}_v = tl.full([BLOCK], {lit}, dtype={tl_dt})",
+        f"    {acc}_i = tl.zeros([BLOCK], dtype=tl.int64)",
+    ]
+    step = [
+        f"        xm = tl.where(mask, {x}, {lit})",
+        f"        upd = xm {better} {acc}_v",
+        f"        {acc}_i = tl.where(upd, cols.to(tl.int64), {acc}_i)",
+        f"        {acc}_v = tl.where(upd, xm, {acc}_v)",
+    ]
+    fin = [
+        f"    {v}_best = tl.{pick}({acc}_v, axis=0)",
+        f"    {v} = tl.min(tl.where({acc}_v == {v}_best, {acc}_i, {2**62}), axis=0)",
+    ]
+    return init, step, fin
+
+
 def _lowest(r, dtype: DType) -> str:
     dtype = compute_dtype(dtype)
     return 'float("-inf")' if dtype.is_float else str(_IINFO[dtype][0])
@@ -252,21 +294,7 @@ class RowRenderer:
         fin: list[str]
         op = e.op
         if op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
-            init = [
-                f'    {acc}_m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)',
-                f"    {acc}_s = tl.zeros([BLOCK], dtype=tl.float32)",
-            ]
-            step = [
-                f'        xm = tl.where(mask, {x}, float("-inf"))',
-                f"        new_m = tl.maximum({acc}_m, xm)",
-                '        safe = tl.where(new_m == float("-inf"), 0.0, new_m)',
-                f"        {acc}_s = {acc}_s * tl.exp({acc}_m - safe) + tl.exp(xm - safe)",
-                f"        {acc}_m = new_m",
-            ]
-            fin = [
-                f"    {v}_m = tl.max({acc}_m, axis=0)",
-                f"    {v}_s = tl.sum({acc}_s * tl.exp({acc}_m - {v}_m), axis=0)",
-            ]
+            init, step, fin = _online_softmax(acc, v, x)
         elif op is Op.RMSNORM:
             init = [f"    {acc} = tl.zeros([BLOCK], dtype=tl.float32)"]
             step = [f"        {acc} += tl.where(mask, {x} * {x}, 0.0)"]
@@ -293,22 +321,8 @@ class RowRenderer:
             init = [f"    {acc} = tl.full([BLOCK], 1, dtype={tl_dt})"]
             step = [f"        {acc} *= tl.where(mask, {x}, {self.r.literal(1, dt)})"]
             fin = [f"    {v} = tl.reduce({acc}, 0, kz_mul)"]
-        else:  # argmax / argmin: best value and first index per lane, then the first lane index of the best
-            better, lit = (">", _lowest(self.r, dt)) if op is Op.ARGMAX else ("<", _highest(self.r, dt))
-            pick = "max" if op is Op.ARGMAX else "min"
-            init = [
-                f"    {acc}_v = tl.full([BLOCK], {lit}, dtype={tl_dt})",
-                f"    {acc}_i = tl.zeros([BLOCK], dtype=tl.int64)",
-            ]
-            step = [
-                f"        xm = tl.where(mask, {x}, {lit})",
-                f"        upd = xm {better} {acc}_v",
-                f"        {acc}_i = tl.where(upd, cols.to(tl.int64), {acc}_i)",
-                f"        {acc}_v = tl.where(upd, xm, {acc}_v)",
-            ]
-            fin = [
-                f"    {v}_best = tl.{pick}({acc}_v, axis=0)",
-                f"    {v} = tl.min(tl.where({acc}_v == {v}_best, {acc}_i, {2**62}), axis=0)",
-            ]
+        else:
+            lit = _lowest(self.r, dt) if op is Op.ARGMAX else _highest(self.r, dt)
+            init, step, fin = _arg_extreme(op is Op.ARGMAX, acc, v, x, lit, tl_dt)
         need = closure(self.k, [xi], self.inv)
         return [*init, *self._loop_head(), *self._loop_entries(need), *step, *fin]

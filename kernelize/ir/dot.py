@@ -115,11 +115,16 @@ def to_dot(graph: Graph, hide_constants: bool = False, title: str | None = None)
                 continue
             attr = f' [label="{k}", fontsize=8]' if len(n.src) > 1 and n.op not in ELEMENTWISE else ""
             lines.append(f"  n{graph.index(s)} -> n{graph.index(n)}{attr};")
+    return "\n".join(lines + closing_lines(graph))
+
+
+def closing_lines(graph: Graph) -> list[str]:
+    """The end of a graph's dot source: a marker per output, an edge to it, the closing brace."""
+    lines = []
     for k, o in enumerate(graph.outputs):
         lines.append(f'  out{k} [label="output {k}", shape=plaintext, style=""];')
         lines.append(f"  n{graph.index(o)} -> out{k};")
-    lines.append("}")
-    return "\n".join(lines)
+    return [*lines, "}"]
 
 
 def graph_to_svg(
@@ -161,4 +166,13 @@ def write_svg(path: str | Path, dot_text: str, caller: str, text_api: str) -> Pa
     return path
 
 
-__all__ = ["CATEGORIES", "category", "escape", "graph_to_svg", "node_label", "to_dot", "write_svg"]
+__all__ = [
+    "CATEGORIES",
+    "category",
+    "closing_lines",
+    "escape",
+    "graph_to_svg",
+    "node_label",
+    "to_dot",
+    "write_svg",
+]

@@ -17,6 +17,7 @@ import torch
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.onnx_context import Converter, NodeContext, to_dtype
+from kernelize.ir.shapes import Dim
 
 
 def _heads(g: Graph, x: Node, heads: int) -> Node:
@@ -97,7 +98,45 @@ def _attention(ctx: NodeContext):
     if past_k is not None:
         k, v = g.concat([past_k, k], 2), g.concat([past_v, v], 2)
     present_k, present_v = k, v
-    sq, skv = q.shape[2], k.shape[2]
+    bias = _bias(ctx, mask, nonpad, past_k, q.shape[2], k.shape[2], dtype)
+    heads_q, heads_k = q.shape[1], k.shape[1]
+    if heads_q != heads_k and heads_q % heads_k == 0 and v.shape[1] == heads_k:
+        k, v = (_repeat_heads(g, t, heads_q // heads_k) for t in (k, v))
+    qk = g.matmul(g.mul(q, s), g.mul(g.transpose(k), s))
+    softcap = ctx.attr("softcap", 0.0)
+    if softcap and softcap > 0:
+        qk = g.mul(g.tanh(g.div(qk, softcap)), softcap)
+    logits = qk if bias is None else g.add(qk, bias)
+    mode = ctx.attr("qk_matmul_output_mode", 0)
+    qk_out = logits if mode == 2 else qk
+    precision = ctx.attr("softmax_precision")
+    if precision is not None:
+        logits = g.cast(logits, to_dtype(precision, "softmax_precision"))
+    probs = _masked_softmax(g, logits)
+    if bias is not None:  # a row whose bias is all -inf attends to nothing: zero it (as the reference)
+        dead = g.eq(g.reduce(Op.REDUCE_MAX, bias, -1, keepdim=True), -math.inf)
+        probs = g.where(dead, g.scalar(0, probs.dtype), probs)
+    if mode == 3:
+        qk_out = probs
+    y = g.matmul(g.cast(probs, dtype), v)
+    if rank3:
+        y = g.permute(y, (0, 2, 1, 3))
+        y = g.view(y, (y.shape[0], y.shape[1], -1))
+    return y, present_k, present_v, g.cast(qk_out, dtype)
+
+
+def _bias(
+    ctx: NodeContext,
+    mask: Node | None,
+    nonpad: Node | None,
+    past_k: Node | None,
+    sq: Dim,
+    skv: Dim,
+    dtype: DType,
+) -> Node | None:
+    """The additive bias of the logits: the mask, the causal frontier, the window, the padding (None: no
+    bias)."""
+    g = ctx.g
     left, right = ctx.attr("left_window_size", -1), ctx.attr("right_window_size", -1)
     windowed = left >= 0 or right >= 0
     if mask is not None:
@@ -128,30 +167,7 @@ def _attention(ctx: NodeContext):
         )
         pad_bias = g.where(keep, g.scalar(0, dtype), g.scalar(-math.inf, dtype))
         bias = pad_bias if bias is None else g.add(bias, pad_bias)
-    heads_q, heads_k = q.shape[1], k.shape[1]
-    if heads_q != heads_k and heads_q % heads_k == 0 and v.shape[1] == heads_k:
-        k, v = (_repeat_heads(g, t, heads_q // heads_k) for t in (k, v))
-    qk = g.matmul(g.mul(q, s), g.mul(g.transpose(k), s))
-    softcap = ctx.attr("softcap", 0.0)
-    if softcap and softcap > 0:
-        qk = g.mul(g.tanh(g.div(qk, softcap)), softcap)
-    logits = qk if bias is None else g.add(qk, bias)
-    mode = ctx.attr("qk_matmul_output_mode", 0)
-    qk_out = logits if mode == 2 else qk
-    precision = ctx.attr("softmax_precision")
-    if precision is not None:
-        logits = g.cast(logits, to_dtype(precision, "softmax_precision"))
-    probs = _masked_softmax(g, logits)
-    if bias is not None:  # a row whose bias is all -inf attends to nothing: zero it (as the reference)
-        dead = g.eq(g.reduce(Op.REDUCE_MAX, bias, -1, keepdim=True), -math.inf)
-        probs = g.where(dead, g.scalar(0, probs.dtype), probs)
-    if mode == 3:
-        qk_out = probs
-    y = g.matmul(g.cast(probs, dtype), v)
-    if rank3:
-        y = g.permute(y, (0, 2, 1, 3))
-        y = g.view(y, (y.shape[0], y.shape[1], -1))
-    return y, present_k, present_v, g.cast(qk_out, dtype)
+    return bias
 
 
 def _masked_softmax(g: Graph, x: Node) -> Node:

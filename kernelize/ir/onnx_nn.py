@@ -552,66 +552,18 @@ def _resize_axis(
 
 
 def _resize(ctx: NodeContext) -> Node:
-    g, x = ctx.g, ctx.x(0)
-    upsample = ctx.op_type == "Upsample"
+    x = ctx.x(0)
     mode = ctx.attr("mode", "nearest")
     mode = "linear" if mode in ("bilinear", "trilinear") else mode
     if mode not in ("nearest", "linear", "cubic"):
         raise ctx.unsupported(f"Resize mode {mode!r}")
     if ctx.attr("antialias", 0) and mode != "nearest":
         raise ctx.unsupported("Resize with antialias")
-    roi = scales = sizes = None
-    if upsample or ctx.opset < 11:
-        if ctx.opset < 9:
-            scales = ctx.attr("scales")
-        else:
-            given = ctx.const(1)
-            scales = None if given is None else [float(v) for v in given.reshape(-1).tolist()]
-        if scales is None:
-            raise ctx.unsupported("Resize/Upsample with scales known only at run time")
-        ctm, nearest_mode = "asymmetric", "floor"
-    else:
-        ctm = ctx.attr("coordinate_transformation_mode", "half_pixel")
-        nearest_mode = ctx.attr("nearest_mode", "round_prefer_floor")
-        roi = ctx.const(1).double().numpy() if ctx.has(1) and ctx.const(1) is not None else None
-        if ctx.has(2) and ctx.const(2) is not None and ctx.const(2).numel():
-            scales = [float(v) for v in ctx.const(2).reshape(-1).tolist()]
-        elif ctx.has(3):
-            sizes = ctx.ints(3, "sizes")
-        else:
-            raise ctx.unsupported("Resize with scales known only at run time")
+    roi, scales, sizes, ctm, nearest_mode = _resize_inputs(ctx)
     if not x.dtype.is_float and mode != "nearest":
         raise ctx.unsupported(f"{mode} Resize of {x.dtype}")
+    axes, full_scales, full_sizes, full_roi = _resize_targets(ctx, x, roi, scales, sizes)
     r = x.rank
-    axes = [normalize_axis(a, r) for a in (ctx.attr("axes") or range(r))]
-    full_scales = [1.0] * r
-    full_sizes = list(x.shape)
-    for i, a in enumerate(axes):
-        if scales is not None:
-            full_scales[a] = scales[i]
-        if sizes is not None:
-            full_sizes[a] = sizes[i]
-    if roi is not None and roi.size:
-        full_roi = [0.0] * r + [1.0] * r
-        for i, a in enumerate(axes):
-            full_roi[a], full_roi[r + a] = roi[i], roi[len(axes) + i]
-    else:
-        full_roi = None
-    for a in [a for a in axes if isinstance(x.shape[a], Sym)]:  # a symbolic dim may only keep its size
-        trivial_roi = full_roi is None or (full_roi[a], full_roi[a + r]) == (0.0, 1.0)
-        if sizes is not None or full_scales[a] != 1.0 or not trivial_roi:
-            raise ctx.unsupported(f"resizing symbolic dimension {x.shape[a]}")
-        axes.remove(a)
-    if sizes is not None:
-        full_scales = [full_sizes[a] / x.shape[a] for a in range(r)]
-        policy = ctx.attr("keep_aspect_ratio_policy", "stretch")
-        if policy != "stretch":
-            pick = min if policy == "not_larger" else max
-            s = pick(full_scales[a] for a in axes)
-            full_scales = [s if a in axes else 1.0 for a in range(r)]
-            full_sizes = [int(s * x.shape[a] + 0.5) if a in axes else x.shape[a] for a in range(r)]
-    else:
-        full_sizes = [int(full_scales[a] * x.shape[a]) if a in axes else x.shape[a] for a in range(r)]
     for a in axes:
         roi_a = None if full_roi is None else (full_roi[a], full_roi[a + r])
         if (
@@ -621,7 +573,7 @@ def _resize(ctx: NodeContext) -> Node:
         ):
             continue
         x = _resize_axis(
-            g,
+            ctx.g,
             x,
             a,
             full_scales[a],
@@ -635,6 +587,67 @@ def _resize(ctx: NodeContext) -> Node:
             nearest_mode,
         )
     return x
+
+
+def _resize_inputs(
+    ctx: NodeContext,
+) -> tuple[np.ndarray | None, list[float] | None, list[int] | None, str, str]:
+    """``(roi, scales, sizes, coordinate_transformation_mode, nearest_mode)`` of a Resize / Upsample node,
+    across the opsets' spellings."""
+    if ctx.op_type == "Upsample" or ctx.opset < 11:
+        if ctx.opset < 9:
+            scales = ctx.attr("scales")
+        else:
+            given = ctx.const(1)
+            scales = None if given is None else [float(v) for v in given.reshape(-1).tolist()]
+        if scales is None:
+            raise ctx.unsupported("Resize/Upsample with scales known only at run time")
+        return None, scales, None, "asymmetric", "floor"
+    ctm = ctx.attr("coordinate_transformation_mode", "half_pixel")
+    nearest_mode = ctx.attr("nearest_mode", "round_prefer_floor")
+    roi = ctx.const(1).double().numpy() if ctx.has(1) and ctx.const(1) is not None else None
+    if ctx.has(2) and ctx.const(2) is not None and ctx.const(2).numel():
+        return roi, [float(v) for v in ctx.const(2).reshape(-1).tolist()], None, ctm, nearest_mode
+    if ctx.has(3):
+        return roi, None, ctx.ints(3, "sizes"), ctm, nearest_mode
+    raise ctx.unsupported("Resize with scales known only at run time")
+
+
+def _resize_targets(
+    ctx: NodeContext, x: Node, roi: np.ndarray | None, scales: list[float] | None, sizes: list[int] | None
+) -> tuple[list[int], list[float], list, list[float] | None]:
+    """``(axes, scale per axis, size per axis, full roi)`` over all of ``x``'s axes; symbolic axes must
+    keep their size and are dropped from ``axes``."""
+    r = x.rank
+    axes = [normalize_axis(a, r) for a in (ctx.attr("axes") or range(r))]
+    full_scales = [1.0] * r
+    full_sizes = list(x.shape)
+    for i, a in enumerate(axes):
+        if scales is not None:
+            full_scales[a] = scales[i]
+        if sizes is not None:
+            full_sizes[a] = sizes[i]
+    full_roi = None
+    if roi is not None and roi.size:
+        full_roi = [0.0] * r + [1.0] * r
+        for i, a in enumerate(axes):
+            full_roi[a], full_roi[r + a] = roi[i], roi[len(axes) + i]
+    for a in [a for a in axes if isinstance(x.shape[a], Sym)]:  # a symbolic dim may only keep its size
+        trivial_roi = full_roi is None or (full_roi[a], full_roi[a + r]) == (0.0, 1.0)
+        if sizes is not None or full_scales[a] != 1.0 or not trivial_roi:
+            raise ctx.unsupported(f"resizing symbolic dimension {x.shape[a]}")
+        axes.remove(a)
+    if sizes is None:
+        full_sizes = [int(full_scales[a] * x.shape[a]) if a in axes else x.shape[a] for a in range(r)]
+        return axes, full_scales, full_sizes, full_roi
+    full_scales = [full_sizes[a] / x.shape[a] for a in range(r)]
+    policy = ctx.attr("keep_aspect_ratio_policy", "stretch")
+    if policy != "stretch":
+        pick = min if policy == "not_larger" else max
+        s = pick(full_scales[a] for a in axes)
+        full_scales = [s if a in axes else 1.0 for a in range(r)]
+        full_sizes = [int(s * x.shape[a] + 0.5) if a in axes else x.shape[a] for a in range(r)]
+    return axes, full_scales, full_sizes, full_roi
 
 
 NN_OPS: dict[str, Converter] = {

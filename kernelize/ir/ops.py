@@ -120,22 +120,7 @@ REDUCE = frozenset({Op.SUM, Op.MEAN, Op.REDUCE_MAX, Op.REDUCE_MIN, Op.PROD, Op.A
 # row ops: a reduction and its elementwise use in one op
 ROW = frozenset({Op.SOFTMAX, Op.LOG_SOFTMAX, Op.LAYERNORM, Op.RMSNORM})
 # unary ops defined on floats only
-FLOAT_ONLY = frozenset(
-    {
-        Op.EXP,
-        Op.LOG,
-        Op.SQRT,
-        Op.RSQRT,
-        Op.RECIPROCAL,
-        Op.SIN,
-        Op.COS,
-        Op.TANH,
-        Op.SIGMOID,
-        Op.ERF,
-        Op.SOFTPLUS,
-        Op.GELU,
-    }
-)
+FLOAT_ONLY = UNARY - {Op.ABS, Op.NEG, Op.FLOOR, Op.CEIL, Op.ROUND, Op.SIGN, Op.NOT, Op.CAST, Op.CLAMP}
 
 # mask kinds of an attention op: no mask, a boolean keep-mask, an additive float mask
 ATTENTION_MASKS = ("none", "bool", "add")

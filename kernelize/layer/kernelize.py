@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from .repos import RepositoryProtocol
+
 __all__ = ["KernelizeFallback", "kernelize"]
 
 logger = logging.getLogger(__name__)
@@ -161,35 +163,9 @@ def _decide(path: str, module: nn.Module, ctx: _Context) -> tuple[KernelChoice, 
     condition = getattr(cls, "kernel_condition", None)
     if condition is not None and not condition(module):
         return keep(FallbackReason.CONDITION, "the layer's condition returned False for this instance")
-    per_device = ctx.registry.get(layer_name)
-    if per_device is None:
-        return keep(FallbackReason.NO_LAYER, f"no kernel mapping for layer `{layer_name}`")
-    device_repos = per_device.get(ctx.device_type)
-    if device_repos is None:
-        registered = ", ".join(sorted(per_device))
-        return keep(
-            FallbackReason.NO_DEVICE, f"kernels are registered for {registered}, not {ctx.device_type}"
-        )
-    repos = device_repos.select(ctx.capability)
-    if repos is None:
-        ranges = ", ".join(str(entry) for entry in device_repos.entries)
-        if ctx.capability is None:
-            detail = (
-                f"the {ctx.device_type} capability is unknown (no such GPU visible to torch) and every "
-                f"kernel registered needs a capability range ({ranges}); "
-                f"set {CAPABILITY_ENV[ctx.device_type]}"
-            )
-        else:
-            detail = f"no registered capability range ({ranges}) contains capability {ctx.capability}"
-        return keep(FallbackReason.NO_COMPATIBLE_PROPERTIES, detail)
-    selected = select_repository(repos, ctx.mode)
-    if selected is None:
-        chain = " -> ".join(str(m) for m in MODE_FALLBACK_ORDER[ctx.mode])
-        registered = ", ".join(str(m) for m in repos)
-        return keep(
-            FallbackReason.NO_COMPATIBLE_MODE,
-            f"no kernel registered for the mode chain {chain} (registered: {registered})",
-        )
+    selected = _find_repository(layer_name, ctx)
+    if isinstance(selected[0], FallbackReason):
+        return keep(*selected)
     repo, repo_mode = selected
     choice = dataclasses.replace(choice, repository=str(repo), registered_mode=repo_mode)
     try:
@@ -217,6 +193,41 @@ def _decide(path: str, module: nn.Module, ctx: _Context) -> tuple[KernelChoice, 
             "The mapping registers %s for %s, but that kernel layer %s.", repo, repo_mode, mislabelled
         )
     return dataclasses.replace(choice, kernel_layer=layer.__qualname__), layer
+
+
+def _find_repository(
+    layer_name: str, ctx: _Context
+) -> tuple[RepositoryProtocol, Mode] | tuple[FallbackReason, str]:
+    """The repository and the mode it is registered for that serve ``layer_name`` on ``ctx``'s device
+    and mode, or why none does."""
+    per_device = ctx.registry.get(layer_name)
+    if per_device is None:
+        return FallbackReason.NO_LAYER, f"no kernel mapping for layer `{layer_name}`"
+    device_repos = per_device.get(ctx.device_type)
+    if device_repos is None:
+        registered = ", ".join(sorted(per_device))
+        return FallbackReason.NO_DEVICE, f"kernels are registered for {registered}, not {ctx.device_type}"
+    repos = device_repos.select(ctx.capability)
+    if repos is None:
+        ranges = ", ".join(str(entry) for entry in device_repos.entries)
+        if ctx.capability is None:
+            detail = (
+                f"the {ctx.device_type} capability is unknown (no such GPU visible to torch) and every "
+                f"kernel registered needs a capability range ({ranges}); "
+                f"set {CAPABILITY_ENV[ctx.device_type]}"
+            )
+        else:
+            detail = f"no registered capability range ({ranges}) contains capability {ctx.capability}"
+        return FallbackReason.NO_COMPATIBLE_PROPERTIES, detail
+    selected = select_repository(repos, ctx.mode)
+    if selected is None:
+        chain = " -> ".join(str(m) for m in MODE_FALLBACK_ORDER[ctx.mode])
+        registered = ", ".join(str(m) for m in repos)
+        return (
+            FallbackReason.NO_COMPATIBLE_MODE,
+            f"no kernel registered for the mode chain {chain} (registered: {registered})",
+        )
+    return selected
 
 
 def _check_permitted(choice: KernelChoice, ctx: _Context) -> None:

@@ -127,10 +127,8 @@ def inspect(model: nn.Module) -> dict[str, KernelChoice]:
     Example:
         >>> import torch.nn as nn
         >>> from kernelize.layer.decorators import use_kernel_forward_from_hub
-        >>> @use_kernel_forward_from_hub("Identity")
-        ... class Identity(nn.Module):
-        ...     def forward(self, x): return x
-        >>> inspect(nn.Sequential(Identity()))["0"].fallback
+        >>> Marked = use_kernel_forward_from_hub("Identity")(type("Marked", (nn.Identity,), {}))
+        >>> inspect(nn.Sequential(Marked()))["0"].fallback
         <FallbackReason.NOT_KERNELIZED: 'not_kernelized'>
     """
     choices: dict[str, KernelChoice] = {}

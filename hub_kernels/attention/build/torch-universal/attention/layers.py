@@ -35,7 +35,7 @@ def _forward(owner, q, k, v, mask, scale):
     if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)  # the model's f32 mask on 16-bit activations: the kernel adds it in f32
     try:
-        return attention.run(owner, q, k, v, attn_mask=mask, scale=scale)
+        return attention.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, owner=owner)
     except attention.AttentionUnsupported:
         return attention_math(q, k, v, mask, scale=scale)
 
