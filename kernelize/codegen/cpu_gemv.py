@@ -13,6 +13,10 @@ flattened):
   take the inner-product form; contiguous along N an axpy form; other strides a scalar loop.
 * more rows: torch runs each matmul (MKL / oneDNN: measured 2-7x faster than a generated row-at-a-time
   kernel at 256+ rows) into a temporary, and a generated pointwise kernel (the same epilogue) reads it.
+  bf16 / f16 operands on a CPU without 16-bit dot-product instructions (x86 without AVX512-BF16 / AMX,
+  see :func:`lowp_gemm_in_f32`) are widened to f32 for the GEMM and the product rounded back: torch's
+  16-bit GEMM falls back to a slow path there (measured 6.6x slower than widening, AVX2, 2048 x 512 x 1536)
+  and the result is the same up to summation order (both accumulate in f32, round once).
 
 Example:
     >>> ck = CpuBackend().compile(matmul_kernel)  # doctest: +SKIP
@@ -21,7 +25,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -186,22 +193,65 @@ def library_matmuls(k: Kernel, reads: Sequence[torch.Tensor], sizes: Mapping[str
         bv = _operand_view(
             reads[index[b.buffer]], b, (*dom[:-2], kk, dom[-1]), (*batch, rank, rank - 1), sizes
         )
-        if av.dtype == bv.dtype == dtype.torch:
+        if av.dtype == bv.dtype == dtype.torch and not lowp_gemm_in_f32(dtype):
             out.append(_matmul(av, bv, shared, dom))
-        else:  # mixed operands: the reference semantics, math in the accumulator type
+        else:  # mixed or slow 16-bit operands: the reference semantics, math in the accumulator type
             ct = torch.float64 if dtype is DType.F64 else torch.float32
-            out.append(_matmul(av.to(ct), bv.to(ct), shared, dom).to(dtype.torch))
+            out.append(_matmul(av, bv, shared, dom, ct).to(dtype.torch))
     return out
 
 
-def _matmul(av: torch.Tensor, bv: torch.Tensor, shared: bool, dom: Sequence[int]) -> torch.Tensor:
-    """``av @ bv`` row major over ``dom``. With weights shared by every batch index (a linear layer over
-    ``[B, H, W, C]``) it is one GEMM over all rows: torch.matmul of the broadcast operands would run a
-    batched GEMM of small matrices instead (measured 8x slower on ConvNeXt's MLPs)."""
+def _matmul(
+    av: torch.Tensor, bv: torch.Tensor, shared: bool, dom: Sequence[int], ct: torch.dtype | None = None
+) -> torch.Tensor:
+    """``av @ bv`` row major over ``dom``, in ``ct`` when given. With weights shared by every batch index (a
+    linear layer over ``[B, H, W, C]``) it is one GEMM over all rows: torch.matmul of the broadcast operands
+    would run a batched GEMM of small matrices instead (measured 8x slower on ConvNeXt's MLPs)."""
     if shared and av.dim() > 2:
-        flat = torch.matmul(av.reshape(-1, av.shape[-1]), bv[(0,) * (bv.dim() - 2)])
+        a2, b2 = av.reshape(-1, av.shape[-1]), bv[(0,) * (bv.dim() - 2)]
+        flat = torch.matmul(a2, b2) if ct is None else torch.matmul(a2.to(ct), b2.to(ct))
         return flat.reshape(tuple(dom))
-    return torch.matmul(av, bv).contiguous()
+    return (torch.matmul(av, bv) if ct is None else torch.matmul(av.to(ct), bv.to(ct))).contiguous()
 
 
-__all__ = ["library_matmuls", "render_gemv"]
+# CPU flags (Linux /proc/cpuinfo) of instructions that make torch's 16-bit GEMM fast
+_NATIVE_LOWP = {
+    DType.BF16: ("avx512_bf16", "amx_bf16", "bf16"),
+    DType.F16: ("avx512_fp16", "amx_fp16", "fphp"),
+}
+
+
+def lowp_gemm_in_f32(dtype: DType) -> bool:
+    """Whether a bf16 / f16 GEMM of more than a few rows runs in f32 on this CPU: when the CPU flags lack the
+    16-bit dot-product instructions (AVX512-BF16 / AMX on x86, BF16 / FP16 arithmetic on Arm).
+    ``KERNELIZE_CPU_LOWP_GEMM=f32`` or ``=native`` decides instead; without readable CPU flags, native.
+
+    Example:
+        >>> lowp_gemm_in_f32(DType.F32)
+        False
+    """
+    if dtype not in _NATIVE_LOWP:
+        return False
+    choice = os.environ.get("KERNELIZE_CPU_LOWP_GEMM", "").strip()
+    if choice in ("f32", "native"):
+        return choice == "f32"
+    if choice:
+        raise ValueError(f"KERNELIZE_CPU_LOWP_GEMM={choice!r}: expected `f32` or `native`")
+    flags = _cpu_flags()
+    return flags is not None and not any(f in flags for f in _NATIVE_LOWP[dtype])
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return None
+
+
+__all__ = ["library_matmuls", "lowp_gemm_in_f32", "render_gemv"]

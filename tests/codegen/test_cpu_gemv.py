@@ -179,3 +179,32 @@ def test_linear_over_image_rows_is_one_gemm_above_few_rows():
     g = linear_graph(("b", "h", "w"), 16, 24, DType.F32, "bias_gelu")
     for sizes in ({"b": 1, "h": 7, "w": 9}, {"b": 2, "h": 3, "w": 1}, {"b": 1, "h": 1, "w": 5}):
         check(g, inputs_for(g, sizes, gen), DType.F32)
+
+
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.F16])
+@pytest.mark.parametrize("choice", ["f32", "native"])
+def test_16bit_gemm_above_few_rows_widened_or_native(monkeypatch, dtype, choice):
+    """Above FEW_ROWS a bf16 / f16 GEMM runs widened to f32 (`f32`: the product equals torch's f32 GEMM of
+    the widened operands, rounded once) or in torch's 16-bit GEMM (`native`); both match the reference,
+    over shared weights on two row axes too."""
+    from kernelize.codegen.cpu_gemv import lowp_gemm_in_f32
+
+    monkeypatch.setenv("KERNELIZE_CPU_LOWP_GEMM", choice)
+    assert lowp_gemm_in_f32(dtype) is (choice == "f32")
+    gen = torch.Generator().manual_seed(4)
+    for rows, sizes in ((("m",), {"m": 40}), (("b", "s"), {"b": 2, "s": 20})):
+        g = linear_graph(rows, 96, 50, dtype, "none")
+        x, w = inputs_for(g, sizes, gen)
+        (got,) = compile_graph(g, backend="cpu", cache=False)(x, w)
+        widened = (x.float() @ w.float().T).to(dtype.torch)
+        if choice == "f32":
+            torch.testing.assert_close(got, widened, atol=0, rtol=0)
+        check(g, [x, w], dtype)
+
+
+def test_16bit_gemm_choice_rejects_unknown_values(monkeypatch):
+    from kernelize.codegen.cpu_gemv import lowp_gemm_in_f32
+
+    monkeypatch.setenv("KERNELIZE_CPU_LOWP_GEMM", "fast")
+    with pytest.raises(ValueError, match="KERNELIZE_CPU_LOWP_GEMM='fast'"):
+        lowp_gemm_in_f32(DType.BF16)
