@@ -387,8 +387,8 @@ def _run_eager(
         _note_ran(owner, entry)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         outs = hub_autograd.apply(entry.compiled, tensors)
-    else:
-        outs = entry.compiled(*tensors)
+    else:  # not tracing and no gradients: the checks of `CompiledGraph.__call__` are done
+        outs = entry.compiled.run(tensors)
     return outs[0] if entry.n_outputs == 1 else tuple(outs)
 
 

@@ -243,14 +243,35 @@ class CompiledGraph:
         self._strided = tuple(
             n not in graph.outputs and readers.get(n, set()) == {KernelKind.ATTENTION} for n in graph.inputs
         )
-        # (issue 6, CPU engineer) fresh large CPU outputs cost more in page faults than the kernels: the cpu
-        # backend's OutputPool hands a buffer out again once the caller has dropped it
+        # fresh large CPU outputs cost more in page faults than the kernels: the cpu backend's OutputPool
+        # hands a buffer out again once the caller has dropped it
         self._pool = None
         if backend == "cpu" and device.type == "cpu":
             from kernelize.codegen.cpu import OutputPool
 
             self._pool = OutputPool()
+        # one generated kernel from inputs to outputs (most hub layers): calls skip the buffer bookkeeping,
+        # which is most of a small call's cost (decode pays it for every layer of every token)
+        self._direct = self._direct_reads()
         _REGISTRY[self.key] = self
+
+    def _direct_reads(self) -> tuple[tuple[int | torch.Tensor, ...], tuple[int, ...]] | None:
+        """When the graph is one generated kernel that reads only inputs and constants and writes exactly
+        the graph's outputs: per kernel read, the input's index or the constant, and per output, the
+        index of the kernel write it is. Else None."""
+        if self.backend == "reference" or len(self._steps) != 1:
+            return None
+        step = self._steps[0]
+        k, outs = step.kernel, list(self.graph.outputs)
+        if step.library or step.operands or step.conv is not None or step.compiled is None:
+            return None
+        if set(k.writes) != set(outs) or len(set(outs)) != len(outs) or len(k.writes) != len(outs):
+            return None
+        where = {n: i for i, n in enumerate(self.graph.inputs)}
+        if any(o in where for o in outs) or not all(b in where or b in self._consts for b in k.reads):
+            return None
+        reads = tuple(where[b] if b in where else self._consts[b] for b in k.reads)
+        return reads, tuple(k.writes.index(o) for o in outs)
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         """Run on ``inputs`` (in ``graph.inputs`` order); returns the outputs as a list.
@@ -270,13 +291,14 @@ class CompiledGraph:
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The eager implementation behind the custom op."""
         bound = self._bind(inputs)
+        if self._direct is not None:
+            return self._run_direct(inputs, bound)
         env = bound.env
         if self.backend == "reference":
             return _no_alias(evaluate(self.graph, list(inputs)), inputs)
         vals: dict[Node, torch.Tensor] = dict(self._consts)
         strided = self._strided
         vals.update((n, t if s else t.contiguous()) for n, t, s in zip(self.graph.inputs, inputs, strided))
-        pool = self._pool
         for step, shapes, sizes, launch in zip(self._steps, bound.shapes, bound.sizes, bound.launch):
             k = step.kernel
             if step.conv is not None:
@@ -291,22 +313,31 @@ class CompiledGraph:
                     reads = [_materialize(s, vals, env) for s in k.node.src]
                 else:
                     reads = [vals[b] if b in vals else _materialize(b, vals, env) for b in k.reads]
-                if pool is not None:  # cpu backend: recycle large buffers the caller dropped
-                    writes = [pool.empty(b, shape, b.dtype.torch) for b, shape in zip(k.writes, shapes)]
-                else:
-                    writes = [
-                        torch.empty(shape, dtype=b.dtype.torch, device=self.device)
-                        for b, shape in zip(k.writes, shapes)
-                    ]
-                if launch and torch.autograd.profiler._is_profiler_enabled:
-                    with torch.profiler.record_function(_label(k)):  # a named row in the user's profile
-                        step.compiled.launch(reads, writes, sizes)
-                elif launch:
-                    step.compiled.launch(reads, writes, sizes)
+                writes = self._outputs(k, shapes)
+                if launch:
+                    _launch(step, reads, writes, sizes)
                 vals.update(zip(k.writes, writes))
             for b in step.free:
                 vals.pop(b, None)
         return _no_alias([_materialize(o, vals, env).contiguous() for o in self.graph.outputs], inputs)
+
+    def _run_direct(self, inputs: Sequence[torch.Tensor], bound: _Bound) -> list[torch.Tensor]:
+        """``run`` for a graph of one kernel from inputs to outputs: its outputs are fresh (or recycled
+        buffers nothing else holds), so they alias no input and need no copy."""
+        step, (direct, order) = self._steps[0], self._direct
+        reads = [inputs[r].contiguous() if isinstance(r, int) else r for r in direct]
+        writes = self._outputs(step.kernel, bound.shapes[0])
+        if bound.launch[0]:
+            _launch(step, reads, writes, bound.sizes[0])
+        return [writes[i] for i in order]
+
+    def _outputs(self, k: Kernel, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Buffers for what ``k`` writes; the cpu backend recycles large ones the caller dropped."""
+        if self._pool is not None:
+            return [self._pool.empty(b, shape, b.dtype.torch) for b, shape in zip(k.writes, shapes)]
+        return [
+            torch.empty(shape, dtype=b.dtype.torch, device=self.device) for b, shape in zip(k.writes, shapes)
+        ]
 
     def _grad_error(self, inputs: Sequence[torch.Tensor]) -> ValueError:
         """Outputs of generated kernels carry no autograd history: say so rather than drop the gradient."""
@@ -421,6 +452,16 @@ def _materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]
         stack.pop()
         vals[n] = EVAL[n.op](n, [vals[s] for s in n.src], env)
     return vals[node]
+
+
+def _launch(
+    step: _Step, reads: list[torch.Tensor], writes: list[torch.Tensor], sizes: Mapping[str, int]
+) -> None:
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(_label(step.kernel)):  # a named row in the user's profile
+            step.compiled.launch(reads, writes, sizes)
+    else:
+        step.compiled.launch(reads, writes, sizes)
 
 
 def _no_alias(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

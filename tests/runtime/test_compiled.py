@@ -245,6 +245,32 @@ def test_repeated_shapes_reuse_the_bindings_and_new_ones_are_still_checked():
     assert [tuple(o.shape) for o in cg(*xs)] == [(0, 32), (0, 32)]
 
 
+def test_one_kernel_graphs_take_the_direct_path_and_keep_the_output_rules():
+    """(perf) A graph of one generated kernel from inputs (and constants) to outputs skips the buffer
+    bookkeeping; graphs returning an input, one value twice or a view keep the general path's copies."""
+    g = _norm_graph()
+    cg = compile_graph(g, backend="cpu")
+    assert cg._direct is not None  # one row kernel writing both outputs
+    xs = [torch.randn(32, 5).t(), torch.randn(32)]  # a non-contiguous x
+    for a, b in zip(cg(*xs), evaluate(g, xs)):
+        torch.testing.assert_close(a, b)
+    c = Graph()
+    x = c.input("x", (B, 8), "f32")
+    c.output(c.add(x, c.const(torch.arange(8.0))))
+    cc = compile_graph(c, backend="cpu")
+    assert cc._direct is not None and any(isinstance(r, torch.Tensor) for r in cc._direct[0])
+    torch.testing.assert_close(cc(torch.ones(3, 8))[0], torch.ones(3, 8) + torch.arange(8.0))
+    twice = Graph()
+    x = twice.input("x", (B, 8), "f32")
+    y = twice.unary(Op.EXP, x)
+    twice.output(y, y, x)
+    ct = compile_graph(twice, backend="cpu")
+    assert ct._direct is None
+    x0 = torch.randn(2, 8)
+    a, b, same = ct(x0)
+    assert a.data_ptr() != b.data_ptr() and same.data_ptr() != x0.data_ptr() and torch.equal(same, x0)
+
+
 def _const_graph(value: float) -> tuple[Graph, torch.Tensor]:
     g = Graph()
     x = g.input("x", (256, 1024), "f32")
