@@ -79,7 +79,7 @@ def _unary(fn: Callable) -> Callable:
 
 
 def _slice(n: Node, xs, env) -> torch.Tensor:
-    # untouched axes keep (0, size, 1) and a symbolic size is a Sym: bind it (fix from issue 7, kernelize.hub)
+    # untouched axes keep (0, size, 1) and a symbolic size is a Sym: bind it
     return xs[0][tuple(slice(*bind((a, b), env), c) for a, b, c in n.arg)]
 
 

@@ -66,7 +66,7 @@ class KernelChoice:
     fallback: FallbackReason | None = None
     reason: str = ""
     # Later issues: add fields here (with defaults), e.g. the backend and the kernels that ran.
-    # issue 7 (kernelize.hub fills these in when a hub kernel layer's forward runs): the backend and the
+    # filled in by kernelize.hub when a hub kernel layer's forward runs: the backend and the
     # generated kernels (name, source hash) of the last call.
     backend: str | None = None
     kernels: tuple[tuple[str, str], ...] = ()
@@ -82,7 +82,7 @@ class KernelChoice:
         where = f"`{self.module_path or '<root>'}` ({self.replaced_class}, layer `{self.layer_name}`)"
         context = f"[device {self.device}, mode {self.mode}]"
         if self.fallback is None:
-            ran = ""  # issue 7: what ran, once the kernel layer has run (filled in by kernelize.hub)
+            ran = ""  # what ran, once the kernel layer has run (filled in by kernelize.hub)
             if self.backend is not None:
                 ran = f" ran on {self.backend}: " + (
                     ", ".join(f"{n}#{h[:8]}" for n, h in self.kernels) or "-"

@@ -133,7 +133,7 @@ def _build(graph: Graph, backend: str, device: torch.device, plan: Any) -> Compi
             from kernelize.autokernel.plan import plan as make_plan
         except ImportError as e:  # the planner ships separately; say so instead of a bare ImportError
             raise RuntimeError(f"compile_graph needs kernelize.autokernel.plan ({e}); pass plan=") from e
-        # (issue 6) a backend may ask for its own plan settings: the cpu backend leaves matmuls to torch
+        # a backend may ask for its own plan settings: the cpu backend leaves matmuls to torch
         plan = make_plan(graph, getattr(impl, "plan_settings", None))
     kernels = list(plan.kernels if hasattr(plan, "kernels") else plan)
     graph = getattr(plan, "graph", None) or graph
