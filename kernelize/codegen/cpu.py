@@ -509,60 +509,89 @@ class CpuBackend:
         return source, _launcher(fn, kernel)
 
     def _compile_matmul(self, kernel: Kernel) -> CompiledKernel:
-        """Few rows: the generated few-row kernel; more: torch's GEMM, then the epilogue kernel."""
-        from kernelize.autokernel.matmul import FEW_ROWS, epilogue_kernel, rows_of
-        from kernelize.codegen.cpu_gemv import library_matmuls
-
-        source, few = self._build(kernel)
-        epi, temps = epilogue_kernel(kernel)
-        epi_source, epi_launch = self._build(epi)
-        slots = [(b in temps, temps.index(b) if b in temps else kernel.reads.index(b)) for b in epi.reads]
-
-        def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
-            if rows_of(kernel, sizes) <= FEW_ROWS:
-                return few(reads, writes, sizes)
-            mms = library_matmuls(kernel, reads, sizes)
-            epi_launch([mms[i] if t else reads[i] for t, i in slots], writes, sizes)
-
-        both = f"{source}\n// more than {FEW_ROWS} rows: torch's matmul, then\n{epi_source}"
-        return CompiledKernel(kernel.name, self.name, both, launch, kernel)
+        epi, temps = _epilogue_of(kernel)
+        return _matmul_kernel(self.name, kernel, self._build(kernel), self._build(epi), epi, temps)
 
     def compile_many(self, kernels: Sequence[Kernel], progress: Callable[[int], None] | None = None):
         """Compile ``kernels`` as a few translation units (one per core) built in parallel.
 
         A compiler run costs ~0.3 s of start-up and prelude parsing before any kernel code, so dozens of
-        kernels in one unit build many times faster than one unit each; units of one graph share one
-        cache entry, so a warm start is one lookup per unit. ``progress(n)`` is called as units finish.
+        kernels in one unit build many times faster than one unit each (a matmul kernel brings its few-row
+        function and its epilogue); units of one graph share one cache entry, so a warm start is one lookup
+        per unit. Attention kernels build alone. ``progress(n)`` is called as kernels finish.
         """
         out: list[CompiledKernel | None] = [None] * len(kernels)
-        for i, k in enumerate(kernels):  # attention and matmul kernels build their own way: alone
-            if k.kind in (KernelKind.ATTENTION, KernelKind.MATMUL):
+        epilogues: dict[int, tuple[Kernel, tuple]] = {}
+        for i, k in enumerate(kernels):
+            if k.kind is KernelKind.ATTENTION:
                 out[i] = self.compile(k)
                 if progress is not None:
                     progress(1)
+            elif k.kind is KernelKind.MATMUL:
+                epilogues[i] = _epilogue_of(k)
         rest = [i for i, c in enumerate(out) if c is None]
         if not rest:
             return out
-        rendered = {i: render(kernels[i], self.renderer) for i in rest}
-        prelude = load_template("cpu_prelude.h")
+        parts = {i: [kernels[i]] + ([epilogues[i][0]] if i in epilogues else []) for i in rest}
+        rendered = {k.name: render(k, self.renderer) for i in rest for k in parts[i]}
         assert len({name for _, name in rendered.values()}) == len(rendered), "kernel names collide"
         units = max(1, min(os.cpu_count() or 1, len(rest), 4))
-        chunks = [rest[i::units] for i in range(units)]
+        shared = [load_template("cpu_prelude.h"), load_template("cpu_gemv.h")]
 
         def build(chunk: list[int]) -> tuple[list[int], Path]:
-            body = "\n".join(rendered[i][0].replace(prelude, "") for i in chunk)
-            return chunk, build_shared_object(prelude + body, f"{len(chunk)} kernels")
+            sources = [rendered[k.name][0] for i in chunk for k in parts[i]]
+            head = "".join(text for text in shared if any(text in src for src in sources))
+            body = []
+            for src in sources:
+                for text in shared:
+                    src = src.replace(text, "")
+                body.append(src)
+            return chunk, build_shared_object(head + "\n".join(body), f"{len(chunk)} kernels")
 
         with ThreadPoolExecutor(max_workers=units) as pool:
-            for chunk, path in pool.map(build, chunks):
+            for chunk, path in pool.map(build, [rest[i::units] for i in range(units)]):
                 lib = load(path)
                 for i in chunk:
-                    source, fn_name = rendered[i]
-                    source, launch = self._wrap(getattr(lib, fn_name), kernels[i], source)
-                    out[i] = CompiledKernel(kernels[i].name, self.name, source, launch, kernels[i])
+                    built = [
+                        self._wrap(getattr(lib, rendered[k.name][1]), k, rendered[k.name][0])
+                        for k in parts[i]
+                    ]
+                    if i in epilogues:
+                        epi, temps = epilogues[i]
+                        out[i] = _matmul_kernel(self.name, kernels[i], built[0], built[1], epi, temps)
+                    else:
+                        out[i] = CompiledKernel(kernels[i].name, self.name, *built[0], kernels[i])
                 if progress is not None:
                     progress(len(chunk))
         return out
+
+
+def _epilogue_of(kernel: Kernel) -> tuple[Kernel, tuple]:
+    """The pointwise kernel a matmul kernel runs after torch's GEMM (its own function name), and the
+    temporaries it reads."""
+    from kernelize.autokernel.matmul import epilogue_kernel
+
+    epi, temps = epilogue_kernel(kernel)
+    return replace(epi, name=f"{kernel.name}_epilogue"), temps
+
+
+def _matmul_kernel(backend: str, kernel: Kernel, few_built, epi_built, epi: Kernel, temps) -> CompiledKernel:
+    """A matmul kernel: up to FEW_ROWS rows the generated few-row function; more, torch's GEMM then the
+    epilogue function."""
+    from kernelize.autokernel.matmul import FEW_ROWS, rows_of
+    from kernelize.codegen.cpu_gemv import library_matmuls
+
+    (source, few), (epi_source, epi_launch) = few_built, epi_built
+    slots = [(b in temps, temps.index(b) if b in temps else kernel.reads.index(b)) for b in epi.reads]
+
+    def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
+        if rows_of(kernel, sizes) <= FEW_ROWS:
+            return few(reads, writes, sizes)
+        mms = library_matmuls(kernel, reads, sizes)
+        epi_launch([mms[i] if t else reads[i] for t, i in slots], writes, sizes)
+
+    both = f"{source}\n// more than {FEW_ROWS} rows: torch's matmul, then\n{epi_source}"
+    return CompiledKernel(kernel.name, backend, both, launch, kernel)
 
 
 __all__ = [
