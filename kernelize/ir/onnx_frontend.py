@@ -119,7 +119,9 @@ def _read(src: str | os.PathLike | bytes | onnx.ModelProto) -> tuple[onnx.ModelP
     if not model.HasField("graph") or not model.graph.output:
         raise ValueError(f"{where}: not an ONNX model (it has no graph outputs)")
     try:
-        if model.ByteSize() < 2**31 - 1:  # the checker cannot take protos over 2 GB in memory
+        if isinstance(src, (str, os.PathLike)):  # the checker reads the file: no re-serialising the proto
+            onnx.checker.check_model(str(src))
+        elif model.ByteSize() < 2**31 - 1:  # the checker cannot take protos over 2 GB in memory
             onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:
         raise ValueError(f"{where} fails the ONNX checker: {str(e).strip()}") from e

@@ -404,3 +404,16 @@ def test_op_table_covers_the_kyanite_set_and_the_extras():
     extras = """CastLike Size RMSNormalization Gelu LeakyRelu HardSigmoid HardSwish Neg Reciprocal Not Less
         Greater LessOrEqual GreaterOrEqual Range ArgMax Einsum Attention"""
     assert set((kyanite + extras).split()) <= set(OPS)
+
+
+def test_models_failing_the_onnx_checker_are_refused_from_a_file_bytes_or_a_proto(tmp_path):
+    """The checker runs on every source (on a file it reads the file itself: no re-serialised proto)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    node = helper.make_node("Relu", ["undefined"], ["y"])  # reads a value nothing defines
+    model = helper.make_model(helper.make_graph([node], "bad", [x], [y]))
+    path = tmp_path / "bad.onnx"
+    onnx.save(model, path)
+    for src in (path, str(path), model.SerializeToString(), model):
+        with pytest.raises(ValueError, match="fails the ONNX checker"):
+            load_onnx(src)
