@@ -207,11 +207,13 @@ def _matmul(
     """``av @ bv`` row major over ``dom``, in ``ct`` when given. With weights shared by every batch index (a
     linear layer over ``[B, H, W, C]``) it is one GEMM over all rows: torch.matmul of the broadcast operands
     would run a batched GEMM of small matrices instead (measured 8x slower on ConvNeXt's MLPs)."""
-    if shared and av.dim() > 2:
-        a2, b2 = av.reshape(-1, av.shape[-1]), bv[(0,) * (bv.dim() - 2)]
-        flat = torch.matmul(a2, b2) if ct is None else torch.matmul(a2.to(ct), b2.to(ct))
-        return flat.reshape(tuple(dom))
-    return (torch.matmul(av, bv) if ct is None else torch.matmul(av.to(ct), bv.to(ct))).contiguous()
+    flat = shared and av.dim() > 2
+    if flat:
+        av, bv = av.reshape(-1, av.shape[-1]), bv[(0,) * (bv.dim() - 2)]
+    if ct is not None:  # after the slice: a shared weight is widened once, not per batch index
+        av, bv = av.to(ct), bv.to(ct)
+    out = torch.matmul(av, bv)
+    return out.reshape(tuple(dom)) if flat else out.contiguous()
 
 
 # CPU flags (Linux /proc/cpuinfo) of instructions that make torch's 16-bit GEMM fast

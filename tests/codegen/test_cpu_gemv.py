@@ -16,6 +16,7 @@ import torch
 from kernelize.autokernel.kernels import Compute, KernelKind
 from kernelize.autokernel.matmul import FEW_ROWS
 from kernelize.autokernel.plan import PlanSettings, plan
+from kernelize.codegen.cpu_gemv import lowp_gemm_in_f32
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
 from kernelize.ir.reference import evaluate
@@ -187,8 +188,6 @@ def test_16bit_gemm_above_few_rows_widened_or_native(monkeypatch, dtype, choice)
     """Above FEW_ROWS a bf16 / f16 GEMM runs widened to f32 (`f32`: the product equals torch's f32 GEMM of
     the widened operands, rounded once) or in torch's 16-bit GEMM (`native`); both match the reference,
     over shared weights on two row axes too."""
-    from kernelize.codegen.cpu_gemv import lowp_gemm_in_f32
-
     monkeypatch.setenv("KERNELIZE_CPU_LOWP_GEMM", choice)
     assert lowp_gemm_in_f32(dtype) is (choice == "f32")
     gen = torch.Generator().manual_seed(4)
@@ -203,8 +202,6 @@ def test_16bit_gemm_above_few_rows_widened_or_native(monkeypatch, dtype, choice)
 
 
 def test_16bit_gemm_choice_rejects_unknown_values(monkeypatch):
-    from kernelize.codegen.cpu_gemv import lowp_gemm_in_f32
-
     monkeypatch.setenv("KERNELIZE_CPU_LOWP_GEMM", "fast")
     with pytest.raises(ValueError, match="KERNELIZE_CPU_LOWP_GEMM='fast'"):
         lowp_gemm_in_f32(DType.BF16)
