@@ -78,13 +78,14 @@ def call_fallback_reason(
     return None
 
 
-def note_fallback(module: torch.nn.Module, reason: str) -> None:
-    """Add `reason` to the module's `inspect` record (once per reason) and log it once."""
+def note_fallback(module: torch.nn.Module, reason: str, path: str = "eager attention") -> None:
+    """Add `path: reason` to the module's `inspect` record (once per reason) and log it once."""
     choice = recorded_choice(module)
-    if choice is None or reason in choice.notes or torch.compiler.is_compiling():
+    note = f"{path}: {reason}"
+    if choice is None or note in choice.notes or torch.compiler.is_compiling():
         return
-    record_choice(module, dataclasses.replace(choice, notes=(*choice.notes, f"eager attention: {reason}")))
-    logger.info("`%s` ran eager attention: %s", choice.module_path, reason)
+    record_choice(module, dataclasses.replace(choice, notes=(*choice.notes, note)))
+    logger.info("`%s` ran %s: %s", choice.module_path, path, reason)
 
 
 def attention_forward(

@@ -221,7 +221,8 @@ class CompiledGraph:
         for i, k in enumerate(kernels):
             for b in k.reads:
                 last[b] = i
-        keep = set(graph.inputs) | set(graph.outputs) | set(self._consts)
+        # outputs that are views keep the buffers they view alive until the outputs are materialised
+        keep = set(graph.inputs) | view_bases(graph.outputs) | set(self._consts)
         self._steps = [
             _Step(
                 k,
@@ -434,6 +435,20 @@ def _label(k: Kernel) -> str:
     """``kernelize::<kind>[<ops>]:<name>``: what a generated kernel computes, for profiler tables."""
     ops = sorted({str(e.op) for e in k.body if hasattr(e, "op")})
     return f"kernelize::{k.kind}[{','.join(ops)}]:{k.name}"
+
+
+def view_bases(nodes: Sequence[Node]) -> set[Node]:
+    """`nodes` and every node they view through layout ops (what materialising them reads)."""
+    seen: set[Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in LAYOUT:
+            stack.extend(n.src)
+    return seen
 
 
 def _materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:

@@ -63,6 +63,10 @@ def test_activation_without_gated_math_keeps_the_mlp_eager() -> None:
         assert not choice.uses_kernel and "'relu'" in choice.reason, str(choice)
         assert kernelize.inspect(fast)["model.norm"].uses_kernel
         assert_same_logits_and_tokens(eager, fast, ids, mask)
+        notes = kernelize.inspect(fast)["model.layers.0"].notes
+        assert notes == (
+            "submodules run their own forwards: mlp does not run the GatedMLP / FusedGatedMLP kernel layer",
+        ), notes
 
 
 def test_missing_attention_kernel_keeps_attention_eager(monkeypatch) -> None:
@@ -84,6 +88,7 @@ def test_sliding_window_beyond_the_window_runs_eager_attention() -> None:
         assert_same_logits_and_tokens(eager, fast, ids, mask)
         notes = attention_choice(fast).notes
         assert any("sliding-window attention over 11 keys (window 6)" in n for n in notes), notes
+        assert len(notes) == len(set(notes)), notes  # once per reason, however many calls
 
 
 @needs_kernel

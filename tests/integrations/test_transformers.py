@@ -156,6 +156,36 @@ def test_one_call_replaces_norms_mlp_and_attention(family: str, kernel_calls: li
 
 
 @needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "phi3"])
+def test_decoder_layers_run_as_three_kernel_graphs(family: str, monkeypatch) -> None:
+    """In inference each decoder layer makes three compiled-graph calls (input norm + q|k|v + rotary;
+    o_proj + residual + norm; the MLP + residual) around the attention kernel, with eager's results."""
+    from kernelize import hub
+
+    eager = tiny_model(family)
+    ids, mask = padded_batch()
+    calls: list[str] = []
+    real = hub.run
+
+    def counted(owner, fn, *args, **kwargs):
+        calls.append(fn.__name__)
+        return real(owner, fn, *args, **kwargs)
+
+    with kernelized(eager) as fast:
+        monkeypatch.setattr(hub, "run", counted)
+        assert_same_logits_and_tokens(eager, fast, ids, mask, new_tokens=2)
+        calls.clear()
+        with torch.no_grad():
+            fast(ids[:, :1])  # one token: two layers, then the final norm and the LM head
+        pre = "pre_attention_bias_math" if family == "qwen2" else "pre_attention_math"
+        norm = "gemma_rms_norm_math" if family == "gemma" else "rms_norm_math"
+        assert calls == [pre, "post_attention_math", "mlp_math"] * 2 + [norm, "linear_nobias_math"], calls
+        layer = kernelize.inspect(fast)["model.layers.1"]
+        assert layer.kernels and not layer.notes, str(layer)
+        assert "mlp_math" in hub.kernels_ran(fast.model.layers[1].mlp).signature
+
+
+@needs_kernel
 def test_prompt_longer_than_a_key_block_and_seeded_sampling() -> None:
     eager = tiny_model("llama")
     ids, mask = padded_batch(batch=2, seq=150, pad=20)

@@ -106,6 +106,23 @@ def test_library_kernel_views_liveness_and_aliasing():
     assert torch.equal(got[1], xs[0]) and got[1].data_ptr() != xs[0].data_ptr()  # copied, not aliased
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_an_output_viewing_a_buffer_a_later_kernel_reads_outlives_that_kernel(backend):
+    """`v` is a slice of the matmul's buffer, which the sigmoid kernel also reads last: the buffer must
+    stay alive until the outputs are materialised (it was freed after the sigmoid kernel)."""
+    g = Graph()
+    x = g.input("x", (B, 8), "f32")
+    w = g.input("w", (12, 8), "f32")
+    y = g.matmul(x, g.transpose(w))
+    head, v = g.slice(y, 1, 0, 8), g.slice(y, 1, 8, 12)
+    g.output(g.sigmoid(head), g.view(v, (B, 2, 2)))
+    cg = compile_graph(g, backend=backend, device="cpu")
+    assert len(cg.plan.kernels) == 2, cg.plan.kernels
+    xs = [torch.randn(3, 8), torch.randn(12, 8)]
+    for got, want in zip(cg(*xs), evaluate(g, xs)):
+        torch.testing.assert_close(got, want)
+
+
 def test_graph_cache_and_fingerprint():
     a, b, c = _norm_graph(), _norm_graph(), _norm_graph(eps=1e-5)
     assert graph_fingerprint(a) == graph_fingerprint(b) != graph_fingerprint(c)

@@ -254,6 +254,11 @@ def _bias_free(*linears: nn.Module) -> bool:
     )
 
 
+# public: a decoder layer that runs the MLP's math in its own kernel graph reads the same facts
+hidden_act_of = _hidden_act
+bias_free = _bias_free
+
+
 class FusedGatedMLP(nn.Module):
     """down_proj(act(gate) * up) with gate and up from one fused projection (Phi-3's `gate_up_proj`).
 

@@ -81,6 +81,8 @@ def fused_add_gemma_rms_norm_math(
     return gemma_rms_norm_math(total, weight, eps=eps), total
 
 
+# norm layer name -> its math, and its residual-add + norm math (for decoder layers that fuse the norms)
+NORM_MATH = {"RMSNorm": rms_norm_math, "GemmaRMSNorm": gemma_rms_norm_math}
 # norm layer name -> its residual-add + norm math (for decoder layers that fuse the two)
 FUSED_ADD_MATH = {"RMSNorm": fused_add_rms_norm_math, "GemmaRMSNorm": fused_add_gemma_rms_norm_math}
 

@@ -29,6 +29,8 @@ from torch import nn
 from kernelize import hub
 from kernelize.integrations.hf_attention import attention_forward
 
+from .block import block_of, run_block
+
 
 @functools.cache
 def _rotary() -> Any:
@@ -66,33 +68,39 @@ def linear(
     return hub.run(owner, linear_bias_math, [x], [weight, bias])
 
 
+def merged_qkv(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The q|k|v projection as one `(weight, bias or None)` (merged once, see `kernelize.merge`), or None when
+    the projections cannot be merged (some but not all have a bias)."""
+    from kernelize.merge import merged_parameter
+
+    if hasattr(module, "qkv_proj"):
+        return module.qkv_proj.weight, module.qkv_proj.bias
+    names = ("q_proj", "k_proj", "v_proj")
+    biases = [getattr(module, n).bias for n in names]
+    if all(b is None for b in biases):
+        return merged_parameter(module, names), None
+    if all(b is not None for b in biases):
+        return merged_parameter(module, names), merged_parameter(module, names, "bias")
+    return None
+
+
 def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(qk, v)`: the query and key projections side by side `(..., (heads + kv_heads) * head_dim)`, and v.
 
     Keeping q and k in one tensor lets one rotary kernel rotate both.
     """
-    from kernelize.merge import merged_parameter
-
     n_qk = (module.config.num_attention_heads + module.config.num_key_value_heads) * module.head_dim
-    if hasattr(module, "qkv_proj"):
-        proj = module.qkv_proj
-        if _inference(hidden_states, proj):
-            qkv = linear(module, hidden_states, proj.weight, proj.bias)
-        else:
-            qkv = proj(hidden_states)
-        return qkv[..., :n_qk], qkv[..., n_qk:]
-    names = ("q_proj", "k_proj", "v_proj")
-    projs = [getattr(module, n) for n in names]
-    biases = [p.bias for p in projs]
-    if _inference(hidden_states, *projs) and (
-        all(b is None for b in biases) or all(b is not None for b in biases)
-    ):
-        weight = merged_parameter(module, names)
-        bias = merged_parameter(module, names, "bias") if biases[0] is not None else None
-        qkv = linear(module, hidden_states, weight, bias)
-        return qkv[..., :n_qk], qkv[..., n_qk:]
-    qk = torch.cat((module.q_proj(hidden_states), module.k_proj(hidden_states)), dim=-1)
-    return qk, module.v_proj(hidden_states)
+    projs = (
+        [module.qkv_proj] if hasattr(module, "qkv_proj") else [module.q_proj, module.k_proj, module.v_proj]
+    )
+    merged = merged_qkv(module) if _inference(hidden_states, *projs) else None
+    if merged is not None:
+        qkv = linear(module, hidden_states, *merged)
+    elif len(projs) == 1:
+        qkv = projs[0](hidden_states)
+    else:
+        qkv = torch.cat([p(hidden_states) for p in projs], dim=-1)
+    return qkv[..., :n_qk], qkv[..., n_qk:]
 
 
 def project_out(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
@@ -138,21 +146,36 @@ class CausalSelfAttention(nn.Module):
         )
         query, key = rotated[:, :heads], rotated[:, heads:]
         value = value.reshape(batch, seq, kv_heads, head_dim).transpose(1, 2)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-        out, weights = attention_forward(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            sliding_window=sliding_window_of(self),
-            softcap=getattr(self, "attn_logit_softcapping", None),
-            **kwargs,
-        )
-        return project_out(self, out.reshape(batch, seq, -1)), weights
+        out, weights = attend(self, query, key, value, attention_mask, cache, kwargs)
+        return project_out(self, out), weights
+
+
+def attend(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache: Any,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`cache.update(...)` then attention (the generated kernel, or eager with the reason noted):
+    `(out (batch, seq, heads * head_dim), attention weights or None)`."""
+    if cache is not None:
+        key, value = cache.update(key, value, module.layer_idx)
+    out, weights = attention_forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=module.attention_dropout if module.training else 0.0,
+        scaling=module.scaling,
+        sliding_window=sliding_window_of(module),
+        softcap=getattr(module, "attn_logit_softcapping", None),
+        **kwargs,
+    )
+    return out.reshape(query.shape[0], query.shape[2], -1), weights
 
 
 def add_norm(owner: nn.Module, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, style: str):
@@ -185,6 +208,15 @@ class PreNormDecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        block = block_of(self, hidden_states, CausalSelfAttention)
+        if block is not None and position_embeddings is not None:
+            cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+            kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
+
+            def attend_here(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return attend(self.self_attn, q, k, v, attention_mask, cache, kwargs)[0]
+
+            return run_block(self, block, hidden_states, position_embeddings, attend_here, merged_qkv)
         if cache is not None:  # passed on under the name it came with
             kwargs["cache"] = cache
         residual = hidden_states
