@@ -1,0 +1,142 @@
+"""The decoder block's three graphs (`kernelize/llm` block: norm + q|k|v + rotary; o_proj + residual + norm;
+gated MLP + residual) on every backend against the reference executor: C++ (few-row and library GEMM
+paths), Triton under the interpreter, CUDA C under host emulation; their kernels compile to cubins."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from cuda_emu import run_plan
+
+from kernelize.autokernel.kernels import KernelKind
+from kernelize.autokernel.plan import plan
+from kernelize.ir import evaluate, optimize, trace
+from kernelize.layer.hub import get_kernel
+from kernelize.runtime import compile_graph
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 48
+
+
+def block():
+    import sys
+
+    layers = get_kernel("kernelize/llm", version=1).layers
+    return sys.modules[layers.__name__.rsplit(".", 1)[0] + ".block"]
+
+
+# case -> (math function name, input shapes (activations first), number of activations, params)
+QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+ROT = dict(eps=1e-6, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+CASES = {
+    "pre_attention": ("pre_attention_math", [HIDDEN, HEAD_DIM, HEAD_DIM, (HIDDEN,), (QKV, HIDDEN)], 3,
+                      dict(ROT, norm="RMSNorm", neox=True)),
+    "pre_attention_bias_gemma_interleaved": (
+        "pre_attention_bias_math", [HIDDEN, HEAD_DIM, HEAD_DIM, (HIDDEN,), (QKV, HIDDEN), (QKV,)], 3,
+        dict(ROT, norm="GemmaRMSNorm", neox=False)),
+    "pre_attention_partial_rotary": ("pre_attention_math", [HIDDEN, 8, 8, (HIDDEN,), (QKV, HIDDEN)], 3,
+                                     dict(ROT, norm="RMSNorm", neox=True)),
+    "post_attention": ("post_attention_math", [HIDDEN, HIDDEN, (HIDDEN, HIDDEN), (HIDDEN,)], 2,
+                       dict(eps=1e-5, norm="RMSNorm")),
+    "post_attention_bias": ("post_attention_bias_math",
+                            [HIDDEN, HIDDEN, (HIDDEN, HIDDEN), (HIDDEN,), (HIDDEN,)], 2,
+                            dict(eps=1e-5, norm="GemmaRMSNorm")),
+    "mlp": ("mlp_math", [HIDDEN, HIDDEN, (2 * INTER, HIDDEN), (HIDDEN, INTER)], 2, dict(act="silu")),
+    "mlp_gelu_tanh": ("mlp_math", [HIDDEN, HIDDEN, (2 * INTER, HIDDEN), (HIDDEN, INTER)], 2,
+                      dict(act="gelu_pytorch_tanh")),
+}  # fmt: skip
+
+
+def _inputs(name: str, batch: int, seq: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    _, shapes, n_act, _ = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, s in enumerate(shapes):
+        shape = (batch, seq, s) if i < n_act else s
+        out.append((torch.randn(shape, generator=gen) * (0.3 if i >= n_act else 1.0)).to(dtype))
+    return out
+
+
+@functools.cache
+def graph(name: str, dtype: torch.dtype = torch.float32):
+    fn_name, _, n_act, params = CASES[name]
+    fn = functools.partial(getattr(block(), fn_name), **params)
+    xs = _inputs(name, 2, 3, dtype)
+    dyn = [{0: "batch", 1: "seq"}] * n_act + [None] * (len(xs) - n_act)
+    return optimize(trace(fn, *xs, dynamic_dims=dyn))
+
+
+def _check(got, name: str, xs, dtype) -> None:
+    """f32 against the reference executor; 16-bit against the f32 graph on the same (rounded) inputs, with
+    a tolerance of bf16 rounding relative to the output's scale (intermediates between kernels are 16-bit
+    in both the kernels and the 16-bit reference, rounded in another order)."""
+    want = evaluate(graph(name), [x.float() for x in xs])
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+        else:
+            scale = float(b.abs().max())
+            torch.testing.assert_close(a.double(), b.double(), rtol=2e-2, atol=2e-2 * scale)
+
+
+def test_the_graphs_are_the_math() -> None:
+    """The traced graph (reference executor) equals the block math run by torch, before any backend."""
+    for name, (fn_name, _, _, params) in CASES.items():
+        xs = _inputs(name, 2, 5, torch.float32)
+        want = getattr(block(), fn_name)(*xs, **params)
+        want = want if isinstance(want, tuple) else (want,)
+        for a, b in zip(evaluate(graph(name), xs), want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (2, 1), (3, 7)])  # decode rows (few-row kernel) and 21 rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_cpu_backend(name: str, dtype: torch.dtype, batch: int, seq: int) -> None:
+    g = graph(name, dtype)
+    xs = _inputs(name, batch, seq, dtype, seed=batch * 10 + seq)
+    _check(compile_graph(g, backend="cpu")(*xs), name, xs, dtype)
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (2, 3)])
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_interpreter(name: str, batch: int, seq: int) -> None:
+    g = graph(name)
+    xs = _inputs(name, batch, seq, torch.float32, seed=batch + seq)
+    _check(compile_graph(g, backend="triton", device="cpu")(*xs), name, xs, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_host_emulation(name: str, dtype: torch.dtype) -> None:
+    g = graph(name, dtype)
+    xs = _inputs(name, 1, 3, dtype, seed=3)
+    _check(run_plan(plan(g), xs), name, xs, dtype)
+
+
+def _kernels():
+    return [k for name in CASES for k in plan(graph(name)).kernels if k.kind is not KernelKind.LIBRARY]
+
+
+def test_block_kernels_compile_to_cubin_with_triton_aot() -> None:
+    from kernelize.codegen import triton_aot
+
+    kernels = _kernels()
+    assert {k.kind for k in kernels} >= {KernelKind.MATMUL, KernelKind.ROW, KernelKind.POINTWISE}
+    for k, per_arch in zip(kernels, triton_aot.compile_ahead_many(kernels, archs=(90,))):
+        assert per_arch[90]["cubin"][:4] == b"\x7fELF", k.name
+
+
+def test_block_kernels_compile_to_cubin_with_nvrtc() -> None:
+    pytest.importorskip(
+        "cuda.bindings.nvrtc", reason="the cuda backend needs cuda-python: pip install '.[cuda]'"
+    )
+    from kernelize.codegen import nvrtc
+    from kernelize.codegen.cuda import render
+
+    for k in _kernels():
+        src = render(k)
+        assert nvrtc.compile_cubin(src.source, src.name, "sm_80")[:4] == b"\x7fELF", k.name
