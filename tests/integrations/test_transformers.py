@@ -174,6 +174,7 @@ def test_decoder_layers_run_as_three_kernel_graphs(family: str, monkeypatch) -> 
     with kernelized(eager) as fast:
         monkeypatch.setattr(hub, "run", counted)
         assert_same_logits_and_tokens(eager, fast, ids, mask, new_tokens=2)
+        assert_same_logits_and_tokens(eager, fast, ids[1:], mask[1:], new_tokens=3)  # batch 1
         calls.clear()
         with torch.no_grad():
             fast(ids[:, :1])  # one token: two layers, then the final norm and the LM head
