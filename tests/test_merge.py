@@ -74,7 +74,7 @@ def test_gated_mlp_reads_merged_weight(rows):
     assert "_kernelize_merged" in mlp.__dict__
     plan = hub.compiled_ran(mlp).plan  # the down projection; the gate|up kernel ran first
     assert plan is not None
-    kinds = {str(k.kind) for e in hub._RAN[mlp].entries for k in e.compiled.plan.kernels}
+    kinds = {str(k.kind) for e in hub.records.RAN[mlp].entries for k in e.compiled.plan.kernels}
     assert kinds == {"matmul"}
 
 

@@ -20,7 +20,7 @@ def _add_mul(x: torch.Tensor, y: torch.Tensor, *, alpha: float) -> torch.Tensor:
 def test_dim_names_align_from_the_right() -> None:
     q, k, cos = torch.empty(2, 8, 5, 16), torch.empty(2, 4, 5, 16), torch.empty(1, 1, 5, 16)
     w = torch.empty(16)
-    names = hub._dim_names([q, k, cos, w], [True, True, True, False])
+    names = hub.dim_names([q, k, cos, w], [True, True, True, False])
     assert names[0] == {0: "n4", 1: "n3", 2: "n2"}
     assert names[1] == {0: "n4", 1: "n3_1", 2: "n2"}  # fewer key heads: its own symbol
     assert names[2] == {2: "n2"}  # broadcast dims stay 1
