@@ -344,11 +344,20 @@ def build_shared_object(source: str, kernel_name: str = "kernel") -> Path:
     return get_or_build(parts, build, ".so")
 
 
+# One deadline for every kernel library: after a parallel region whose workers started late (other processes
+# hold the cores), regions run on one thread until then (see "thread teams under load" in cpu_prelude.h).
+TEAM_DEADLINE = ctypes.c_int64(0)
+
+
 def load(path: Path) -> ctypes.CDLL:
     with _LOCK:
         lib = _LOADED.get(str(path))
         if lib is None:
             lib = _LOADED[str(path)] = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+            bind = getattr(lib, "kz_bind_team_state", None)
+            if bind is not None:
+                bind.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+                bind(ctypes.byref(TEAM_DEADLINE))
         return lib
 
 

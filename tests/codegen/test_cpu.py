@@ -549,7 +549,7 @@ def test_thread_count_follows_torch():
     g.output(g.exp(x))
     k = kernel_of(g)
     src, _ = render(k)
-    assert "num_threads(kz_nthreads)" in src
+    assert "kz_team(kz_nthreads, kz_t0)" in src and "num_threads(kz_team_n)" in src
     old = torch.get_num_threads()
     try:
         for n in (1, 2):
@@ -557,6 +557,61 @@ def test_thread_count_follows_torch():
             check(k, g, [rand((64, 4096), DType.F32)])
     finally:
         torch.set_num_threads(old)
+
+
+def test_a_late_worker_sends_every_kernel_library_to_one_thread_for_a_while():
+    """The policy of "thread teams under load" (cpu_prelude.h), through two real kernel libraries: a
+    region whose workers started late (> 0.5 ms) makes every library run regions on one thread until the
+    shared deadline passes; a punctual region changes nothing."""
+    import ctypes
+
+    from kernelize.codegen import cpu
+
+    libs = []
+    for op in ("exp", "sigmoid"):
+        g = Graph()
+        x = g.input("x", (64, 256), DType.F32)
+        g.output(getattr(g, op)(x))
+        src, _ = render(kernel_of(g))
+        libs.append(cpu.load(cpu.build_shared_object(src, f"team_{op}")))
+    old = cpu.TEAM_DEADLINE.value
+    try:
+        cpu.TEAM_DEADLINE.value = 0
+        assert [lib.kz_team_size(2) for lib in libs] == [2, 2] and libs[0].kz_team_size(1) == 1
+        libs[0].kz_team_report(2, ctypes.c_int64(100_000))  # 0.1 ms: punctual
+        assert cpu.TEAM_DEADLINE.value == 0 and libs[1].kz_team_size(2) == 2
+        libs[0].kz_team_report(2, ctypes.c_int64(3_000_000))  # a worker 3 ms late
+        assert cpu.TEAM_DEADLINE.value > 0
+        assert [lib.kz_team_size(2) for lib in libs] == [1, 1]  # the other library follows the deadline
+        cpu.TEAM_DEADLINE.value = 1  # the deadline has passed: full teams again
+        assert [lib.kz_team_size(2) for lib in libs] == [2, 2]
+    finally:
+        cpu.TEAM_DEADLINE.value = old
+
+
+def test_every_kernel_kind_is_exact_on_one_thread_after_a_late_start():
+    """While the deadline holds, pointwise, row, few-row matmul and attention kernels run their regions on
+    one thread: results equal the reference executor."""
+    from kernelize.codegen import cpu
+    from kernelize.runtime.compiled import compile_graph
+
+    g = Graph()
+    x = g.input("x", (Sym.of("n"), 512), DType.F32)
+    w = g.input("w", (384, 512), DType.F32)
+    q = g.input("q", (1, 4, 9, 32), DType.F32)
+    kv = g.input("kv", (1, 4, 300, 32), DType.F32)
+    h = g.rmsnorm(g.exp(g.mul(x, g.scalar(0.01, DType.F32))), None, 1e-6)
+    g.output(g.matmul(h, g.transpose(w)), g.attention(q, kv, kv, None, scale=0.2, causal=False))
+    cg = compile_graph(g, backend="cpu")
+    assert {k.kind for k in cg.plan.kernels} >= {KernelKind.ROW, KernelKind.MATMUL, KernelKind.ATTENTION}
+    xs = [rand(s, DType.F32) for s in [(3, 512), (384, 512), (1, 4, 9, 32), (1, 4, 300, 32)]]
+    old = cpu.TEAM_DEADLINE.value
+    try:
+        cpu.TEAM_DEADLINE.value = 2**62
+        for got, want in zip(cg(*xs), evaluate(g, xs)):  # 512-term dot products: summation order differs
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        cpu.TEAM_DEADLINE.value = old
 
 
 def test_compile_graph_end_to_end():

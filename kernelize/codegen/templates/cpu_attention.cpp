@@ -376,8 +376,12 @@ int decode(const Args& a, int nthreads) {
     float* part = (float*)malloc(sizeof(float) * (size_t)(heads * nsplit * rows * (DV + 2)));
     if (!part) return 2;
     const bool par = heads * nsplit > 1 && heads * a.LK * rows * (D + DV) >= $PARALLEL_MIN$;
-#pragma omp parallel num_threads(nthreads) if (par)
+    const int64_t t0 = kz_now_ns();
+    const int team = par ? kz_team(nthreads, t0) : 1;
+    int64_t lag = 0;
+#pragma omp parallel num_threads(team) if (team > 1) reduction(max: lag)
     {
+        lag = kz_now_ns() - t0;
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < heads * nsplit; ++it) {
             const int64_t bh = it / nsplit, s = it % nsplit;
@@ -394,6 +398,7 @@ int decode(const Args& a, int nthreads) {
         for (int64_t bh = 0; bh < heads; ++bh)
             decode_combine(a, bh / a.HKV, bh % a.HKV, rows, nsplit, part + bh * nsplit * rows * (DV + 2));
     }
+    kz_team_done(team, lag);
     free(part);
     return 0;
 }
@@ -402,8 +407,12 @@ int prefill(const Args& a, int nthreads) {
     const int64_t rows = a.G * a.LQ, nblk = (rows + BQ - 1) / BQ, heads = a.B * a.HKV;
     const int64_t items = heads * nblk;
     const bool par = items > 1 && heads * rows * a.LK * (D + DV) >= $PARALLEL_MIN$;
-#pragma omp parallel num_threads(nthreads) if (par)
+    const int64_t t0 = kz_now_ns();
+    const int team = par ? kz_team(nthreads, t0) : 1;
+    int64_t lag = 0;
+#pragma omp parallel num_threads(team) if (team > 1) reduction(max: lag)
     {
+        lag = kz_now_ns() - t0;
         Block* w = (Block*)aligned_alloc(64, (sizeof(Block) + 63) / 64 * 64);
         // the last row blocks see the most keys under a causal mask: hand them out first
 #pragma omp for schedule(dynamic, 1)
@@ -414,6 +423,7 @@ int prefill(const Args& a, int nthreads) {
         }
         free(w);
     }
+    kz_team_done(team, lag);
     return 0;
 }
 }  // namespace

@@ -8,17 +8,24 @@ extern "C" int $NAME$($PARAMS$int kz_nthreads) {
     const int64_t kz_nblk = (kz_inner + $BLOCK$ - 1) / $BLOCK$;
     const int64_t kz_tiles = kz_outer * kz_nblk;
     int kz_err = 0;
-#pragma omp parallel for num_threads(kz_nthreads) schedule(static) reduction(|: kz_err) \
-    if (kz_outer * kz_inner >= $PARALLEL_MIN$)
-    for (int64_t kz_t = 0; kz_t < kz_tiles; ++kz_t) {
-        const int64_t kz_o = kz_t / kz_nblk;
-        const int64_t kz_j0 = (kz_t - kz_o * kz_nblk) * $BLOCK$;
-        const int64_t kz_j1 = kz_j0 + $BLOCK$ < kz_inner ? kz_j0 + $BLOCK$ : kz_inner;
+    const int64_t kz_t0 = kz_now_ns();
+    const int kz_team_n = kz_outer * kz_inner >= $PARALLEL_MIN$ ? kz_team(kz_nthreads, kz_t0) : 1;
+    int64_t kz_lag = 0;
+#pragma omp parallel num_threads(kz_team_n) reduction(|: kz_err) reduction(max: kz_lag) if (kz_team_n > 1)
+    {
+        kz_lag = kz_now_ns() - kz_t0;
+#pragma omp for schedule(static)
+        for (int64_t kz_t = 0; kz_t < kz_tiles; ++kz_t) {
+            const int64_t kz_o = kz_t / kz_nblk;
+            const int64_t kz_j0 = (kz_t - kz_o * kz_nblk) * $BLOCK$;
+            const int64_t kz_j1 = kz_j0 + $BLOCK$ < kz_inner ? kz_j0 + $BLOCK$ : kz_inner;
 $OUTER_INDEX$
 #pragma omp simd
-        for (int64_t $J$ = $J0$; $J$ < $J1$; ++$J$) {
+            for (int64_t $J$ = $J0$; $J$ < $J1$; ++$J$) {
 $BODY$
+            }
         }
     }
+    kz_team_done(kz_team_n, kz_lag);
     return kz_err;
 }
