@@ -43,7 +43,7 @@ Example (``y = x * rsqrt(mean(x*x) + eps) * w`` over rows of 4096, as an rmsnorm
 
     Kernel(name="k0", kind=ROW, domain=(batch*seq, 4096), row_rank=1,
            body=(Load(x, strides=(4096, 1)), Load(w, strides=(0, 1)),
-                 Compute(Op.RMSNORM, f32, src=(0, 1), arg=(1e-6, True))),
+                 Compute(Op.RMSNORM, f32, src=(0, 1), arg=NormArgs(1e-6, has_weight=True))),
            stores=(Store(value=2, buffer=y, strides=(4096, 1)),))
 """
 

@@ -246,7 +246,7 @@ def rms_stats(g: Graph, x: Node, eps: float) -> Node:
 def _rmsnorm(b: _Builder, n: Node, ct: Node) -> list[Node]:
     """xhat = x r; dx = r (dxhat - xhat mean(dxhat xhat)) with dxhat = ct w; dw = sum_rows(ct xhat)."""
     g = b.g
-    eps, has_w = n.arg
+    eps, has_w = n.arg.eps, n.arg.has_weight
     x = b.primal(n.src[0])
     r = rms_stats(g, x, eps)
     xhat = g.mul(x, r)
@@ -258,7 +258,7 @@ def _rmsnorm(b: _Builder, n: Node, ct: Node) -> list[Node]:
 def _layernorm(b: _Builder, n: Node, ct: Node) -> list[Node]:
     """dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)); dw = sum_rows(ct xhat); db = sum_rows(ct)."""
     g = b.g
-    eps, has_w, has_b = n.arg
+    eps, has_w, has_b = n.arg.eps, n.arg.has_weight, n.arg.has_bias
     x = b.primal(n.src[0])
     centered = g.sub(x, b.row_mean(x))
     r = g.broadcast(

@@ -37,6 +37,7 @@ from kernelize.ir.ops import (
     ROW,
     SOURCE,
     UNARY,
+    NormArgs,
     Op,
 )
 from kernelize.ir.shapes import (
@@ -491,12 +492,12 @@ class Graph:
     ) -> Node:
         """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias``."""
         params = self._norm_params(x, weight, bias)
-        return self._row(Op.LAYERNORM, x, (float(eps), weight is not None, bias is not None), params)
+        return self._row(Op.LAYERNORM, x, NormArgs(eps, weight is not None, bias is not None), params)
 
     def rmsnorm(self, x: Node, weight: Node | None = None, eps: float = 1e-6) -> Node:
         """RMSNorm over the last axis: ``x * rsqrt(mean(x^2) + eps) * weight``."""
         params = self._norm_params(x, weight, None)
-        return self._row(Op.RMSNORM, x, (float(eps), weight is not None), params)
+        return self._row(Op.RMSNORM, x, NormArgs(eps, weight is not None), params)
 
     def _row(self, op: Op, x: Node, arg: Any, params: Sequence[Node] = ()) -> Node:
         if not x.dtype.is_float:

@@ -78,8 +78,8 @@ class Op(StrEnum):
     # compound row ops that passes recognise (over the last axis, or `arg` axis for softmax)
     SOFTMAX = "softmax"
     LOG_SOFTMAX = "log_softmax"
-    LAYERNORM = "layernorm"
-    RMSNORM = "rmsnorm"
+    LAYERNORM = "layernorm"  # arg: NormArgs
+    RMSNORM = "rmsnorm"  # arg: NormArgs (has_bias False)
 
 
 # values that come from outside any kernel
@@ -152,5 +152,34 @@ class AttentionArgs:
         object.__setattr__(self, "scale", float(self.scale))
 
 
+@dataclass(frozen=True)
+class NormArgs:
+    """The attributes of a ``LAYERNORM`` or ``RMSNORM`` node.
+
+    Attributes:
+        eps: added to the variance (layernorm) or the mean square (rmsnorm) before the square root.
+        has_weight: the node's second operand is a weight over the last axis.
+        has_bias: the next operand is a bias over the last axis (layernorm only).
+
+    Example:
+        >>> NormArgs(1e-6, has_weight=True)
+        NormArgs(eps=1e-06, has_weight=True, has_bias=False)
+    """
+
+    eps: float
+    has_weight: bool = False
+    has_bias: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eps", float(self.eps))
+        object.__setattr__(self, "has_weight", bool(self.has_weight))
+        object.__setattr__(self, "has_bias", bool(self.has_bias))
+
+    @property
+    def params(self) -> int:
+        """How many operands follow the input (weight and bias)."""
+        return self.has_weight + self.has_bias
+
+
 # typed op arguments (printed field by field)
-TYPED_ARGS = (AttentionArgs,)
+TYPED_ARGS = (AttentionArgs, NormArgs)

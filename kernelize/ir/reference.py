@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kernelize.ir.attention import reference_attention
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import Graph, Node, Op
+from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import ShapeError, bind, shape_str, unify
 
 
@@ -149,18 +150,18 @@ def _prod(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
 
 
 def _layernorm(n: Node, xs, env) -> torch.Tensor:
-    eps, has_w, has_b = n.arg
+    a: NormArgs = n.arg
     x = _f(xs[0], n.dtype)
-    w = _f(xs[1], n.dtype) if has_w else None
-    b = _f(xs[1 + has_w], n.dtype) if has_b else None
-    return F.layer_norm(x, x.shape[-1:], w, b, eps)
+    w = _f(xs[1], n.dtype) if a.has_weight else None
+    b = _f(xs[1 + a.has_weight], n.dtype) if a.has_bias else None
+    return F.layer_norm(x, x.shape[-1:], w, b, a.eps)
 
 
 def _rmsnorm(n: Node, xs, env) -> torch.Tensor:
-    eps, has_w = n.arg
+    a: NormArgs = n.arg
     x = _f(xs[0], n.dtype)
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y * _f(xs[1], n.dtype) if has_w else y
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + a.eps)
+    return y * _f(xs[1], n.dtype) if a.has_weight else y
 
 
 def _round(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kernelize.ir.graph import BINARY, REDUCE, UNARY, Constant, DTypeError, Graph, Node, Op
-from kernelize.ir.ops import AttentionArgs
+from kernelize.ir.ops import AttentionArgs, NormArgs
 from kernelize.ir.printer import format_node
 from kernelize.ir.shapes import ShapeError, Sym, shape_str, symbols
 
@@ -294,15 +294,17 @@ def _row(g: Graph, s: list[Node], n: Node) -> Any:
         if not isinstance(n.arg, int) or not 0 <= n.arg < s[0].rank:
             return f"axis {n.arg!r} is not an axis of the operand"
         return g.softmax(s[0], n.arg) if n.op is Op.SOFTMAX else g.log_softmax(s[0], n.arg)
+    a = n.arg
+    if not isinstance(a, NormArgs):
+        return f"arg {a!r} is not NormArgs"
+    _nsrc(n, 1 + a.params)
     if n.op is Op.LAYERNORM:
-        eps, has_w, has_b = n.arg
-        _nsrc(n, 1 + has_w + has_b)
-        w = s[1] if has_w else None
-        b = s[1 + has_w] if has_b else None
-        return g.layernorm(s[0], w, b, eps)
-    eps, has_w = n.arg
-    _nsrc(n, 1 + has_w)
-    return g.rmsnorm(s[0], s[1] if has_w else None, eps)
+        w = s[1] if a.has_weight else None
+        b = s[1 + a.has_weight] if a.has_bias else None
+        return g.layernorm(s[0], w, b, a.eps)
+    if a.has_bias:
+        return "rmsnorm has no bias"
+    return g.rmsnorm(s[0], s[1] if a.has_weight else None, a.eps)
 
 
 _RULES: dict[Op, Callable[[Graph, list[Node], Node], Any]] = {

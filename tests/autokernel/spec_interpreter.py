@@ -80,15 +80,15 @@ def _compute(e: Compute, vals: list, dtypes: list[DType], grid: list[torch.Tenso
             out = torch.where(grid[axis] < _dim(end, env), x, out)
         return out
     if e.op is Op.LAYERNORM:
-        eps, has_w, has_b = e.arg
+        a = e.arg
         x = xs[0].to(compute_dtype(e.dtype).torch)
         mean = x.mean(-1, keepdim=True)
         var = ((x - mean) ** 2).mean(-1, keepdim=True)
-        y = (x - mean) / torch.sqrt(var + eps)
-        if has_w:
+        y = (x - mean) / torch.sqrt(var + a.eps)
+        if a.has_weight:
             y = y * xs[1].to(y.dtype)
-        if has_b:
-            y = y + xs[1 + has_w].to(y.dtype)
+        if a.has_bias:
+            y = y + xs[1 + a.has_weight].to(y.dtype)
         return y
     if e.op in (Op.SUM, Op.MEAN, Op.REDUCE_MAX, Op.REDUCE_MIN, Op.PROD, Op.ARGMAX, Op.ARGMIN) and not e.arg:
         return xs[0] if e.op not in (Op.ARGMAX, Op.ARGMIN) else torch.zeros_like(xs[0], dtype=torch.int64)

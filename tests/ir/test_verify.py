@@ -8,6 +8,7 @@ import torch
 from kernelize import ir
 from kernelize.ir import DType, Graph, Op, Sym, VerifyError, verify
 from kernelize.ir.graph import Constant
+from kernelize.ir.ops import NormArgs
 
 
 def base() -> tuple[Graph, ir.Node, ir.Node]:
@@ -124,9 +125,11 @@ def test_input_node_missing_from_inputs_and_const_payload():
         ),
         (lambda g, x: g.push(Op.CLAMP, DType.F32, (4, 4), (x,), (0, 1)), "must be two floats"),
         (
-            lambda g, x: g.push(Op.LAYERNORM, DType.F32, (4, 4), (x,), (1e-5, True, False)),
+            lambda g, x: g.push(Op.LAYERNORM, DType.F32, (4, 4), (x,), NormArgs(1e-5, True, False)),
             "takes 2 operands, has 1",
         ),
+        (lambda g, x: g.push(Op.LAYERNORM, DType.F32, (4, 4), (x,), (1e-5, False, False)), "is not NormArgs"),
+        (lambda g, x: g.push(Op.RMSNORM, DType.F32, (4, 4), (x, x), NormArgs(1e-5, False, True)), "no bias"),
         (lambda g, x: g.push(Op.BROADCAST, DType.F32, (2, 4, 4), (x,)), "broadcasts rank 2 to rank 3"),
         (lambda g, x: g.push(Op.CONCAT, DType.F32, (4, 4), (x,), 0), "concat of 1 operand"),
         (lambda g, x: g.push(Op.PAD, DType.F32, (3, 4), (x,), (((0, -1), (0, 0)), 0.0)), "negative pads"),
