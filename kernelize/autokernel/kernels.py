@@ -27,7 +27,7 @@ Kinds:
 * ``ATTENTION``: ``node`` (an ``Op.ATTENTION`` graph node) as one fused kernel over ``domain = node.shape``
   (``[B, Hq, Lq, Dv]``); ``inputs`` are the buffers under its operands. Generated code reads the operands
   (q, k, v and the broadcast mask) through the strides of the tensors the runtime hands it, which are the
-  operands seen through their layout views (:func:`kernelize.autokernel.plan.library_operands`): a
+  operands seen through their layout views (:func:`kernelize.runtime.library.library_operands`): a
   transposed or broadcast operand is never copied. No body.
 * ``CONV``: ``node`` is a conv run by the library (oneDNN with prepacked weights on the CPU, cuDNN on a GPU)
   with ``epilogue`` (:class:`~kernelize.autokernel.conv.ConvEpilogue`: bias, residual, activation) fused as

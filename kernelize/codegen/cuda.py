@@ -44,7 +44,7 @@ from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
 from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import Dim, bind, numel
-from kernelize.runtime.backend import CompiledKernel
+from kernelize.runtime.backend import Backend, CompiledKernel
 
 logger = logging.getLogger(__name__)
 
@@ -426,7 +426,7 @@ def render(kernel: Kernel, renderer: CudaRenderer | None = None) -> CudaSource:
     return CudaSource(kernel, c_name(kernel.name), source, block, tuple(gen.params))
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     """Backend ``"cuda"``: CUDA C compiled with NVRTC for one architecture, launched on torch's stream.
 
     Args:

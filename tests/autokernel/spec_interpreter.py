@@ -19,11 +19,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load
-from kernelize.autokernel.plan import Plan, run_library
+from kernelize.autokernel.plan import Plan
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import LAYOUT, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs
 from kernelize.ir.shapes import Dim, bind
+from kernelize.runtime.library import run_library
 
 SENTINEL = -(2**31) + 7
 

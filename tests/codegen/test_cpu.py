@@ -571,30 +571,6 @@ def test_compile_graph_end_to_end():
     assert plan is not None and all(k.backend == "cpu" for k in cg.kernels)
 
 
-def test_output_pool_recycles_only_dropped_buffers():
-    from kernelize.codegen.cpu import OutputPool
-
-    pool = OutputPool()
-    shape = (1024, 512)
-    a = pool.empty("y", shape, torch.float32)
-    b = pool.empty("y", shape, torch.float32)  # `a` is still referenced: a fresh buffer
-    assert b.data_ptr() != a.data_ptr()
-    view = b[0]  # a view keeps `b`'s memory in use even without the name
-    ptr_b = b.data_ptr()
-    del b
-    c = pool.empty("y", shape, torch.float32)
-    assert c.data_ptr() != ptr_b and view.data_ptr() == ptr_b
-    ptr_c = c.data_ptr()
-    del c
-    d = pool.empty("y", shape, torch.float32)  # dropped with no view: handed out again
-    assert d.data_ptr() == ptr_c
-    e = pool.empty("y", (1024, 256), torch.float32)  # another shape: fresh
-    assert e.data_ptr() != d.data_ptr()
-    small = pool.empty("s", (4,), torch.float32)
-    assert small.shape == (4,) and "s" not in pool._slots  # small buffers bypass the pool
-    assert a.shape == shape
-
-
 def test_compiled_graph_outputs_are_never_shared_with_the_caller():
     from kernelize.runtime.compiled import compile_graph
 
