@@ -244,16 +244,15 @@ class BodyBuilder:
         return self._emit(Compute(Op.CONCAT, v.dtype, tuple(got), (d, tuple(ends))))
 
     def _pad(self, v: Node, m: Affine, masks: Masks) -> int:
-        pads, value = v.arg
         src = v.src[0]
         extra = []
-        for k, (lo, hi) in enumerate(pads):
+        for k, (lo, hi) in enumerate(v.arg.pads):
             if lo or hi:
                 d, sign, off = _unit(m, k, self.ndom, v)
                 extra.append((d, *_range(sign, off, lo, lo + src.shape[k])))
                 m = m.replace(k, m.rows[k], off - lo)
         buf, bm, shape = self._resolve(src, m.norm(src.shape))
-        return self._load(buf, bm, _and_masks(masks, extra), other=value, flat_shape=shape)
+        return self._load(buf, bm, _and_masks(masks, extra), other=v.arg.value, flat_shape=shape)
 
     def _gather(self, v: Node, m: Affine, masks: Masks) -> int | list[Key]:
         x, index = v.src

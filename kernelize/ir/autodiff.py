@@ -169,8 +169,7 @@ def _concat(b: _Builder, n: Node, ct: Node) -> list[Node]:
 
 
 def _pad(b: _Builder, n: Node, ct: Node) -> list[Node]:
-    pads, _ = n.arg
-    for axis, ((lo, _hi), d) in enumerate(zip(pads, n.src[0].shape)):
+    for axis, ((lo, _hi), d) in enumerate(zip(n.arg.pads, n.src[0].shape)):
         ct = b.g.slice(ct, axis, lo, lo + d)
     return [ct]
 

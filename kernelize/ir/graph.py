@@ -37,8 +37,11 @@ from kernelize.ir.ops import (
     ROW,
     SOURCE,
     UNARY,
+    ConvArgs,
     NormArgs,
     Op,
+    PadArgs,
+    PoolArgs,
 )
 from kernelize.ir.shapes import (
     Dim,
@@ -310,7 +313,7 @@ class Graph:
         if any(isinstance(d, Sym) and (lo or hi) for d, (lo, hi) in zip(x.shape, pads)):
             raise ShapeError(f"cannot pad a symbolic dimension of {shape_str(x.shape)}")
         shape = tuple(d + lo + hi if lo or hi else d for d, (lo, hi) in zip(x.shape, pads))
-        return self.push(Op.PAD, x.dtype, shape, (x,), (pads, float(value)))
+        return self.push(Op.PAD, x.dtype, shape, (x,), PadArgs(pads, value))
 
     # -- heavy ops ----------------------------------------------------------------------------------------
     def matmul(self, a: Node, b: Node) -> Node:
@@ -371,7 +374,7 @@ class Graph:
         ow = (wd + padding[1] + padding[3] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
         if oh < 0 or ow < 0:
             raise ShapeError(f"conv output of {shape_str(x.shape)} with kernel {kh}x{kw} would be empty")
-        out = self.push(Op.CONV, x.dtype, (n, o, oh, ow), (x, w), (stride, padding, dilation, groups))
+        out = self.push(Op.CONV, x.dtype, (n, o, oh, ow), (x, w), ConvArgs(stride, padding, dilation, groups))
         if bias is not None:
             out = self.add(out, self.view(bias, (o, 1, 1)))
         return out
@@ -403,7 +406,7 @@ class Graph:
             if ceil_mode and (size - 1) * stride[i] >= d + padding[i]:
                 size -= 1  # the last window must start inside the input or left padding
             sizes.append(size)
-        arg = (kind, kernel, stride, padding, dilation, bool(ceil_mode), bool(count_include_pad))
+        arg = PoolArgs(kind, kernel, stride, padding, dilation, ceil_mode, count_include_pad)
         return self.push(Op.POOL, x.dtype, (*x.shape[:2], *sizes), (x,), arg)
 
     # -- elementwise --------------------------------------------------------------------------------------

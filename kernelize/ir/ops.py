@@ -20,11 +20,11 @@ class Op(StrEnum):
     # data movement that needs its own indexing
     GATHER = "gather"
     CONCAT = "concat"
-    PAD = "pad"
+    PAD = "pad"  # arg: PadArgs
     # heavy ops
     MATMUL = "matmul"
-    CONV = "conv"
-    POOL = "pool"
+    CONV = "conv"  # arg: ConvArgs
+    POOL = "pool"  # arg: PoolArgs
     ATTENTION = "attention"  # softmax(scale * q @ k^T + mask) @ v, fused (arg: AttentionArgs)
     # unary
     ABS = "abs"
@@ -181,5 +181,72 @@ class NormArgs:
         return self.has_weight + self.has_bias
 
 
+@dataclass(frozen=True)
+class ConvArgs:
+    """The attributes of a ``CONV`` node (2-D, NCHW input, OIHW weight).
+
+    Attributes:
+        stride: (height, width) steps of the window.
+        padding: zeros added (top, left, bottom, right).
+        dilation: (height, width) spacing of the kernel taps.
+        groups: input and output channels split into this many independent convolutions.
+    """
+
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    dilation: tuple[int, int]
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        for f in ("stride", "padding", "dilation"):
+            object.__setattr__(self, f, tuple(getattr(self, f)))
+
+
+@dataclass(frozen=True)
+class PoolArgs:
+    """The attributes of a ``POOL`` node (2-D, NCHW).
+
+    Attributes:
+        kind: ``"max"`` or ``"avg"``.
+        kernel: (height, width) of the window.
+        stride: (height, width) steps of the window.
+        padding: (top, left, bottom, right); max pooling pads with -inf, average pooling with zeros.
+        dilation: (height, width) spacing of the window taps (max pooling only).
+        ceil_mode: output sizes round up (a last window must still start inside the input or left padding).
+        count_pad: an average counts the padding it covers (torch's ``count_include_pad``).
+    """
+
+    kind: str
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    ceil_mode: bool = False
+    count_pad: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("kernel", "stride", "padding", "dilation"):
+            object.__setattr__(self, f, tuple(getattr(self, f)))
+        object.__setattr__(self, "ceil_mode", bool(self.ceil_mode))
+        object.__setattr__(self, "count_pad", bool(self.count_pad))
+
+
+@dataclass(frozen=True)
+class PadArgs:
+    """The attributes of a ``PAD`` node.
+
+    Attributes:
+        pads: ``(before, after)`` per axis, each >= 0 (the builder turns negative pads into slices).
+        value: the constant the new elements hold.
+    """
+
+    pads: tuple[tuple[int, int], ...]
+    value: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pads", tuple((lo, hi) for lo, hi in self.pads))
+        object.__setattr__(self, "value", float(self.value))
+
+
 # typed op arguments (printed field by field)
-TYPED_ARGS = (AttentionArgs, NormArgs)
+TYPED_ARGS = (AttentionArgs, NormArgs, ConvArgs, PoolArgs, PadArgs)

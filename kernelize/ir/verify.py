@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kernelize.ir.graph import BINARY, REDUCE, UNARY, Constant, DTypeError, Graph, Node, Op
-from kernelize.ir.ops import AttentionArgs, NormArgs
+from kernelize.ir.ops import AttentionArgs, ConvArgs, NormArgs, PadArgs, PoolArgs
 from kernelize.ir.printer import format_node
 from kernelize.ir.shapes import ShapeError, Sym, shape_str, symbols
 
@@ -245,22 +245,28 @@ def _concat(g: Graph, s: list[Node], n: Node) -> Any:
 
 def _pad(g: Graph, s: list[Node], n: Node) -> Any:
     _nsrc(n, 1)
-    pads, value = n.arg
-    if any(lo < 0 or hi < 0 for lo, hi in pads):
-        return f"negative pads {pads} (crop with a slice)"
-    return g.pad(s[0], pads, value)
+    a = n.arg
+    if not isinstance(a, PadArgs):
+        return f"arg {a!r} is not PadArgs"
+    if any(lo < 0 or hi < 0 for lo, hi in a.pads):
+        return f"negative pads {a.pads} (crop with a slice)"
+    return g.pad(s[0], a.pads, a.value)
 
 
 def _conv(g: Graph, s: list[Node], n: Node) -> Any:
     _nsrc(n, 2)
-    stride, padding, dilation, groups = n.arg
-    return g.conv(s[0], s[1], stride=stride, padding=padding, dilation=dilation, groups=groups)
+    a = n.arg
+    if not isinstance(a, ConvArgs):
+        return f"arg {a!r} is not ConvArgs"
+    return g.conv(s[0], s[1], stride=a.stride, padding=a.padding, dilation=a.dilation, groups=a.groups)
 
 
 def _pool(g: Graph, s: list[Node], n: Node) -> Any:
     _nsrc(n, 1)
-    kind, kernel, stride, padding, dilation, ceil_mode, count_pad = n.arg
-    return g.pool(s[0], kind, kernel, stride, padding, dilation, ceil_mode, count_pad)
+    a = n.arg
+    if not isinstance(a, PoolArgs):
+        return f"arg {a!r} is not PoolArgs"
+    return g.pool(s[0], a.kind, a.kernel, a.stride, a.padding, a.dilation, a.ceil_mode, a.count_pad)
 
 
 def _matmul(g: Graph, s: list[Node], n: Node) -> Any:
