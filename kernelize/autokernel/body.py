@@ -20,6 +20,7 @@ from kernelize.autokernel.indexing import Affine, NotAffine
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
 from kernelize.autokernel.partition import POINTWISE_OPS, Group, is_axis, operand_sel
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, SOURCE, Node, Op
+from kernelize.ir.ops import ConcatArgs
 from kernelize.ir.shapes import shape_str
 
 Masks = tuple[tuple[int, int, int], ...]
@@ -241,7 +242,7 @@ class BodyBuilder:
             return got
         if sign == -1:  # a flipped concat meets its branches in reverse order along the domain axis
             got, ends = got[::-1], ends[::-1]
-        return self._emit(Compute(Op.CONCAT, v.dtype, tuple(got), (d, tuple(ends))))
+        return self._emit(Compute(Op.CONCAT, v.dtype, tuple(got), ConcatArgs(d, ends)))
 
     def _pad(self, v: Node, m: Affine, masks: Masks) -> int:
         src = v.src[0]

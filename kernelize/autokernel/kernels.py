@@ -119,8 +119,8 @@ class Compute:
     """One operation on earlier body values (``src`` are body positions), in the IR's op semantics.
 
     ``dtype`` is the IR dtype of the result (generated code computes 16-bit floats in f32). Besides graph
-    elementwise / reduce / row ops, ``Op.CONCAT`` appears with ``arg = (axis, ends)``: the value is
-    ``src[i]`` for the first ``i`` with ``index[axis] < ends[i]``.
+    elementwise / reduce / row ops, ``Op.CONCAT`` appears with ``arg = ConcatArgs(axis, ends)``: the value
+    is ``src[i]`` for the first ``i`` with ``index[axis] < ends[i]``.
     """
 
     op: Op
@@ -233,7 +233,7 @@ def row_invariant(kernel: Kernel) -> list[bool]:
         elif e.op in ROW:
             out.append(False)
         elif e.op is Op.CONCAT:
-            out.append(e.arg[0] < len(kernel.domain) - kernel.row_rank and all(out[s] for s in e.src))
+            out.append(e.arg.axis < len(kernel.domain) - kernel.row_rank and all(out[s] for s in e.src))
         else:
             out.append(all(out[s] for s in e.src))
     return out

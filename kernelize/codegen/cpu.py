@@ -210,7 +210,7 @@ class _Writer:
         elif i in full:
             expr = full[i]
         elif e.op is Op.CONCAT:
-            expr = self.r.concat(e, f"i{e.arg[0]}")
+            expr = self.r.concat(e, f"i{e.arg.axis}")
         else:
             expr = self.r.expr(e, [f"v{s}" for s in e.src])
         return f"const {ct} v{i} = {expr};"

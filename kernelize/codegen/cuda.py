@@ -241,7 +241,7 @@ class _Gen:
             return f"const {self.r.ctype(e.dtype)} v{i} = {self.load(e, idx)};"
         ct = self.r.ctype(e.dtype)
         if e.op is Op.CONCAT:
-            return f"const {ct} v{i} = {self.r.concat(e, idx[e.arg[0]])};"
+            return f"const {ct} v{i} = {self.r.concat(e, idx[e.arg.axis])};"
         if e.op in ROW:
             return f"const {ct} v{i} = {self.row_elem(i, e)};"
         if e.op in REDUCE or e.op is Op.MATMUL:

@@ -128,7 +128,7 @@ class KernelSource:
     def compute(self, i: int, e: Compute, ctx: IndexCtx, indent: str = "    ") -> str:
         args = [f"v{s}" for s in e.src]
         if e.op is Op.CONCAT:
-            axis = e.arg[0]
+            axis = e.arg.axis
             expr = self.r.concat(e, ctx.axes[axis] or "0")
             self.vec[i] = any(self.vec[s] for s in e.src) or (ctx.axes[axis] is not None and ctx.vec[axis])
             return f"{indent}v{i} = {expr}"

@@ -109,8 +109,7 @@ def _gelu(b: _Builder, ct: Node, x: Node, y: Node, n: Node) -> Node:
 
 def _clamp(b: _Builder, ct: Node, x: Node, y: Node, n: Node) -> Node:
     g = b.g
-    lo, hi = n.arg
-    keep = g.and_(g.ge(x, lo), g.le(x, hi))
+    keep = g.and_(g.ge(x, n.arg.lo), g.le(x, n.arg.hi))
     return g.where(keep, ct, b.full(n, 0.0))
 
 

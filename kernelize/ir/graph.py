@@ -37,6 +37,7 @@ from kernelize.ir.ops import (
     ROW,
     SOURCE,
     UNARY,
+    ClampArgs,
     ConvArgs,
     NormArgs,
     Op,
@@ -460,7 +461,7 @@ class Graph:
     def clamp(self, x: Node, lo: float = -math.inf, hi: float = math.inf) -> Node:
         if lo == -math.inf and hi == math.inf:
             return x
-        return self.push(Op.CLAMP, x.dtype, x.shape, (x,), (float(lo), float(hi)))
+        return self.push(Op.CLAMP, x.dtype, x.shape, (x,), ClampArgs(lo, hi))
 
     def gelu(self, x: Node, approximate: str = "none") -> Node:
         if approximate not in ("none", "tanh"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kernelize._compat import StrEnum
@@ -248,5 +249,39 @@ class PadArgs:
         object.__setattr__(self, "value", float(self.value))
 
 
+@dataclass(frozen=True)
+class ClampArgs:
+    """The bounds of a ``CLAMP`` node: ``min(max(x, lo), hi)``, as ``torch.clamp`` (even when they cross).
+
+    Example:
+        >>> ClampArgs(0, 6)  # relu6
+        ClampArgs(lo=0.0, hi=6.0)
+    """
+
+    lo: float = -math.inf
+    hi: float = math.inf
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lo", float(self.lo))
+        object.__setattr__(self, "hi", float(self.hi))
+
+
+@dataclass(frozen=True)
+class ConcatArgs:
+    """The arg of a ``CONCAT`` inside a kernel body (the graph node's arg is just the axis): the value is
+    operand ``i`` for the first ``i`` with ``index[axis] < ends[i]``.
+
+    Example:
+        >>> ConcatArgs(1, (13, 19))  # operands of 13 and 6 columns
+        ConcatArgs(axis=1, ends=(13, 19))
+    """
+
+    axis: int
+    ends: tuple  # cumulative sizes along ``axis`` (ints or symbolic dims)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ends", tuple(self.ends))
+
+
 # typed op arguments (printed field by field)
-TYPED_ARGS = (AttentionArgs, NormArgs, ConvArgs, PoolArgs, PadArgs)
+TYPED_ARGS = (AttentionArgs, NormArgs, ConvArgs, PoolArgs, PadArgs, ClampArgs, ConcatArgs)

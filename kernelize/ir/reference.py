@@ -214,7 +214,7 @@ EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tensor
     Op.SIGN: _unary(torch.sign),
     Op.NOT: _unary(torch.logical_not),
     Op.CAST: lambda n, xs, env: xs[0].to(n.dtype.torch),
-    Op.CLAMP: lambda n, xs, env: torch.clamp(_f(xs[0], n.dtype), *n.arg),
+    Op.CLAMP: lambda n, xs, env: torch.clamp(_f(xs[0], n.dtype), n.arg.lo, n.arg.hi),
     Op.GELU: lambda n, xs, env: F.gelu(_f(xs[0], n.dtype), approximate=n.arg),
     Op.ADD: _binary(torch.add),
     Op.SUB: _binary(torch.sub),

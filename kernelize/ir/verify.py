@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kernelize.ir.graph import BINARY, REDUCE, UNARY, Constant, DTypeError, Graph, Node, Op
-from kernelize.ir.ops import AttentionArgs, ConvArgs, NormArgs, PadArgs, PoolArgs
+from kernelize.ir.ops import AttentionArgs, ClampArgs, ConvArgs, NormArgs, PadArgs, PoolArgs
 from kernelize.ir.printer import format_node
 from kernelize.ir.shapes import ShapeError, Sym, shape_str, symbols
 
@@ -172,9 +172,9 @@ def _unary(g: Graph, s: list[Node], n: Node) -> Any:
     if n.op is Op.CAST:
         return g.push(Op.CAST, n.dtype, s[0].shape, s)
     if n.op is Op.CLAMP:
-        lo, hi = n.arg
-        if not (isinstance(lo, float) and isinstance(hi, float)) or math.isnan(lo) or math.isnan(hi):
-            return f"clamp bounds {n.arg!r} must be two floats"
+        a = n.arg
+        if not isinstance(a, ClampArgs) or math.isnan(a.lo) or math.isnan(a.hi):
+            return f"clamp bounds {a!r} must be ClampArgs of two numbers"
         return g.push(Op.CLAMP, s[0].dtype, s[0].shape, s)
     if n.op is Op.GELU:
         return g.gelu(s[0], n.arg)

@@ -75,7 +75,7 @@ def _compute(e: Compute, vals: list, dtypes: list[DType], grid: list[torch.Tenso
     xs = [vals[s] for s in e.src]
     node = Node(e.op, e.dtype, (), tuple(_fake(dtypes[s]) for s in e.src), e.arg)
     if e.op is Op.CONCAT:
-        axis, ends = e.arg
+        axis, ends = e.arg.axis, e.arg.ends
         out = xs[-1]
         for x, end in zip(reversed(xs[:-1]), reversed(ends[:-1])):
             out = torch.where(grid[axis] < _dim(end, env), x, out)

@@ -22,6 +22,7 @@ from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, 
 from kernelize.codegen.cpu import CompilerNotFoundError, CpuBackend, render
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import ELEMENTWISE, REDUCE, ROW, Graph, Node, Op
+from kernelize.ir.ops import ConcatArgs
 from kernelize.ir.reference import bind_inputs, evaluate
 from kernelize.ir.shapes import Sym, bind
 
@@ -336,7 +337,7 @@ def test_masked_and_concat_and_gather_loads():
     body = (
         Load(gx, (10, 1), -2, mask=((1, 2, 12),), other=0.5),  # pad by 2 on the left, 1 on the right
         Load(gy, (6, 1), -13, mask=((1, 13, 19),)),
-        Compute(Op.CONCAT, DType.F32, (0, 1), (1, (13, 19))),
+        Compute(Op.CONCAT, DType.F32, (0, 1), ConcatArgs(1, (13, 19))),
         Load(gi, (0, 1)),
     )
     k1 = Kernel("cat", KernelKind.POINTWISE, (4, 19), body[:3], (Store(2, cat, (19, 1)),))

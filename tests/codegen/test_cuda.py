@@ -25,7 +25,7 @@ from kernelize.codegen.template import TemplateError, fill, load_template
 from kernelize.ir import evaluate
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
-from kernelize.ir.ops import NormArgs
+from kernelize.ir.ops import ConcatArgs, NormArgs
 from kernelize.ir.shapes import Sym
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="host emulation needs g++")
@@ -486,7 +486,7 @@ def rotary(dtype, heads=2, d=16):
             Load(q, (heads * d, d, 1), offset=h, mask=((2, 0, h),)),
             Compute(Op.NEG, dtype, (3,)),
             Load(q, (heads * d, d, 1), offset=-h, mask=((2, h, d),)),
-            Compute(Op.CONCAT, dtype, (4, 5), (2, (h, d))),
+            Compute(Op.CONCAT, dtype, (4, 5), ConcatArgs(2, (h, d))),
             Load(sin, (d, 0, 1)),
             Compute(Op.MUL, dtype, (6, 7)),
             Compute(Op.ADD, dtype, (2, 8)),

@@ -26,7 +26,7 @@ from kernelize.codegen.triton_base import cache_dir, load_module
 from kernelize.codegen.triton_rows import looped
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
-from kernelize.ir.ops import NormArgs
+from kernelize.ir.ops import ClampArgs, ConcatArgs, NormArgs
 from kernelize.ir.shapes import Sym
 from kernelize.runtime import diskcache
 from kernelize.runtime.cache import KERNELS
@@ -49,7 +49,7 @@ def test_renderer_overrides():
     assert r.expr(Compute(Op.MAX, DType.I32, (0, 1)), ["a", "b"]) == "tl.maximum(a, b)"
     assert r.expr(Compute(Op.DIV, DType.I32, (0, 1)), ["a", "b"]) == "(a // b)"
     assert r.expr(Compute(Op.CAST, DType.F16, (0,)), ["a"]) == "a.to(tl.float16).to(tl.float32)"
-    assert r.expr(Compute(Op.CLAMP, DType.F32, (0,), (float("-inf"), 6.0)), ["a"]) == (
+    assert r.expr(Compute(Op.CLAMP, DType.F32, (0,), ClampArgs(hi=6.0)), ["a"]) == (
         "tl.minimum(a, 6.0, propagate_nan=tl.PropagateNan.ALL)"
     )
     assert r.literal(float("-inf"), DType.F32) == 'float("-inf")'
@@ -230,7 +230,7 @@ def test_noncontiguous_load_and_concat_with_masks():
             Load(xt, tr, offset=d // 2 * 6, mask=((1, 0, d // 2),)),
             Compute(Op.NEG, DType.F32, (0,)),
             Load(xt, tr, offset=-(d // 2) * 6, mask=((1, d // 2, d),)),
-            Compute(Op.CONCAT, DType.F32, (1, 2), (1, (d // 2, d))),
+            Compute(Op.CONCAT, DType.F32, (1, 2), ConcatArgs(1, (d // 2, d))),
         ),
         (Store(3, y, (d, 1)),),
     )

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from kernelize import ir
 from kernelize.ir import DType, Graph, Op, Sym, VerifyError, verify
 from kernelize.ir.graph import Constant
-from kernelize.ir.ops import NormArgs, PadArgs
+from kernelize.ir.ops import ClampArgs, NormArgs, PadArgs
 
 
 def base() -> tuple[Graph, ir.Node, ir.Node]:
@@ -123,7 +125,8 @@ def test_input_node_missing_from_inputs_and_const_payload():
             lambda g, x: g.push(Op.SLICE, DType.F32, (4, 4), (x,), ((0, 4, 1), (2, 9, 1))),
             "does not fit dim 4",
         ),
-        (lambda g, x: g.push(Op.CLAMP, DType.F32, (4, 4), (x,), (0, 1)), "must be two floats"),
+        (lambda g, x: g.push(Op.CLAMP, DType.F32, (4, 4), (x,), (0.0, 1.0)), "must be ClampArgs"),
+        (lambda g, x: g.push(Op.CLAMP, DType.F32, (4, 4), (x,), ClampArgs(math.nan)), "two numbers"),
         (
             lambda g, x: g.push(Op.LAYERNORM, DType.F32, (4, 4), (x,), NormArgs(1e-5, True, False)),
             "takes 2 operands, has 1",
