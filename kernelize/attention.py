@@ -215,7 +215,7 @@ def _build(backend: str, q, k, v, mask, args: AttentionArgs):
         else g.input("mask", ("batch", q.shape[1], "q_len", "k_len"), DType.from_torch(mask.dtype))
     )
     g.output(g.attention(qn, kn, vn, mn, scale=args.scale, causal=args.causal, gqa=args.groups > 1))
-    (kernel,) = plan(g, getattr(impl, "plan_settings", None)).kernels
+    (kernel,) = plan(g, impl.plan_settings).kernels
     assert kernel.kind is KernelKind.ATTENTION, kernel
     compiled = impl.compile(kernel)
     return compiled.launch, KernelRecord(backend, ((compiled.name, compiled.source_hash),), sig)

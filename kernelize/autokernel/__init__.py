@@ -10,7 +10,7 @@ Example:
 from kernelize.autokernel.dot import plan_to_dot, plan_to_svg
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store, row_invariant
 from kernelize.autokernel.legality import can_absorb
-from kernelize.autokernel.plan import Plan, PlanSettings, library_operands, plan, run_library
+from kernelize.autokernel.plan import Plan, PlanSettings, plan
 
 __all__ = [
     "Compute",
@@ -22,10 +22,8 @@ __all__ = [
     "PlanSettings",
     "Store",
     "can_absorb",
-    "library_operands",
     "plan",
     "plan_to_dot",
     "plan_to_svg",
     "row_invariant",
-    "run_library",
 ]

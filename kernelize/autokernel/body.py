@@ -20,6 +20,7 @@ from kernelize.autokernel.indexing import Affine, NotAffine
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
 from kernelize.autokernel.partition import POINTWISE_OPS, Group, is_axis, operand_sel
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, SOURCE, Node, Op
+from kernelize.ir.ops import ConcatArgs
 from kernelize.ir.shapes import shape_str
 
 Masks = tuple[tuple[int, int, int], ...]
@@ -241,19 +242,18 @@ class BodyBuilder:
             return got
         if sign == -1:  # a flipped concat meets its branches in reverse order along the domain axis
             got, ends = got[::-1], ends[::-1]
-        return self._emit(Compute(Op.CONCAT, v.dtype, tuple(got), (d, tuple(ends))))
+        return self._emit(Compute(Op.CONCAT, v.dtype, tuple(got), ConcatArgs(d, ends)))
 
     def _pad(self, v: Node, m: Affine, masks: Masks) -> int:
-        pads, value = v.arg
         src = v.src[0]
         extra = []
-        for k, (lo, hi) in enumerate(pads):
+        for k, (lo, hi) in enumerate(v.arg.pads):
             if lo or hi:
                 d, sign, off = _unit(m, k, self.ndom, v)
                 extra.append((d, *_range(sign, off, lo, lo + src.shape[k])))
                 m = m.replace(k, m.rows[k], off - lo)
         buf, bm, shape = self._resolve(src, m.norm(src.shape))
-        return self._load(buf, bm, _and_masks(masks, extra), other=value, flat_shape=shape)
+        return self._load(buf, bm, _and_masks(masks, extra), other=v.arg.value, flat_shape=shape)
 
     def _gather(self, v: Node, m: Affine, masks: Masks) -> int | list[Key]:
         x, index = v.src

@@ -141,9 +141,9 @@ def _row_target(n: Node, src: list[Node]) -> Node | None:
 def _pad_as_concat(out: Graph, x: Node, n: Node) -> Node:
     """``pad(f(...))`` as concats of constant blocks around ``f(...)``: the padded value is then computed in
     the kernel that pads it (a pad of a buffer stays a masked load with ``other``)."""
-    pads, value = n.arg
+    value = n.arg.value
     fill = out.scalar(value, x.dtype) if x.dtype.is_float else out.scalar(int(value), x.dtype)
-    for axis, (lo, hi) in enumerate(pads):
+    for axis, (lo, hi) in enumerate(n.arg.pads):
         parts = []
         for size in (lo, None, hi):
             if size is None:

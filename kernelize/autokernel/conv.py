@@ -78,7 +78,7 @@ def _other(u: Node, t: Node) -> Node | None:
 def _activation(t: Node, u: Node, users: Mapping[Node, Sequence[Node]]) -> tuple[str, tuple, Node] | None:
     """The activation that ``u`` (the single reader of ``t``) starts, with its scalars and last node."""
     if u.op is Op.CLAMP and u.src[0] is t:
-        lo, hi = u.arg
+        lo, hi = u.arg.lo, u.arg.hi
         if lo == 0 and hi == math.inf:
             return "relu", (), u
         if math.isfinite(lo) and math.isfinite(hi):

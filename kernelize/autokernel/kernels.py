@@ -27,7 +27,7 @@ Kinds:
 * ``ATTENTION``: ``node`` (an ``Op.ATTENTION`` graph node) as one fused kernel over ``domain = node.shape``
   (``[B, Hq, Lq, Dv]``); ``inputs`` are the buffers under its operands. Generated code reads the operands
   (q, k, v and the broadcast mask) through the strides of the tensors the runtime hands it, which are the
-  operands seen through their layout views (:func:`kernelize.autokernel.plan.library_operands`): a
+  operands seen through their layout views (:func:`kernelize.runtime.library.library_operands`): a
   transposed or broadcast operand is never copied. No body.
 * ``CONV``: ``node`` is a conv run by the library (oneDNN with prepacked weights on the CPU, cuDNN on a GPU)
   with ``epilogue`` (:class:`~kernelize.autokernel.conv.ConvEpilogue`: bias, residual, activation) fused as
@@ -43,7 +43,7 @@ Example (``y = x * rsqrt(mean(x*x) + eps) * w`` over rows of 4096, as an rmsnorm
 
     Kernel(name="k0", kind=ROW, domain=(batch*seq, 4096), row_rank=1,
            body=(Load(x, strides=(4096, 1)), Load(w, strides=(0, 1)),
-                 Compute(Op.RMSNORM, f32, src=(0, 1), arg=(1e-6, True))),
+                 Compute(Op.RMSNORM, f32, src=(0, 1), arg=NormArgs(1e-6, has_weight=True))),
            stores=(Store(value=2, buffer=y, strides=(4096, 1)),))
 """
 
@@ -119,8 +119,8 @@ class Compute:
     """One operation on earlier body values (``src`` are body positions), in the IR's op semantics.
 
     ``dtype`` is the IR dtype of the result (generated code computes 16-bit floats in f32). Besides graph
-    elementwise / reduce / row ops, ``Op.CONCAT`` appears with ``arg = (axis, ends)``: the value is
-    ``src[i]`` for the first ``i`` with ``index[axis] < ends[i]``.
+    elementwise / reduce / row ops, ``Op.CONCAT`` appears with ``arg = ConcatArgs(axis, ends)``: the value
+    is ``src[i]`` for the first ``i`` with ``index[axis] < ends[i]``.
     """
 
     op: Op
@@ -233,7 +233,7 @@ def row_invariant(kernel: Kernel) -> list[bool]:
         elif e.op in ROW:
             out.append(False)
         elif e.op is Op.CONCAT:
-            out.append(e.arg[0] < len(kernel.domain) - kernel.row_rank and all(out[s] for s in e.src))
+            out.append(e.arg.axis < len(kernel.domain) - kernel.row_rank and all(out[s] for s in e.src))
         else:
             out.append(all(out[s] for s in e.src))
     return out

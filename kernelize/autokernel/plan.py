@@ -36,8 +36,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-import torch
-
 from kernelize.autokernel.body import BodyBuilder, Materialize
 from kernelize.autokernel.canon import sink_views
 from kernelize.autokernel.conv import conv_epilogue
@@ -379,43 +377,3 @@ def _schedule(kernels: Sequence[Kernel], order: Mapping[Node, int]) -> tuple[Ker
                 heapq.heappush(heap, (key[j], j))
     assert len(out) == len(kernels), "kernels depend on each other in a cycle"
     return tuple(out)
-
-
-def library_operands(
-    kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]
-) -> list[torch.Tensor]:
-    """The operand tensors of a LIBRARY kernel: its buffers seen through the node's layout views (also
-    the operands of any node whose operands are buffers, views of buffers or constants)."""
-    from kernelize.ir.reference import EVAL
-
-    vals = dict(values)
-    out = []
-    for s in kernel.node.src:
-        path = []
-        v = s
-        while v not in vals:
-            if v.op is Op.CONST:
-                vals[v] = v.arg.tensor
-                break
-            assert v.op in LAYOUT, f"library operand {v} is neither a buffer nor a view of one"
-            path.append(v)
-            v = v.src[0]
-        for lay in reversed(path):
-            vals[lay] = EVAL[lay.op](lay, [vals[lay.src[0]]], dict(env))
-        out.append(vals[s])
-    return out
-
-
-def run_library(kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]) -> torch.Tensor:
-    """Run a LIBRARY kernel with the reference implementation of its op."""
-    from kernelize.ir.reference import EVAL
-
-    if kernel.kind is KernelKind.CONV:  # the chain, op by op: conv, bias, residual, activation
-        vals = dict(values)
-        for n in kernel.epilogue.nodes:
-            operands = library_operands(replace(kernel, node=n), vals, env)
-            vals[n] = EVAL[n.op](n, operands, dict(env)).to(n.dtype.torch)
-        return vals[kernel.epilogue.tail].contiguous()
-    node = kernel.node
-    out = EVAL[node.op](node, library_operands(kernel, values, env), dict(env))
-    return out.to(node.dtype.torch).contiguous()

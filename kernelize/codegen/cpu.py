@@ -32,7 +32,6 @@ import platform
 import shlex
 import shutil
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,8 +48,9 @@ from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Op
 from kernelize.ir.shapes import numel
-from kernelize.runtime.backend import CompiledKernel, KernelCompileError
+from kernelize.runtime.backend import Backend, CompiledKernel, KernelCompileError
 from kernelize.runtime.diskcache import get_or_build
+from kernelize.runtime.memory import hint_hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class _Writer:
         elif i in full:
             expr = full[i]
         elif e.op is Op.CONCAT:
-            expr = self.r.concat(e, f"i{e.arg[0]}")
+            expr = self.r.concat(e, f"i{e.arg.axis}")
         else:
             expr = self.r.expr(e, [f"v{s}" for s in e.src])
         return f"const {ct} v{i} = {expr};"
@@ -361,89 +361,6 @@ def load(path: Path) -> ctypes.CDLL:
         return lib
 
 
-# Fresh large outputs cost more in page faults than the kernel itself (a 64 MiB torch.empty is first
-# touched by the kernel: ~16k 4 KiB faults). Before launch, large outputs get MADV_HUGEPAGE on their
-# 2 MiB-aligned span, so the kernel's first touch faults 2 MiB pages (measured in benchmarks/cpu_layers.py).
-HUGEPAGE_MIN = 1 << 22
-_MADV_HUGEPAGE = 14
-_HUGE = 1 << 21
-
-
-def _madvise_fn():
-    if platform.system() != "Linux" or os.environ.get("KERNELIZE_CPU_HUGEPAGES", "1") == "0":
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _madvise_fn()
-
-
-def hint_hugepages(t: torch.Tensor) -> None:
-    """Ask for transparent huge pages under ``t``'s memory (a no-op for small tensors or off Linux)."""
-    nbytes = t.numel() * t.element_size()
-    if _madvise is None or nbytes < HUGEPAGE_MIN:
-        return
-    start = t.data_ptr()
-    lo, hi = (start + _HUGE - 1) & ~(_HUGE - 1), (start + nbytes) & ~(_HUGE - 1)
-    if hi > lo:
-        _madvise(lo, hi - lo, _MADV_HUGEPAGE)
-
-
-class OutputPool:
-    """Recycles large CPU buffers of one compiled graph once nothing but the pool holds them.
-
-    A fresh 64 MiB ``torch.empty`` costs ~5-10 ms in page faults on first touch (more than an RMSNorm
-    over it); a buffer the caller has dropped can be handed out again instead. A slot (one per written
-    buffer of the graph) is reused only when its tensor has no other Python reference, no view and no
-    C++ owner (autograd); otherwise a fresh tensor replaces it. Small buffers go straight to
-    ``torch.empty`` (malloc reuses those already). Memory held: at most one set of the graph's buffers.
-
-    Example:
-        >>> pool = OutputPool()
-        >>> a = pool.empty("y", (1024, 1024), torch.float32); p = a.data_ptr(); del a
-        >>> pool.empty("y", (1024, 1024), torch.float32).data_ptr() == p
-        True
-    """
-
-    MIN_BYTES = 1 << 20
-
-    def __init__(self) -> None:
-        self._slots: dict = {}
-        self._lock = threading.Lock()
-
-    def empty(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= d
-        if nbytes < self.MIN_BYTES or _storage_use_count is None:
-            return torch.empty(shape, dtype=dtype)
-        with self._lock:
-            t = self._slots.get(key)
-            # refs: the slot, `t`, getrefcount's argument; storage: the tensor and the temporary storage
-            if (
-                t is not None
-                and t.dtype == dtype
-                and tuple(t.shape) == shape
-                and sys.getrefcount(t) == 3
-                and t._use_count() == 1
-                and _storage_use_count(t.untyped_storage()._cdata) == 2
-            ):
-                return t
-            t = torch.empty(shape, dtype=dtype)
-            hint_hugepages(t)
-            self._slots[key] = t
-            return t
-
-
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
 def _launcher(fn, kernel: Kernel):
     symbols = kernel.symbols
     n_reads, n_writes = len(kernel.reads), len(kernel.writes)
@@ -467,7 +384,7 @@ def _launcher(fn, kernel: Kernel):
     return launch
 
 
-class CpuBackend:
+class CpuBackend(Backend):
     """Generates, compiles (disk-cached) and launches C++ kernels on CPU tensors.
 
     Example:
@@ -493,6 +410,14 @@ class CpuBackend:
 
     def device_ok(self, device: torch.device) -> bool:
         return torch.device(device).type == "cpu"
+
+    def render(self, kernel: Kernel) -> str:
+        """The C++ source :meth:`compile` builds (a MATMUL kernel: its few-row function, then the epilogue
+        kernel run after torch's GEMM)."""
+        if kernel.kind is KernelKind.MATMUL:
+            epi, _ = _epilogue_of(kernel)
+            return _matmul_source(render(kernel, self.renderer)[0], render(epi, self.renderer)[0])
+        return render(kernel, self.renderer)[0]
 
     def compile(self, kernel: Kernel) -> CompiledKernel:
         if kernel.kind is KernelKind.MATMUL:
@@ -599,13 +524,18 @@ def _matmul_kernel(backend: str, kernel: Kernel, few_built, epi_built, epi: Kern
         mms = library_matmuls(kernel, reads, sizes)
         epi_launch([mms[i] if t else reads[i] for t, i in slots], writes, sizes)
 
-    both = f"{source}\n// more than {FEW_ROWS} rows: torch's matmul, then\n{epi_source}"
-    return CompiledKernel(kernel.name, backend, both, launch, kernel)
+    return CompiledKernel(kernel.name, backend, _matmul_source(source, epi_source), launch, kernel)
+
+
+def _matmul_source(few_rows: str, epilogue: str) -> str:
+    """The source of a MATMUL kernel as it reads: the few-row function, then the epilogue kernel."""
+    from kernelize.autokernel.matmul import FEW_ROWS
+
+    return f"{few_rows}\n// more than {FEW_ROWS} rows: torch's matmul, then\n{epilogue}"
 
 
 __all__ = [
     "BLOCK",
-    "OutputPool",
     "CompilerNotFoundError",
     "CpuBackend",
     "CpuRenderer",

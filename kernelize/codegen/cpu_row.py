@@ -26,6 +26,7 @@ from typing import Any
 from kernelize.autokernel.kernels import Compute
 from kernelize.codegen.render import closure, deps
 from kernelize.ir.graph import REDUCE, ROW, Op
+from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import numel
 
 SHORT_ROW = 16384  # static rows up to this length sum in float lanes, longer ones in double
@@ -164,23 +165,28 @@ def _arg(c: _Stat) -> list[_Pass]:
 
 def _rmsnorm(c: _Stat) -> list[_Pass]:
     a, x, i = c.a, c.x, c.i
-    eps, has_w = c.e.arg
-    c.full[i] = f"(v{x} * kz_r{i}" + (f" * v{c.e.src[1]})" if has_w else ")")
+    args: NormArgs = c.e.arg
+    c.full[i] = f"(v{x} * kz_r{i}" + (f" * v{c.e.src[1]})" if args.has_weight else ")")
     return [
         _Pass(
-            [x], [f"{c.at} {a} = 0;"], [f"{a} += v{x} * v{x};"], [f"reduction(+: {a})"], [c.inv_std(a, eps)]
+            [x],
+            [f"{c.at} {a} = 0;"],
+            [f"{a} += v{x} * v{x};"],
+            [f"reduction(+: {a})"],
+            [c.inv_std(a, args.eps)],
         )
     ]
 
 
 def _layernorm(c: _Stat) -> list[_Pass]:
     a, x, i, ct = c.a, c.x, c.i, c.ct
-    eps, has_w, has_b = c.e.arg
+    args: NormArgs = c.e.arg
+    eps = args.eps
     y = f"(v{x} - kz_m{i}) * kz_r{i}"
-    if has_w:
+    if args.has_weight:
         y += f" * v{c.e.src[1]}"
-    if has_b:
-        y += f" + v{c.e.src[1 + has_w]}"
+    if args.has_bias:
+        y += f" + v{c.e.src[1 + args.has_weight]}"
     c.full[i] = f"({y})"
     if ct == "float":
         # one statistics pass: sum and sum of squares in double (var = E[x^2] - E[x]^2 keeps f32

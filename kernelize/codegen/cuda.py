@@ -42,8 +42,9 @@ from kernelize.codegen.render import Renderer, c_name, closure, contraction
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
+from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import Dim, bind, numel
-from kernelize.runtime.backend import CompiledKernel
+from kernelize.runtime.backend import Backend, CompiledKernel
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +241,7 @@ class _Gen:
             return f"const {self.r.ctype(e.dtype)} v{i} = {self.load(e, idx)};"
         ct = self.r.ctype(e.dtype)
         if e.op is Op.CONCAT:
-            return f"const {ct} v{i} = {self.r.concat(e, idx[e.arg[0]])};"
+            return f"const {ct} v{i} = {self.r.concat(e, idx[e.arg.axis])};"
         if e.op in ROW:
             return f"const {ct} v{i} = {self.row_elem(i, e)};"
         if e.op in REDUCE or e.op is Op.MATMUL:
@@ -258,12 +259,10 @@ class _Gen:
 
     def row_elem(self, i: int, e: Compute) -> str:
         expr = _STATS[e.op].elem.format(x=f"v{e.src[0]}", k=i)
-        if e.op is Op.LAYERNORM:
-            _, has_w, has_b = e.arg
-            expr = f"({expr} * v{e.src[1]})" if has_w else expr
-            expr = f"({expr} + v{e.src[1 + has_w]})" if has_b else expr
-        elif e.op is Op.RMSNORM and e.arg[1]:
-            expr = f"({expr} * v{e.src[1]})"
+        if e.op in (Op.LAYERNORM, Op.RMSNORM):
+            a: NormArgs = e.arg
+            expr = f"({expr} * v{e.src[1]})" if a.has_weight else expr
+            expr = f"({expr} + v{e.src[1 + a.has_weight]})" if a.has_bias else expr
         return expr
 
     # -- kinds ----------------------------------------------------------------------------------------------
@@ -305,7 +304,7 @@ class _Gen:
             "v": f"v{i}",
             "ct": r.ctype(e.dtype),
             "at": _acc_type(r, src_dtype),
-            "eps": r.literal(e.arg[0], e.dtype) if e.op in (Op.LAYERNORM, Op.RMSNORM) else "",
+            "eps": r.literal(e.arg.eps, e.dtype) if e.op in (Op.LAYERNORM, Op.RMSNORM) else "",
             "j": "j",
         }
         acc_t = spec.acc.format(at=fmt["at"], st=r.ctype(src_dtype))
@@ -427,7 +426,7 @@ def render(kernel: Kernel, renderer: CudaRenderer | None = None) -> CudaSource:
     return CudaSource(kernel, c_name(kernel.name), source, block, tuple(gen.params))
 
 
-class CudaBackend:
+class CudaBackend(Backend):
     """Backend ``"cuda"``: CUDA C compiled with NVRTC for one architecture, launched on torch's stream.
 
     Args:

@@ -77,7 +77,7 @@ class Renderer:
         Op.NOT: lambda r, e, a: f"(!{a[0]})",
         Op.CAST: lambda r, e, a: r.cast(a[0], e.dtype),
         Op.CLAMP: lambda r, e, a: (
-            f"kz_clamp({a[0]}, {r.literal(e.arg[0], e.dtype)}, {r.literal(e.arg[1], e.dtype)})"
+            f"kz_clamp({a[0]}, {r.literal(e.arg.lo, e.dtype)}, {r.literal(e.arg.hi, e.dtype)})"
         ),
         Op.GELU: lambda r, e, a: f"kz_gelu_tanh({a[0]})" if e.arg == "tanh" else f"kz_gelu({a[0]})",
         Op.ADD: _infix("+"),
@@ -124,7 +124,7 @@ class Renderer:
 
     def concat(self, e: Compute, index: str) -> str:
         """The value of a concat ``e`` at position ``index`` of its axis: nested selects over its operands."""
-        _, ends = e.arg
+        ends = e.arg.ends
         where = self.OP_RENDER[Op.WHERE]
         expr = f"v{e.src[-1]}"
         for s, end in zip(reversed(e.src[:-1]), reversed(ends[: len(e.src) - 1])):

@@ -52,7 +52,7 @@ from kernelize.codegen.triton_rows import RowRenderer, row_block
 from kernelize.ir.dtypes import HALF, DType, compute_dtype
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.shapes import Dim, bind, numel
-from kernelize.runtime.backend import CompiledKernel, KernelCompileError
+from kernelize.runtime.backend import Backend, CompiledKernel, KernelCompileError
 from kernelize.runtime.cache import KERNELS
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class KernelSource:
     def compute(self, i: int, e: Compute, ctx: IndexCtx, indent: str = "    ") -> str:
         args = [f"v{s}" for s in e.src]
         if e.op is Op.CONCAT:
-            axis = e.arg[0]
+            axis = e.arg.axis
             expr = self.r.concat(e, ctx.axes[axis] or "0")
             self.vec[i] = any(self.vec[s] for s in e.src) or (ctx.axes[axis] is not None and ctx.vec[axis])
             return f"{indent}v{i} = {expr}"
@@ -344,7 +344,7 @@ def splitk_config(
     return (tiles, splits), {"BM": bm, "BN": bn, "BK": bk, "KSPLIT": ksplit, "UPCAST": upcast, "num_warps": 4}
 
 
-class TritonBackend:
+class TritonBackend(Backend):
     """Backend ``"triton"``: renders, loads and launches Triton kernels (CUDA, or CPU under the interpreter).
 
     Example:

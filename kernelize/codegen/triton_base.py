@@ -58,7 +58,7 @@ def _minmax(fn: str):
 
 
 def _clamp(r: Renderer, e: Compute, a: Sequence[str]) -> str:
-    lo, hi = e.arg
+    lo, hi = e.arg.lo, e.arg.hi
     nan = f", propagate_nan={_NAN}" if e.dtype.is_float else ""
     out = a[0]
     if lo != float("-inf"):

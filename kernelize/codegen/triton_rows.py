@@ -27,6 +27,7 @@ from kernelize.autokernel.kernels import Compute, Kernel, Load, row_invariant
 from kernelize.codegen.render import closure
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import REDUCE, ROW, Op
+from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import Sym, numel
 
 if TYPE_CHECKING:
@@ -191,23 +192,24 @@ class RowRenderer:
             if e.op is Op.SOFTMAX:
                 return [*lines, f"    {v} = {v}_e / {v}_s"]
             return [*lines, f"    {v} = {x} - {v}_m - tl.log({v}_s)"]
+        a: NormArgs = e.arg
         if e.op is Op.RMSNORM:
-            eps, has_w = e.arg
             return [
-                f"    {v}_r = tl.rsqrt(tl.sum(tl.where(mask, {x} * {x}, 0.0), axis=0) / {R} + {eps!r})",
-                f"    {v} = {x} * {v}_r" + (f" * v{e.src[1]}" if has_w else ""),
+                f"    {v}_r = tl.rsqrt(tl.sum(tl.where(mask, {x} * {x}, 0.0), axis=0) / {R} + {a.eps!r})",
+                f"    {v} = {x} * {v}_r" + self._affine(e),
             ]
-        eps, has_w, has_b = e.arg
         return [
             f"    {v}_mean = tl.sum(tl.where(mask, {x}, 0.0), axis=0) / {R}",
             f"    {v}_d = tl.where(mask, {x} - {v}_mean, 0.0)",
-            f"    {v}_r = tl.rsqrt(tl.sum({v}_d * {v}_d, axis=0) / {R} + {eps!r})",
-            f"    {v} = {v}_d * {v}_r" + self._affine(e, has_w, has_b),
+            f"    {v}_r = tl.rsqrt(tl.sum({v}_d * {v}_d, axis=0) / {R} + {a.eps!r})",
+            f"    {v} = {v}_d * {v}_r" + self._affine(e),
         ]
 
-    def _affine(self, e: Compute, has_w: bool, has_b: bool) -> str:
-        out = f" * v{e.src[1]}" if has_w else ""
-        return out + (f" + v{e.src[1 + has_w]}" if has_b else "")
+    def _affine(self, e: Compute) -> str:
+        """`` * weight + bias`` of a norm, each part present only if the node has it."""
+        a: NormArgs = e.arg
+        out = f" * v{e.src[1]}" if a.has_weight else ""
+        return out + (f" + v{e.src[1 + a.has_weight]}" if a.has_bias else "")
 
     def _dtype(self, i: int) -> DType:
         return self.k.body[i].dtype
@@ -279,8 +281,8 @@ class RowRenderer:
         if e.op is Op.LOG_SOFTMAX:
             return f"{x} - {v}_m - tl.log({v}_s)"
         if e.op is Op.RMSNORM:
-            return f"{x} * {v}_r" + (f" * v{e.src[1]}" if e.arg[1] else "")
-        return f"({x} - {v}_mean) * {v}_r" + self._affine(e, e.arg[1], e.arg[2])
+            return f"{x} * {v}_r" + self._affine(e)
+        return f"({x} - {v}_mean) * {v}_r" + self._affine(e)
 
     def _pass(self, s: int, e: Compute, stage: str | None, xi: int) -> list[str]:
         """One loop over the row accumulating statistic ``s`` per lane, then the lane reduction."""
@@ -298,7 +300,7 @@ class RowRenderer:
         elif op is Op.RMSNORM:
             init = [f"    {acc} = tl.zeros([BLOCK], dtype=tl.float32)"]
             step = [f"        {acc} += tl.where(mask, {x} * {x}, 0.0)"]
-            fin = [f"    {v}_r = tl.rsqrt(tl.sum({acc}, axis=0) / {R} + {e.arg[0]!r})"]
+            fin = [f"    {v}_r = tl.rsqrt(tl.sum({acc}, axis=0) / {R} + {e.arg.eps!r})"]
         elif op is Op.LAYERNORM and stage == "mean":
             init = [f"    {acc} = tl.zeros([BLOCK], dtype=tl.float32)"]
             step = [f"        {acc} += tl.where(mask, {x}, 0.0)"]
@@ -306,7 +308,7 @@ class RowRenderer:
         elif op is Op.LAYERNORM:
             init = [f"    {acc} = tl.zeros([BLOCK], dtype=tl.float32)"]
             step = [f"        d = tl.where(mask, {x} - {v}_mean, 0.0)", f"        {acc} += d * d"]
-            fin = [f"    {v}_r = tl.rsqrt(tl.sum({acc}, axis=0) / {R} + {e.arg[0]!r})"]
+            fin = [f"    {v}_r = tl.rsqrt(tl.sum({acc}, axis=0) / {R} + {e.arg.eps!r})"]
         elif op in (Op.SUM, Op.MEAN):
             init = [f"    {acc} = tl.zeros([BLOCK], dtype={tl_dt})"]
             step = [f"        {acc} += tl.where(mask, {x}, {z})"]

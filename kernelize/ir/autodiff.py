@@ -109,8 +109,7 @@ def _gelu(b: _Builder, ct: Node, x: Node, y: Node, n: Node) -> Node:
 
 def _clamp(b: _Builder, ct: Node, x: Node, y: Node, n: Node) -> Node:
     g = b.g
-    lo, hi = n.arg
-    keep = g.and_(g.ge(x, lo), g.le(x, hi))
+    keep = g.and_(g.ge(x, n.arg.lo), g.le(x, n.arg.hi))
     return g.where(keep, ct, b.full(n, 0.0))
 
 
@@ -169,8 +168,7 @@ def _concat(b: _Builder, n: Node, ct: Node) -> list[Node]:
 
 
 def _pad(b: _Builder, n: Node, ct: Node) -> list[Node]:
-    pads, _ = n.arg
-    for axis, ((lo, _hi), d) in enumerate(zip(pads, n.src[0].shape)):
+    for axis, ((lo, _hi), d) in enumerate(zip(n.arg.pads, n.src[0].shape)):
         ct = b.g.slice(ct, axis, lo, lo + d)
     return [ct]
 
@@ -246,7 +244,7 @@ def rms_stats(g: Graph, x: Node, eps: float) -> Node:
 def _rmsnorm(b: _Builder, n: Node, ct: Node) -> list[Node]:
     """xhat = x r; dx = r (dxhat - xhat mean(dxhat xhat)) with dxhat = ct w; dw = sum_rows(ct xhat)."""
     g = b.g
-    eps, has_w = n.arg
+    eps, has_w = n.arg.eps, n.arg.has_weight
     x = b.primal(n.src[0])
     r = rms_stats(g, x, eps)
     xhat = g.mul(x, r)
@@ -258,7 +256,7 @@ def _rmsnorm(b: _Builder, n: Node, ct: Node) -> list[Node]:
 def _layernorm(b: _Builder, n: Node, ct: Node) -> list[Node]:
     """dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat)); dw = sum_rows(ct xhat); db = sum_rows(ct)."""
     g = b.g
-    eps, has_w, has_b = n.arg
+    eps, has_w, has_b = n.arg.eps, n.arg.has_weight, n.arg.has_bias
     x = b.primal(n.src[0])
     centered = g.sub(x, b.row_mean(x))
     r = g.broadcast(

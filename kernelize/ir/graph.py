@@ -37,7 +37,12 @@ from kernelize.ir.ops import (
     ROW,
     SOURCE,
     UNARY,
+    ClampArgs,
+    ConvArgs,
+    NormArgs,
     Op,
+    PadArgs,
+    PoolArgs,
 )
 from kernelize.ir.shapes import (
     Dim,
@@ -309,7 +314,7 @@ class Graph:
         if any(isinstance(d, Sym) and (lo or hi) for d, (lo, hi) in zip(x.shape, pads)):
             raise ShapeError(f"cannot pad a symbolic dimension of {shape_str(x.shape)}")
         shape = tuple(d + lo + hi if lo or hi else d for d, (lo, hi) in zip(x.shape, pads))
-        return self.push(Op.PAD, x.dtype, shape, (x,), (pads, float(value)))
+        return self.push(Op.PAD, x.dtype, shape, (x,), PadArgs(pads, value))
 
     # -- heavy ops ----------------------------------------------------------------------------------------
     def matmul(self, a: Node, b: Node) -> Node:
@@ -370,7 +375,7 @@ class Graph:
         ow = (wd + padding[1] + padding[3] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
         if oh < 0 or ow < 0:
             raise ShapeError(f"conv output of {shape_str(x.shape)} with kernel {kh}x{kw} would be empty")
-        out = self.push(Op.CONV, x.dtype, (n, o, oh, ow), (x, w), (stride, padding, dilation, groups))
+        out = self.push(Op.CONV, x.dtype, (n, o, oh, ow), (x, w), ConvArgs(stride, padding, dilation, groups))
         if bias is not None:
             out = self.add(out, self.view(bias, (o, 1, 1)))
         return out
@@ -402,7 +407,7 @@ class Graph:
             if ceil_mode and (size - 1) * stride[i] >= d + padding[i]:
                 size -= 1  # the last window must start inside the input or left padding
             sizes.append(size)
-        arg = (kind, kernel, stride, padding, dilation, bool(ceil_mode), bool(count_include_pad))
+        arg = PoolArgs(kind, kernel, stride, padding, dilation, ceil_mode, count_include_pad)
         return self.push(Op.POOL, x.dtype, (*x.shape[:2], *sizes), (x,), arg)
 
     # -- elementwise --------------------------------------------------------------------------------------
@@ -456,7 +461,7 @@ class Graph:
     def clamp(self, x: Node, lo: float = -math.inf, hi: float = math.inf) -> Node:
         if lo == -math.inf and hi == math.inf:
             return x
-        return self.push(Op.CLAMP, x.dtype, x.shape, (x,), (float(lo), float(hi)))
+        return self.push(Op.CLAMP, x.dtype, x.shape, (x,), ClampArgs(lo, hi))
 
     def gelu(self, x: Node, approximate: str = "none") -> Node:
         if approximate not in ("none", "tanh"):
@@ -491,12 +496,12 @@ class Graph:
     ) -> Node:
         """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias``."""
         params = self._norm_params(x, weight, bias)
-        return self._row(Op.LAYERNORM, x, (float(eps), weight is not None, bias is not None), params)
+        return self._row(Op.LAYERNORM, x, NormArgs(eps, weight is not None, bias is not None), params)
 
     def rmsnorm(self, x: Node, weight: Node | None = None, eps: float = 1e-6) -> Node:
         """RMSNorm over the last axis: ``x * rsqrt(mean(x^2) + eps) * weight``."""
         params = self._norm_params(x, weight, None)
-        return self._row(Op.RMSNORM, x, (float(eps), weight is not None), params)
+        return self._row(Op.RMSNORM, x, NormArgs(eps, weight is not None), params)
 
     def _row(self, op: Op, x: Node, arg: Any, params: Sequence[Node] = ()) -> Node:
         if not x.dtype.is_float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kernelize._compat import StrEnum
@@ -20,11 +21,11 @@ class Op(StrEnum):
     # data movement that needs its own indexing
     GATHER = "gather"
     CONCAT = "concat"
-    PAD = "pad"
+    PAD = "pad"  # arg: PadArgs
     # heavy ops
     MATMUL = "matmul"
-    CONV = "conv"
-    POOL = "pool"
+    CONV = "conv"  # arg: ConvArgs
+    POOL = "pool"  # arg: PoolArgs
     ATTENTION = "attention"  # softmax(scale * q @ k^T + mask) @ v, fused (arg: AttentionArgs)
     # unary
     ABS = "abs"
@@ -78,8 +79,8 @@ class Op(StrEnum):
     # compound row ops that passes recognise (over the last axis, or `arg` axis for softmax)
     SOFTMAX = "softmax"
     LOG_SOFTMAX = "log_softmax"
-    LAYERNORM = "layernorm"
-    RMSNORM = "rmsnorm"
+    LAYERNORM = "layernorm"  # arg: NormArgs
+    RMSNORM = "rmsnorm"  # arg: NormArgs (has_bias False)
 
 
 # values that come from outside any kernel
@@ -152,5 +153,135 @@ class AttentionArgs:
         object.__setattr__(self, "scale", float(self.scale))
 
 
+@dataclass(frozen=True)
+class NormArgs:
+    """The attributes of a ``LAYERNORM`` or ``RMSNORM`` node.
+
+    Attributes:
+        eps: added to the variance (layernorm) or the mean square (rmsnorm) before the square root.
+        has_weight: the node's second operand is a weight over the last axis.
+        has_bias: the next operand is a bias over the last axis (layernorm only).
+
+    Example:
+        >>> NormArgs(1e-6, has_weight=True)
+        NormArgs(eps=1e-06, has_weight=True, has_bias=False)
+    """
+
+    eps: float
+    has_weight: bool = False
+    has_bias: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eps", float(self.eps))
+        object.__setattr__(self, "has_weight", bool(self.has_weight))
+        object.__setattr__(self, "has_bias", bool(self.has_bias))
+
+    @property
+    def params(self) -> int:
+        """How many operands follow the input (weight and bias)."""
+        return self.has_weight + self.has_bias
+
+
+@dataclass(frozen=True)
+class ConvArgs:
+    """The attributes of a ``CONV`` node (2-D, NCHW input, OIHW weight).
+
+    Attributes:
+        stride: (height, width) steps of the window.
+        padding: zeros added (top, left, bottom, right).
+        dilation: (height, width) spacing of the kernel taps.
+        groups: input and output channels split into this many independent convolutions.
+    """
+
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    dilation: tuple[int, int]
+    groups: int = 1
+
+    def __post_init__(self) -> None:
+        for f in ("stride", "padding", "dilation"):
+            object.__setattr__(self, f, tuple(getattr(self, f)))
+
+
+@dataclass(frozen=True)
+class PoolArgs:
+    """The attributes of a ``POOL`` node (2-D, NCHW).
+
+    Attributes:
+        kind: ``"max"`` or ``"avg"``.
+        kernel: (height, width) of the window.
+        stride: (height, width) steps of the window.
+        padding: (top, left, bottom, right); max pooling pads with -inf, average pooling with zeros.
+        dilation: (height, width) spacing of the window taps (max pooling only).
+        ceil_mode: output sizes round up (a last window must still start inside the input or left padding).
+        count_pad: an average counts the padding it covers (torch's ``count_include_pad``).
+    """
+
+    kind: str
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    ceil_mode: bool = False
+    count_pad: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("kernel", "stride", "padding", "dilation"):
+            object.__setattr__(self, f, tuple(getattr(self, f)))
+        object.__setattr__(self, "ceil_mode", bool(self.ceil_mode))
+        object.__setattr__(self, "count_pad", bool(self.count_pad))
+
+
+@dataclass(frozen=True)
+class PadArgs:
+    """The attributes of a ``PAD`` node.
+
+    Attributes:
+        pads: ``(before, after)`` per axis, each >= 0 (the builder turns negative pads into slices).
+        value: the constant the new elements hold.
+    """
+
+    pads: tuple[tuple[int, int], ...]
+    value: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pads", tuple((lo, hi) for lo, hi in self.pads))
+        object.__setattr__(self, "value", float(self.value))
+
+
+@dataclass(frozen=True)
+class ClampArgs:
+    """The bounds of a ``CLAMP`` node: ``min(max(x, lo), hi)``, as ``torch.clamp`` (even when they cross).
+
+    Example:
+        >>> ClampArgs(0, 6)  # relu6
+        ClampArgs(lo=0.0, hi=6.0)
+    """
+
+    lo: float = -math.inf
+    hi: float = math.inf
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lo", float(self.lo))
+        object.__setattr__(self, "hi", float(self.hi))
+
+
+@dataclass(frozen=True)
+class ConcatArgs:
+    """The arg of a ``CONCAT`` inside a kernel body (the graph node's arg is just the axis): the value is
+    operand ``i`` for the first ``i`` with ``index[axis] < ends[i]``.
+
+    Example:
+        >>> ConcatArgs(1, (13, 19))  # operands of 13 and 6 columns
+        ConcatArgs(axis=1, ends=(13, 19))
+    """
+
+    axis: int
+    ends: tuple  # cumulative sizes along ``axis`` (ints or symbolic dims)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ends", tuple(self.ends))
+
+
 # typed op arguments (printed field by field)
-TYPED_ARGS = (AttentionArgs,)
+TYPED_ARGS = (AttentionArgs, NormArgs, ConvArgs, PoolArgs, PadArgs, ClampArgs, ConcatArgs)

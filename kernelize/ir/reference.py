@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kernelize.ir.attention import reference_attention
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import Graph, Node, Op
+from kernelize.ir.ops import ConvArgs, NormArgs, PoolArgs
 from kernelize.ir.shapes import ShapeError, bind, shape_str, unify
 
 
@@ -94,34 +95,30 @@ def _gather(n: Node, xs, env) -> torch.Tensor:
 
 
 def _pad(n: Node, xs, env) -> torch.Tensor:
-    pads, value = n.arg
-    flat = [p for lo_hi in reversed(pads) for p in lo_hi]
-    return F.pad(xs[0], flat, value=value)
+    flat = [p for lo_hi in reversed(n.arg.pads) for p in lo_hi]
+    return F.pad(xs[0], flat, value=n.arg.value)
 
 
 def _conv(n: Node, xs, env) -> torch.Tensor:
-    stride, (top, left, bottom, right), dilation, groups = n.arg
+    a: ConvArgs = n.arg
+    top, left, bottom, right = a.padding
     x = F.pad(_f(xs[0], n.dtype), (left, right, top, bottom))
-    return F.conv2d(x, _f(xs[1], n.dtype), stride=stride, dilation=dilation, groups=groups)
+    return F.conv2d(x, _f(xs[1], n.dtype), stride=a.stride, dilation=a.dilation, groups=a.groups)
 
 
 def _pool(n: Node, xs, env) -> torch.Tensor:
-    kind, kernel, stride, (top, left, bottom, right), dilation, ceil_mode, count_pad = n.arg
+    a: PoolArgs = n.arg
+    top, left, bottom, right = a.padding
+    pad = (left, right, top, bottom)
     x = _f(xs[0], n.dtype)
-    if kind == "max":
-        x = F.pad(x, (left, right, top, bottom), value=-math.inf)
-        out = F.max_pool2d(x, kernel, stride, 0, dilation, ceil_mode=ceil_mode)
+    if a.kind == "max":
+        x = F.pad(x, pad, value=-math.inf)
+        out = F.max_pool2d(x, a.kernel, a.stride, 0, a.dilation, ceil_mode=a.ceil_mode)
     else:
-        assert dilation == (1, 1), "avg pool with dilation"
-        ones = F.pad(torch.ones_like(x[:1, :1]), (left, right, top, bottom), value=1.0 if count_pad else 0.0)
-        x = F.pad(x, (left, right, top, bottom))
-        s = F.avg_pool2d(
-            x, kernel, stride, 0, ceil_mode=ceil_mode, count_include_pad=True, divisor_override=1
-        )
-        cnt = F.avg_pool2d(
-            ones, kernel, stride, 0, ceil_mode=ceil_mode, count_include_pad=True, divisor_override=1
-        )
-        out = s / cnt
+        assert a.dilation == (1, 1), "avg pool with dilation"
+        ones = F.pad(torch.ones_like(x[:1, :1]), pad, value=1.0 if a.count_pad else 0.0)
+        sums = dict(kernel_size=a.kernel, stride=a.stride, ceil_mode=a.ceil_mode, divisor_override=1)
+        out = F.avg_pool2d(F.pad(x, pad), **sums) / F.avg_pool2d(ones, **sums)
     # torch drops a last ceil-mode window only when it starts past the (here pre-padded) input; the IR also
     # drops one that starts in the right padding, so keep the IR's (never larger) output size
     oh, ow = bind(n.shape, env)[2:]
@@ -149,18 +146,18 @@ def _prod(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
 
 
 def _layernorm(n: Node, xs, env) -> torch.Tensor:
-    eps, has_w, has_b = n.arg
+    a: NormArgs = n.arg
     x = _f(xs[0], n.dtype)
-    w = _f(xs[1], n.dtype) if has_w else None
-    b = _f(xs[1 + has_w], n.dtype) if has_b else None
-    return F.layer_norm(x, x.shape[-1:], w, b, eps)
+    w = _f(xs[1], n.dtype) if a.has_weight else None
+    b = _f(xs[1 + a.has_weight], n.dtype) if a.has_bias else None
+    return F.layer_norm(x, x.shape[-1:], w, b, a.eps)
 
 
 def _rmsnorm(n: Node, xs, env) -> torch.Tensor:
-    eps, has_w = n.arg
+    a: NormArgs = n.arg
     x = _f(xs[0], n.dtype)
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y * _f(xs[1], n.dtype) if has_w else y
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + a.eps)
+    return y * _f(xs[1], n.dtype) if a.has_weight else y
 
 
 def _round(x: torch.Tensor) -> torch.Tensor:
@@ -217,7 +214,7 @@ EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tensor
     Op.SIGN: _unary(torch.sign),
     Op.NOT: _unary(torch.logical_not),
     Op.CAST: lambda n, xs, env: xs[0].to(n.dtype.torch),
-    Op.CLAMP: lambda n, xs, env: torch.clamp(_f(xs[0], n.dtype), *n.arg),
+    Op.CLAMP: lambda n, xs, env: torch.clamp(_f(xs[0], n.dtype), n.arg.lo, n.arg.hi),
     Op.GELU: lambda n, xs, env: F.gelu(_f(xs[0], n.dtype), approximate=n.arg),
     Op.ADD: _binary(torch.add),
     Op.SUB: _binary(torch.sub),

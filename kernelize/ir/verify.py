@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kernelize.ir.graph import BINARY, REDUCE, UNARY, Constant, DTypeError, Graph, Node, Op
-from kernelize.ir.ops import AttentionArgs
+from kernelize.ir.ops import AttentionArgs, ClampArgs, ConvArgs, NormArgs, PadArgs, PoolArgs
 from kernelize.ir.printer import format_node
 from kernelize.ir.shapes import ShapeError, Sym, shape_str, symbols
 
@@ -172,9 +172,9 @@ def _unary(g: Graph, s: list[Node], n: Node) -> Any:
     if n.op is Op.CAST:
         return g.push(Op.CAST, n.dtype, s[0].shape, s)
     if n.op is Op.CLAMP:
-        lo, hi = n.arg
-        if not (isinstance(lo, float) and isinstance(hi, float)) or math.isnan(lo) or math.isnan(hi):
-            return f"clamp bounds {n.arg!r} must be two floats"
+        a = n.arg
+        if not isinstance(a, ClampArgs) or math.isnan(a.lo) or math.isnan(a.hi):
+            return f"clamp bounds {a!r} must be ClampArgs of two numbers"
         return g.push(Op.CLAMP, s[0].dtype, s[0].shape, s)
     if n.op is Op.GELU:
         return g.gelu(s[0], n.arg)
@@ -245,22 +245,28 @@ def _concat(g: Graph, s: list[Node], n: Node) -> Any:
 
 def _pad(g: Graph, s: list[Node], n: Node) -> Any:
     _nsrc(n, 1)
-    pads, value = n.arg
-    if any(lo < 0 or hi < 0 for lo, hi in pads):
-        return f"negative pads {pads} (crop with a slice)"
-    return g.pad(s[0], pads, value)
+    a = n.arg
+    if not isinstance(a, PadArgs):
+        return f"arg {a!r} is not PadArgs"
+    if any(lo < 0 or hi < 0 for lo, hi in a.pads):
+        return f"negative pads {a.pads} (crop with a slice)"
+    return g.pad(s[0], a.pads, a.value)
 
 
 def _conv(g: Graph, s: list[Node], n: Node) -> Any:
     _nsrc(n, 2)
-    stride, padding, dilation, groups = n.arg
-    return g.conv(s[0], s[1], stride=stride, padding=padding, dilation=dilation, groups=groups)
+    a = n.arg
+    if not isinstance(a, ConvArgs):
+        return f"arg {a!r} is not ConvArgs"
+    return g.conv(s[0], s[1], stride=a.stride, padding=a.padding, dilation=a.dilation, groups=a.groups)
 
 
 def _pool(g: Graph, s: list[Node], n: Node) -> Any:
     _nsrc(n, 1)
-    kind, kernel, stride, padding, dilation, ceil_mode, count_pad = n.arg
-    return g.pool(s[0], kind, kernel, stride, padding, dilation, ceil_mode, count_pad)
+    a = n.arg
+    if not isinstance(a, PoolArgs):
+        return f"arg {a!r} is not PoolArgs"
+    return g.pool(s[0], a.kind, a.kernel, a.stride, a.padding, a.dilation, a.ceil_mode, a.count_pad)
 
 
 def _matmul(g: Graph, s: list[Node], n: Node) -> Any:
@@ -294,15 +300,17 @@ def _row(g: Graph, s: list[Node], n: Node) -> Any:
         if not isinstance(n.arg, int) or not 0 <= n.arg < s[0].rank:
             return f"axis {n.arg!r} is not an axis of the operand"
         return g.softmax(s[0], n.arg) if n.op is Op.SOFTMAX else g.log_softmax(s[0], n.arg)
+    a = n.arg
+    if not isinstance(a, NormArgs):
+        return f"arg {a!r} is not NormArgs"
+    _nsrc(n, 1 + a.params)
     if n.op is Op.LAYERNORM:
-        eps, has_w, has_b = n.arg
-        _nsrc(n, 1 + has_w + has_b)
-        w = s[1] if has_w else None
-        b = s[1 + has_w] if has_b else None
-        return g.layernorm(s[0], w, b, eps)
-    eps, has_w = n.arg
-    _nsrc(n, 1 + has_w)
-    return g.rmsnorm(s[0], s[1] if has_w else None, eps)
+        w = s[1] if a.has_weight else None
+        b = s[1 + a.has_weight] if a.has_bias else None
+        return g.layernorm(s[0], w, b, a.eps)
+    if a.has_bias:
+        return "rmsnorm has no bias"
+    return g.rmsnorm(s[0], s[1] if a.has_weight else None, a.eps)
 
 
 _RULES: dict[Op, Callable[[Graph, list[Node], Node], Any]] = {

@@ -149,8 +149,8 @@ def _pre_matmul(ctx: Context, mm: Node, a: Node, w: Node) -> Node | None:
 
 
 def _conv_like(ctx: Context, conv: Node, x: Node, w: Node) -> Node:
-    stride, padding, dilation, groups = conv.arg
-    return ctx.g.conv(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    a = conv.arg
+    return ctx.g.conv(x, w, stride=a.stride, padding=a.padding, dilation=a.dilation, groups=a.groups)
 
 
 def _conv_scale(ctx: Context, conv: Node, x: Node, w: Node, s: Node) -> Node | None:
@@ -170,7 +170,7 @@ def _scale_conv(ctx: Context, conv: Node, m: Node, x: Node, s: Node, w: Node) ->
     if sv is None or wv is None or ctx.uses(m) > 1 or not _float(conv) or is_const(x):
         return None
     ch = _along(sv, 4, 1)
-    groups, c_in = conv.arg[3], x.shape[1]
+    groups, c_in = conv.arg.groups, x.shape[1]
     if ch is None or ch.numel() not in (1, c_in):
         return None
     per_group = ch.expand(c_in).reshape(groups, -1)  # [groups, C/groups]

@@ -5,8 +5,8 @@
 ``min(max(x, lo), hi)``, which this formula keeps even when the bounds cross). Floats only.
 
 Example:
-    before                                   after
-    %1 = clamp(%0) {(0.0, inf)} : f32[8]     %1 = clamp(%0) {(0.0, 6.0)} : f32[8]
+    before                                                after
+    %1 = clamp(%0) {ClampArgs(lo=0, hi=inf)} : f32[8]     %1 = clamp(%0) {ClampArgs(lo=0, hi=6)} : f32[8]
     %3 = min(%1, %2) : f32[8]  (%2 = 6.0)
 """
 
@@ -36,7 +36,7 @@ def _min_const(ctx: Context, x: Node, c: Node) -> Node | None:
 
 
 def _clamp_clamp(ctx: Context, outer: Node, inner: Node, x: Node) -> Node | None:
-    (a, b), (c, d) = inner.arg, outer.arg
+    a, b, c, d = inner.arg.lo, inner.arg.hi, outer.arg.lo, outer.arg.hi
     return ctx.g.clamp(x, max(a, c), min(max(b, c), d))
 
 

@@ -20,10 +20,9 @@ from kernelize.passes.rewrite import Context, P, Rule, Var, rewrite
 
 
 def _as_matmul(ctx: Context, conv: Node, x: Node, w: Node) -> Node | None:
-    _, padding, _, groups = conv.arg
     n, c, h, wd = x.shape
     o = w.shape[0]
-    if groups != 1 or any(padding) or (h, wd) != (1, 1) or tuple(w.shape[2:]) != (1, 1):
+    if conv.arg.groups != 1 or any(conv.arg.padding) or (h, wd) != (1, 1) or tuple(w.shape[2:]) != (1, 1):
         return None
     g = ctx.g
     y = g.matmul(g.view(x, (n, c)), g.transpose(g.view(w, (o, c))))

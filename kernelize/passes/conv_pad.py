@@ -17,15 +17,16 @@ from kernelize.passes.rewrite import Context, P, Rule, Var, rewrite
 
 
 def _fold_pad(ctx: Context, conv: Node, pad: Node, x: Node, w: Node) -> Node | None:
-    pads, value = pad.arg
-    if value != 0 or len(pads) != 4 or any(p != (0, 0) for p in pads[:2]):
+    pads = pad.arg.pads
+    if pad.arg.value != 0 or len(pads) != 4 or any(p != (0, 0) for p in pads[:2]):
         return None
     (top, bottom), (left, right) = pads[2], pads[3]
     if min(top, bottom, left, right) < 0:
         return None  # a negative pad crops: not a convolution padding
-    stride, (pt, pl, pb, pr), dilation, groups = conv.arg
+    a = conv.arg
+    pt, pl, pb, pr = a.padding
     padding = (pt + top, pl + left, pb + bottom, pr + right)
-    return ctx.g.conv(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    return ctx.g.conv(x, w, stride=a.stride, padding=padding, dilation=a.dilation, groups=a.groups)
 
 
 RULES: list[Rule] = [

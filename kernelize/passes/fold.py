@@ -108,7 +108,7 @@ def _cast_cast(ctx: Context, outer: Node, inner: Node, x: Node) -> Node | None:
 def _pad_of_neg(ctx: Context, pad: Node, neg: Node, x: Node) -> Node | None:
     """pad(-x, 0) -> -pad(x, 0): the pad then reads x in place (an autodiff'd rotate-half gives this), where
     a pad of a computed value needs the value in a buffer first."""
-    if pad.arg[1] != 0:
+    if pad.arg.value != 0:
         return None
     return ctx.g.neg(ctx.g.push(Op.PAD, x.dtype, pad.shape, (x,), pad.arg))
 

@@ -18,8 +18,8 @@ SiLU (``x * sigmoid(x)``) has no IR node and stays elementwise.
 
 Example:
     before                                           after
-    %2 = pow(%0, %1) : f32[4, 64]                    %3 = rmsnorm(%0, %1) {(1e-06, True)} : f32[4, 64]
-    %3 = mean(%2) {(1,)} : f32[4, 1]
+    %2 = pow(%0, %1) : f32[4, 64]                    %3 = rmsnorm(%0, %1) {NormArgs(eps=1e-06,
+    %3 = mean(%2) {(1,)} : f32[4, 1]                      has_weight=True, has_bias=False)} : f32[4, 64]
     ... add, rsqrt, broadcast, mul(%0, ..), mul(.., w)
 """
 
@@ -90,17 +90,19 @@ def _vector(ctx: Context, norm: Node, p: Node) -> Node | None:
 
 def _rms_weight(ctx: Context, n: Node, w: Node) -> Node | None:
     wv = _vector(ctx, n, w)
-    return None if wv is None else ctx.g.rmsnorm(n.src[0], wv, n.arg[0])
+    return None if wv is None else ctx.g.rmsnorm(n.src[0], wv, n.arg.eps)
 
 
 def _ln_weight(ctx: Context, n: Node, w: Node) -> Node | None:
     wv = _vector(ctx, n, w)
-    return None if wv is None else ctx.g.layernorm(n.src[0], wv, None, n.arg[0])
+    return None if wv is None else ctx.g.layernorm(n.src[0], wv, None, n.arg.eps)
 
 
 def _ln_bias(ctx: Context, n: Node, b: Node) -> Node | None:
     bv = _vector(ctx, n, b)
-    return None if bv is None else ctx.g.layernorm(n.src[0], n.src[1] if n.arg[1] else None, bv, n.arg[0])
+    if bv is None:
+        return None
+    return ctx.g.layernorm(n.src[0], n.src[1] if n.arg.has_weight else None, bv, n.arg.eps)
 
 
 def _unshift(d: Node, axis: int) -> Node:
@@ -234,18 +236,21 @@ def _one_axis(n: Node) -> bool:
     return len(n.arg) == 1
 
 
+def _no_params(n: Node) -> bool:
+    return not n.arg.params
+
+
 _x, _ms, _eps = Var("x"), Var("ms"), Scalar("eps")
 _EXP = Var("e", lambda n: n.op is Op.EXP)
 _SUM = P(Op.SUM, _EXP, name="s", where=_one_axis)
-_NO_PARAMS = {Op.RMSNORM: lambda n: not n.arg[1], Op.LAYERNORM: lambda n: not n.arg[1] and not n.arg[2]}
 
 RULES: list[Rule] = [
     (P(Op.MUL, _x, B(P(Op.RSQRT, P(Op.ADD, _ms, _eps)))), _norm),
     (P(Op.DIV, _x, B(P(Op.SQRT, P(Op.ADD, _ms, _eps)))), _norm),
     (P(Op.MUL, _x, B(P(Op.RECIPROCAL, P(Op.SQRT, P(Op.ADD, _ms, _eps))))), _norm),
-    (P(Op.MUL, P(Op.RMSNORM, name="n", where=_NO_PARAMS[Op.RMSNORM]), Var("w")), _rms_weight),
-    (P(Op.MUL, P(Op.LAYERNORM, name="n", where=_NO_PARAMS[Op.LAYERNORM]), Var("w")), _ln_weight),
-    (P(Op.ADD, P(Op.LAYERNORM, name="n", where=lambda n: not n.arg[2]), Var("b")), _ln_bias),
+    (P(Op.MUL, P(Op.RMSNORM, name="n", where=_no_params), Var("w")), _rms_weight),
+    (P(Op.MUL, P(Op.LAYERNORM, name="n", where=_no_params), Var("w")), _ln_weight),
+    (P(Op.ADD, P(Op.LAYERNORM, name="n", where=lambda n: not n.arg.has_bias), Var("b")), _ln_bias),
     (P(Op.DIV, _EXP, B(_SUM)), _softmax),
     (P(Op.MUL, _EXP, B(P(Op.RECIPROCAL, _SUM))), _softmax),
     (

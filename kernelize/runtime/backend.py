@@ -14,11 +14,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kernelize.autokernel.kernels import Kernel
+
+if TYPE_CHECKING:
+    from kernelize.autokernel.plan import PlanSettings
 
 Launch = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], Mapping[str, int]], None]
 
@@ -57,10 +60,37 @@ class CompiledKernel:
 
 
 class Backend(Protocol):
+    """What the runtime, ``print_kernels`` and the attention API use of a code generator.
+
+    The generators subclass it, so ``plan_settings`` and ``compile_many`` have defaults to inherit; a
+    backend registered in ``BACKENDS`` that does not subclass it must still provide every member.
+    """
+
     name: str
 
-    def compile(self, kernel: Kernel) -> CompiledKernel: ...
+    @property
+    def plan_settings(self) -> PlanSettings | None:
+        """The planner settings this backend's kernels are written for (None: the planner's defaults)."""
+        return None
 
     def device_ok(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` can be handed to this backend's kernels."""
         ...
+
+    def render(self, kernel: Kernel) -> str:
+        """The source :meth:`compile` builds for ``kernel``, without compiling it."""
+        ...
+
+    def compile(self, kernel: Kernel) -> CompiledKernel: ...
+
+    def compile_many(
+        self, kernels: Sequence[Kernel], progress: Callable[[int], None] | None = None
+    ) -> list[CompiledKernel]:
+        """Compile ``kernels`` in order, calling ``progress(n)`` as ``n`` more are done; a backend whose
+        compiler has a large fixed cost per run overrides it to build them together."""
+        out = []
+        for k in kernels:
+            out.append(self.compile(k))
+            if progress is not None:
+                progress(1)
+        return out

@@ -30,12 +30,14 @@ import torch
 from torch import nn
 
 from kernelize.autokernel.kernels import Kernel, KernelKind
-from kernelize.ir.graph import LAYOUT, Graph, Node, Op
+from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import Backend, CompiledKernel
 from kernelize.runtime.cache import GRAPHS, graph_fingerprint
 from kernelize.runtime.conv import ConvRunner
+from kernelize.runtime.library import materialize, view_bases
+from kernelize.runtime.memory import OutputPool
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +136,7 @@ def _build(graph: Graph, backend: str, device: torch.device, plan: Any) -> Compi
         except ImportError as e:  # the planner ships separately; say so instead of a bare ImportError
             raise RuntimeError(f"compile_graph needs kernelize.autokernel.plan ({e}); pass plan=") from e
         # a backend may ask for its own plan settings: the cpu backend leaves matmuls to torch
-        plan = make_plan(graph, getattr(impl, "plan_settings", None))
+        plan = make_plan(graph, impl.plan_settings)
     kernels = list(plan.kernels if hasattr(plan, "kernels") else plan)
     graph = getattr(plan, "graph", None) or graph
     generated = [k for k in kernels if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV)]
@@ -158,14 +160,7 @@ def _compile_all(impl: Backend, kernels: Sequence[Kernel]) -> dict[str, Compiled
         leave=False,
         delay=0.5,
     ) as bar:
-        many = getattr(impl, "compile_many", None)
-        if many is not None:
-            done = many(kernels, bar.update)
-        else:
-            done = []
-            for k in kernels:
-                done.append(impl.compile(k))
-                bar.update(1)
+        done = impl.compile_many(kernels, bar.update)
     return {k.name: c for k, c in zip(kernels, done)}
 
 
@@ -244,13 +239,9 @@ class CompiledGraph:
         self._strided = tuple(
             n not in graph.outputs and readers.get(n, set()) == {KernelKind.ATTENTION} for n in graph.inputs
         )
-        # fresh large CPU outputs cost more in page faults than the kernels: the cpu backend's OutputPool
-        # hands a buffer out again once the caller has dropped it
-        self._pool = None
-        if backend == "cpu" and device.type == "cpu":
-            from kernelize.codegen.cpu import OutputPool
-
-            self._pool = OutputPool()
+        # fresh large CPU outputs cost more in page faults than the kernels: the pool hands a buffer out
+        # again once the caller has dropped it
+        self._pool = OutputPool() if backend == "cpu" and device.type == "cpu" else None
         # one generated kernel from inputs to outputs (most hub layers): calls skip the buffer bookkeeping,
         # which is most of a small call's cost (decode pays it for every layer of every token)
         self._direct = self._direct_reads()
@@ -304,23 +295,23 @@ class CompiledGraph:
             k = step.kernel
             if step.conv is not None:
                 ep = k.epilogue
-                x, w = (_materialize(s, vals, env) for s in ep.conv.src)
-                r = None if ep.residual is None else _materialize(ep.residual, vals, env)
+                x, w = (materialize(s, vals, env) for s in ep.conv.src)
+                r = None if ep.residual is None else materialize(ep.residual, vals, env)
                 vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl)
             elif step.library:
                 vals[k.node] = self._library(k, vals, env)
             else:
                 if step.operands:
-                    reads = [_materialize(s, vals, env) for s in k.node.src]
+                    reads = [materialize(s, vals, env) for s in k.node.src]
                 else:
-                    reads = [vals[b] if b in vals else _materialize(b, vals, env) for b in k.reads]
+                    reads = [vals[b] if b in vals else materialize(b, vals, env) for b in k.reads]
                 writes = self._outputs(k, shapes)
                 if launch:
                     _launch(step, reads, writes, sizes)
                 vals.update(zip(k.writes, writes))
             for b in step.free:
                 vals.pop(b, None)
-        return _no_alias([_materialize(o, vals, env).contiguous() for o in self.graph.outputs], inputs)
+        return _no_alias([materialize(o, vals, env).contiguous() for o in self.graph.outputs], inputs)
 
     def _run_direct(self, inputs: Sequence[torch.Tensor], bound: _Bound) -> list[torch.Tensor]:
         """``run`` for a graph of one kernel from inputs to outputs: its outputs are fresh (or recycled
@@ -386,7 +377,7 @@ class CompiledGraph:
 
     def _library(self, k: Kernel, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
         node = k.node
-        args = [_materialize(s, vals, env) for s in node.src]
+        args = [materialize(s, vals, env) for s in node.src]
         if node.op is Op.MATMUL and node.dtype.is_float and self.device.type == "cuda":
             out = torch.matmul(*args)  # cuBLAS accumulates 16-bit inputs in f32 already
         else:
@@ -396,7 +387,7 @@ class CompiledGraph:
 
     def _conv_runner(self, k: Kernel) -> ConvRunner:
         bias = k.epilogue.bias
-        return ConvRunner(k, None if bias is None else _materialize(bias, dict(self._consts), {}))
+        return ConvRunner(k, None if bias is None else materialize(bias, dict(self._consts), {}))
 
     def __repr__(self) -> str:
         return (
@@ -435,38 +426,6 @@ def _label(k: Kernel) -> str:
     """``kernelize::<kind>[<ops>]:<name>``: what a generated kernel computes, for profiler tables."""
     ops = sorted({str(e.op) for e in k.body if hasattr(e, "op")})
     return f"kernelize::{k.kind}[{','.join(ops)}]:{k.name}"
-
-
-def view_bases(nodes: Sequence[Node]) -> set[Node]:
-    """`nodes` and every node they view through layout ops (what materialising them reads)."""
-    seen: set[Node] = set()
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op in LAYOUT:
-            stack.extend(n.src)
-    return seen
-
-
-def _materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
-    """The tensor of ``node``: a buffer, or a layout view / constant computed from buffers (no recursion)."""
-    stack = [node]
-    while stack:
-        n = stack[-1]
-        if n in vals:
-            stack.pop()
-            continue
-        missing = [s for s in n.src if s not in vals]
-        if missing:
-            assert n.op in LAYOUT or n.op is Op.CONST, f"{n} is neither computed by a kernel nor a view"
-            stack.extend(missing)
-            continue
-        stack.pop()
-        vals[n] = EVAL[n.op](n, [vals[s] for s in n.src], env)
-    return vals[node]
 
 
 def _launch(
@@ -549,7 +508,7 @@ def print_kernels(graph: Graph, backend: str = "triton", file: TextIO | None = N
         if k.kind in (KernelKind.LIBRARY, KernelKind.CONV):
             print(f"\n# {k.name}: library call ({k.node.op}) run by the runtime with torch", file=file)
             continue
-        src = impl.render(k) if hasattr(impl, "render") else impl.compile(k).source
+        src = impl.render(k)
         print(f"\n# ---- {k.name} ({backend}, {k.kind}) ----\n{src}", file=file)
 
 

@@ -41,8 +41,9 @@ class ConvRunner:
     def __init__(self, kernel: Kernel, bias: torch.Tensor | None) -> None:
         self.kernel = kernel
         ep = kernel.epilogue
-        stride, (top, left, bottom, right), dilation, groups = kernel.node.arg
-        self.stride, self.dilation, self.groups = list(stride), list(dilation), groups
+        args = kernel.node.arg
+        top, left, bottom, right = args.padding
+        self.stride, self.dilation, self.groups = list(args.stride), list(args.dilation), args.groups
         self.symmetric = top == bottom and left == right
         self.padding = [top, left] if self.symmetric else [0, 0]
         self.pad = (left, right, top, bottom)

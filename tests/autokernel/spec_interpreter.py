@@ -19,11 +19,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load
-from kernelize.autokernel.plan import Plan, run_library
+from kernelize.autokernel.plan import Plan
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import LAYOUT, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs
 from kernelize.ir.shapes import Dim, bind
+from kernelize.runtime.library import run_library
 
 SENTINEL = -(2**31) + 7
 
@@ -74,21 +75,21 @@ def _compute(e: Compute, vals: list, dtypes: list[DType], grid: list[torch.Tenso
     xs = [vals[s] for s in e.src]
     node = Node(e.op, e.dtype, (), tuple(_fake(dtypes[s]) for s in e.src), e.arg)
     if e.op is Op.CONCAT:
-        axis, ends = e.arg
+        axis, ends = e.arg.axis, e.arg.ends
         out = xs[-1]
         for x, end in zip(reversed(xs[:-1]), reversed(ends[:-1])):
             out = torch.where(grid[axis] < _dim(end, env), x, out)
         return out
     if e.op is Op.LAYERNORM:
-        eps, has_w, has_b = e.arg
+        a = e.arg
         x = xs[0].to(compute_dtype(e.dtype).torch)
         mean = x.mean(-1, keepdim=True)
         var = ((x - mean) ** 2).mean(-1, keepdim=True)
-        y = (x - mean) / torch.sqrt(var + eps)
-        if has_w:
+        y = (x - mean) / torch.sqrt(var + a.eps)
+        if a.has_weight:
             y = y * xs[1].to(y.dtype)
-        if has_b:
-            y = y + xs[1 + has_w].to(y.dtype)
+        if a.has_bias:
+            y = y + xs[1 + a.has_weight].to(y.dtype)
         return y
     if e.op in (Op.SUM, Op.MEAN, Op.REDUCE_MAX, Op.REDUCE_MIN, Op.PROD, Op.ARGMAX, Op.ARGMIN) and not e.arg:
         return xs[0] if e.op not in (Op.ARGMAX, Op.ARGMIN) else torch.zeros_like(xs[0], dtype=torch.int64)

@@ -8,6 +8,7 @@ from kernelize.autokernel.body import BodyBuilder, Materialize, _range
 from kernelize.autokernel.kernels import Compute, KernelKind, Load
 from kernelize.autokernel.partition import Group
 from kernelize.ir import Graph, Op
+from kernelize.ir.ops import ConcatArgs
 
 
 def _group(n, kind=KernelKind.POINTWISE):
@@ -42,7 +43,7 @@ def test_concat_branches_are_masked_and_reversed_when_flipped():
     k = BodyBuilder(_group(c), set(), set(), order).kernel([c])
     loads = [e for e in k.body if isinstance(e, Load)]
     assert [ld.mask for ld in loads] == [((0, 0, 2),), ((0, 2, 6),)] and loads[1].offset == -6
-    assert k.body[-1] == Compute(Op.CONCAT, c.dtype, (0, 1), (0, (2, 6)))
+    assert k.body[-1] == Compute(Op.CONCAT, c.dtype, (0, 1), ConcatArgs(0, (2, 6)))
     assert _range(-1, 5, 0, 2) == (4, 6) and _range(1, 1, 0, 2) == (-1, 1)
 
 

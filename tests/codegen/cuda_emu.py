@@ -212,8 +212,7 @@ def run_kernels(
 
 def run_plan(plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Run a plan as the runtime does: generated kernels under host emulation, LIBRARY ones with torch."""
-    from kernelize.autokernel.plan import run_library
-    from kernelize.runtime.compiled import _materialize
+    from kernelize.runtime.library import materialize, run_library
 
     graph = plan.graph
     env = bind_inputs(graph, inputs)
@@ -223,9 +222,9 @@ def run_plan(plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if k.kind in (KernelKind.LIBRARY, KernelKind.CONV):
             vals[k.writes[0]] = run_library(k, vals, env)
             continue
-        reads = [_materialize(b, vals, env).contiguous() for b in k.reads]
+        reads = [materialize(b, vals, env).contiguous() for b in k.reads]
         writes = [torch.empty(bind(b.shape, env), dtype=b.dtype.torch) for b in k.writes]
         if any(w.numel() for w in writes):
             emulate(k, reads, writes, {s: env[s] for s in k.symbols})
         vals.update(zip(k.writes, writes))
-    return [_materialize(o, vals, env) for o in graph.outputs]
+    return [materialize(o, vals, env) for o in graph.outputs]

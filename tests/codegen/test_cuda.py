@@ -25,6 +25,7 @@ from kernelize.codegen.template import TemplateError, fill, load_template
 from kernelize.ir import evaluate
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
+from kernelize.ir.ops import ConcatArgs, NormArgs
 from kernelize.ir.shapes import Sym
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="host emulation needs g++")
@@ -343,7 +344,7 @@ def test_add_rmsnorm_fused_residual(dtype, n):
             Load(r, (n, 1)),
             Compute(Op.ADD, dtype, (0, 1)),
             Load(w, (0, 1)),
-            Compute(Op.RMSNORM, dtype, (2, 3), (1e-6, True)),
+            Compute(Op.RMSNORM, dtype, (2, 3), NormArgs(1e-6, True)),
         ),
         stores=(Store(4, y, (n, 1)), Store(2, s, (n, 1))),
     )
@@ -375,7 +376,7 @@ def test_layernorm_welford(dtype, affine):
         return g
 
     g = build(dtype)
-    k = row_kernel(g, g.inputs[0], Op.LAYERNORM, (1e-5, has_w, has_b), extra=g.inputs[1:])
+    k = row_kernel(g, g.inputs[0], Op.LAYERNORM, NormArgs(1e-5, has_w, has_b), extra=g.inputs[1:])
     gen = torch.Generator().manual_seed(1)
     ins = [
         (torch.randn(4, n, generator=gen) * 5 + 100).to(dtype.torch)
@@ -485,7 +486,7 @@ def rotary(dtype, heads=2, d=16):
             Load(q, (heads * d, d, 1), offset=h, mask=((2, 0, h),)),
             Compute(Op.NEG, dtype, (3,)),
             Load(q, (heads * d, d, 1), offset=-h, mask=((2, h, d),)),
-            Compute(Op.CONCAT, dtype, (4, 5), (2, (h, d))),
+            Compute(Op.CONCAT, dtype, (4, 5), ConcatArgs(2, (h, d))),
             Load(sin, (d, 0, 1)),
             Compute(Op.MUL, dtype, (6, 7)),
             Compute(Op.ADD, dtype, (2, 8)),
@@ -526,14 +527,14 @@ def rmsnorm_layer(dtype, n=128):
     g = Graph()
     x, w = g.input("x", ("batch", n), dtype), g.input("w", (n,), dtype)
     g.output(g.rmsnorm(x, w, 1e-6))
-    return g, [row_kernel(g, x, Op.RMSNORM, (1e-6, True), extra=[w])]
+    return g, [row_kernel(g, x, Op.RMSNORM, NormArgs(1e-6, True), extra=[w])]
 
 
 def layernorm_layer(dtype, n=96):
     g = Graph()
     x, w, b = g.input("x", ("batch", n), dtype), g.input("w", (n,), dtype), g.input("b", (n,), dtype)
     g.output(g.layernorm(x, w, b, 1e-5))
-    return g, [row_kernel(g, x, Op.LAYERNORM, (1e-5, True, True), extra=[w, b])]
+    return g, [row_kernel(g, x, Op.LAYERNORM, NormArgs(1e-5, True, True), extra=[w, b])]
 
 
 def softmax_layer(dtype, n=77):
@@ -559,7 +560,7 @@ def add_rmsnorm_layer(dtype, n=64):
             Load(r, (n, 1)),
             Compute(Op.ADD, dtype, (0, 1)),
             Load(w, (0, 1)),
-            Compute(Op.RMSNORM, dtype, (2, 3), (1e-6, True)),
+            Compute(Op.RMSNORM, dtype, (2, 3), NormArgs(1e-6, True)),
         ),
         stores=(Store(4, y, (n, 1)), Store(2, s, (n, 1))),
     )

@@ -22,7 +22,8 @@ from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Stor
 from kernelize.codegen import nvrtc  # noqa: E402
 from kernelize.codegen.cuda import CudaBackend, render  # noqa: E402
 from kernelize.ir.dtypes import DType  # noqa: E402
-from kernelize.ir.graph import Graph, Op  # noqa: E402
+from kernelize.ir.graph import Graph, Op
+from kernelize.ir.ops import NormArgs  # noqa: E402
 from kernelize.ir.shapes import (
     Sym,  # noqa: E402
     bind,  # noqa: E402
@@ -87,8 +88,13 @@ def test_every_row_statistic_compiles(dtype):
         nodes = [
             (Op.SOFTMAX, g.softmax(x), (0,), 1),
             (Op.LOG_SOFTMAX, g.log_softmax(x), (0,), 1),
-            (Op.LAYERNORM, g.layernorm(x, w, w), (0, len(body) - 1, len(body) - 1), (1e-5, True, True)),
-            (Op.RMSNORM, g.rmsnorm(x, w), (0, len(body) - 1), (1e-6, True)),
+            (
+                Op.LAYERNORM,
+                g.layernorm(x, w, w),
+                (0, len(body) - 1, len(body) - 1),
+                NormArgs(1e-5, True, True),
+            ),
+            (Op.RMSNORM, g.rmsnorm(x, w), (0, len(body) - 1), NormArgs(1e-6, True)),
         ]
         for op, node, src, arg in nodes:
             body.append(Compute(op, dtype, src, arg))

@@ -26,6 +26,7 @@ from kernelize.codegen.triton_base import cache_dir, load_module
 from kernelize.codegen.triton_rows import looped
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
+from kernelize.ir.ops import ClampArgs, ConcatArgs, NormArgs
 from kernelize.ir.shapes import Sym
 from kernelize.runtime import diskcache
 from kernelize.runtime.cache import KERNELS
@@ -48,7 +49,7 @@ def test_renderer_overrides():
     assert r.expr(Compute(Op.MAX, DType.I32, (0, 1)), ["a", "b"]) == "tl.maximum(a, b)"
     assert r.expr(Compute(Op.DIV, DType.I32, (0, 1)), ["a", "b"]) == "(a // b)"
     assert r.expr(Compute(Op.CAST, DType.F16, (0,)), ["a"]) == "a.to(tl.float16).to(tl.float32)"
-    assert r.expr(Compute(Op.CLAMP, DType.F32, (0,), (float("-inf"), 6.0)), ["a"]) == (
+    assert r.expr(Compute(Op.CLAMP, DType.F32, (0,), ClampArgs(hi=6.0)), ["a"]) == (
         "tl.minimum(a, 6.0, propagate_nan=tl.PropagateNan.ALL)"
     )
     assert r.literal(float("-inf"), DType.F32) == 'float("-inf")'
@@ -61,7 +62,7 @@ def test_source_is_deterministic_and_readable():
     w = g.input("w", (64,), "f32")
     y = g.rmsnorm(x, w, 1e-6)
     g.output(y)
-    k = row_kernel(g, x, y, [Compute(Op.RMSNORM, DType.F32, (0, 1), (1e-6, True))], [w])
+    k = row_kernel(g, x, y, [Compute(Op.RMSNORM, DType.F32, (0, 1), NormArgs(1e-6, True))], [w])
     a, b = render(k), render(k)
     assert a == b
     assert "def k0(x_ptr, w_ptr, out0_ptr, s_batch, BLOCK: tl.constexpr, IDX64: tl.constexpr):" in a
@@ -229,7 +230,7 @@ def test_noncontiguous_load_and_concat_with_masks():
             Load(xt, tr, offset=d // 2 * 6, mask=((1, 0, d // 2),)),
             Compute(Op.NEG, DType.F32, (0,)),
             Load(xt, tr, offset=-(d // 2) * 6, mask=((1, d // 2, d),)),
-            Compute(Op.CONCAT, DType.F32, (1, 2), (1, (d // 2, d))),
+            Compute(Op.CONCAT, DType.F32, (1, 2), ConcatArgs(1, (d // 2, d))),
         ),
         (Store(3, y, (d, 1)),),
     )
@@ -265,10 +266,10 @@ def _row_graph(kind: str, n: int, dtype: DType, rows=B):
     w = g.input("w", (n,), dtype)
     b = g.input("b", (n,), dtype)
     if kind == "rmsnorm":
-        y, e, params = g.rmsnorm(x, w, 1e-6), Compute(Op.RMSNORM, dtype, (0, 1), (1e-6, True)), [w]
+        y, e, params = g.rmsnorm(x, w, 1e-6), Compute(Op.RMSNORM, dtype, (0, 1), NormArgs(1e-6, True)), [w]
     elif kind == "layernorm":
         y, params = g.layernorm(x, w, b, 1e-5), [w, b]
-        e = Compute(Op.LAYERNORM, dtype, (0, 1, 2), (1e-5, True, True))
+        e = Compute(Op.LAYERNORM, dtype, (0, 1, 2), NormArgs(1e-5, True, True))
     else:
         op = Op.SOFTMAX if kind == "softmax" else Op.LOG_SOFTMAX
         y, e, params = g._row(op, x, 1), Compute(op, dtype, (0,), 1), []
@@ -346,7 +347,7 @@ def test_row_kernel_with_per_row_and_full_stores():
             Load(r, (64, 1)),
             Compute(Op.ADD, DType.BF16, (0, 1)),
             Load(w, (0, 1)),
-            Compute(Op.RMSNORM, DType.BF16, (2, 3), (1e-6, True)),
+            Compute(Op.RMSNORM, DType.BF16, (2, 3), NormArgs(1e-6, True)),
             Compute(Op.MEAN, DType.BF16, (2,), (1,)),
         ),
         (Store(4, y, (64, 1)), Store(2, h, (64, 1)), Store(5, m, (1, 0))),

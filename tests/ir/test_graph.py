@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernelize.ir import DType, DTypeError, Graph, Op, ShapeError, Sym, evaluate
+from kernelize.ir.ops import ClampArgs
 
 
 @pytest.fixture
@@ -196,6 +197,6 @@ def test_reductions_keep_axes_and_views_drop_them(g):
 
 def test_clamp_and_gelu_arguments(g):
     x = g.input("x", (3,), "f32")
-    assert g.clamp(x, 0.0).arg == (0.0, math.inf)
+    assert g.clamp(x, 0.0).arg == ClampArgs(0.0, math.inf)
     with pytest.raises(ValueError, match="approximate"):
         g.gelu(x, "fast")

@@ -90,7 +90,7 @@ def test_rmsnorm_spellings_become_one_rmsnorm(make):
     g, opt = run_both(layer, x, dynamic_dims={0: "batch", 1: "seq"}, others=[(torch.randn(3, 7, 16),)])
     assert counts(opt) == {"input": 1, "const": 1, "rmsnorm": 1}
     (norm,) = [n for n in opt.nodes if n.op is Op.RMSNORM]
-    assert norm.arg[1] is True  # the weight was absorbed
+    assert norm.arg.has_weight  # the weight was absorbed
     assert norm.shape == (Sym.of("batch"), Sym.of("seq"), 16)
 
 
@@ -145,7 +145,7 @@ def test_layernorm_spellings_become_one_layernorm(make, kw):
     )
     assert counts(opt) == {"input": 1, "const": 2, "layernorm": 1}
     (norm,) = [n for n in opt.nodes if n.op is Op.LAYERNORM]
-    assert norm.arg[1:] == (True, True)
+    assert (norm.arg.has_weight, norm.arg.has_bias) == (True, True)
 
 
 def test_layernorm_over_two_trailing_dims():

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from kernelize import ir
 from kernelize.ir import DType, Graph, Op, Sym, VerifyError, verify
 from kernelize.ir.graph import Constant
+from kernelize.ir.ops import ClampArgs, NormArgs, PadArgs
 
 
 def base() -> tuple[Graph, ir.Node, ir.Node]:
@@ -122,14 +125,20 @@ def test_input_node_missing_from_inputs_and_const_payload():
             lambda g, x: g.push(Op.SLICE, DType.F32, (4, 4), (x,), ((0, 4, 1), (2, 9, 1))),
             "does not fit dim 4",
         ),
-        (lambda g, x: g.push(Op.CLAMP, DType.F32, (4, 4), (x,), (0, 1)), "must be two floats"),
+        (lambda g, x: g.push(Op.CLAMP, DType.F32, (4, 4), (x,), (0.0, 1.0)), "must be ClampArgs"),
+        (lambda g, x: g.push(Op.CLAMP, DType.F32, (4, 4), (x,), ClampArgs(math.nan)), "two numbers"),
         (
-            lambda g, x: g.push(Op.LAYERNORM, DType.F32, (4, 4), (x,), (1e-5, True, False)),
+            lambda g, x: g.push(Op.LAYERNORM, DType.F32, (4, 4), (x,), NormArgs(1e-5, True, False)),
             "takes 2 operands, has 1",
         ),
+        (lambda g, x: g.push(Op.LAYERNORM, DType.F32, (4, 4), (x,), (1e-5, False, False)), "is not NormArgs"),
+        (lambda g, x: g.push(Op.RMSNORM, DType.F32, (4, 4), (x, x), NormArgs(1e-5, False, True)), "no bias"),
         (lambda g, x: g.push(Op.BROADCAST, DType.F32, (2, 4, 4), (x,)), "broadcasts rank 2 to rank 3"),
+        (lambda g, x: g.push(Op.CONV, DType.F32, (4, 4), (x, x), ((1, 1), (0,) * 4, (1, 1))), "not ConvArgs"),
+        (lambda g, x: g.push(Op.POOL, DType.F32, (4, 4), (x,), ("max", (2, 2), (2, 2))), "not PoolArgs"),
         (lambda g, x: g.push(Op.CONCAT, DType.F32, (4, 4), (x,), 0), "concat of 1 operand"),
-        (lambda g, x: g.push(Op.PAD, DType.F32, (3, 4), (x,), (((0, -1), (0, 0)), 0.0)), "negative pads"),
+        (lambda g, x: g.push(Op.PAD, DType.F32, (3, 4), (x,), PadArgs(((0, -1), (0, 0)))), "negative pads"),
+        (lambda g, x: g.push(Op.PAD, DType.F32, (3, 4), (x,), (((0, 1), (0, 0)), 0.0)), "not PadArgs"),
         (lambda g, x: g.push(Op.EXP, DType.I32, (4, 4), (g.cast(x, "i32"),)), "exp needs a floating operand"),
         (lambda g, x: g.push(Op.PERMUTE, DType.F32, (4, 4), (x,), (0, 0)), "not a permutation"),
         (lambda g, x: g.push(Op.GELU, DType.F32, (4, 4), (x,), "fast"), "approximate"),

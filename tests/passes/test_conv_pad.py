@@ -21,7 +21,7 @@ def test_spatial_zero_pad_folds_into_conv_padding():
     out = conv_pad(g)
     verify(out)
     conv = out.outputs[0]
-    assert conv.op is Op.CONV and conv.src[0].op is Op.INPUT and conv.arg[1] == (1, 2, 1, 2)
+    assert conv.op is Op.CONV and conv.src[0].op is Op.INPUT and conv.arg.padding == (1, 2, 1, 2)
     x = torch.randn(2, 3, 7, 8)
     torch.testing.assert_close(evaluate(out, [x])[0], evaluate(g, [x])[0], rtol=1e-5, atol=1e-5)
 

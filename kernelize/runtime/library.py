@@ -1,0 +1,80 @@
+"""Values the runtime computes with torch rather than a generated kernel: layout views and constants of
+buffers (:func:`materialize`), and LIBRARY / CONV kernels run op by op with the reference executor's
+implementations (:func:`run_library`, what the plan interpreters of the tests use as the oracle; the
+runtime's own library path in :mod:`kernelize.runtime.compiled` adds device choices such as cuBLAS and
+channels-last buffers).
+
+Example:
+    >>> vals = {x: torch.randn(4, 8)}  # doctest: +SKIP
+    >>> materialize(g.transpose(x), vals, {})  # the view, computed from the buffer  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import torch
+
+from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.ir.graph import LAYOUT, Node, Op
+from kernelize.ir.reference import EVAL
+
+
+def view_bases(nodes: Sequence[Node]) -> set[Node]:
+    """`nodes` and every node they view through layout ops (what materialising them reads)."""
+    seen: set[Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op in LAYOUT:
+            stack.extend(n.src)
+    return seen
+
+
+def materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
+    """The tensor of ``node``: a buffer, or a layout view / constant computed from buffers (no recursion).
+    What it computes on the way is added to ``vals``."""
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in vals:
+            stack.pop()
+            continue
+        missing = [s for s in n.src if s not in vals]
+        if missing:
+            assert n.op in LAYOUT or n.op is Op.CONST, f"{n} is neither computed by a kernel nor a view"
+            stack.extend(missing)
+            continue
+        stack.pop()
+        vals[n] = EVAL[n.op](n, [vals[s] for s in n.src], env)
+    return vals[node]
+
+
+def library_operands(
+    kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]
+) -> list[torch.Tensor]:
+    """The operand tensors of a LIBRARY kernel: its buffers seen through the node's layout views (also
+    the operands of any node whose operands are buffers, views of buffers or constants)."""
+    vals = dict(values)
+    return [materialize(s, vals, dict(env)) for s in kernel.node.src]
+
+
+def run_library(kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]) -> torch.Tensor:
+    """Run a LIBRARY or CONV kernel with the reference implementation of its op (a CONV kernel's chain op
+    by op: conv, bias, residual, activation)."""
+    if kernel.kind is KernelKind.CONV:
+        vals = dict(values)
+        for n in kernel.epilogue.nodes:
+            operands = library_operands(replace(kernel, node=n), vals, env)
+            vals[n] = EVAL[n.op](n, operands, dict(env)).to(n.dtype.torch)
+        return vals[kernel.epilogue.tail].contiguous()
+    node = kernel.node
+    out = EVAL[node.op](node, library_operands(kernel, values, env), dict(env))
+    return out.to(node.dtype.torch).contiguous()
+
+
+__all__ = ["library_operands", "materialize", "run_library", "view_bases"]
