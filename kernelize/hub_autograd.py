@@ -83,7 +83,10 @@ def _build(compiled: Any, wrt: tuple[int, ...]) -> TrainingGraphs:
     graph = compiled.graph
     cut = split(vjp(graph, wrt))
     forward = compile_graph(optimize(cut.forward), backend=compiled.backend, device=compiled.device)
-    backward = compile_graph(optimize(cut.backward), backend=compiled.backend, device=compiled.device)
+    # gradients are fresh tensors: autograd's AccumulateGrad copies a gradient the output pool still holds
+    backward = compile_graph(
+        optimize(cut.backward), backend=compiled.backend, device=compiled.device, pool_outputs=False
+    )
     logger.info(
         "Generated backward for %s on %s: forward %d kernel(s) saving %d value(s), backward %d kernel(s)",
         ", ".join(str(i.arg) for i in graph.inputs),

@@ -160,3 +160,32 @@ def test_rotary_backward_is_one_kernel(hub_pkg) -> None:
     torch.testing.assert_close(got, want)
     pair = hub_autograd.training_graphs(hub.compiled_ran(owner), (0,))
     assert len(pair.backward.kernels) == 1, pair.backward.plan
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "silu_and_mul"])
+def test_gradients_are_adopted_by_autograd_without_a_copy(hub_pkg, name: str) -> None:
+    """A gradient large enough for the output pool is a fresh tensor: AccumulateGrad adopts it as `.grad`
+    (a pooled one it would copy, since the pool still references it)."""
+    norm, act = hub_pkg["layer_norm"], hub_pkg["activation"]
+    fn, params = {
+        "rms_norm": (norm.rms_norm_math, {"eps": 1e-6}),
+        "silu_and_mul": (act.silu_and_mul_math, {}),
+    }[name]
+    x = torch.randn(512, 1024, requires_grad=True)  # 2 MiB: above the pool's threshold
+    ws = [torch.randn(1024, requires_grad=True)] if name == "rms_norm" else []
+    for _ in range(2):  # the second call finds the first call's buffers in the pool
+        out = hub.run(None, fn, [x], ws, **params)
+        with _OpLog() as log:
+            out.backward(torch.ones_like(out))
+        assert not [op for op in log.ops if "copy" in op or "clone" in op], log.ops
+        x.grad = None
