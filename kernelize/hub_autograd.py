@@ -42,7 +42,8 @@ class TrainingGraphs:
     """The compiled forward (outputs + saved values) and backward (gradients) of one hub-layer signature.
 
     Attributes:
-        forward: CompiledGraph over all the layer's tensors: n_outputs outputs, then the saved values.
+        forward: CompiledGraph over all the layer's tensors: n_outputs outputs, then the saved values that
+            are not outputs.
         backward: CompiledGraph over ``primals_read`` tensors, the saved values and one cotangent per output.
         wrt: Indices of the layer's tensors that get gradients (the backward's outputs, in order).
         function: The ``autograd.Function`` subclass that runs the two.
@@ -55,6 +56,7 @@ class TrainingGraphs:
     primals_read: tuple[int, ...]
     wrt: tuple[int, ...]
     function: type[torch.autograd.Function]
+    saved_index: tuple[int, ...] = ()  # per saved value, its position in the forward's outputs
 
 
 _LOCK = threading.RLock()
@@ -83,7 +85,10 @@ def _build(compiled: Any, wrt: tuple[int, ...]) -> TrainingGraphs:
     graph = compiled.graph
     cut = split(vjp(graph, wrt))
     forward = compile_graph(optimize(cut.forward), backend=compiled.backend, device=compiled.device)
-    backward = compile_graph(optimize(cut.backward), backend=compiled.backend, device=compiled.device)
+    # gradients are fresh tensors: autograd's AccumulateGrad copies a gradient the output pool still holds
+    backward = compile_graph(
+        optimize(cut.backward), backend=compiled.backend, device=compiled.device, pool_outputs=False
+    )
     logger.info(
         "Generated backward for %s on %s: forward %d kernel(s) saving %d value(s), backward %d kernel(s)",
         ", ".join(str(i.arg) for i in graph.inputs),
@@ -94,7 +99,14 @@ def _build(compiled: Any, wrt: tuple[int, ...]) -> TrainingGraphs:
     )
     n_outputs = len(graph.outputs)
     pair = TrainingGraphs(
-        forward, backward, n_outputs, cut.n_saved, cut.primals_read, wrt, torch.autograd.Function
+        forward,
+        backward,
+        n_outputs,
+        cut.n_saved,
+        cut.primals_read,
+        wrt,
+        torch.autograd.Function,
+        cut.saved_index,
     )
     pair.function = _function(pair, len(graph.inputs))
     return pair
@@ -102,11 +114,11 @@ def _build(compiled: Any, wrt: tuple[int, ...]) -> TrainingGraphs:
 
 def _function(pair: TrainingGraphs, n_tensors: int) -> type[torch.autograd.Function]:
     """An autograd.Function bound to `pair` (a class per signature, so its apply takes tensors only)."""
-    read, wrt, n_out = pair.primals_read, pair.wrt, pair.n_outputs
+    read, wrt, n_out, saved = pair.primals_read, pair.wrt, pair.n_outputs, pair.saved_index
 
     def forward(ctx, *tensors: torch.Tensor):  # type: ignore[no-untyped-def]
         outs = pair.forward(*tensors)
-        ctx.save_for_backward(*(tensors[i] for i in read), *outs[n_out:])
+        ctx.save_for_backward(*(tensors[i] for i in read), *(outs[i] for i in saved))
         ctx.shapes = [(o.shape, o.dtype) for o in outs[:n_out]]
         return tuple(outs[:n_out])
 

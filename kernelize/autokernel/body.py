@@ -304,7 +304,9 @@ class BodyBuilder:
             raise self._materialize(e) if e.node.op in LAYOUT else Materialize(x, str(e)) from None
         return Load(buf, tuple(strides), offset)
 
-    def kernel(self, stores: Sequence[Node]) -> Kernel:
+    def kernel(self, stores: Sequence[Node], slices: Mapping[Node, Node] | None = None) -> Kernel:
+        """The kernel storing `stores`; a value in `slices` (a piece of a concat) is stored into its slice of
+        the concat's buffer instead of a buffer of its own."""
         g = self.g
         if g.kind is KernelKind.MATMUL:
             first, *more = (m for m in g.sel if m.op is Op.MATMUL)
@@ -315,7 +317,11 @@ class BodyBuilder:
         for s in stores:
             m = self.maps[s]
             idx = self.value(s, m)
-            strides, offset = m.flat(s.shape, s)
-            out.append(Store(idx, s, tuple(strides[: self.ndom]), offset))
+            buf = s if slices is None or s not in slices else slices[s]
+            if buf is not s:  # the slice of the concat: shift the concat axis by the pieces before `s`
+                start = sum(p.shape[buf.arg] for p in buf.src[: buf.src.index(s)])
+                m = m.replace(buf.arg, m.rows[buf.arg], m.off[buf.arg] + start).norm(buf.shape)
+            strides, offset = m.flat(buf.shape, buf)
+            out.append(Store(idx, buf, tuple(strides[: self.ndom]), offset))
         computes = tuple(sorted(self.computed, key=lambda n: self.order[n]))
         return Kernel("", g.kind, g.domain, tuple(self.body), tuple(out), g.row_rank, computes=computes)

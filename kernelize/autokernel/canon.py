@@ -16,6 +16,12 @@ that axis, so a residual add sunk into a matmul's index space still fuses into t
 A pad of a computed value becomes a concat with constant blocks, so the value is computed where it is
 padded (a pad reads its operand with masked loads, which needs a buffer).
 
+A float sum (or mean) over at most :data:`SMALL_SUM` elements of static non-last axes (rotary's cos / sin
+gradient summed over the heads), where no max / min reduction runs over the same axes (those share a ROW
+kernel), becomes adds of slices: they fuse like any elementwise op into the kernel
+computing the terms, where a reduction over a strided axis would need the terms stored and a kernel of
+its own.
+
 A batched matmul whose operands are both reshapes merging the same batch dims (``q.view(B*H, S, D)``)
 runs over the unmerged batch instead: merged dims of a transposed or sliced operand have no single
 stride, the unmerged ones do.
@@ -31,7 +37,8 @@ from __future__ import annotations
 
 from kernelize.autokernel.indexing import Affine, NotAffine
 from kernelize.autokernel.partition import base
-from kernelize.ir.graph import ELEMENTWISE, LAYOUT, SOURCE, Graph, Node, Op
+from kernelize.ir.dtypes import compute_dtype
+from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, SOURCE, Graph, Node, Op
 from kernelize.ir.shapes import numel
 
 
@@ -55,6 +62,8 @@ def sink_views(graph: Graph) -> Graph:
     out = Graph()
     new: dict[Node, Node] = {}
     changed = False
+    # (operand shape, axes) of reductions that will be ROW kernels: sums over the same axes join them there
+    rows = {(n.src[0].shape, n.arg) for n in graph.nodes if n.op in REDUCE and n.op not in (Op.SUM, Op.MEAN)}
     for n in graph.nodes:
         if n.op is Op.INPUT:
             new[n] = out.input(n.arg, n.shape, n.dtype)
@@ -65,6 +74,10 @@ def sink_views(graph: Graph) -> Graph:
             continue
         if n.op is Op.PAD and src[0].op not in SOURCE and base(src[0]).op not in SOURCE:
             new[n] = _pad_as_concat(out, src[0], n)
+            changed = True
+            continue
+        if n.op in (Op.SUM, Op.MEAN) and _small_sum(n) and (n.src[0].shape, n.arg) not in rows:
+            new[n] = _unrolled_sum(out, src[0], n)
             changed = True
             continue
         mm = _unflattened_matmul(out, src) if n.op is Op.MATMUL else None
@@ -136,6 +149,36 @@ def _row_target(n: Node, src: list[Node]) -> Node | None:
         return None
     q = v.src[0]
     return q if q.rank and q.shape[-1] == n.shape[-1] else None
+
+
+# a sum over at most this many elements of non-last axes is unrolled into adds
+SMALL_SUM = 32
+
+
+def _small_sum(n: Node) -> bool:
+    x = n.src[0]
+    sizes = [x.shape[a] for a in n.arg]
+    return (
+        n.dtype.is_float
+        and x.rank - 1 not in n.arg
+        and all(isinstance(d, int) for d in sizes)
+        and 2 <= numel(sizes) <= SMALL_SUM
+    )
+
+
+def _unrolled_sum(out: Graph, x: Node, n: Node) -> Node:
+    """``x[.., 0, ..] + x[.., 1, ..] + ...`` accumulated in the compute dtype, rounded once (as the
+    reduction is)."""
+    parts = [x]
+    for a in n.arg:
+        parts = [out.slice(p, a, i, i + 1) for p in parts for i in range(x.shape[a])]
+    wide = compute_dtype(x.dtype)
+    total = out.cast(parts[0], wide)
+    for p in parts[1:]:
+        total = out.add(total, out.cast(p, wide))
+    if n.op is Op.MEAN:
+        total = out.mul(total, 1.0 / len(parts))
+    return out.cast(total, n.dtype)
 
 
 def _pad_as_concat(out: Graph, x: Node, n: Node) -> Node:

@@ -214,6 +214,7 @@ class Kernel:
         for s in self.stores:
             lines.append(
                 f"  store v{s.value} -> {s.buffer.dtype}{shape_str(s.buffer.shape)} strides={s.strides}"
+                + (f" offset={s.offset}" if s.offset != 0 else "")
             )
         return "\n".join(lines)
 

@@ -4,7 +4,8 @@
 written to memory) only if every user is in the group, or recomputing it in each outside user is cheaper
 than the round trip to memory (one write plus one read per reader). Recomputation is for cheap trees only:
 elementwise ops (and concat / pad / gather) over materialized values, at most ``max_ops`` of them, never a
-reduction or matmul, and reading no more bytes than the round trip would move. Kyanite recomputes shared
+reduction or matmul, and reading no more bytes than the round trip would move (a reader of a slice of the
+value recomputes, and would load, only that slice). Kyanite recomputes shared
 values blindly; a shared ``exp`` of a big product would then run once per reader.
 
 Example:
@@ -107,5 +108,10 @@ def can_absorb(
     if cost is None:
         return False
     _, leaf_bytes = cost
-    k = len(outside)
-    return k * leaf_bytes <= (1 + k) * nbytes(node)
+    # a reader that reads a part of the value (a slice) recomputes only that part: weigh it by the part
+    size = nbytes(node)
+    part = [
+        max((read_bytes(s, stop) for s in u.src if base(s, stop) is node), default=size) / size
+        for u in outside
+    ]
+    return sum(part) * leaf_bytes <= (1 + sum(part)) * size

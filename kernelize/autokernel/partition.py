@@ -553,30 +553,50 @@ class Partition:
                     seen.add(c)
                     stack.append(c)
 
-    def merge_siblings(self) -> None:
+    def merge_siblings(self, together: Sequence[Sequence[Node]] = ()) -> None:
         """Horizontal fusion: POINTWISE (or ROW, over the same rows) groups over the same domain that read a
-        common value and do not depend on each other become one kernel (one launch, the value loaded once)."""
-        readers: dict[Node, list[int]] = {}
+        common value and do not depend on each other become one kernel (one launch, the value loaded once).
+        Values of one POINTWISE group count as common (readers may recompute them from the same inputs), so
+        a second round merges readers of siblings merged in the first. The groups of each list of values in
+        `together` merge the same way without a common read (the pieces of a concat stored into slices of
+        one buffer)."""
+        for nodes in together:
+            gids = list(dict.fromkeys(self.find(self.of[n]) for n in nodes if n in self.of))
+            if all(self.groups[a].kind in (KernelKind.POINTWISE, KernelKind.ROW) for a in gids):
+                self._join_all(gids)
+        for by_group in (False, True):
+            for gids in self._readers(by_group).values():
+                self._join_all(gids)
+
+    def _readers(self, by_group: bool) -> dict[Any, list[int]]:
+        """Groups per value they read (or, `by_group`, per POINTWISE group whose values they read)."""
+        readers: dict[Any, list[int]] = {}
         for gid, g in self.groups.items():
             if g.kind not in (KernelKind.POINTWISE, KernelKind.ROW) or g.copy:
                 continue
             for m in g.sel:
                 for s in m.src:
                     q = base(s, self.ctx.stop)
-                    if q not in g.sel and q.op is not Op.CONST:  # a shared constant is no reason to merge
-                        readers.setdefault(q, [])
-                        if gid not in readers[q]:
-                            readers[q].append(gid)
-        for gids in readers.values():
-            for i, a in enumerate(gids):
-                for b in gids[i + 1 :]:
-                    a, b = self.find(a), self.find(b)
-                    if a == b:
+                    if q in g.sel or q.op is Op.CONST:  # a shared constant is no reason to merge
                         continue
-                    ga, gb = self.groups[a], self.groups[b]
-                    if ga.domain != gb.domain or ga.kind is not gb.kind or ga.row_rank != gb.row_rank:
-                        continue
-                    if self._reaches(a, b, False) or self._reaches(b, a, False):
-                        continue
-                    g = Group(ga.gid, ga.kind, ga.domain, ga.row_rank, {**ga.sel, **gb.sel})
-                    self._join(a, b, g)
+                    key: Any = q
+                    if by_group and q in self.of and self.group(q).kind is KernelKind.POINTWISE:
+                        key = self.find(self.of[q])
+                    readers.setdefault(key, [])
+                    if gid not in readers[key]:
+                        readers[key].append(gid)
+        return readers
+
+    def _join_all(self, gids: Sequence[int]) -> None:
+        for i, a in enumerate(gids):
+            for b in gids[i + 1 :]:
+                a, b = self.find(a), self.find(b)
+                if a == b:
+                    continue
+                ga, gb = self.groups[a], self.groups[b]
+                if ga.domain != gb.domain or ga.kind is not gb.kind or ga.row_rank != gb.row_rank:
+                    continue
+                if self._reaches(a, b, False) or self._reaches(b, a, False):
+                    continue
+                g = Group(ga.gid, ga.kind, ga.domain, ga.row_rank, {**ga.sel, **gb.sel})
+                self._join(a, b, g)

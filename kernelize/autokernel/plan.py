@@ -205,6 +205,7 @@ def _partition(
     stop: set[Node],
     users: dict[Node, list[Node]],
     computed: Sequence[Node],
+    together: Sequence[Sequence[Node]] = (),
 ) -> Partition:
     library_mm = settings.matmul == "library"
     part = Partition(Ctx(graph, users, stop, settings.merge_matmuls))
@@ -241,7 +242,7 @@ def _partition(
                 continue
             part.try_merge(q, n, i)
     if settings.fuse and settings.horizontal:
-        part.merge_siblings()
+        part.merge_siblings(together)
     return part
 
 
@@ -279,14 +280,18 @@ def _pinned(graph: Graph, live: set[Node], part: Any, forced: set[Node], stop: s
 def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple[Kernel, ...]:
     stop = {f for f in forced if f.op in LAYOUT}
     live = live_nodes(graph)  # dead code gets no kernel and forces no buffer
+    slices = slice_stores(graph, live, forced, stop) if settings.fuse else {}
     # values some kernel computes, in graph order (layout ops are index maps unless materialized)
     computed = [
-        n for n in graph.nodes if n in live and n.op not in SOURCE and (n.op not in LAYOUT or n in stop)
+        n
+        for n in graph.nodes
+        if n in live and n.op not in SOURCE and (n.op not in LAYOUT or n in stop) and n not in slices.values()
     ]
     users = _users(graph, stop, computed)
-    part = _partition(graph, settings, stop, users, computed)
+    pieces = [[p for p, c in slices.items() if c is cat] for cat in dict.fromkeys(slices.values())]
+    part = _partition(graph, settings, stop, users, computed, pieces)
 
-    pinned = _pinned(graph, live, part, forced, stop)
+    pinned = _pinned(graph, live, part, forced, stop) | set(slices)
 
     group_of = {n: part.group(n) for n in part.of}
     buffers = set(pinned) | stop
@@ -317,15 +322,18 @@ def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple
     todo: list[Materialize] = []
     for g in part.groups.values():
         try:
-            kernels.extend(_lower(g, buffers, stop, order))
+            kernels.extend(_lower(g, buffers, stop, order, slices))
         except Materialize as e:  # collect all of this round's, then plan again once
             todo.append(e)
+    todo += _split_concats(kernels, slices)
     if todo:
         raise Materialize(todo[0].node, str(todo[0]), more=tuple(e.node for e in todo[1:]))
     return _schedule(kernels, order)
 
 
-def _lower(g: Group, buffers: set[Node], stop: set[Node], order: Mapping[Node, int]) -> list[Kernel]:
+def _lower(
+    g: Group, buffers: set[Node], stop: set[Node], order: Mapping[Node, int], slices: Mapping[Node, Node]
+) -> list[Kernel]:
     stores = sorted((m for m in g.sel if m in buffers), key=order.__getitem__)
     if not stores:
         return []
@@ -349,7 +357,43 @@ def _lower(g: Group, buffers: set[Node], stop: set[Node], order: Mapping[Node, i
                 computes=ep.nodes,
             )
         ]
-    return [BodyBuilder(g, buffers, stop, order).kernel(stores)]
+    return [BodyBuilder(g, buffers, stop, order).kernel(stores, slices)]
+
+
+def slice_stores(graph: Graph, live: set[Node], forced: set[Node], stop: set[Node]) -> dict[Node, Node]:
+    """Concats written as slices: ``{piece: concat}`` for each concat that is a graph output, whose pieces
+    are computed values of one shape read by nothing else. The kernel computing the pieces stores each into
+    its slice of the concat's buffer (one kernel, no copy); a concat read inside a kernel stays a masked
+    select of its branches. A concat in `forced` (its pieces ended in different kernels) is computed."""
+    outputs = {base(o, stop) for o in graph.outputs}
+    users = graph.users()
+    out: dict[Node, Node] = {}
+    for c in graph.nodes:
+        if c.op is not Op.CONCAT or c not in live or c not in outputs or c in forced:
+            continue
+        pieces = c.src
+        if (
+            len(set(pieces)) == len(pieces)
+            and all(p.shape == pieces[0].shape for p in pieces)
+            and all(
+                p.op not in SOURCE and p.op not in LAYOUT and p not in outputs and users[p] == [c]
+                for p in pieces
+            )
+        ):
+            out.update((p, c) for p in pieces)
+    return out
+
+
+def _split_concats(kernels: Sequence[Kernel], slices: Mapping[Node, Node]) -> list[Materialize]:
+    """A concat whose slices more than one kernel stores is computed by a kernel of its own instead."""
+    writers: dict[Node, int] = {}
+    for k in kernels:
+        for c in k.writes:
+            writers[c] = writers.get(c, 0) + 1
+    cats = dict.fromkeys(slices.values())
+    return [
+        Materialize(c, "its pieces are computed in several kernels") for c in cats if writers.get(c, 0) > 1
+    ]
 
 
 def _schedule(kernels: Sequence[Kernel], order: Mapping[Node, int]) -> tuple[Kernel, ...]:

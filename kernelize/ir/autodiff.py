@@ -404,11 +404,14 @@ def vjp(graph: Graph, wrt: Sequence[int] | None = None) -> JointGraph:
         for s, sct in zip(n.src, rule(b, n, ct)):
             if sct is not None and s in live:
                 _accumulate(b, cts, s, sct)
-    grads = []
+    grads: list[Node] = []
     for i in wrt:
         x = graph.inputs[i]
         ct = cts.get(x)
-        grads.append(g.cast(ct, x.dtype) if ct is not None else g.broadcast(g.scalar(0.0, x.dtype), x.shape))
+        gr = g.cast(ct, x.dtype) if ct is not None else g.broadcast(g.scalar(0.0, x.dtype), x.shape)
+        if gr in grads and gr.op not in LAYOUT:  # equal gradients (x + r): a copy the same kernel writes,
+            gr = g.push(Op.CAST, gr.dtype, gr.shape, (gr,))  # not a second kernel copying the first
+        grads.append(gr)
     g.output(*(m[o] for o in graph.outputs), *grads)
     return JointGraph(g, len(graph.inputs), len(graph.outputs), wrt)
 
@@ -427,16 +430,20 @@ class Split:
     """A joint graph cut in two.
 
     Attributes:
-        forward: Inputs as the original graph; outputs ``forward outputs + saved values``.
+        forward: Inputs as the original graph; outputs ``forward outputs + saved values`` (a saved value that
+            is a forward output is not returned twice).
         backward: Inputs ``primals it reads + saved values + cotangents``; outputs the gradients.
-        n_saved: How many saved values the forward returns after its own outputs.
+        n_saved: How many saved values backward takes.
         primals_read: Indices of the forward inputs the backward graph takes (in its input order).
+        saved_index: For each saved value, its position in the forward graph's outputs (a forward output
+            backward reads, such as softmax's result or add+RMSNorm's sum, is kept by reference).
     """
 
     forward: Graph
     backward: Graph
     n_saved: int
     primals_read: tuple[int, ...]
+    saved_index: tuple[int, ...] = ()
 
 
 def _bytes(n: Node, rows: int = 4096) -> float:
@@ -476,21 +483,26 @@ def _base(n: Node, tangent: set[Node]) -> Node:
     return n
 
 
-def _choose_saved(boundary: Sequence[Node], read_anyway: set[Node]) -> list[Node]:
+def _choose_saved(boundary: Sequence[Node], read_anyway: set[Node], written: set[Node]) -> list[Node]:
     """Statistics (values behind a reduction) are judged one by one; elementwise values all together,
-    since recomputing one of them makes the inputs the others need free."""
-    saved: list[Node] = []
+    since recomputing one of them makes the inputs the others need free. Values forward writes anyway
+    (`written`: its outputs) cost backward only a read, like inputs: they are kept, and recomputing stops
+    at them."""
+    saved: list[Node] = [n for n in boundary if n in written]
     elementwise: list[Node] = []
+    leaf = lambda c: (c.op is Op.INPUT or c in written) and c not in read_anyway  # noqa: E731
     for n in boundary:
-        cone = _cone([n])
-        reds = [c for c in cone if c.op in _REDUCTIONS]
+        if n in written:
+            continue
+        cone = _cone([n], stop=written)
+        reds = [c for c in cone if c.op in _REDUCTIONS and c not in written]
         if not reds:
             elementwise.append(n)
-        elif worth_saving([n], [c for c in cone if c.op is Op.INPUT and c not in read_anyway], reds):
+        elif worth_saving([n], [c for c in cone if leaf(c)], reds):
             saved.append(n)
     if elementwise:
-        cone = _cone(elementwise, stop=set(saved))
-        ins = [c for c in cone if c.op is Op.INPUT and c not in read_anyway]
+        cone = _cone(elementwise, stop=set(saved) | written)
+        ins = [c for c in cone if leaf(c)]
         if worth_saving(elementwise, ins, [c for c in cone if c.op in _REDUCTIONS]):
             saved.extend(elementwise)
     return saved
@@ -518,8 +530,14 @@ def split(joint: JointGraph) -> Split:
     )
     read_anyway = {n for n in boundary if n.op is Op.INPUT}
     candidates = [n for n in boundary if n.op not in (Op.INPUT, Op.CONST)]
-    saved = _choose_saved(candidates, read_anyway)
-    forward = _extract(g, primals, [*fwd_outs, *saved], {})
+    written = {o for o in fwd_outs if o.op not in (Op.INPUT, Op.CONST)}
+    saved = _choose_saved(candidates, read_anyway, written)
+    # forward outputs a recomputation starts from are read back too
+    reads = _cone(grads, set(saved) | written)
+    saved += [o for o in dict.fromkeys(fwd_outs) if o in written and o not in saved and o in reads]
+    extra = [s for s in saved if s not in written]
+    forward = _extract(g, primals, [*fwd_outs, *extra], {})
+    saved_index = tuple(fwd_outs.index(s) if s in written else len(fwd_outs) + extra.index(s) for s in saved)
     bwd_needed = _cone(grads, stop=set(saved))
     primals_read = _binding(
         primals, [p in bwd_needed for p in primals], [*g.inputs[joint.n_primals :], *saved], grads
@@ -534,7 +552,7 @@ def split(joint: JointGraph) -> Split:
     for c in g.inputs[joint.n_primals :]:
         subst[c] = backward.input(c.arg, c.shape, c.dtype)
     backward = _extract(g, [], grads, subst, into=backward)
-    return Split(forward, backward, len(saved), primals_read)
+    return Split(forward, backward, len(saved), primals_read, saved_index)
 
 
 def _binding(

@@ -113,12 +113,61 @@ def _pad_of_neg(ctx: Context, pad: Node, neg: Node, x: Node) -> Node | None:
     return ctx.g.neg(ctx.g.push(Op.PAD, x.dtype, pad.shape, (x,), pad.arg))
 
 
+def _pieces(n: Node) -> tuple[int, list[tuple[int, Node | None]]] | None:
+    """``n`` as consecutive pieces along one axis: a concat's operands, or a zero pad's blocks around its
+    operand (``None`` stands for zeros); None when it is neither."""
+    if n.op is Op.CONCAT:
+        return n.arg, [(s.shape[n.arg], s) for s in n.src]
+    if n.op is not Op.PAD or n.arg[1] != 0:
+        return None
+    padded = [a for a, (lo, hi) in enumerate(n.arg[0]) if lo or hi]
+    if len(padded) != 1:
+        return None
+    (axis,) = padded
+    lo, hi = n.arg[0][axis]
+    parts = [(lo, None), (n.src[0].shape[axis], n.src[0]), (hi, None)]
+    return axis, [(size, v) for size, v in parts if size]
+
+
+def _add_pieces(ctx: Context, n: Node, a: Node, b: Node) -> Node | None:
+    """concat(a1, a2) + concat(b1, b2) -> concat(a1 + b1, a2 + b2) when both split the same axis at the same
+    points (a zero pad counts as a concat with zero blocks). The gradient of a value sliced into parts
+    (``silu(x[:, :d]) * x[:, d:]``) is such a sum of zero-padded pieces; after the rewrite the zeros vanish
+    (``x + 0 -> x``) and each piece is computed once over its own range, not every piece over the row."""
+    pa, pb = _pieces(a), _pieces(b)
+    if pa is None or pb is None or pa[0] != pb[0] or [s for s, _ in pa[1]] != [s for s, _ in pb[1]]:
+        return None
+    axis, g = pa[0], ctx.g
+    parts = []
+    for (size, x), (_, y) in zip(pa[1], pb[1]):
+        shape = tuple(size if k == axis else d for k, d in enumerate(n.shape))
+        x = x if x is not None else g.broadcast(g.scalar(0.0, n.dtype), shape)
+        parts.append(g.add(x, y) if y is not None else x)
+    return g.concat(parts, axis)
+
+
+def _cast_of_broadcast(ctx: Context, c: Node, b: Node, x: Node) -> Node:
+    """cast(broadcast(x)) -> broadcast(cast(x)): the cast runs on the small value, and what reads it (a pad
+    or a slice of a gradient, which needs a materialized source) reads it through layout ops."""
+    return ctx.g.broadcast(ctx.g.cast(x, c.dtype), b.shape)
+
+
+def _cast_of_concat(ctx: Context, c: Node, cat: Node) -> Node:
+    """cast(concat(a, b)) -> concat(cast(a), cast(b)): each branch stays a layout chain over its source."""
+    return ctx.g.concat([ctx.g.cast(s, c.dtype) for s in cat.src], cat.arg)
+
+
+_PIECES = frozenset({Op.CONCAT, Op.PAD})
+
 RULES: list[Rule] = [
     (P(None, name="n", where=_foldable), _fold),
     (P(Op.SLICE, P(Op.SLICE, Var("x"), name="inner"), name="outer"), _slice_slice),
     (P(Op.PERMUTE, Var("x"), name="p"), _permute_as_view),
     (P(Op.CAST, P(Op.CAST, Var("x"), name="inner"), name="outer"), _cast_cast),
     (P(Op.PAD, P(Op.NEG, Var("x"), name="neg"), name="pad"), _pad_of_neg),
+    (P(Op.ADD, P(_PIECES, name="a"), P(_PIECES, name="b"), name="n"), _add_pieces),
+    (P(Op.CAST, P(Op.BROADCAST, Var("x"), name="b"), name="c"), _cast_of_broadcast),
+    (P(Op.CAST, P(Op.CONCAT, name="cat"), name="c"), _cast_of_concat),
 ]
 
 

@@ -93,6 +93,7 @@ def compile_graph(
     *,
     plan: Any = None,
     cache: bool = True,
+    pool_outputs: bool = True,
 ) -> CompiledGraph:
     """Plan ``graph``, compile every kernel with ``backend`` and return a callable on torch tensors.
 
@@ -102,6 +103,9 @@ def compile_graph(
         device: where inputs live and kernels run; CUDA for the GPU backends when available, else CPU.
         plan: a ready plan (anything with ``.kernels``, or a sequence of kernels) instead of ``plan(graph)``.
         cache: reuse the CompiledGraph of an identical graph, backend and device compiled before.
+        pool_outputs: False: the graph's outputs are always fresh tensors, never buffers the CPU output
+            pool keeps a reference to (gradients: autograd adopts a gradient nothing else references and
+            copies any other one, which costs more than the kernel that computed it).
 
     Raises:
         ValueError: unknown backend, or a device the backend cannot run on (the message says what to do).
@@ -114,12 +118,12 @@ def compile_graph(
         raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKEND_NAMES)}")
     device = torch.device(device) if device is not None else default_device(backend)
     if plan is not None or not cache:
-        return _build(graph, backend, device, plan)
-    key = (graph_fingerprint(graph), backend, str(device))
-    return GRAPHS.get_or_build(key, lambda: _build(graph, backend, device, None))
+        return _build(graph, backend, device, plan, pool_outputs)
+    key = (graph_fingerprint(graph), backend, str(device), pool_outputs)
+    return GRAPHS.get_or_build(key, lambda: _build(graph, backend, device, None, pool_outputs))
 
 
-def _build(graph: Graph, backend: str, device: torch.device, plan: Any) -> CompiledGraph:
+def _build(graph: Graph, backend: str, device: torch.device, plan: Any, pool_outputs: bool) -> CompiledGraph:
     if backend == "reference":
         return CompiledGraph(graph, "reference", device, plan=None, kernels=[], compiled={})
     impl = make_backend(backend)
@@ -142,7 +146,10 @@ def _build(graph: Graph, backend: str, device: torch.device, plan: Any) -> Compi
     generated = [k for k in kernels if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV)]
     compiled = _compile_all(impl, generated)
     logger.debug("compiled %d kernels (%d generated) with %s", len(kernels), len(compiled), backend)
-    return CompiledGraph(graph, backend, device, plan=plan, kernels=kernels, compiled=compiled)
+    cg = CompiledGraph(graph, backend, device, plan=plan, kernels=kernels, compiled=compiled)
+    if not pool_outputs:
+        cg.fresh = frozenset(graph.outputs)
+    return cg
 
 
 def _compile_all(impl: Backend, kernels: Sequence[Kernel]) -> dict[str, CompiledKernel]:
@@ -242,6 +249,7 @@ class CompiledGraph:
         # fresh large CPU outputs cost more in page faults than the kernels: the pool hands a buffer out
         # again once the caller has dropped it
         self._pool = OutputPool() if backend == "cpu" and device.type == "cpu" else None
+        self.fresh: frozenset[Node] = frozenset()  # buffers never taken from the pool
         # one generated kernel from inputs to outputs (most hub layers): calls skip the buffer bookkeeping,
         # which is most of a small call's cost (decode pays it for every layer of every token)
         self._direct = self._direct_reads()
@@ -326,7 +334,12 @@ class CompiledGraph:
     def _outputs(self, k: Kernel, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
         """Buffers for what ``k`` writes; the cpu backend recycles large ones the caller dropped."""
         if self._pool is not None:
-            return [self._pool.empty(b, shape, b.dtype.torch) for b, shape in zip(k.writes, shapes)]
+            return [
+                torch.empty(shape, dtype=b.dtype.torch)
+                if b in self.fresh
+                else self._pool.empty(b, shape, b.dtype.torch)
+                for b, shape in zip(k.writes, shapes)
+            ]
         return [
             torch.empty(shape, dtype=b.dtype.torch, device=self.device) for b, shape in zip(k.writes, shapes)
         ]

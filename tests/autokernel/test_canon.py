@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernelize.autokernel.canon import sink_views
@@ -68,3 +69,26 @@ def test_pad_of_a_computed_value_becomes_concats_of_constant_blocks():
     xs = [torch.randn(3, 5)]
     for a, b in zip(evaluate(c, xs), evaluate(g, xs)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("op", [Op.SUM, Op.MEAN])
+def test_small_sum_over_a_leading_axis_becomes_adds_of_slices(op, dtype):
+    """rotary's cos gradient sums 4 heads: adds of slices fuse into the kernel that computes the terms."""
+    g = Graph()
+    x = g.input("x", ("n", 4, 8), dtype)
+    g.output(g.reduce(op, g.exp(x), 1, keepdim=True))
+    c = sink_views(g)
+    ops = [n.op for n in c.nodes]
+    assert op not in ops and ops.count(Op.ADD) == 3
+    xs = [torch.randn(3, 4, 8).to(getattr(torch, {"f32": "float32", "bf16": "bfloat16"}[dtype]))]
+    tol = 1e-6 if dtype == "f32" else 1e-2
+    torch.testing.assert_close(evaluate(c, xs)[0], evaluate(g, xs)[0], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("axis", "shape"), [(2, (3, 4, 8)), (0, (40, 8)), (1, (2, 33, 8)), (0, ("n", 8))])
+def test_row_sums_large_sums_and_symbolic_sums_stay_reductions(axis, shape):
+    g = Graph()
+    x = g.input("x", shape, "f32")
+    g.output(g.reduce(Op.SUM, x, axis, keepdim=True))
+    assert sink_views(g) is g

@@ -70,3 +70,15 @@ def test_read_bytes_follow_slices_and_broadcasts():
     wide = g.broadcast(g.view(b, (1, 64)), (8, 64))
     assert read_bytes(half) == 8 * 32 * 4
     assert read_bytes(wide) == 64 * 4
+
+
+def test_readers_of_slices_recompute_only_their_part():
+    """Four readers of a quarter each cost one full recompute, not four: a two-input product read by four
+    slices is recomputed (2 reads <= 1 write + 1 read), read whole by four it is stored."""
+    g = Graph()
+    x, y = g.input("x", (8, 4, 64), "f32"), g.input("y", (8, 4, 64), "f32")
+    t = g.mul(x, y)
+    quarters = [g.exp(g.slice(t, 1, i, i + 1)) for i in range(4)]
+    assert can_absorb(t, {t}, {t: quarters})
+    wholes = [g.exp(t), g.tanh(t), g.neg(t), g.sin(t)]
+    assert not can_absorb(t, {t}, {t: wholes})

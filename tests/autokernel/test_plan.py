@@ -576,3 +576,60 @@ def test_random_graphs_match_the_reference_exhaustive(case, settings_):
     g, inputs = case
     note(str(g))
     check(g, inputs, settings_, tol=1e-4)
+
+
+# -- concats stored as slices ---------------------------------------------------------------------------
+def _two_piece_concat(axis: int = 1, rows="n"):
+    g = Graph()
+    x = g.input("x", (rows, 8), "f32")
+    y = g.input("y", (rows, 8), "f32")
+    g.output(g.concat([g.mul(g.sigmoid(x), y), g.mul(x, y)], axis))
+    return g
+
+
+def test_concat_of_computed_pieces_is_one_kernel_storing_into_slices():
+    """Each piece is computed once over its own domain and stored into its slice of the output (no masked
+    select over the whole output, no second kernel copying a stored piece)."""
+    p = check(_two_piece_concat(), [torch.randn(5, 8), torch.randn(5, 8)])
+    assert kinds(p) == ["pointwise"]
+    (k,) = p.kernels
+    assert k.domain == (Sym.of("n"), 8) and not any(
+        isinstance(e, Compute) and e.op is Op.CONCAT for e in k.body
+    )
+    assert [(s.buffer, s.strides, s.offset) for s in k.stores] == [
+        (p.graph.outputs[0], (16, 1), o) for o in (0, 8)
+    ]
+
+
+def test_concat_along_a_leading_axis_stores_at_row_offsets():
+    p = check(_two_piece_concat(axis=0, rows=3), [torch.randn(3, 8), torch.randn(3, 8)])
+    assert kinds(p) == ["pointwise"]
+    assert sorted(s.offset for s in p.kernels[0].stores) == [0, 24]
+
+
+def test_concat_of_three_pieces_one_of_width_one():
+    g = Graph()
+    x = g.input("x", ("n", 1), "f32")
+    g.output(g.concat([g.exp(x), g.neg(x), g.mul(x, x)], 1))
+    p = check(g, [torch.randn(7, 1)])
+    assert kinds(p) == ["pointwise"] and sorted(s.offset for s in p.kernels[0].stores) == [0, 1, 2]
+
+
+def test_concat_of_pieces_in_different_kernels_is_computed_by_one():
+    """A row op and an elementwise value cannot share a kernel: the concat falls back to a kernel that
+    computes it (its branches masked), and the result is still right."""
+    g = Graph()
+    x = g.input("x", ("n", 8), "f32")
+    g.output(g.concat([g.softmax(x, -1), g.exp(x)], 1))
+    p = check(g, [torch.randn(5, 8)])
+    assert p.producer(p.graph.outputs[0]) is not None
+    assert all(len({s.buffer for s in k.stores}) == len(k.stores) for k in p.kernels)
+
+
+def test_concat_piece_that_is_also_an_output_is_stored_on_its_own():
+    g = Graph()
+    x = g.input("x", ("n", 8), "f32")
+    a = g.exp(x)
+    g.output(g.concat([a, g.neg(x)], 1), a)
+    p = check(g, [torch.randn(5, 8)])
+    assert p.producer(a) is not None

@@ -160,3 +160,61 @@ def test_rotary_backward_is_one_kernel(hub_pkg) -> None:
     torch.testing.assert_close(got, want)
     pair = hub_autograd.training_graphs(hub.compiled_ran(owner), (0,))
     assert len(pair.backward.kernels) == 1, pair.backward.plan
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "silu_and_mul"])
+def test_gradients_are_adopted_by_autograd_without_a_copy(hub_pkg, name: str) -> None:
+    """A gradient large enough for the output pool is a fresh tensor: AccumulateGrad adopts it as `.grad`
+    (a pooled one it would copy, since the pool still references it)."""
+    norm, act = hub_pkg["layer_norm"], hub_pkg["activation"]
+    fn, params = {
+        "rms_norm": (norm.rms_norm_math, {"eps": 1e-6}),
+        "silu_and_mul": (act.silu_and_mul_math, {}),
+    }[name]
+    x = torch.randn(512, 1024, requires_grad=True)  # 2 MiB: above the pool's threshold
+    ws = [torch.randn(1024, requires_grad=True)] if name == "rms_norm" else []
+    for _ in range(2):  # the second call finds the first call's buffers in the pool
+        out = hub.run(None, fn, [x], ws, **params)
+        with _OpLog() as log:
+            out.backward(torch.ones_like(out))
+        assert not [op for op in log.ops if "copy" in op or "clone" in op], log.ops
+        x.grad = None
+
+
+def rotary_flat(x, cos, sin):
+    """NeoX rotary over a flat hidden (heads a static split of it, as a model's q projection is)."""
+    t, d = x.shape[0], cos.shape[-1]
+    xh = x.view(t, -1, d)
+    rot = torch.cat((-xh[..., d // 2 :], xh[..., : d // 2]), dim=-1)
+    return (xh * cos[:, None, :] + rot * sin[:, None, :]).view(t, -1)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_rotary_cos_sin_gradients_need_no_reduction_kernel(rows: int) -> None:
+    """cos / sin gradients sum over the (static) heads: unrolled into adds of slices they are computed by
+    one kernel with both stores (no library sum over a strided axis, no stored products)."""
+    from kernelize.autokernel.kernels import KernelKind
+
+    ins = [torch.randn(rows, 4 * 16), torch.randn(rows, 16), torch.randn(rows, 16)]
+    ins = [t.requires_grad_() for t in ins]
+    owner = torch.nn.Module()
+    out = hub.run(owner, rotary_flat, ins)
+    ct = torch.randn_like(out)
+    got = torch.autograd.grad(out, ins, ct)
+    xs = [t.detach().requires_grad_() for t in ins]
+    want = torch.autograd.grad(rotary_flat(*xs), xs, ct)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    pair = hub_autograd.training_graphs(hub.compiled_ran(owner), (0, 1, 2))
+    kinds = [k.kind for k in pair.backward.plan.kernels]
+    assert KernelKind.LIBRARY not in kinds and len(kinds) <= 2, pair.backward.plan

@@ -28,7 +28,8 @@ def _grads_via_split(graph: Graph, inputs: list[torch.Tensor], cts: list[torch.T
     cut = split(vjp(graph))
     fwd = evaluate(optimize(cut.forward), inputs)
     n = len(graph.outputs)
-    bwd = evaluate(optimize(cut.backward), [*(inputs[i] for i in cut.primals_read), *fwd[n:], *cts])
+    saved = [fwd[i] for i in cut.saved_index]
+    bwd = evaluate(optimize(cut.backward), [*(inputs[i] for i in cut.primals_read), *saved, *cts])
     return fwd[:n], bwd
 
 
@@ -296,3 +297,47 @@ def test_random_graphs_match_torch_autograd(graph: Graph, rows: int) -> None:
     _, got2 = _grads_via_split(optimize(graph), [x, w], cts)
     for gv, wv in zip(got2, want):
         torch.testing.assert_close(gv, wv, rtol=1e-7, atol=1e-7)
+
+
+def test_forward_outputs_backward_reads_are_kept_by_reference() -> None:
+    """softmax's backward reads its result (not x, no recomputation); add+RMSNorm's recomputes x_hat from
+    the sum h it returns (not from x and r, and not a stored x_hat); neither is returned twice."""
+    g = Graph()
+    x = g.input("x", ("n", 64), "f32")
+    g.output(g.softmax(x, -1))
+    cut = split(vjp(g))
+    assert cut.saved_index == (0,) and cut.primals_read == () and len(cut.forward.outputs) == 1
+    g = Graph()
+    x, r, w = g.input("x", ("n", 64), "f64"), g.input("r", ("n", 64), "f64"), g.input("w", (64,), "f64")
+    h = g.add(x, r)
+    g.output(h, g.rmsnorm(h, w, 1e-6))
+    cut = split(vjp(g))
+    assert 0 in cut.saved_index and len(cut.forward.outputs) == 3  # h, y, rstd
+    assert [tuple(map(str, o.shape)) for o in cut.forward.outputs[2:]] == [("n", "1")]
+    assert cut.primals_read == (2,)  # only w
+    xs = [torch.randn(5, 64, dtype=torch.float64) for _ in range(2)] + [torch.randn(64, dtype=torch.float64)]
+    cts = [torch.randn(5, 64, dtype=torch.float64) for _ in range(2)]
+    got = _grads_via_split(g, xs, cts)[1]
+    want = _torch_grads(lambda a, b, c: (a + b, _rms(a + b, c)), xs, cts)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def _rms(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def test_equal_gradients_are_distinct_outputs() -> None:
+    """x + r gives x and r the same gradient: two graph values, so one kernel stores both (a shared value
+    would be copied by the runtime, a read and a write more)."""
+    g = Graph()
+    x, r = g.input("x", ("n", 64), "f64"), g.input("r", ("n", 64), "f64")
+    g.output(g.exp(g.add(x, r)))
+    joint = vjp(g)
+    dx, dr = joint.graph.outputs[1:]
+    assert dx is not dr
+    xs = [torch.randn(3, 64, dtype=torch.float64) for _ in range(2)]
+    ct = torch.randn(3, 64, dtype=torch.float64)
+    out = evaluate(joint.graph, [*xs, ct])
+    torch.testing.assert_close(out[1], out[2])
+    torch.testing.assert_close(out[1], ct * (xs[0] + xs[1]).exp())

@@ -108,3 +108,49 @@ def test_exact_round_trip_casts_vanish(src, mid, gone):
     g.output(g.cast(g.cast(x, mid), src))
     out = folded(g)
     assert (out.outputs[0] is out.inputs[0]) == gone
+
+
+def _pieces_graph(split_b: int):
+    g = Graph()
+    x = g.input("x", ("n", 6), "f32")
+    a = g.pad(g.exp(x), [(0, 0), (0, 6)])  # [exp(x), 0]
+    b = g.pad(g.sigmoid(x), [(0, 0), (6, 0)])  # [0, sigmoid(x)]
+    if split_b != 6:  # the same value split elsewhere: [0 (split_b), sigmoid(x), 0 (6 - split_b)]
+        b = g.pad(g.sigmoid(x), [(0, 0), (split_b, 6 - split_b)])
+    c = g.concat([g.tanh(x), g.neg(x)], 1)
+    g.output(g.add(g.add(a, b), c))
+    return g
+
+
+def test_sum_of_zero_padded_pieces_becomes_one_concat():
+    """[exp(x), 0] + [0, sigmoid(x)] + [tanh(x), -x] -> [exp(x) + tanh(x), sigmoid(x) - x]: no zeros are
+    added and no branch is computed over the other's range."""
+    g = _pieces_graph(6)
+    out = folded(g)
+    assert Op.PAD not in ops(out) and ops(out).count(Op.CONCAT) == 1
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(evaluate(out, [x])[0], evaluate(g, [x])[0])
+    torch.testing.assert_close(evaluate(out, [x])[0], torch.cat([x.exp() + x.tanh(), x.sigmoid() - x], 1))
+
+
+def test_pieces_split_at_other_points_are_not_combined():
+    g = _pieces_graph(3)
+    out = folded(g)
+    assert Op.PAD in ops(out)
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(evaluate(out, [x])[0], evaluate(g, [x])[0])
+
+
+def test_casts_move_below_broadcasts_and_into_concat_branches():
+    g = Graph()
+    x = g.input("x", ("n", 1, 8), "bf16")
+    y = g.input("y", ("n", 4, 8), "bf16")
+    wide = g.cast(g.broadcast(x, y.shape), "f32")
+    cat = g.cast(g.concat([g.neg(y), y], 2), "f32")
+    g.output(g.add(wide, g.slice(cat, 2, 0, 8)))
+    out = folded(g)
+    casts = [n for n in out.nodes if n.op is Op.CAST]
+    assert casts and all(n.src[0].op in (Op.INPUT, Op.NEG) or n.src[0].op is Op.SLICE for n in casts), out
+    assert all(n.src[0].op is not Op.CONCAT for n in casts)
+    xs = [torch.randn(3, 1, 8).bfloat16(), torch.randn(3, 4, 8).bfloat16()]
+    torch.testing.assert_close(evaluate(out, xs)[0], evaluate(g, xs)[0])

@@ -363,3 +363,23 @@ def test_generated_kernels_are_named_rows_in_a_torch_profile():
     names = {e.key for e in prof.key_averages()}
     assert any(n.startswith("kernelize::row[") and "softmax" in n for n in names), names
     assert "kernelize::attention[none, causal=True]" in names, names
+
+
+def test_unpooled_outputs_are_fresh_and_cached_apart() -> None:
+    """pool_outputs=False: every call's outputs are new tensors nothing else references (the pool would
+    hand the dropped buffer out again and keep a reference to it)."""
+    g = Graph()
+    x = g.input("x", ("n", 1024), "f32")
+    g.output(g.exp(x))
+    pooled = compile_graph(g, backend="cpu")
+    fresh = compile_graph(g, backend="cpu", pool_outputs=False)
+    assert pooled is not fresh and fresh is compile_graph(g, backend="cpu", pool_outputs=False)
+    a = torch.randn(512, 1024)
+    out = pooled(a)[0]
+    assert sys.getrefcount(out) == 3  # `out`, the argument and the pool's slot
+    ptr = out.data_ptr()
+    del out
+    assert pooled(a)[0].data_ptr() == ptr
+    out = fresh(a)[0]
+    assert sys.getrefcount(out) == 2
+    torch.testing.assert_close(out, a.exp())
