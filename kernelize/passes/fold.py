@@ -118,13 +118,13 @@ def _pieces(n: Node) -> tuple[int, list[tuple[int, Node | None]]] | None:
     operand (``None`` stands for zeros); None when it is neither."""
     if n.op is Op.CONCAT:
         return n.arg, [(s.shape[n.arg], s) for s in n.src]
-    if n.op is not Op.PAD or n.arg[1] != 0:
+    if n.op is not Op.PAD or n.arg.value != 0:
         return None
-    padded = [a for a, (lo, hi) in enumerate(n.arg[0]) if lo or hi]
+    padded = [a for a, (lo, hi) in enumerate(n.arg.pads) if lo or hi]
     if len(padded) != 1:
         return None
     (axis,) = padded
-    lo, hi = n.arg[0][axis]
+    lo, hi = n.arg.pads[axis]
     parts = [(lo, None), (n.src[0].shape[axis], n.src[0]), (hi, None)]
     return axis, [(size, v) for size, v in parts if size]
 
