@@ -583,11 +583,12 @@ def _matmul_kernel(backend: str, kernel: Kernel, few_built, epi_built, epi: Kern
 
     (source, few), (epi_source, epi_launch) = few_built, epi_built
     slots = [(b in temps, temps.index(b) if b in temps else kernel.reads.index(b)) for b in epi.reads]
+    packs: dict = {}  # oneDNN-packed constant weights of this kernel, made on first use
 
     def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
         if rows_of(kernel, sizes) <= FEW_ROWS:
             return few(reads, writes, sizes)
-        mms = library_matmuls(kernel, reads, sizes)
+        mms = library_matmuls(kernel, reads, sizes, packs)
         epi_launch([mms[i] if t else reads[i] for t, i in slots], writes, sizes)
 
     both = f"{source}\n// more than {FEW_ROWS} rows: torch's matmul, then\n{epi_source}"

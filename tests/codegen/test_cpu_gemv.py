@@ -205,3 +205,76 @@ def test_16bit_gemm_choice_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("KERNELIZE_CPU_LOWP_GEMM", "fast")
     with pytest.raises(ValueError, match="KERNELIZE_CPU_LOWP_GEMM='fast'"):
         lowp_gemm_in_f32(DType.BF16)
+
+
+def const_linear_graph(rows, w: torch.Tensor, epilogue: str, bias: torch.Tensor | None = None) -> Graph:
+    """``epilogue(x @ W.T + b)`` with W (N, K) and b constants of the graph, as ``load_onnx`` gives them."""
+    g = Graph()
+    x = g.input("x", (*rows, w.shape[1]), DType.F32)
+    wt = g.transpose(g.const(w))
+    y = g.matmul(x, wt)
+    if bias is not None:
+        y = g.add(y, g.const(bias))
+    if epilogue == "gelu":
+        y = g.gelu(y)
+    if epilogue == "residual":
+        y = g.add(y, g.input("r", (*rows, w.shape[0]), DType.F32))
+    g.output(y)
+    return g
+
+
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """Counts the GEMMs that ran in oneDNN over a packed constant weight."""
+    from kernelize.codegen import cpu_gemv
+
+    if not cpu_gemv.onednn_gemm(torch.zeros(1, 1), torch.zeros(1, 1)):
+        pytest.skip("torch without oneDNN linear ops")
+    calls = []
+    real = cpu_gemv._packed_matmul
+
+    def spy(*args, **kw):
+        calls.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cpu_gemv, "_packed_matmul", spy)
+    return calls
+
+
+@pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
+def test_constant_weight_gemm_runs_packed_in_onednn(packed_calls, epilogue):
+    """Above FEW_ROWS an f32 matmul over a constant weight runs in oneDNN with the weight packed once; the
+    same compiled graph serves other row counts (one pack), two row axes, and the few-row kernel below."""
+    gen = torch.Generator().manual_seed(5)
+    w, b = torch.randn(70, 45, generator=gen) / 7, torch.randn(70, generator=gen)
+    g = const_linear_graph(("b", "s"), w, epilogue, b)
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for sizes in ({"b": 1, "s": 40}, {"b": 3, "s": 17}, {"b": 1, "s": 2}, {"b": 2, "s": 129}):
+        inputs = inputs_for(g, sizes, gen)
+        (got,) = cg(*inputs)
+        (want,) = evaluate(g, inputs)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=str(sizes))
+    assert len(packed_calls) == 3  # the 2-row call took the few-row kernel
+
+
+def test_constant_weight_stored_k_by_n_and_non_contiguous_activation(packed_calls):
+    """An ONNX MatMul weight (K, N), read by an activation seen through a transpose."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(33, 50, generator=gen)  # (K, N)
+    g = Graph()
+    xt = g.input("x", (33, 40), DType.F32)
+    g.output(g.matmul(g.transpose(xt), g.const(w)))
+    x = torch.randn(40, 33, generator=gen).t().contiguous()
+    check(g, [x], DType.F32)
+    assert len(packed_calls) == 1
+
+
+def test_cpu_gemm_choice_torch_skips_onednn_and_rejects_unknown_values(packed_calls, monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    g = const_linear_graph(("m",), torch.randn(24, 16, generator=gen), "gelu")
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "torch")
+    check(g, inputs_for(g, {"m": 30}, gen), DType.F32)
+    assert packed_calls == []
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "mkl")
+    with pytest.raises(ValueError, match="KERNELIZE_CPU_GEMM='mkl'"):
+        check(g, inputs_for(g, {"m": 30}, gen), DType.F32)
