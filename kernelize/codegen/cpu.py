@@ -579,7 +579,7 @@ def _matmul_kernel(backend: str, kernel: Kernel, few_built, epi_built, epi: Kern
     """A matmul kernel: up to FEW_ROWS rows the generated few-row function; more, torch's GEMM then the
     epilogue function."""
     from kernelize.autokernel.matmul import FEW_ROWS, rows_of
-    from kernelize.codegen.cpu_gemv import library_matmuls
+    from kernelize.codegen.cpu_gemv import direct_gemm, library_matmuls, run_direct
 
     (source, few), (epi_source, epi_launch) = few_built, epi_built
     slots = [(b in temps, temps.index(b) if b in temps else kernel.reads.index(b)) for b in epi.reads]
@@ -591,8 +591,15 @@ def _matmul_kernel(backend: str, kernel: Kernel, few_built, epi_built, epi: Kern
         mms = library_matmuls(kernel, reads, sizes, packs)
         epi_launch([mms[i] if t else reads[i] for t, i in slots], writes, sizes)
 
+    direct = direct_gemm(kernel)
+
+    def fresh(reads: Sequence[torch.Tensor], sizes: Mapping[str, int]) -> list[torch.Tensor] | None:
+        if direct is None or rows_of(kernel, sizes) <= FEW_ROWS:
+            return None
+        return run_direct(kernel, direct, reads, sizes, packs)
+
     both = f"{source}\n// more than {FEW_ROWS} rows: torch's matmul, then\n{epi_source}"
-    return CompiledKernel(kernel.name, backend, both, launch, kernel)
+    return CompiledKernel(kernel.name, backend, both, launch, kernel, fresh if direct is not None else None)
 
 
 __all__ = [
