@@ -133,11 +133,10 @@ def export(name: str) -> Path:
 
 def load_kernelize(path: Path, batch: int):
     """What ``kernelize run --backend cpu`` does: load, optimize, compile; returns the callable."""
-    from kernelize.ir import optimize
-    from kernelize.ir.onnx_frontend import load_onnx
     from kernelize.runtime.compiled import compile_graph
+    from kernelize.runtime.graph_cache import load_optimized_onnx
 
-    graph = optimize(load_onnx(path, dynamic_dims={"batch": batch}))
+    graph = load_optimized_onnx(path, dynamic_dims={"batch": batch})
     return compile_graph(graph, backend="cpu", device="cpu")
 
 

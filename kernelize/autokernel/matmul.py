@@ -77,7 +77,7 @@ def epilogue_kernel(k: Kernel) -> tuple[Kernel, tuple[Node, ...]]:
             used.update(i.value for i in e.indirect)
     used.update(s.value for s in k.stores)
     drop = parts.operands - used
-    strides = _row_major(k.domain)
+    strides = row_major(k.domain)
     temps: list[Node] = []
     new: dict[int, int] = {}
     body: list[Load | Compute] = []
@@ -98,7 +98,7 @@ def epilogue_kernel(k: Kernel) -> tuple[Kernel, tuple[Node, ...]]:
     return replace(k, kind=KernelKind.POINTWISE, body=tuple(body), stores=stores), tuple(temps)
 
 
-def _row_major(shape: Sequence[Dim]) -> tuple[Dim, ...]:
+def row_major(shape: Sequence[Dim]) -> tuple[Dim, ...]:
     out: list[Dim] = []
     acc: Dim = 1
     for d in reversed(shape):
@@ -116,7 +116,7 @@ def splitk_kernel(k: Kernel, j: int, temp: Node) -> Kernel:
     mi, ib = parts.mms[j]
     mm = k.body[mi]
     body = (Compute(Op.MATMUL, DType.F32, (1, 2), mm.arg), k.body[parts.a], k.body[ib])
-    store = Store(0, temp, _row_major(k.domain))
+    store = Store(0, temp, row_major(k.domain))
     return Kernel(f"{k.name}_splitk{j}", KernelKind.SPLITK, k.domain, body, (store,))
 
 
@@ -130,6 +130,7 @@ __all__ = [
     "MatmulParts",
     "epilogue_kernel",
     "matmul_parts",
+    "row_major",
     "rows_of",
     "splitk_kernel",
     "weights_shared",

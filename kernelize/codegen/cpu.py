@@ -513,18 +513,33 @@ def _matmul_kernel(backend: str, kernel: Kernel, few_built, epi_built, epi: Kern
     """A matmul kernel: up to FEW_ROWS rows the generated few-row function; more, torch's GEMM then the
     epilogue function."""
     from kernelize.autokernel.matmul import FEW_ROWS, rows_of
-    from kernelize.codegen.cpu_gemv import library_matmuls
+    from kernelize.codegen.cpu_gemv import direct_gemm, library_matmuls, run_direct
 
     (source, few), (epi_source, epi_launch) = few_built, epi_built
     slots = [(b in temps, temps.index(b) if b in temps else kernel.reads.index(b)) for b in epi.reads]
+    packs: dict = {}  # oneDNN-packed constant weights of this kernel, made on first use
 
     def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
         if rows_of(kernel, sizes) <= FEW_ROWS:
             return few(reads, writes, sizes)
-        mms = library_matmuls(kernel, reads, sizes)
+        mms = library_matmuls(kernel, reads, sizes, packs)
         epi_launch([mms[i] if t else reads[i] for t, i in slots], writes, sizes)
 
-    return CompiledKernel(kernel.name, backend, _matmul_source(source, epi_source), launch, kernel)
+    direct = direct_gemm(kernel)
+
+    def fresh(reads: Sequence[torch.Tensor], sizes: Mapping[str, int]) -> list[torch.Tensor] | None:
+        if direct is None or rows_of(kernel, sizes) <= FEW_ROWS:
+            return None
+        return run_direct(kernel, direct, reads, sizes, packs)
+
+    return CompiledKernel(
+        kernel.name,
+        backend,
+        _matmul_source(source, epi_source),
+        launch,
+        kernel,
+        fresh if direct is not None else None,
+    )
 
 
 def _matmul_source(few_rows: str, epilogue: str) -> str:

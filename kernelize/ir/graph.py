@@ -68,8 +68,20 @@ class Constant:
             t = t.clone(memory_format=torch.contiguous_format)
         object.__setattr__(self, "tensor", t)
         h = hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # the buffer, no copy
         object.__setattr__(self, "digest", h.hexdigest())
+
+    @classmethod
+    def known(cls, tensor: torch.Tensor, digest: str) -> Constant:
+        """A constant whose digest was computed before (a graph read back from the graph cache, which
+        recorded it): hashing 100M parameters again would take seconds. ``tensor`` must be contiguous."""
+        assert tensor.is_contiguous() and tensor.device.type == "cpu", (
+            "Constant.known takes a dense CPU tensor"
+        )
+        c = object.__new__(cls)
+        object.__setattr__(c, "tensor", tensor)
+        object.__setattr__(c, "digest", digest)
+        return c
 
     def __hash__(self) -> int:
         return hash(self.digest)

@@ -8,6 +8,7 @@ from kernelize.runtime.compiled import (
     compile_graph,
     print_kernels,
 )
+from kernelize.runtime.graph_cache import load_optimized_onnx
 
 __all__ = [
     "BACKENDS",
@@ -17,5 +18,6 @@ __all__ = [
     "CompiledModule",
     "KernelCompileError",
     "compile_graph",
+    "load_optimized_onnx",
     "print_kernels",
 ]

@@ -5,6 +5,8 @@ Each backend (``triton``, ``cuda``, ``cpu``) implements :class:`Backend`: ``comp
 :class:`CompiledKernel`. The runtime allocates every buffer, binds symbolic sizes from the inputs and
 calls ``launch(reads, writes, sizes)`` with tensors in the order of ``kernel.reads`` / ``kernel.writes``
 (all contiguous, on the backend's device) and ``sizes`` holding one int per name of ``kernel.symbols``.
+A kernel that is one library call allocating its own result (the CPU backend's oneDNN GEMMs) may also
+offer ``fresh(reads, sizes)``, which returns its outputs (or None to fall back to ``launch``).
 An ``ATTENTION`` kernel is launched on its node's operands instead (``q, k, v[, mask]``, in ``node.src``
 order, with whatever strides their layout views give) and reads its sizes and strides from them.
 """
@@ -53,6 +55,9 @@ class CompiledKernel:
     source: str
     launch: Launch = field(repr=False)
     kernel: Kernel | None = field(default=None, repr=False, compare=False)
+    # optional: ``fresh(reads, sizes)`` returns the kernel's outputs as new tensors (a library call that
+    # allocates its own result), or None when ``launch`` into allocated buffers must run instead
+    fresh: Callable[..., list[torch.Tensor] | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def source_hash(self) -> str:

@@ -313,9 +313,7 @@ class CompiledGraph:
                     reads = [materialize(s, vals, env) for s in k.node.src]
                 else:
                     reads = [vals[b] if b in vals else materialize(b, vals, env) for b in k.reads]
-                writes = self._outputs(k, shapes)
-                if launch:
-                    _launch(step, reads, writes, sizes)
+                writes = self._written(step, reads, shapes, sizes, launch)
                 vals.update(zip(k.writes, writes))
             for b in step.free:
                 vals.pop(b, None)
@@ -326,10 +324,32 @@ class CompiledGraph:
         buffers nothing else holds), so they alias no input and need no copy."""
         step, (direct, order) = self._steps[0], self._direct
         reads = [inputs[r].contiguous() if isinstance(r, int) else r for r in direct]
-        writes = self._outputs(step.kernel, bound.shapes[0])
-        if bound.launch[0]:
-            _launch(step, reads, writes, bound.sizes[0])
+        writes = self._written(step, reads, bound.shapes[0], bound.sizes[0], bound.launch[0])
         return [writes[i] for i in order]
+
+    def _written(
+        self,
+        step: _Step,
+        reads: list[torch.Tensor],
+        shapes: Sequence[tuple[int, ...]],
+        sizes: Mapping[str, int],
+        launch: bool,
+    ) -> list[torch.Tensor]:
+        """Run a generated kernel; returns what it wrote: the tensors a library call made itself
+        (``CompiledKernel.fresh``), else buffers allocated here and filled by ``launch``."""
+        fresh = step.compiled.fresh
+        if fresh is not None and launch:
+            if torch.autograd.profiler._is_profiler_enabled:
+                with torch.profiler.record_function(_label(step.kernel)):
+                    outs = fresh(reads, sizes)
+            else:
+                outs = fresh(reads, sizes)
+            if outs is not None:
+                return outs
+        writes = self._outputs(step.kernel, shapes)
+        if launch:
+            _launch(step, reads, writes, sizes)
+        return writes
 
     def _outputs(self, k: Kernel, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
         """Buffers for what ``k`` writes; the cpu backend recycles large ones the caller dropped."""

@@ -16,7 +16,8 @@ import torch
 from kernelize.autokernel.kernels import Compute, KernelKind
 from kernelize.autokernel.matmul import FEW_ROWS
 from kernelize.autokernel.plan import PlanSettings, plan
-from kernelize.codegen.cpu_gemv import lowp_gemm_in_f32
+from kernelize.codegen.cpu import CpuBackend
+from kernelize.codegen.cpu_gemv import DirectGemm, direct_gemm, lowp_gemm_in_f32
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
 from kernelize.ir.reference import evaluate
@@ -205,3 +206,179 @@ def test_16bit_gemm_choice_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("KERNELIZE_CPU_LOWP_GEMM", "fast")
     with pytest.raises(ValueError, match="KERNELIZE_CPU_LOWP_GEMM='fast'"):
         lowp_gemm_in_f32(DType.BF16)
+
+
+def const_linear_graph(rows, w: torch.Tensor, epilogue: str, bias: torch.Tensor | None = None) -> Graph:
+    """``epilogue(x @ W.T + b)`` with W (N, K) and b constants of the graph, as ``load_onnx`` gives them."""
+    g = Graph()
+    x = g.input("x", (*rows, w.shape[1]), DType.F32)
+    wt = g.transpose(g.const(w))
+    y = g.matmul(x, wt)
+    if bias is not None:
+        y = g.add(y, g.const(bias))
+    if epilogue == "gelu":
+        y = g.gelu(y)
+    if epilogue == "residual":
+        y = g.add(y, g.input("r", (*rows, w.shape[0]), DType.F32))
+    g.output(y)
+    return g
+
+
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """Counts the GEMMs that ran in oneDNN over a packed constant weight (with or without the epilogue
+    kernel after them)."""
+    from kernelize.codegen import cpu_gemv
+
+    if not cpu_gemv.onednn_gemm(torch.zeros(1, 1), torch.zeros(1, 1)):
+        pytest.skip("torch without oneDNN linear ops")
+    calls = []
+    real = cpu_gemv._packed
+
+    def spy(*args, **kw):
+        calls.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cpu_gemv, "_packed", spy)
+    return calls
+
+
+@pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
+def test_constant_weight_gemm_runs_packed_in_onednn(packed_calls, epilogue):
+    """Above FEW_ROWS an f32 matmul over a constant weight runs in oneDNN with the weight packed once; the
+    same compiled graph serves other row counts (one pack), two row axes, and the few-row kernel below."""
+    gen = torch.Generator().manual_seed(5)
+    w, b = torch.randn(70, 45, generator=gen) / 7, torch.randn(70, generator=gen)
+    g = const_linear_graph(("b", "s"), w, epilogue, b)
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for sizes in ({"b": 1, "s": 40}, {"b": 3, "s": 17}, {"b": 1, "s": 2}, {"b": 2, "s": 129}):
+        inputs = inputs_for(g, sizes, gen)
+        (got,) = cg(*inputs)
+        (want,) = evaluate(g, inputs)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=str(sizes))
+    assert len(packed_calls) == 3  # the 2-row call took the few-row kernel
+
+
+def test_constant_weight_stored_k_by_n_and_non_contiguous_activation(packed_calls):
+    """An ONNX MatMul weight (K, N), read by an activation seen through a transpose."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(33, 50, generator=gen)  # (K, N)
+    g = Graph()
+    xt = g.input("x", (33, 40), DType.F32)
+    g.output(g.matmul(g.transpose(xt), g.const(w)))
+    x = torch.randn(40, 33, generator=gen).t().contiguous()
+    check(g, [x], DType.F32)
+    assert len(packed_calls) == 1
+
+
+def test_cpu_gemm_choice_torch_skips_onednn_and_rejects_unknown_values(packed_calls, monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    g = const_linear_graph(("m",), torch.randn(24, 16, generator=gen), "gelu")
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "torch")
+    check(g, inputs_for(g, {"m": 30}, gen), DType.F32)
+    assert packed_calls == []
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "mkl")
+    with pytest.raises(ValueError, match="KERNELIZE_CPU_GEMM='mkl'"):
+        check(g, inputs_for(g, {"m": 30}, gen), DType.F32)
+
+
+def _matmul_kernel_of(g: Graph):
+    (k,) = [k for k in plan(g, CpuBackend().plan_settings).kernels if k.kind is KernelKind.MATMUL]
+    return k
+
+
+@pytest.mark.parametrize(
+    "epilogue,bias,want",
+    [
+        ("none", False, DirectGemm(None, None, "none", "")),
+        ("none", True, DirectGemm(2, None, "none", "")),
+        ("gelu", True, DirectGemm(2, None, "gelu", "none")),
+        ("gelu", False, DirectGemm(None, None, "gelu", "none")),
+        ("residual", True, "residual"),
+        ("residual", False, "residual"),
+    ],
+)
+def test_direct_gemm_recognises_bias_gelu_and_residual(epilogue, bias, want):
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(24, 16, generator=gen)
+    g = const_linear_graph(("m",), w, epilogue, torch.randn(24, generator=gen) if bias else None)
+    got = direct_gemm(_matmul_kernel_of(g))
+    assert got is not None
+    if want == "residual":
+        assert got.residual is not None and (got.bias is not None) == bias and got.attr == "none"
+    else:
+        assert got._replace(bias=got.bias is not None) == want._replace(bias=want.bias is not None)
+
+
+def test_direct_gemm_declines_what_onednn_cannot_fuse():
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(24, 16, generator=gen)
+    g = Graph()  # an activation after the residual add: the epilogue kernel runs it
+    x = g.input("x", ("m", 16), DType.F32)
+    y = g.add(g.matmul(x, g.transpose(g.const(w))), g.input("r", ("m", 24), DType.F32))
+    g.output(g.gelu(y))
+    assert direct_gemm(_matmul_kernel_of(g)) is None
+    g = Graph()  # sigmoid is not a post-op here
+    x = g.input("x", ("m", 16), DType.F32)
+    g.output(g.sigmoid(g.matmul(x, g.transpose(g.const(w)))))
+    assert direct_gemm(_matmul_kernel_of(g)) is None
+    g = linear_graph(("m",), 16, 24, DType.F32, "bias")  # a weight that is an input, not a constant
+    assert direct_gemm(_matmul_kernel_of(g)) is None
+    g = linear_graph(("m",), 16, 12, DType.F32, "gated_silu")  # two matmuls in one kernel
+    assert direct_gemm(_matmul_kernel_of(g)) is None
+
+
+@pytest.fixture
+def direct_calls(monkeypatch):
+    """Counts the kernels whose output one oneDNN call produced (no epilogue kernel)."""
+    from kernelize.codegen import cpu_gemv
+
+    if not cpu_gemv.onednn_gemm(torch.zeros(1, 1), torch.zeros(1, 1)):
+        pytest.skip("torch without oneDNN linear ops")
+    calls = []
+    real = cpu_gemv.run_direct
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_gemv, "run_direct", spy)
+    return calls
+
+
+@pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_direct_gemm_matches_the_reference(direct_calls, epilogue, bias):
+    """Bias, exact GELU and the residual add as oneDNN post-ops, the output written by the GEMM itself,
+    over two row axes; a non-contiguous residual; few-row calls still take the generated kernel."""
+    gen = torch.Generator().manual_seed(10)
+    w = torch.randn(70, 45, generator=gen) / 7
+    g = const_linear_graph(("b", "s"), w, epilogue, torch.randn(70, generator=gen) if bias else None)
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for sizes in ({"b": 1, "s": 40}, {"b": 3, "s": 17}, {"b": 1, "s": 3}):
+        inputs = inputs_for(g, sizes, gen)
+        if epilogue == "residual":
+            r = inputs[1]
+            inputs[1] = torch.randn(r.shape[-1], *r.shape[:-1], generator=gen).movedim(0, -1)
+        (got,) = cg(*inputs)
+        (want,) = evaluate(g, inputs)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=str(sizes))
+    assert direct_calls == [True, True]
+
+
+def test_direct_gemm_off_with_torch_gemm(direct_calls, monkeypatch):
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "torch")
+    gen = torch.Generator().manual_seed(11)
+    g = const_linear_graph(("m",), torch.randn(24, 16, generator=gen), "gelu", torch.randn(24, generator=gen))
+    check(g, inputs_for(g, {"m": 30}, gen), DType.F32)
+    assert direct_calls == [False]
+
+
+def test_constant_weight_with_other_epilogue_runs_packed_then_the_epilogue_kernel(packed_calls, direct_calls):
+    gen = torch.Generator().manual_seed(12)
+    g = Graph()
+    x = g.input("x", ("m", 16), DType.F32)
+    g.output(g.sigmoid(g.matmul(x, g.transpose(g.const(torch.randn(24, 16, generator=gen))))))
+    check(g, inputs_for(g, {"m": 33}, gen), DType.F32)
+    assert len(packed_calls) == 1 and direct_calls == []
