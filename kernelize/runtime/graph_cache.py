@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from kernelize.ir import ops
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Constant, Graph, Node, Op
-from kernelize.ir.ops import AttentionArgs
 from kernelize.ir.shapes import Sym
 from kernelize.runtime.cache import graph_fingerprint
 from kernelize.runtime.diskcache import file_sha256, get_or_build
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "kernelize-optimized-graph 1"  # bump when the description below changes
 # the only classes a description may name: anything else makes a graph uncacheable
 ENUMS: dict[str, type[Enum]] = {"Op": Op, "DType": DType}
-DATACLASSES: dict[str, type] = {"Sym": Sym, "AttentionArgs": AttentionArgs}
+DATACLASSES: dict[str, type] = {c.__name__: c for c in (Sym, *ops.TYPED_ARGS)}
 # the modules whose source decides what an optimized graph looks like
 SOURCE_FOLDERS = ("ir", "passes")
 

@@ -205,3 +205,17 @@ def test_state_keeps_views_small_and_digests_unchanged():
     assert t.untyped_storage().nbytes() == 40
     back = graph_from_state(state)
     assert graph_fingerprint(back) == graph_fingerprint(g)
+
+
+def test_every_op_argument_class_has_a_description() -> None:
+    """A node argument class the description does not name would make every graph using it uncacheable
+    (silently slow warm loads): each frozen dataclass the IR defines for node arguments is listed."""
+    import dataclasses
+
+    from kernelize.ir import ops
+    from kernelize.runtime.graph_cache import DATACLASSES
+
+    arg_classes = {
+        name for name, c in vars(ops).items() if name.endswith("Args") and dataclasses.is_dataclass(c)
+    }
+    assert len(arg_classes) >= 6 and arg_classes <= set(DATACLASSES), arg_classes - set(DATACLASSES)
