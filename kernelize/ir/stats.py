@@ -148,6 +148,8 @@ def _reduce(acc: Acc, value: str) -> StatSpec:
     return StatSpec(acc, (("v", value),))
 
 
+_LN_FINISH = (("mean", "mean"), ("r", "rsqrt(m2 / count + eps)"))
+
 STATS: dict[Op, StatSpec] = {
     Op.SUM: _reduce(Acc.SUM, "sum"),
     Op.MEAN: _reduce(Acc.SUM, "sum / n"),
@@ -159,7 +161,18 @@ STATS: dict[Op, StatSpec] = {
     Op.SOFTMAX: StatSpec(Acc.ONLINE_SOFTMAX, (("m", "max"), ("s", "sumexp")), "(exp(x - m) / s)"),
     Op.LOG_SOFTMAX: StatSpec(Acc.ONLINE_SOFTMAX, (("m", "max"), ("l", "log(sumexp)")), "((x - m) - l)"),
     Op.LAYERNORM: StatSpec(
-        Acc.WELFORD, (("mean", "mean"), ("r", "rsqrt(m2 / count + eps)")), "((x - mean) * r)"
+        Acc.WELFORD,
+        _LN_FINISH,
+        "((x - mean) * r)",
+        {
+            "triton": StatSpec(
+                Acc.CENTRED,
+                _LN_FINISH,
+                "((x - mean) * r)",
+                why="lane-wise accumulators that tl.sum reduces (a mean pass, then a centred pass) need no "
+                "custom combine; a Welford state per lane would need a tl.reduce with Chan's merge",
+            )
+        },
     ),
     Op.RMSNORM: StatSpec(Acc.SUMSQ, (("r", "rsqrt(sumsq / n + eps)"),), "(x * r)"),
 }
