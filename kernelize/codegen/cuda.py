@@ -44,7 +44,7 @@ from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
 from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import Dim, bind, numel
-from kernelize.ir.stats import STATS, Acc, elem_formula, elem_operands, spell
+from kernelize.ir.stats import STATS, Acc, spell, spell_elem
 from kernelize.runtime.backend import Backend, CompiledKernel
 
 logger = logging.getLogger(__name__)
@@ -247,9 +247,7 @@ class _Gen:
 
     def row_elem(self, i: int, e: Compute) -> str:
         spec = STATS[e.op].on("cuda")
-        names = {**_FUNCS, **{n: f"{n}{i}" for n, _ in spec.finish}}
-        names |= {n: f"v{j}" for n, j in elem_operands(e.src, e.arg).items()}
-        return spell(elem_formula(e.op, spec, e.arg), names)
+        return spell_elem(e.op, spec, e.src, e.arg, _FUNCS, lambda n: f"{n}{i}", lambda j: f"v{j}")
 
     # -- kinds ----------------------------------------------------------------------------------------------
     def common(self, block: int) -> dict[str, str]:

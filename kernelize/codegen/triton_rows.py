@@ -32,7 +32,7 @@ from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import Sym, numel
-from kernelize.ir.stats import STATS, Acc, elem_formula, elem_operands, spell
+from kernelize.ir.stats import STATS, Acc, spell, spell_elem
 
 if TYPE_CHECKING:
     from kernelize.codegen.triton import KernelSource
@@ -340,9 +340,7 @@ class RowRenderer:
 
     def _row_op_value(self, i: int, e: Compute) -> str:
         spec = STATS[e.op].on("triton")
-        names = {**_FUNCS, **{n: f"v{i}_{n}" for n, _ in spec.finish}}
-        names |= {n: f"v{j}" for n, j in elem_operands(e.src, e.arg).items()}
-        return spell(elem_formula(e.op, spec, e.arg), names)
+        return spell_elem(e.op, spec, e.src, e.arg, _FUNCS, lambda n: f"v{i}_{n}", lambda j: f"v{j}")
 
     def _stat(self, s: int, e: Compute) -> list[str]:
         """The passes over the row computing statistic ``s``: per pass a loop accumulating per lane, the

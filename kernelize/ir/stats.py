@@ -92,16 +92,16 @@ class StatSpec:
         return len(ACC_FIELDS[self.acc])
 
     def finish_by_pass(self) -> list[list[tuple[str, str]]]:
-        """The finish values to compute after each pass: each as soon as the fields it reads exist."""
+        """The finish values to compute after each pass: in order, each as soon as what it reads exists."""
         have: set[str] = set()
         out: list[list[tuple[str, str]]] = []
         todo = list(self.finish)
         for fields in ACC_FIELDS[self.acc]:
             have |= set(fields)
-            ready = [(name, f) for name, f in todo if set(_names(f)) - _FREE <= have]
-            todo = [t for t in todo if t not in ready]
-            have |= {name for name, _ in ready}
-            out.append(ready)
+            out.append([])
+            while todo and set(_names(todo[0][1])) - _FREE <= have:
+                out[-1].append(todo.pop(0))
+                have.add(out[-1][-1][0])
         assert not todo, f"finish values {todo} read fields {self.acc} does not yield"
         return out
 
@@ -144,10 +144,27 @@ def elem_operands(src: tuple[int, ...], arg: object) -> dict[str, int]:
     return names
 
 
+def spell_elem(
+    e_op: Op, spec: StatSpec, src: tuple[int, ...], arg: object, funcs: Mapping[str, str], stat, value
+) -> str:
+    """Row op ``e_op``'s element formula in a backend's names: ``funcs`` spells the functions,
+    ``stat(name)`` a finish value, ``value(i)`` body entry ``i`` (its operands ``src``)."""
+    names = {**funcs, **{n: stat(n) for n, _ in spec.finish}}
+    names |= {n: value(j) for n, j in elem_operands(src, arg).items()}
+    return spell(elem_formula(e_op, spec, arg), names)
+
+
 def _reduce(acc: Acc, value: str) -> StatSpec:
     return StatSpec(acc, (("v", value),))
 
 
+_CPU_SOFTMAX_WHY = (
+    "OpenMP simd reductions combine one variable each: a vectorised max pass, then a sum of exp(x - max) "
+    "(an argument <= 0, so the cheaper kz_exp_neg); softmax keeps those exponentials in a per-thread "
+    "scratch row (in cache) and the write pass scales them by 1 / sum instead of computing exp again, which "
+    "is what bounds softmax on the CPU"
+)
+_LOG_SOFTMAX_FINISH = (("m", "max"), ("l", "log(sumexp)"))
 _LN_FINISH = (("mean", "mean"), ("r", "rsqrt(m2 / count + eps)"))
 
 STATS: dict[Op, StatSpec] = {
@@ -158,8 +175,25 @@ STATS: dict[Op, StatSpec] = {
     Op.REDUCE_MIN: _reduce(Acc.MIN, "min"),
     Op.ARGMAX: _reduce(Acc.ARGMAX, "index"),
     Op.ARGMIN: _reduce(Acc.ARGMIN, "index"),
-    Op.SOFTMAX: StatSpec(Acc.ONLINE_SOFTMAX, (("m", "max"), ("s", "sumexp")), "(exp(x - m) / s)"),
-    Op.LOG_SOFTMAX: StatSpec(Acc.ONLINE_SOFTMAX, (("m", "max"), ("l", "log(sumexp)")), "((x - m) - l)"),
+    Op.SOFTMAX: StatSpec(
+        Acc.ONLINE_SOFTMAX,
+        (("m", "max"), ("s", "sumexp")),
+        "(exp(x - m) / s)",
+        {
+            "cpu": StatSpec(
+                Acc.MAX_THEN_SUMEXP,
+                (("m", "max"), ("r", "1 / sumexp")),
+                "(exp(x - m) * r)",
+                why=_CPU_SOFTMAX_WHY,
+            )
+        },
+    ),
+    Op.LOG_SOFTMAX: StatSpec(
+        Acc.ONLINE_SOFTMAX,
+        _LOG_SOFTMAX_FINISH,
+        "((x - m) - l)",
+        {"cpu": StatSpec(Acc.MAX_THEN_SUMEXP, _LOG_SOFTMAX_FINISH, "((x - m) - l)", why=_CPU_SOFTMAX_WHY)},
+    ),
     Op.LAYERNORM: StatSpec(
         Acc.WELFORD,
         _LN_FINISH,
@@ -171,11 +205,19 @@ STATS: dict[Op, StatSpec] = {
                 "((x - mean) * r)",
                 why="lane-wise accumulators that tl.sum reduces (a mean pass, then a centred pass) need no "
                 "custom combine; a Welford state per lane would need a tl.reduce with Chan's merge",
-            )
+            ),
+            "cpu": StatSpec(
+                Acc.MOMENTS,
+                (("mean", "sum / n"), ("r", "rsqrt(sumsq / n - mean * mean + eps)")),
+                "((x - mean) * r)",
+                why="f32 rows: sum and sum of squares in one OpenMP simd reduction, in double (f32 "
+                "accuracy unless |mean| / std exceeds ~1e6), read the row twice instead of three times; f64 "
+                "rows, with no wider type to sum in, take the centred two passes",
+            ),
         },
     ),
     Op.RMSNORM: StatSpec(Acc.SUMSQ, (("r", "rsqrt(sumsq / n + eps)"),), "(x * r)"),
 }
 assert set(STATS) == REDUCE | ROW, f"row statistics missing for {(REDUCE | ROW) - set(STATS)}"
 
-__all__ = ["ACC_FIELDS", "STATS", "Acc", "StatSpec", "elem_formula", "elem_operands", "spell"]
+__all__ = ["ACC_FIELDS", "STATS", "Acc", "StatSpec", "elem_formula", "elem_operands", "spell", "spell_elem"]
