@@ -47,6 +47,9 @@ class Acc(StrEnum):
     MOMENTS = "moments"  # one pass: sum and sum of squares in f64 (var = E[x^2] - mean^2)
 
 
+# accumulations with no identity: an empty row has no value (the reference executor raises, as torch)
+NO_IDENTITY = frozenset({Acc.MAX, Acc.MIN, Acc.ARGMAX, Acc.ARGMIN})
+
 # the fields each pass of an accumulation yields, in pass order
 ACC_FIELDS: dict[Acc, tuple[tuple[str, ...], ...]] = {
     Acc.SUM: (("sum",),),
@@ -220,4 +223,14 @@ STATS: dict[Op, StatSpec] = {
 }
 assert set(STATS) == REDUCE | ROW, f"row statistics missing for {(REDUCE | ROW) - set(STATS)}"
 
-__all__ = ["ACC_FIELDS", "STATS", "Acc", "StatSpec", "elem_formula", "elem_operands", "spell", "spell_elem"]
+__all__ = [
+    "ACC_FIELDS",
+    "NO_IDENTITY",
+    "STATS",
+    "Acc",
+    "StatSpec",
+    "elem_formula",
+    "elem_operands",
+    "spell",
+    "spell_elem",
+]
