@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -34,7 +34,7 @@ class Acc(StrEnum):
 
     SUM = "sum"  # 0, s + x, a + b; in the widened type (f32 for 16-bit floats, int64 for integers)
     PROD = "prod"  # 1, p * x, a * b; widened as SUM
-    MAX = "max"  # max with NaN propagation; an empty state is the identity
+    MAX = "max"  # max with NaN propagation; no identity (an empty row has no max)
     MIN = "min"
     ARGMAX = "argmax"  # first index of the max (a NaN counts as the max)
     ARGMIN = "argmin"
@@ -148,7 +148,13 @@ def elem_operands(src: tuple[int, ...], arg: object) -> dict[str, int]:
 
 
 def spell_elem(
-    e_op: Op, spec: StatSpec, src: tuple[int, ...], arg: object, funcs: Mapping[str, str], stat, value
+    e_op: Op,
+    spec: StatSpec,
+    src: tuple[int, ...],
+    arg: object,
+    funcs: Mapping[str, str],
+    stat: Callable[[str], str],
+    value: Callable[[int], str],
 ) -> str:
     """Row op ``e_op``'s element formula in a backend's names: ``funcs`` spells the functions,
     ``stat(name)`` a finish value, ``value(i)`` body entry ``i`` (its operands ``src``)."""
