@@ -23,6 +23,7 @@ Example (rmsnorm over a symbolic row, loop form, abridged)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,7 @@ from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import Sym, numel
-from kernelize.ir.stats import STATS, Acc, spell, spell_elem
+from kernelize.ir.stats import STATS, Acc, StatSpec, spell, spell_elem
 
 if TYPE_CHECKING:
     from kernelize.codegen.triton import KernelSource
@@ -168,6 +169,16 @@ _LOOP: dict[Acc, tuple[_LoopPass, ...]] = {
         ),
     ),
 }
+# the one-block form: each one-pass accumulation as a reduction of the row held in registers (same holes)
+_BLOCK: dict[Acc, dict[str, str]] = {
+    Acc.SUM: {"sum": "tl.sum(tl.where(mask, {x}, {z}), axis=0)"},
+    Acc.PROD: {"prod": "tl.reduce(tl.where(mask, {x}, {one}), 0, kz_mul)"},
+    Acc.MAX: {"max": "tl.max(tl.where(mask, {x}, {lo}), axis=0)"},
+    Acc.MIN: {"min": "tl.min(tl.where(mask, {x}, {hi}), axis=0)"},
+    Acc.ARGMAX: {"index": "tl.argmax(tl.where(mask, {x}, {lo}), axis=0).to(tl.int64)"},
+    Acc.ARGMIN: {"index": "tl.argmin(tl.where(mask, {x}, {hi}), axis=0).to(tl.int64)"},
+    Acc.SUMSQ: {"sumsq": "tl.sum(tl.where(mask, {x} * {x}, 0.0), axis=0)"},
+}
 _FUNCS = {"exp": "tl.exp", "log": "tl.log", "rsqrt": "tl.rsqrt"}
 
 
@@ -209,9 +220,8 @@ class RowRenderer:
         for i, e in enumerate(self.k.body):
             if isinstance(e, Load):
                 lines.append(self.s.load(i, e, self.ctx, "mask"))
-            elif e.op in REDUCE:
-                x = self._full(e.src[0])
-                lines += self._reduce_block(i, e, x)
+            elif e.op in REDUCE | ROW and STATS[e.op].on("triton").acc in _BLOCK:
+                lines += self._stat_block(i, e)
             elif e.op in ROW:
                 lines += self._row_op_block(i, e)
             elif e.op is Op.MATMUL:
@@ -225,26 +235,15 @@ class RowRenderer:
     def _full(self, i: int) -> str:
         return f"v{i}" if not self.inv[i] else f"tl.broadcast_to(v{i}, [BLOCK])"
 
-    def _reduce_block(self, i: int, e: Compute, x: str) -> list[str]:
-        src_dt = self._dtype(e.src[0])
-        z = self.r.literal(0, src_dt)
-        one = self.r.literal(1, src_dt)
-        op = e.op
-        if op in (Op.SUM, Op.MEAN):
-            expr = f"tl.sum(tl.where(mask, {x}, {z}), axis=0)"
-            if op is Op.MEAN:
-                expr = f"{expr} / {self.R}"
-        elif op is Op.REDUCE_MAX:
-            expr = f"tl.max(tl.where(mask, {x}, {_lowest(self.r, src_dt)}), axis=0)"
-        elif op is Op.REDUCE_MIN:
-            expr = f"tl.min(tl.where(mask, {x}, {_highest(self.r, src_dt)}), axis=0)"
-        elif op is Op.PROD:
-            expr = f"tl.reduce(tl.where(mask, {x}, {one}), 0, kz_mul)"
-        elif op is Op.ARGMAX:
-            expr = f"tl.argmax(tl.where(mask, {x}, {_lowest(self.r, src_dt)}), axis=0).to(tl.int64)"
-        else:
-            expr = f"tl.argmin(tl.where(mask, {x}, {_highest(self.r, src_dt)}), axis=0).to(tl.int64)"
-        return [f"    v{i} = {expr}"]
+    def _stat_block(self, i: int, e: Compute) -> list[str]:
+        """Statistic ``i`` of a row held in registers: its fields, per-row values and element formula."""
+        spec = STATS[e.op].on("triton")
+        holes, names = self._holes(i, e)
+        names |= {f: v.format(**holes) for f, v in _BLOCK[spec.acc].items()}
+        lines = self._finish(i, spec, spec.finish, names)
+        if spec.elem is not None:
+            lines.append(f"    v{i} = {self._row_op_value(i, e, self._full)}")
+        return lines
 
     def _row_op_block(self, i: int, e: Compute) -> list[str]:
         x = self._full(e.src[0])
@@ -259,11 +258,6 @@ class RowRenderer:
                 return [*lines, f"    {v} = {v}_e / {v}_s"]
             return [*lines, f"    {v} = {x} - {v}_m - tl.log({v}_s)"]
         a: NormArgs = e.arg
-        if e.op is Op.RMSNORM:
-            return [
-                f"    {v}_r = tl.rsqrt(tl.sum(tl.where(mask, {x} * {x}, 0.0), axis=0) / {R} + {a.eps!r})",
-                f"    {v} = {x} * {v}_r" + self._affine(e),
-            ]
         return [
             f"    {v}_mean = tl.sum(tl.where(mask, {x}, 0.0), axis=0) / {R}",
             f"    {v}_d = tl.where(mask, {x} - {v}_mean, 0.0)",
@@ -338,19 +332,24 @@ class RowRenderer:
             self.s.vec[i] = True
         return lines
 
-    def _row_op_value(self, i: int, e: Compute) -> str:
+    def _row_op_value(self, i: int, e: Compute, full: Callable[[int], str] | None = None) -> str:
+        """Row op ``i``'s element value; ``full`` spells its element operand (the others are ``v<j>``)."""
         spec = STATS[e.op].on("triton")
-        return spell_elem(e.op, spec, e.src, e.arg, _FUNCS, lambda n: f"v{i}_{n}", lambda j: f"v{j}")
+        x = e.src[0]
 
-    def _stat(self, s: int, e: Compute) -> list[str]:
-        """The passes over the row computing statistic ``s``: per pass a loop accumulating per lane, the
-        lane reduction, and the per-row values whose fields are then known."""
-        spec, xi = STATS[e.op].on("triton"), e.src[0]
+        def value(j: int) -> str:
+            return full(j) if full is not None and j == x else f"v{j}"
+
+        return spell_elem(e.op, spec, e.src, e.arg, _FUNCS, lambda n: f"v{i}_{n}", value)
+
+    def _holes(self, s: int, e: Compute) -> tuple[dict[str, str], dict[str, str]]:
+        """The holes of statistic ``s``'s accumulation spellings and the names of its formulas."""
+        xi = e.src[0]
         dt = compute_dtype(self._dtype(xi))
         holes = {
             "acc": f"acc{s}",
             "v": f"v{s}",
-            "x": f"v{xi}" if not self.inv[xi] else f"tl.broadcast_to(v{xi}, [BLOCK])",
+            "x": self._full(xi),
             "t": self.r.ctype(dt),
             "z": self.r.literal(0, dt),
             "one": self.r.literal(1, dt),
@@ -361,6 +360,24 @@ class RowRenderer:
         names = {**_FUNCS, "n": self.R}
         if isinstance(e.arg, NormArgs):
             names["eps"] = repr(e.arg.eps)
+        return holes, names
+
+    def _finish(
+        self, s: int, spec: StatSpec, finish: list[tuple[str, str]], names: dict[str, str]
+    ) -> list[str]:
+        """The lines computing ``finish`` values of statistic ``s`` (a reduction's is ``v<s>`` itself)."""
+        lines = []
+        for n, formula in finish:
+            target = f"v{s}" if spec.elem is None else f"v{s}_{n}"
+            lines.append(f"    {target} = {spell(formula, names)}")
+            names[n] = target
+        return lines
+
+    def _stat(self, s: int, e: Compute) -> list[str]:
+        """The passes over the row computing statistic ``s``: per pass a loop accumulating per lane, the
+        lane reduction, and the per-row values whose fields are then known."""
+        spec, xi = STATS[e.op].on("triton"), e.src[0]
+        holes, names = self._holes(s, e)
         lines: list[str] = []
         need = closure(self.k, [xi], self.inv)
         for p, finish in zip(_LOOP[spec.acc], spec.finish_by_pass()):
@@ -370,8 +387,5 @@ class RowRenderer:
             lines += ["        " + line.format(**holes) for line in p.step]
             lines += ["    " + line.format(**holes) for line in p.pre]
             names |= {f: v.format(**holes) for f, v in p.fields.items()}
-            for n, formula in finish:
-                target = f"v{s}" if spec.elem is None else f"v{s}_{n}"
-                lines.append(f"    {target} = {spell(formula, names)}")
-                names[n] = target
+            lines += self._finish(s, spec, finish, names)
         return lines
