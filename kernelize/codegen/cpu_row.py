@@ -5,7 +5,9 @@ exponentials...). Each becomes one or two *passes*: a simd reduction loop over t
 full values it reads (loads hit cache: the row was just read) and a few scalar lines after it. A
 statistic runs in the pass after everything it reads is available, so independent statistics share a pass
 (add + rmsnorm: one statistics pass, one write pass). The last pass writes the full values that are
-stored; per-row values are stored once after it.
+stored; per-row values are stored once after it. Which accumulation each op takes, and the element formulas
+of row ops, come from :data:`kernelize.ir.stats.STATS` (its ``cpu`` variants: max then sum of exp for
+softmaxes, sum and sum of squares for f32 layernorm); ``_STATS`` writes each accumulation as passes.
 
 Example (rmsnorm, as generated)::
 
@@ -28,6 +30,7 @@ from kernelize.codegen.render import closure, deps
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import numel
+from kernelize.ir.stats import STATS, Acc, StatSpec, spell, spell_elem
 
 SHORT_ROW = 16384  # static rows up to this length sum in float lanes, longer ones in double
 SCRATCH_SLOTS = 4  # per-thread scratch rows a kernel may use (softmaxes beyond that recompute exp)
@@ -64,6 +67,7 @@ class _Stat:
     x: int
     ct: str
     at: str
+    spec: StatSpec
 
     @property
     def a(self) -> str:
@@ -76,6 +80,11 @@ class _Stat:
         """``acc`` over the row length (0 for an empty row)."""
         return f"({_N} ? {acc} / ({self.at}){_N} : ({self.at})0)"
 
+    def elem(self) -> str:
+        """The row op's element formula (from the statistics table) in C++ names."""
+        e, i = self.e, self.i
+        return spell_elem(e.op, self.spec, e.src, e.arg, _FUNCS, lambda n: f"kz_{n}{i}", lambda j: f"v{j}")
+
     def inv_std(self, acc: str, eps: float) -> str:
         """``kz_r{i}``: one over the root of ``acc``'s mean plus ``eps``."""
         ct = self.ct
@@ -83,6 +92,8 @@ class _Stat:
 
 
 _N = "kz_rowlen"
+# every exp of a row formula takes x - max <= 0: the cheaper kz_exp_neg
+_FUNCS = {"exp": "kz_exp_neg", "log": "kz_log", "rsqrt": "kz_rsqrt"}
 
 
 def _stat_passes(w, i: int, e: Compute, full: dict[int, str], split: int) -> list[_Pass]:
@@ -94,15 +105,16 @@ def _stat_passes(w, i: int, e: Compute, full: dict[int, str], split: int) -> lis
     rowlen = numel(w.k.domain[split:])
     at = "float" if ct == "float" and isinstance(rowlen, int) and rowlen <= SHORT_ROW else ct
     at = "double" if e.dtype.is_float and at != "float" else at
-    writer = _STATS.get(e.op)
+    spec = STATS[e.op].on("cpu")
+    writer = _STATS.get(spec.acc)
     if writer is None:
-        raise NotImplementedError(f"cpu backend: no row statistics for {e.op}")
-    return writer(_Stat(w, i, e, full, split, e.src[0], ct, at))
+        raise NotImplementedError(f"cpu backend: no row statistics for {e.op} ({spec.acc})")
+    return writer(_Stat(w, i, e, full, split, e.src[0], ct, at, spec))
 
 
 def _sum(c: _Stat) -> list[_Pass]:
     a, x, ct = c.a, c.x, c.ct
-    if c.e.op is Op.PROD:
+    if c.spec.acc is Acc.PROD:
         return [
             _Pass(
                 [x],
@@ -139,7 +151,7 @@ def _nan_extreme(c: _Stat, red: str, target: str) -> _Pass:
 
 def _extreme(c: _Stat) -> list[_Pass]:
     a, x, ct = c.a, c.x, c.ct
-    red = "max" if c.e.op is Op.REDUCE_MAX else "min"
+    red = "max" if c.spec.acc is Acc.MAX else "min"
     if c.e.dtype.is_float:
         return [_nan_extreme(c, red, f"v{c.i}")]
     init = f"kz_lowest<{ct}>()" if red == "max" else f"kz_highest<{ct}>()"
@@ -153,7 +165,7 @@ def _extreme(c: _Stat) -> list[_Pass]:
 def _arg(c: _Stat) -> list[_Pass]:
     a, x = c.a, c.x
     src_dtype = c.w.k.body[x].dtype
-    cmp = ">" if c.e.op is Op.ARGMAX else "<"
+    cmp = ">" if c.spec.acc is Acc.ARGMAX else "<"
     nan = f"v{x} != v{x} || " if src_dtype.is_float else ""
     upd = (
         f"if (!{a}h || ({a} == {a} && ({nan}v{x} {cmp} {a}))) "
@@ -166,7 +178,7 @@ def _arg(c: _Stat) -> list[_Pass]:
 def _rmsnorm(c: _Stat) -> list[_Pass]:
     a, x, i = c.a, c.x, c.i
     args: NormArgs = c.e.arg
-    c.full[i] = f"(v{x} * kz_r{i}" + (f" * v{c.e.src[1]})" if args.has_weight else ")")
+    c.full[i] = c.elem()
     return [
         _Pass(
             [x],
@@ -182,19 +194,14 @@ def _layernorm(c: _Stat) -> list[_Pass]:
     a, x, i, ct = c.a, c.x, c.i, c.ct
     args: NormArgs = c.e.arg
     eps = args.eps
-    y = f"(v{x} - kz_m{i}) * kz_r{i}"
-    if args.has_weight:
-        y += f" * v{c.e.src[1]}"
-    if args.has_bias:
-        y += f" + v{c.e.src[1 + args.has_weight]}"
-    c.full[i] = f"({y})"
+    c.full[i] = c.elem()
     if ct == "float":
         # one statistics pass: sum and sum of squares in double (var = E[x^2] - E[x]^2 keeps f32
         # accuracy in double unless |mean| / std exceeds ~1e6), so the row is read twice, not three times
         final = [
             f"const double {a}m = {_N} ? {a} / (double){_N} : 0.0;",
             f"const double {a}v = {_N} ? {a}q / (double){_N} - {a}m * {a}m : 0.0;",
-            f"const float kz_m{i} = (float){a}m;",
+            f"const float kz_mean{i} = (float){a}m;",
             f"const float kz_r{i} = (float)(1.0 / sqrt(({a}v > 0.0 ? {a}v : 0.0) + {eps!r}));",
         ]
         decl, upd = (
@@ -207,9 +214,9 @@ def _layernorm(c: _Stat) -> list[_Pass]:
         [f"{c.at} {a} = 0;"],
         [f"{a} += v{x};"],
         [f"reduction(+: {a})"],
-        [f"const {ct} kz_m{i} = ({ct}){c.mean(a)};"],
+        [f"const {ct} kz_mean{i} = ({ct}){c.mean(a)};"],
     )
-    upd = [f"const {ct} {a}d = v{x} - kz_m{i};", f"{a}q += {a}d * {a}d;"]
+    upd = [f"const {ct} {a}d = v{x} - kz_mean{i};", f"{a}q += {a}d * {a}d;"]
     var = _Pass([x], [f"{c.at} {a}q = 0;"], upd, [f"reduction(+: {a}q)"], [c.inv_std(f"{a}q", eps)])
     return [mean, var]
 
@@ -218,36 +225,31 @@ def _softmax(c: _Stat) -> list[_Pass]:
     a, x, i, ct, w = c.a, c.x, c.i, c.ct, c.w
     update = [f"{a}s += kz_exp_neg(v{x} - kz_m{i});"]
     decl = [f"{c.at} {a}s = 0;"]
-    fin = f"const {ct} kz_r{i} = ({ct})(1 / {a}s);"
+    names = {**_FUNCS, "sumexp": f"{a}s"}
+    fin = [f"const {ct} kz_{n}{i} = ({ct})({spell(f, names)});" for n, f in c.spec.finish_by_pass()[1]]
+    c.full[i] = c.elem()
     if c.e.op is Op.SOFTMAX and w.scratch_slots < SCRATCH_SLOTS:
         # the sum pass keeps exp(x - max) in a per-thread scratch row (in cache): the write pass
         # scales it instead of computing exp again, which is what bounds softmax on the CPU
         pos = _row_pos(w, c.split)
         decl.append(f"{ct}* __restrict {a}w = kz_scratch<{ct}>({w.scratch_slots}, {_N});")
         update = [f"const {ct} {a}e = kz_exp_neg(v{x} - kz_m{i});", f"{a}w[{pos}] = {a}e;", f"{a}s += {a}e;"]
-        c.full[i] = f"({a}w[{pos}] * kz_r{i})"
+        c.full[i] = c.full[i].replace(f"kz_exp_neg(v{x} - kz_m{i})", f"{a}w[{pos}]")
         w.scratch_slots += 1
-    elif c.e.op is Op.SOFTMAX:
-        c.full[i] = f"(kz_exp_neg(v{x} - kz_m{i}) * kz_r{i})"
-    else:
-        c.full[i] = f"((v{x} - kz_m{i}) - kz_r{i})"
-        fin = f"const {ct} kz_r{i} = ({ct})kz_log({a}s);"
-    return [_nan_extreme(c, "max", f"kz_m{i}"), _Pass([x], decl, update, [f"reduction(+: {a}s)"], [fin])]
+    return [_nan_extreme(c, "max", f"kz_m{i}"), _Pass([x], decl, update, [f"reduction(+: {a}s)"], fin)]
 
 
-# the row statistics each reduction and row op needs, written as passes
-_STATS: dict[Op, Callable[[_Stat], list[_Pass]]] = {
-    Op.SUM: _sum,
-    Op.MEAN: _sum,
-    Op.PROD: _sum,
-    Op.REDUCE_MAX: _extreme,
-    Op.REDUCE_MIN: _extreme,
-    Op.ARGMAX: _arg,
-    Op.ARGMIN: _arg,
-    Op.RMSNORM: _rmsnorm,
-    Op.LAYERNORM: _layernorm,
-    Op.SOFTMAX: _softmax,
-    Op.LOG_SOFTMAX: _softmax,
+# how each accumulation of the statistics table is written as passes
+_STATS: dict[Acc, Callable[[_Stat], list[_Pass]]] = {
+    Acc.SUM: _sum,
+    Acc.PROD: _sum,
+    Acc.MAX: _extreme,
+    Acc.MIN: _extreme,
+    Acc.ARGMAX: _arg,
+    Acc.ARGMIN: _arg,
+    Acc.SUMSQ: _rmsnorm,
+    Acc.MOMENTS: _layernorm,
+    Acc.MAX_THEN_SUMEXP: _softmax,
 }
 
 

@@ -44,6 +44,7 @@ from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
 from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import Dim, bind, numel
+from kernelize.ir.stats import STATS, Acc, spell, spell_elem
 from kernelize.runtime.backend import Backend, CompiledKernel
 
 logger = logging.getLogger(__name__)
@@ -77,41 +78,28 @@ def _acc_type(r: CudaRenderer, dtype: DType) -> str:
 
 
 @dataclass(frozen=True)
-class _Stat:
-    acc: str  # accumulator C type; {at} (sum accumulation type of the source), {st} (source C type)
-    update: str  # update expression; {acc}, {x} (source value), {j} (row index)
-    finish: str  # statements after the block reduction; {acc}, {v} (value name), {ct} (result C type), {k}
-    elem: str | None = None  # element formula of a row op; {x}, {k}, plus operand names
+class _AccSpelling:
+    decl: str  # accumulator C type; {at} (sum accumulation type of the source), {st} (source C type)
+    update: str  # update expression; {acc}, {x} (source value); ``j`` is the row index
+    fields: dict[str, str]  # the statistics' fields (:data:`kernelize.ir.stats.ACC_FIELDS`) in the state
 
 
+# one pass, one block-reduced accumulator from cuda_prelude.cuh per accumulation of kernelize.ir.stats
 _SUM, _ONE = "{acc}.add(({at}){x})", "{acc}.add({x})"
-_STATS: dict[Op, _Stat] = {
-    Op.SUM: _Stat("KzSum<{at}>", _SUM, "const {ct} {v} = kz_cvt<{ct}>({acc}.v);"),
-    Op.MEAN: _Stat("KzSum<{at}>", _SUM, "const {ct} {v} = ({ct})({acc}.v / ({at})rowlen);"),
-    Op.PROD: _Stat("KzProd<{at}>", _SUM, "const {ct} {v} = kz_cvt<{ct}>({acc}.v);"),
-    Op.REDUCE_MAX: _Stat("KzExt<{st}, true>", _ONE, "const {ct} {v} = {acc}.v;"),
-    Op.REDUCE_MIN: _Stat("KzExt<{st}, false>", _ONE, "const {ct} {v} = {acc}.v;"),
-    Op.ARGMAX: _Stat("KzArg<{st}, true>", "{acc}.add({x}, (long long)j)", "const {ct} {v} = ({ct}){acc}.i;"),
-    Op.ARGMIN: _Stat("KzArg<{st}, false>", "{acc}.add({x}, (long long)j)", "const {ct} {v} = ({ct}){acc}.i;"),
-    Op.SOFTMAX: _Stat(
-        "KzSoftmax<{st}>", _ONE, "const {ct} m{k} = {acc}.m, s{k} = {acc}.s;", "(kz_exp({x} - m{k}) / s{k})"
-    ),
-    Op.LOG_SOFTMAX: _Stat(
-        "KzSoftmax<{st}>", _ONE, "const {ct} m{k} = {acc}.m, l{k} = kz_log({acc}.s);", "(({x} - m{k}) - l{k})"
-    ),
-    Op.LAYERNORM: _Stat(
-        "KzWelford<{st}>",
-        _ONE,
-        "const {ct} mu{k} = {acc}.mean, rs{k} = kz_rsqrt({acc}.m2 / {acc}.n + {eps});",
-        "(({x} - mu{k}) * rs{k})",
-    ),
-    Op.RMSNORM: _Stat(
-        "KzSum<{st}>",
-        "{acc}.add({x} * {x})",
-        "const {ct} rs{k} = kz_rsqrt({acc}.v / ({ct})rowlen + {eps});",
-        "({x} * rs{k})",
+_ACC: dict[Acc, _AccSpelling] = {
+    Acc.SUM: _AccSpelling("KzSum<{at}>", _SUM, {"sum": "{acc}.v"}),
+    Acc.PROD: _AccSpelling("KzProd<{at}>", _SUM, {"prod": "{acc}.v"}),
+    Acc.MAX: _AccSpelling("KzExt<{st}, true>", _ONE, {"max": "{acc}.v"}),
+    Acc.MIN: _AccSpelling("KzExt<{st}, false>", _ONE, {"min": "{acc}.v"}),
+    Acc.ARGMAX: _AccSpelling("KzArg<{st}, true>", "{acc}.add({x}, (long long)j)", {"index": "{acc}.i"}),
+    Acc.ARGMIN: _AccSpelling("KzArg<{st}, false>", "{acc}.add({x}, (long long)j)", {"index": "{acc}.i"}),
+    Acc.SUMSQ: _AccSpelling("KzSum<{st}>", "{acc}.add({x} * {x})", {"sumsq": "{acc}.v"}),
+    Acc.ONLINE_SOFTMAX: _AccSpelling("KzSoftmax<{st}>", _ONE, {"max": "{acc}.m", "sumexp": "{acc}.s"}),
+    Acc.WELFORD: _AccSpelling(
+        "KzWelford<{st}>", _ONE, {"mean": "{acc}.mean", "m2": "{acc}.m2", "count": "{acc}.n"}
     ),
 }
+_FUNCS = {"exp": "kz_exp", "log": "kz_log", "rsqrt": "kz_rsqrt"}
 
 
 def _pow2(n: int) -> int:
@@ -258,12 +246,8 @@ class _Gen:
         return [*batch, m, "ik"] if n == "0" else [*batch, "ik", n]
 
     def row_elem(self, i: int, e: Compute) -> str:
-        expr = _STATS[e.op].elem.format(x=f"v{e.src[0]}", k=i)
-        if e.op in (Op.LAYERNORM, Op.RMSNORM):
-            a: NormArgs = e.arg
-            expr = f"({expr} * v{e.src[1]})" if a.has_weight else expr
-            expr = f"({expr} + v{e.src[1 + a.has_weight]})" if a.has_bias else expr
-        return expr
+        spec = STATS[e.op].on("cuda")
+        return spell_elem(e.op, spec, e.src, e.arg, _FUNCS, lambda n: f"{n}{i}", lambda j: f"v{j}")
 
     # -- kinds ----------------------------------------------------------------------------------------------
     def common(self, block: int) -> dict[str, str]:
@@ -295,19 +279,22 @@ class _Gen:
         """One statistic of a row: a block-strided loop over the row, then a block reduction."""
         r, ind, ind2 = self.r, " " * 4, " " * 6
         src_dtype = self.k.body[e.src[0]].dtype
-        spec = _STATS[e.op]
-        acc = f"acc{i}"
-        fmt = {
-            "acc": acc,
-            "x": f"v{e.src[0]}",
-            "k": i,
-            "v": f"v{i}",
-            "ct": r.ctype(e.dtype),
-            "at": _acc_type(r, src_dtype),
-            "eps": r.literal(e.arg.eps, e.dtype) if e.op in (Op.LAYERNORM, Op.RMSNORM) else "",
-            "j": "j",
-        }
-        acc_t = spec.acc.format(at=fmt["at"], st=r.ctype(src_dtype))
+        spec = STATS[e.op].on("cuda")
+        assert spec.passes == 1, f"cuda backend: {spec.acc} takes {spec.passes} passes"
+        acc, ct, at = f"acc{i}", r.ctype(e.dtype), _acc_type(r, src_dtype)
+        sp = _ACC[spec.acc]
+        names = {**_FUNCS, **{f: v.format(acc=acc) for f, v in sp.fields.items()}, "n": f"({at})rowlen"}
+        if isinstance(e.arg, NormArgs):
+            names["eps"] = r.literal(e.arg.eps, e.dtype)
+        if spec.elem is None:  # a reduction: its one value, converted from the accumulation type
+            finish = f"const {ct} v{i} = kz_cvt<{ct}>({spell(spec.finish[0][1], names)});"
+        else:
+            values = []
+            for n, f in spec.finish:
+                values.append(f"{n}{i} = {spell(f, names)}")
+                names[n] = f"{n}{i}"
+            finish = f"const {ct} " + ", ".join(values) + ";"
+        acc_t = sp.decl.format(at=at, st=r.ctype(src_dtype))
         return fill(
             load_template("cuda_row_pass.cu"),
             PASS=str(i),
@@ -315,8 +302,8 @@ class _Gen:
             ACC_DECL=f"{acc_t} {acc} = {acc_t}::init();",
             INNER_INDEX=inner_index,
             BODY="\n".join(ind2 + self.value(j, idx) for j in closure(self.k, [e.src[0]], inv)),
-            UPDATE=f"{ind2}{acc} = " + spec.update.format(**fmt) + ";",
-            FINISH=f"{ind}{acc} = kz_block_reduce({acc});\n{ind}" + spec.finish.format(**fmt),
+            UPDATE=f"{ind2}{acc} = " + sp.update.format(acc=acc, x=f"v{e.src[0]}", at=at) + ";",
+            FINISH=f"{ind}{acc} = kz_block_reduce({acc});\n{ind}{finish}",
         ).rstrip("\n")
 
     def row(self) -> tuple[str, int]:

@@ -7,7 +7,9 @@ Two forms, chosen from the row size:
 * **loop** (longer or symbolic rows): each statistic gets one pass over the row in ``BLOCK`` steps,
   accumulating per lane in f32 and reducing the lanes at the end (two-level sums); softmax keeps an online
   (max, sum) pair per lane; layernorm takes a mean pass then a centred variance pass. A last pass computes
-  and stores the full-row values. Loads are recomputed in each pass instead of staged.
+  and stores the full-row values. Loads are recomputed in each pass instead of staged. What each op
+  accumulates, its per-row values and element formula come from :data:`kernelize.ir.stats.STATS`; this
+  form spells each accumulation as lane-wise passes (:data:`_LOOP`).
 
 Example (rmsnorm over a symbolic row, loop form, abridged)::
 
@@ -21,6 +23,8 @@ Example (rmsnorm over a symbolic row, loop form, abridged)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kernelize.autokernel.kernels import Compute, Kernel, Load, row_invariant
@@ -29,6 +33,7 @@ from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import Sym, numel
+from kernelize.ir.stats import STATS, Acc, StatSpec, spell, spell_elem
 
 if TYPE_CHECKING:
     from kernelize.codegen.triton import KernelSource
@@ -63,46 +68,118 @@ def row_block(kernel: Kernel, size: int) -> int:
     return max(1, next_power_of_2(size))
 
 
-def _online_softmax(acc: str, v: str, x: str) -> tuple[list[str], list[str], list[str]]:
-    """Per lane a running max and a sum of exponentials rescaled to it; then both over the lanes."""
-    init = [
-        f'    {acc}_m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)',
-        f"    {acc}_s = tl.zeros([BLOCK], dtype=tl.float32)",
-    ]
-    step = [
-        f'        xm = tl.where(mask, {x}, float("-inf"))',
-        f"        new_m = tl.maximum({acc}_m, xm)",
-        '        safe = tl.where(new_m == float("-inf"), 0.0, new_m)',
-        f"        {acc}_s = {acc}_s * tl.exp({acc}_m - safe) + tl.exp(xm - safe)",
-        f"        {acc}_m = new_m",
-    ]
-    fin = [
-        f"    {v}_m = tl.max({acc}_m, axis=0)",
-        f"    {v}_s = tl.sum({acc}_s * tl.exp({acc}_m - {v}_m), axis=0)",
-    ]
-    return init, step, fin
+@dataclass(frozen=True)
+class _LoopPass:
+    """One pass of an accumulation in the loop form: a per-lane state (``init``, ``step`` per block of the
+    row), then lines reducing the lanes (``pre``) and each field's expression (:data:`ACC_FIELDS`).
+
+    Holes: ``{acc}`` state, ``{v}`` value name, ``{x}`` element, ``{t}`` / ``{z}`` / ``{one}`` / ``{lo}`` /
+    ``{hi}`` the element's type, zero, one, lowest and highest value, ``{R}`` row length, ``{mean}`` the
+    finished mean (a centred pass reads it)."""
+
+    init: tuple[str, ...]
+    step: tuple[str, ...]
+    fields: dict[str, str]
+    pre: tuple[str, ...] = ()
 
 
-def _arg_extreme(
-    is_max: bool, acc: str, v: str, x: str, lit: str, tl_dt: str
-) -> tuple[list[str], list[str], list[str]]:
+def _arg(better: str, pick: str, lit: str) -> tuple[_LoopPass]:
     """argmax / argmin: best value and first index per lane, then the first lane index of the best."""
-    better, pick = (">", "max") if is_max else ("<", "min")
-    init = [
-        f"    {acc}_v = tl.full([BLOCK], {lit}, dtype={tl_dt})",
-        f"    {acc}_i = tl.zeros([BLOCK], dtype=tl.int64)",
-    ]
-    step = [
-        f"        xm = tl.where(mask, {x}, {lit})",
-        f"        upd = xm {better} {acc}_v",
-        f"        {acc}_i = tl.where(upd, cols.to(tl.int64), {acc}_i)",
-        f"        {acc}_v = tl.where(upd, xm, {acc}_v)",
-    ]
-    fin = [
-        f"    {v}_best = tl.{pick}({acc}_v, axis=0)",
-        f"    {v} = tl.min(tl.where({acc}_v == {v}_best, {acc}_i, {2**62}), axis=0)",
-    ]
-    return init, step, fin
+    return (
+        _LoopPass(
+            (
+                f"{{acc}}_v = tl.full([BLOCK], {lit}, dtype={{t}})",
+                "{acc}_i = tl.zeros([BLOCK], dtype=tl.int64)",
+            ),
+            (
+                f"xm = tl.where(mask, {{x}}, {lit})",
+                f"upd = xm {better} {{acc}}_v",
+                "{acc}_i = tl.where(upd, cols.to(tl.int64), {acc}_i)",
+                "{acc}_v = tl.where(upd, xm, {acc}_v)",
+            ),
+            {"index": f"tl.min(tl.where({{acc}}_v == {{v}}_best, {{acc}}_i, {2**62}), axis=0)"},
+            (f"{{v}}_best = tl.{pick}({{acc}}_v, axis=0)",),
+        ),
+    )
+
+
+_F32_ZEROS = "{acc} = tl.zeros([BLOCK], dtype=tl.float32)"
+_LANE_SUM = "tl.sum({acc}, axis=0)"
+# each accumulation of kernelize.ir.stats, spelled as lane-wise passes
+_LOOP: dict[Acc, tuple[_LoopPass, ...]] = {
+    Acc.SUM: (
+        _LoopPass(
+            ("{acc} = tl.zeros([BLOCK], dtype={t})",),
+            ("{acc} += tl.where(mask, {x}, {z})",),
+            {"sum": _LANE_SUM},
+        ),
+    ),
+    Acc.PROD: (
+        _LoopPass(
+            ("{acc} = tl.full([BLOCK], 1, dtype={t})",),
+            ("{acc} *= tl.where(mask, {x}, {one})",),
+            {"prod": "tl.reduce({acc}, 0, kz_mul)"},
+        ),
+    ),
+    Acc.MAX: (
+        _LoopPass(
+            ("{acc} = tl.full([BLOCK], {lo}, dtype={t})",),
+            ("{acc} = tl.maximum({acc}, tl.where(mask, {x}, {lo}))",),
+            {"max": "tl.max({acc}, axis=0)"},
+        ),
+    ),
+    Acc.MIN: (
+        _LoopPass(
+            ("{acc} = tl.full([BLOCK], {hi}, dtype={t})",),
+            ("{acc} = tl.minimum({acc}, tl.where(mask, {x}, {hi}))",),
+            {"min": "tl.min({acc}, axis=0)"},
+        ),
+    ),
+    Acc.ARGMAX: _arg(">", "max", "{lo}"),
+    Acc.ARGMIN: _arg("<", "min", "{hi}"),
+    Acc.SUMSQ: (
+        _LoopPass((_F32_ZEROS,), ("{acc} += tl.where(mask, {x} * {x}, 0.0)",), {"sumsq": _LANE_SUM}),
+    ),
+    # per lane a running max and a sum of exponentials rescaled to it; then both over the lanes
+    Acc.ONLINE_SOFTMAX: (
+        _LoopPass(
+            (
+                '{acc}_m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)',
+                "{acc}_s = tl.zeros([BLOCK], dtype=tl.float32)",
+            ),
+            (
+                'xm = tl.where(mask, {x}, float("-inf"))',
+                "new_m = tl.maximum({acc}_m, xm)",
+                'safe = tl.where(new_m == float("-inf"), 0.0, new_m)',
+                "{acc}_s = {acc}_s * tl.exp({acc}_m - safe) + tl.exp(xm - safe)",
+                "{acc}_m = new_m",
+            ),
+            {"max": "{acc}_max", "sumexp": "tl.sum({acc}_s * tl.exp({acc}_m - {acc}_max), axis=0)"},
+            ("{acc}_max = tl.max({acc}_m, axis=0)",),
+        ),
+    ),
+    Acc.CENTRED: (
+        _LoopPass(
+            (_F32_ZEROS,),
+            ("{acc} += tl.where(mask, {x}, 0.0)",),
+            {"mean": _LANE_SUM + " / {R}", "count": "{R}"},
+        ),
+        _LoopPass(
+            (_F32_ZEROS,), ("d = tl.where(mask, {x} - {mean}, 0.0)", "{acc} += d * d"), {"m2": _LANE_SUM}
+        ),
+    ),
+}
+# the one-block form: each one-pass accumulation as a reduction of the row held in registers (same holes)
+_BLOCK: dict[Acc, dict[str, str]] = {
+    Acc.SUM: {"sum": "tl.sum(tl.where(mask, {x}, {z}), axis=0)"},
+    Acc.PROD: {"prod": "tl.reduce(tl.where(mask, {x}, {one}), 0, kz_mul)"},
+    Acc.MAX: {"max": "tl.max(tl.where(mask, {x}, {lo}), axis=0)"},
+    Acc.MIN: {"min": "tl.min(tl.where(mask, {x}, {hi}), axis=0)"},
+    Acc.ARGMAX: {"index": "tl.argmax(tl.where(mask, {x}, {lo}), axis=0).to(tl.int64)"},
+    Acc.ARGMIN: {"index": "tl.argmin(tl.where(mask, {x}, {hi}), axis=0).to(tl.int64)"},
+    Acc.SUMSQ: {"sumsq": "tl.sum(tl.where(mask, {x} * {x}, 0.0), axis=0)"},
+}
+_FUNCS = {"exp": "tl.exp", "log": "tl.log", "rsqrt": "tl.rsqrt"}
 
 
 def _lowest(r, dtype: DType) -> str:
@@ -143,9 +220,8 @@ class RowRenderer:
         for i, e in enumerate(self.k.body):
             if isinstance(e, Load):
                 lines.append(self.s.load(i, e, self.ctx, "mask"))
-            elif e.op in REDUCE:
-                x = self._full(e.src[0])
-                lines += self._reduce_block(i, e, x)
+            elif e.op in REDUCE | ROW and STATS[e.op].on("triton").acc in _BLOCK:
+                lines += self._stat_block(i, e)
             elif e.op in ROW:
                 lines += self._row_op_block(i, e)
             elif e.op is Op.MATMUL:
@@ -159,26 +235,15 @@ class RowRenderer:
     def _full(self, i: int) -> str:
         return f"v{i}" if not self.inv[i] else f"tl.broadcast_to(v{i}, [BLOCK])"
 
-    def _reduce_block(self, i: int, e: Compute, x: str) -> list[str]:
-        src_dt = self._dtype(e.src[0])
-        z = self.r.literal(0, src_dt)
-        one = self.r.literal(1, src_dt)
-        op = e.op
-        if op in (Op.SUM, Op.MEAN):
-            expr = f"tl.sum(tl.where(mask, {x}, {z}), axis=0)"
-            if op is Op.MEAN:
-                expr = f"{expr} / {self.R}"
-        elif op is Op.REDUCE_MAX:
-            expr = f"tl.max(tl.where(mask, {x}, {_lowest(self.r, src_dt)}), axis=0)"
-        elif op is Op.REDUCE_MIN:
-            expr = f"tl.min(tl.where(mask, {x}, {_highest(self.r, src_dt)}), axis=0)"
-        elif op is Op.PROD:
-            expr = f"tl.reduce(tl.where(mask, {x}, {one}), 0, kz_mul)"
-        elif op is Op.ARGMAX:
-            expr = f"tl.argmax(tl.where(mask, {x}, {_lowest(self.r, src_dt)}), axis=0).to(tl.int64)"
-        else:
-            expr = f"tl.argmin(tl.where(mask, {x}, {_highest(self.r, src_dt)}), axis=0).to(tl.int64)"
-        return [f"    v{i} = {expr}"]
+    def _stat_block(self, i: int, e: Compute) -> list[str]:
+        """Statistic ``i`` of a row held in registers: its fields, per-row values and element formula."""
+        spec = STATS[e.op].on("triton")
+        holes, names = self._holes(i, e)
+        names |= {f: v.format(**holes) for f, v in _BLOCK[spec.acc].items()}
+        lines = self._finish(i, spec, spec.finish, names)
+        if spec.elem is not None:
+            lines.append(f"    v{i} = {self._row_op_value(i, e, self._full)}")
+        return lines
 
     def _row_op_block(self, i: int, e: Compute) -> list[str]:
         x = self._full(e.src[0])
@@ -193,11 +258,6 @@ class RowRenderer:
                 return [*lines, f"    {v} = {v}_e / {v}_s"]
             return [*lines, f"    {v} = {x} - {v}_m - tl.log({v}_s)"]
         a: NormArgs = e.arg
-        if e.op is Op.RMSNORM:
-            return [
-                f"    {v}_r = tl.rsqrt(tl.sum(tl.where(mask, {x} * {x}, 0.0), axis=0) / {R} + {a.eps!r})",
-                f"    {v} = {x} * {v}_r" + self._affine(e),
-            ]
         return [
             f"    {v}_mean = tl.sum(tl.where(mask, {x}, 0.0), axis=0) / {R}",
             f"    {v}_d = tl.where(mask, {x} - {v}_mean, 0.0)",
@@ -222,9 +282,7 @@ class RowRenderer:
         for s in stats:
             lines += self._scalars(range(s), done)
             e = k.body[s]
-            passes = [("mean", e.src[0]), ("var", e.src[0])] if e.op is Op.LAYERNORM else [(None, e.src[0])]
-            for stage, x in passes:
-                lines += self._pass(s, e, stage, x)
+            lines += self._stat(s, e)
             done.add(s)
         lines += self._scalars(range(len(k.body)), done)
         full_stores = [st for st in k.stores if self.s.vec[st.value]]
@@ -274,57 +332,60 @@ class RowRenderer:
             self.s.vec[i] = True
         return lines
 
-    def _row_op_value(self, i: int, e: Compute) -> str:
-        x, v = f"v{e.src[0]}", f"v{i}"
-        if e.op is Op.SOFTMAX:
-            return f"tl.exp({x} - {v}_m) / {v}_s"
-        if e.op is Op.LOG_SOFTMAX:
-            return f"{x} - {v}_m - tl.log({v}_s)"
-        if e.op is Op.RMSNORM:
-            return f"{x} * {v}_r" + self._affine(e)
-        return f"({x} - {v}_mean) * {v}_r" + self._affine(e)
+    def _row_op_value(self, i: int, e: Compute, full: Callable[[int], str] | None = None) -> str:
+        """Row op ``i``'s element value; ``full`` spells its element operand (the others are ``v<j>``)."""
+        spec = STATS[e.op].on("triton")
+        x = e.src[0]
 
-    def _pass(self, s: int, e: Compute, stage: str | None, xi: int) -> list[str]:
-        """One loop over the row accumulating statistic ``s`` per lane, then the lane reduction."""
-        v, R, acc = f"v{s}", self.R, f"acc{s}"
+        def value(j: int) -> str:
+            return full(j) if full is not None and j == x else f"v{j}"
+
+        return spell_elem(e.op, spec, e.src, e.arg, _FUNCS, lambda n: f"v{i}_{n}", value)
+
+    def _holes(self, s: int, e: Compute) -> tuple[dict[str, str], dict[str, str]]:
+        """The holes of statistic ``s``'s accumulation spellings and the names of its formulas."""
+        xi = e.src[0]
         dt = compute_dtype(self._dtype(xi))
-        tl_dt = self.r.ctype(dt)
-        x = f"v{xi}" if not self.inv[xi] else f"tl.broadcast_to(v{xi}, [BLOCK])"
-        z = self.r.literal(0, dt)
-        init: list[str]
-        step: list[str]
-        fin: list[str]
-        op = e.op
-        if op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
-            init, step, fin = _online_softmax(acc, v, x)
-        elif op is Op.RMSNORM:
-            init = [f"    {acc} = tl.zeros([BLOCK], dtype=tl.float32)"]
-            step = [f"        {acc} += tl.where(mask, {x} * {x}, 0.0)"]
-            fin = [f"    {v}_r = tl.rsqrt(tl.sum({acc}, axis=0) / {R} + {e.arg.eps!r})"]
-        elif op is Op.LAYERNORM and stage == "mean":
-            init = [f"    {acc} = tl.zeros([BLOCK], dtype=tl.float32)"]
-            step = [f"        {acc} += tl.where(mask, {x}, 0.0)"]
-            fin = [f"    {v}_mean = tl.sum({acc}, axis=0) / {R}"]
-        elif op is Op.LAYERNORM:
-            init = [f"    {acc} = tl.zeros([BLOCK], dtype=tl.float32)"]
-            step = [f"        d = tl.where(mask, {x} - {v}_mean, 0.0)", f"        {acc} += d * d"]
-            fin = [f"    {v}_r = tl.rsqrt(tl.sum({acc}, axis=0) / {R} + {e.arg.eps!r})"]
-        elif op in (Op.SUM, Op.MEAN):
-            init = [f"    {acc} = tl.zeros([BLOCK], dtype={tl_dt})"]
-            step = [f"        {acc} += tl.where(mask, {x}, {z})"]
-            fin = [f"    {v} = tl.sum({acc}, axis=0)" + (f" / {R}" if op is Op.MEAN else "")]
-        elif op in (Op.REDUCE_MAX, Op.REDUCE_MIN):
-            big = op is Op.REDUCE_MAX
-            fn, lit = ("maximum", _lowest(self.r, dt)) if big else ("minimum", _highest(self.r, dt))
-            init = [f"    {acc} = tl.full([BLOCK], {lit}, dtype={tl_dt})"]
-            step = [f"        {acc} = tl.{fn}({acc}, tl.where(mask, {x}, {lit}))"]
-            fin = [f"    {v} = tl.{fn[:3]}({acc}, axis=0)"]
-        elif op is Op.PROD:
-            init = [f"    {acc} = tl.full([BLOCK], 1, dtype={tl_dt})"]
-            step = [f"        {acc} *= tl.where(mask, {x}, {self.r.literal(1, dt)})"]
-            fin = [f"    {v} = tl.reduce({acc}, 0, kz_mul)"]
-        else:
-            lit = _lowest(self.r, dt) if op is Op.ARGMAX else _highest(self.r, dt)
-            init, step, fin = _arg_extreme(op is Op.ARGMAX, acc, v, x, lit, tl_dt)
+        holes = {
+            "acc": f"acc{s}",
+            "v": f"v{s}",
+            "x": self._full(xi),
+            "t": self.r.ctype(dt),
+            "z": self.r.literal(0, dt),
+            "one": self.r.literal(1, dt),
+            "lo": _lowest(self.r, dt),
+            "hi": _highest(self.r, dt),
+            "R": self.R,
+        }
+        names = {**_FUNCS, "n": self.R}
+        if isinstance(e.arg, NormArgs):
+            names["eps"] = repr(e.arg.eps)
+        return holes, names
+
+    def _finish(
+        self, s: int, spec: StatSpec, finish: list[tuple[str, str]], names: dict[str, str]
+    ) -> list[str]:
+        """The lines computing ``finish`` values of statistic ``s`` (a reduction's is ``v<s>`` itself)."""
+        lines = []
+        for n, formula in finish:
+            target = f"v{s}" if spec.elem is None else f"v{s}_{n}"
+            lines.append(f"    {target} = {spell(formula, names)}")
+            names[n] = target
+        return lines
+
+    def _stat(self, s: int, e: Compute) -> list[str]:
+        """The passes over the row computing statistic ``s``: per pass a loop accumulating per lane, the
+        lane reduction, and the per-row values whose fields are then known."""
+        spec, xi = STATS[e.op].on("triton"), e.src[0]
+        holes, names = self._holes(s, e)
+        lines: list[str] = []
         need = closure(self.k, [xi], self.inv)
-        return [*init, *self._loop_head(), *self._loop_entries(need), *step, *fin]
+        for p, finish in zip(_LOOP[spec.acc], spec.finish_by_pass()):
+            holes["mean"] = names.get("mean", "")
+            lines += ["    " + line.format(**holes) for line in p.init]
+            lines += [*self._loop_head(), *self._loop_entries(need)]
+            lines += ["        " + line.format(**holes) for line in p.step]
+            lines += ["    " + line.format(**holes) for line in p.pre]
+            names |= {f: v.format(**holes) for f, v in p.fields.items()}
+            lines += self._finish(s, spec, finish, names)
+        return lines

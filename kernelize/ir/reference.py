@@ -18,6 +18,7 @@ from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.ops import ConvArgs, NormArgs, PoolArgs
 from kernelize.ir.shapes import ShapeError, bind, shape_str, unify
+from kernelize.ir.stats import NO_IDENTITY, STATS, elem_operands
 
 
 def bind_inputs(graph: Graph, inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -128,7 +129,7 @@ def _pool(n: Node, xs, env) -> torch.Tensor:
 def _reduce(fn: Callable) -> Callable:
     def run(n: Node, xs, env):
         x = xs[0]
-        if 0 in x.shape and n.op in (Op.REDUCE_MAX, Op.REDUCE_MIN, Op.ARGMAX, Op.ARGMIN):
+        if 0 in x.shape and STATS[n.op].acc in NO_IDENTITY:
             raise ValueError(f"{n.op} of an empty tensor {tuple(x.shape)} has no identity")
         return fn(_f(x, n.src[0].dtype) if n.src[0].dtype.is_float else x, n.arg)
 
@@ -145,19 +146,23 @@ def _prod(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
     return out.reshape([1 if i in axes else s for i, s in enumerate(x.shape)])
 
 
+def _norm_operands(n: Node, xs) -> dict[str, torch.Tensor]:
+    """A norm's element ``x``, weight ``w`` and bias ``b`` (those it has), upcast for math."""
+    return {k: _f(xs[i], n.dtype) for k, i in elem_operands(tuple(range(len(xs))), n.arg).items()}
+
+
+# the math is torch's own, not the backends' formulas from kernelize.ir.stats: the oracle stays independent
 def _layernorm(n: Node, xs, env) -> torch.Tensor:
     a: NormArgs = n.arg
-    x = _f(xs[0], n.dtype)
-    w = _f(xs[1], n.dtype) if a.has_weight else None
-    b = _f(xs[1 + a.has_weight], n.dtype) if a.has_bias else None
-    return F.layer_norm(x, x.shape[-1:], w, b, a.eps)
+    t = _norm_operands(n, xs)
+    return F.layer_norm(t["x"], t["x"].shape[-1:], t.get("w"), t.get("b"), a.eps)
 
 
 def _rmsnorm(n: Node, xs, env) -> torch.Tensor:
     a: NormArgs = n.arg
-    x = _f(xs[0], n.dtype)
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + a.eps)
-    return y * _f(xs[1], n.dtype) if a.has_weight else y
+    t = _norm_operands(n, xs)
+    y = t["x"] * torch.rsqrt(t["x"].pow(2).mean(-1, keepdim=True) + a.eps)
+    return y * t["w"] if "w" in t else y
 
 
 def _round(x: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,11 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kernelize.ir.graph import BINARY, REDUCE, UNARY, Constant, DTypeError, Graph, Node, Op
+from kernelize.ir.graph import BINARY, UNARY, Constant, DTypeError, Graph, Node, Op
 from kernelize.ir.ops import AttentionArgs, ClampArgs, ConvArgs, NormArgs, PadArgs, PoolArgs
 from kernelize.ir.printer import format_node
 from kernelize.ir.shapes import ShapeError, Sym, shape_str, symbols
+from kernelize.ir.stats import STATS
 
 # how many problems one VerifyError lists before it stops
 MAX_PROBLEMS = 20
@@ -329,13 +330,10 @@ _RULES: dict[Op, Callable[[Graph, list[Node], Node], Any]] = {
     Op.CONV: _conv,
     Op.POOL: _pool,
     Op.WHERE: _where,
-    Op.SOFTMAX: _row,
-    Op.LOG_SOFTMAX: _row,
-    Op.LAYERNORM: _row,
-    Op.RMSNORM: _row,
     **dict.fromkeys(UNARY, _unary),
     **dict.fromkeys(BINARY, _binary),
-    **dict.fromkeys(REDUCE, _reduce),
+    # the row-statistic ops: reductions and row ops (those with an element formula)
+    **{op: _reduce if spec.elem is None else _row for op, spec in STATS.items()},
 }
 
 __all__ = ["VerifyError", "verify"]
