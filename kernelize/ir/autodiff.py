@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kernelize.ir.dtypes import compute_dtype
-from kernelize.ir.graph import LAYOUT, ROW, Graph, Node, Op
+from kernelize.ir.graph import LAYOUT, ROW, Graph, Node, Op, reach
 from kernelize.ir.shapes import Sym, numel, symbols
 
 __all__ = ["VJP", "JointGraph", "NotDifferentiable", "Split", "split", "vjp", "worth_saving"]
@@ -571,18 +571,9 @@ def _binding(
 
 
 def _cone(outs: Sequence[Node], stop: set[Node] | None = None) -> set[Node]:
-    """Every node `outs` depend on (not looking past `stop`), walked with an explicit stack."""
+    """Every node `outs` depend on (not looking past `stop`)."""
     stop = stop or set()
-    seen: set[Node] = set()
-    stack = list(outs)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n not in stop:
-            stack.extend(n.src)
-    return seen
+    return reach(outs, lambda n: n not in stop)
 
 
 def _extract(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -591,6 +591,27 @@ def _input_dim(name: str, axis: int, d: object) -> Dim:
     raise ShapeError(f"input {name!r}: dim {axis} is {d!r}; a dim is an integer >= 0, a Sym or a name (str)")
 
 
+def reach(nodes: Iterable[Node], follow: Callable[[Node], bool]) -> set[Node]:
+    """``nodes`` and every node reached from them through the sources of nodes for which ``follow`` holds
+    (an explicit stack: deep graphs do not hit the recursion limit).
+
+    Example:
+        >>> g = Graph(); x = g.input("x", (4,), "f32"); y = g.exp(g.neg(x))
+        >>> len(reach([y], lambda n: True)), len(reach([y], lambda n: False))
+        (3, 1)
+    """
+    seen: set[Node] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if follow(n):
+            stack.extend(n.src)
+    return seen
+
+
 def fits_exactly(value: Scalar, dtype: DType) -> bool:
     """Whether ``dtype`` holds the f32 value of python scalar ``value`` exactly (NaN counts as held)."""
     if isinstance(value, float) and math.isnan(value):
@@ -662,5 +683,6 @@ __all__ = [
     "Sym",
     "fits_exactly",
     "promote",
+    "reach",
     "scalar_value",
 ]

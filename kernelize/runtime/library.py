@@ -17,22 +17,13 @@ from dataclasses import replace
 import torch
 
 from kernelize.autokernel.kernels import Kernel, KernelKind
-from kernelize.ir.graph import LAYOUT, Node, Op
+from kernelize.ir.graph import LAYOUT, Node, Op, reach
 from kernelize.ir.reference import EVAL
 
 
 def view_bases(nodes: Sequence[Node]) -> set[Node]:
     """`nodes` and every node they view through layout ops (what materialising them reads)."""
-    seen: set[Node] = set()
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op in LAYOUT:
-            stack.extend(n.src)
-    return seen
+    return reach(nodes, lambda n: n.op in LAYOUT)
 
 
 def materialize(node: Node, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:

@@ -550,7 +550,7 @@ def test_thread_count_follows_torch():
     g.output(g.exp(x))
     k = kernel_of(g)
     src, _ = render(k)
-    assert "kz_team(kz_nthreads, kz_t0)" in src and "num_threads(kz_team_n)" in src
+    assert "KZ_TEAM_OPEN(kz_nthreads, " in src and "num_threads(kz_team_n)" in src
     old = torch.get_num_threads()
     try:
         for n in (1, 2):

@@ -37,6 +37,13 @@ KZ_INLINE int kz_team(int nthreads, int64_t t0) {
 KZ_INLINE void kz_team_done(int team, int64_t lag) {
     if (team > 1 && lag > KZ_LATE_NS) __atomic_store_n(kz_team_deadline, kz_now_ns() + KZ_SOLO_NS, __ATOMIC_RELAXED);
 }
+// what a kernel's one parallel loop does around its region: a start time, the team (one thread when the
+// work is small or a recent region's workers started late), and the latest start seen inside the region
+#define KZ_TEAM_OPEN(nthreads, big)                                            \
+    const int64_t kz_t0 = kz_now_ns();                                         \
+    const int kz_team_n = (big) ? kz_team((nthreads), kz_t0) : 1;              \
+    int64_t kz_lag = 0;
+#define KZ_TEAM_STARTED() kz_lag = kz_now_ns() - kz_t0
 // the team a region would get now, and a region's bookkeeping as the kernels do it (for tests and tools)
 extern "C" int kz_team_size(int nthreads) { return kz_team(nthreads, kz_now_ns()); }
 extern "C" void kz_team_report(int team, int64_t lag) { kz_team_done(team, lag); }
