@@ -85,10 +85,13 @@ def mlp_math(x, residual, gate_up, down, *, act):
 # ---- when the block runs ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Block:
-    """What one decoder layer's block reads: the norms' math names, the MLP's activation and layout."""
+    """What one decoder layer's block reads, worked out once: the kernel parameters of the pre-attention
+    graph (norm math, eps, head counts, rotary style), the post-attention norm and eps, the MLP's activation
+    and layout."""
 
-    norm_in: str
+    pre: dict[str, Any]
     norm_post: str
+    eps_post: float
     act: str
     fused_gate_up: bool  # Phi-3's gate_up_proj (else gate_proj and up_proj, merged on first use)
 
@@ -118,7 +121,17 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     norm_in = by_forward.get(_installed(layer.input_layernorm))
     if norm_in is None:
         return "input_layernorm does not run an RMSNorm kernel layer"
-    return Block(norm_in, layer.kernelize_norm_style, act, fused)
+    attn, cfg = layer.self_attn, layer.self_attn.config
+    pre = dict(
+        eps=norms.eps_of(layer.input_layernorm),
+        norm=norm_in,
+        heads=cfg.num_attention_heads,
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=attn.head_dim,
+        neox=bool(getattr(attn, "is_neox_style", True)),
+    )
+    post = layer.post_attention_layernorm
+    return Block(pre, layer.kernelize_norm_style, norms.eps_of(post), act, fused)
 
 
 def block_of(layer: nn.Module, x: torch.Tensor, attention_layer: type) -> Block | None:
@@ -183,40 +196,23 @@ def run_block(
 ) -> torch.Tensor:
     """The decoder layer's output for `x`; `attend(q, k, v) -> (batch, seq, heads * head_dim)` updates the
     cache and runs attention, `qkv_params(attn) -> (weight, bias | None)` gives the merged q|k|v."""
-    norms, _, _ = _hubs()
-    attn, mlp = layer.self_attn, layer.mlp
-    cfg = attn.config
+    attn, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     cos, sin = position_embeddings
     weight, bias = qkv_params(attn)
-    shape = dict(
-        eps=norms.eps_of(layer.input_layernorm),
-        norm=block.norm_in,
-        heads=cfg.num_attention_heads,
-        kv_heads=cfg.num_key_value_heads,
-        head_dim=attn.head_dim,
-        neox=bool(getattr(attn, "is_neox_style", True)),
+    pre_fn, pre_w = (pre_attention_math, []) if bias is None else (pre_attention_bias_math, [bias])
+    q, k, v = hub.run(
+        attn, pre_fn, [x, cos, sin], [layer.input_layernorm.weight, weight, *pre_w], **block.pre
     )
-    norm_w = layer.input_layernorm.weight
-    if bias is None:
-        q, k, v = hub.run(attn, pre_attention_math, [x, cos, sin], [norm_w, weight], **shape)
-    else:
-        q, k, v = hub.run(attn, pre_attention_bias_math, [x, cos, sin], [norm_w, weight, bias], **shape)
     out = attend(q, k, v)
-    post = layer.post_attention_layernorm
-    eps, o = norms.eps_of(post), attn.o_proj
-    if o.bias is None:
-        h, residual = hub.run(
-            layer, post_attention_math, [out, x], [o.weight, post.weight], eps=eps, norm=block.norm_post
-        )
-    else:
-        h, residual = hub.run(
-            layer,
-            post_attention_bias_math,
-            [out, x],
-            [o.weight, o.bias, post.weight],
-            eps=eps,
-            norm=block.norm_post,
-        )
+    o = attn.o_proj
+    post_fn, o_w = (
+        (post_attention_math, [o.weight])
+        if o.bias is None
+        else (post_attention_bias_math, [o.weight, o.bias])
+    )
+    h, residual = hub.run(
+        layer, post_fn, [out, x], [*o_w, post.weight], eps=block.eps_post, norm=block.norm_post
+    )
     return hub.run(mlp, mlp_math, [h, residual], [_gate_up(mlp, block), mlp.down_proj.weight], act=block.act)
 
 
