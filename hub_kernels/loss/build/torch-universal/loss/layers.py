@@ -1,11 +1,12 @@
 """Fused linear + cross-entropy: ``cross_entropy(hidden @ weight.T + bias, labels)`` in row chunks.
 
 The full ``[tokens, vocab]`` logits matrix is never materialised: rows go through in chunks whose logits
-are about as large as the hidden states; for each chunk one pass computes the loss rows and, while the
-chunk's logits are still in memory, the gradients for the hidden states and the LM-head weight (the
-softmax minus the one-hot target, turned in place into the logits' gradient). Backward then only scales
-the stored gradients by the incoming scalar, so a training step holds ``hidden + weight`` sized gradients
-and one chunk of logits instead of two ``[tokens, vocab]`` matrices.
+are about as large as the hidden states (one reused buffer); for each chunk a generated row kernel
+(:func:`chunk_grad_math`) turns the logits into the softmax part of their gradient plus each row's
+log-sum-exp and mean, the one-hot part is scattered in, and the chunk's two matmuls give the gradients for
+the hidden states and the LM-head weight. Backward returns the stored gradients (scaled when the upstream
+gradient is not 1), so a training step holds ``hidden + weight`` sized gradients and one chunk of logits
+instead of two ``[tokens, vocab]`` matrices.
 
 Formula per row ``i`` with logits ``z``, ``p = softmax(z)``, label ``y``, smoothing ``e``, vocab ``V``:
 ``loss_i = lse(z) - (1 - e) z_y - e mean(z)``; ``dz = p - (1 - e) onehot(y) - e / V``; rows whose label is
@@ -23,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from kernelize import hub
 
 REDUCTIONS = ("mean", "sum")
 
@@ -52,6 +55,18 @@ def chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+def chunk_grad_math(z: torch.Tensor, scale: torch.Tensor, *, smoothing: float) -> tuple[torch.Tensor, ...]:
+    """Per row of logits ``z``: ``dz = (softmax(z) - smoothing / V) * scale`` in ``z``'s dtype, ``lse(z)`` and
+    ``mean(z)`` (f32). One generated row kernel: the row is read from memory once and again from cache,
+    where torch's ``logsumexp``, ``sub``, ``exp`` and ``mul`` make about six passes over the chunk."""
+    zf = z.float()
+    m = zf.amax(-1, keepdim=True)
+    e = torch.exp(zf - m)
+    s = e.sum(-1, keepdim=True)
+    dz = e * (scale / s) - scale * (smoothing / z.shape[-1])
+    return dz.to(z.dtype), m + torch.log(s), zf.mean(-1, keepdim=True)
+
+
 def _launch(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -63,46 +78,46 @@ def _launch(
     chunk: int,
     need_weight_grad: bool,
 ) -> LossAndGrads:
-    """One pass over row chunks: loss rows, then the logits' gradient in place, then its two matmuls."""
+    """One pass over row chunks: the logits (into one reused buffer), the generated row kernel for the
+    softmax part of their gradient, the one-hot part scattered in, then the two matmuls."""
     tokens, vocab = hidden.shape[0], weight.shape[0]
     valid = labels != ignore_index
     count = int(valid.sum()) if reduction == "mean" else 1
-    scale = 1.0 / max(count, 1)
+    row_scale = torch.where(valid, 1.0 / max(count, 1), 0.0).unsqueeze(1)
     grad_h = torch.empty_like(hidden)
-    grad_w = (
-        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight_grad else None
-    )
+    grad_w = None
     grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if bias is not None else None
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     keep = 1.0 - label_smoothing
+    logits = hidden.new_empty(min(chunk, tokens), vocab)
     for start in range(0, tokens, chunk):
         h = hidden[start : start + chunk]
-        y = labels[start : start + chunk]
-        ok = valid[start : start + chunk]
-        z = torch.addmm(bias, h, weight.t()) if bias is not None else h @ weight.t()
-        z = z.float()
-        safe_y = torch.where(ok, y, 0).unsqueeze(1)
-        lse = torch.logsumexp(z, dim=-1)
-        row_loss = lse - keep * z.gather(1, safe_y).squeeze(1)
-        if label_smoothing:
-            row_loss = row_loss - label_smoothing * z.mean(-1)
-        total += torch.where(ok, row_loss, 0.0).sum()
-        # z becomes dz = (softmax(z) - keep * onehot - e / V) * scale, zero on ignored rows, in place
-        z.sub_(lse.unsqueeze(1)).exp_()
-        z.scatter_add_(1, safe_y, torch.full_like(safe_y, -keep, dtype=z.dtype))
-        if label_smoothing:
-            z.sub_(label_smoothing / vocab)
-        z.mul_(torch.where(ok, scale, 0.0).unsqueeze(1))
-        dz = z.to(hidden.dtype)
+        scale = row_scale[start : start + chunk]
+        z = logits[: h.shape[0]]
+        if bias is None:
+            torch.mm(h, weight.t(), out=z)
+        else:
+            torch.addmm(bias, h, weight.t(), out=z)
+        dz, lse, mean = hub.run(None, chunk_grad_math, [z, scale], smoothing=label_smoothing)
+        safe_y = torch.where(valid[start : start + chunk], labels[start : start + chunk], 0).unsqueeze(1)
+        row_loss = lse - keep * z.gather(1, safe_y).float() - label_smoothing * mean
+        total += (row_loss * scale).sum()
+        dz.scatter_add_(1, safe_y, (-keep * scale).to(dz.dtype))
         torch.mm(dz, weight, out=grad_h[start : start + chunk])
-        if grad_w is not None:
-            if dz.dtype == torch.float32:
-                grad_w.addmm_(dz.t(), h)
-            else:  # 16-bit matmul, accumulated across chunks in f32
-                grad_w.add_(dz.t().mm(h))
+        if need_weight_grad:
+            grad_w = _accumulate(grad_w, dz.t(), h)
         if grad_b is not None:
-            grad_b += z.sum(0)
-    return LossAndGrads(total * scale, grad_h, grad_w, grad_b)
+            grad_b += dz.sum(0, dtype=torch.float32)
+    return LossAndGrads(total, grad_h, grad_w, grad_b)
+
+
+def _accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``acc + a @ b`` in f32; the first chunk's product is the accumulator (no zero-filled start)."""
+    if acc is None:
+        return (a @ b).float()
+    if a.dtype == torch.float32:
+        return acc.addmm_(a, b)
+    return acc.add_(a @ b)  # 16-bit matmul, accumulated across chunks in f32
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -131,10 +146,22 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):  # type: ignore[override]
         it = iter(ctx.saved_tensors)
         gh, gw, gb = (next(it) if has else None for has in ctx.has)
-        gh = gh * grad_loss.to(gh.dtype)
-        gw = None if gw is None else (gw * grad_loss).to(ctx.dtypes[0])
-        gb = None if gb is None else (gb * grad_loss).to(ctx.dtypes[1])
-        return gh, gw, gb, None, None, None, None, None
+        return (
+            _scaled(gh, grad_loss, gh.dtype),
+            _scaled(gw, grad_loss, ctx.dtypes[0]),
+            _scaled(gb, grad_loss, ctx.dtypes[1]),
+            *(None,) * 5,
+        )
+
+
+def _scaled(grad: torch.Tensor | None, by: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``grad * by`` in ``dtype``; the stored gradient itself when ``by`` is 1 on the CPU (the usual
+    ``loss.backward()``), which saves a pass over, and a copy of, the LM head's weight gradient."""
+    if grad is None:
+        return None
+    if by.device.type == "cpu" and by.item() == 1.0:
+        return grad.to(dtype)
+    return (grad * by).to(dtype)
 
 
 def fused_linear_cross_entropy(
