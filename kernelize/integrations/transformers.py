@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "kernelize"  # the name in transformers' AttentionInterface / AttentionMaskInterface
 _DECISION_ATTR = "_kernelize_recognition"
+_CLASS_DECISION_ATTR = "_kernelize_class_recognition"  # on a marked class: the decision for new instances
 
 
 @dataclass(frozen=True)
@@ -326,8 +327,18 @@ def _condition(module: nn.Module) -> bool:
     """Class-mark condition: the recognition kernelize_model stored on the instance decides."""
     found = module.__dict__.get(_DECISION_ATTR)
     if found is None:  # an instance kernelize_model has not seen: class-level decisions hold for it too
-        return not getattr(type(module), "_kernelize_per_instance", True)
+        found = type(module).__dict__.get(_CLASS_DECISION_ATTR)
+        if found is None or found.per_instance:
+            return False
+        _adopt(module, found)  # the layer reads the decision's attributes (e.g. the norm style)
     return found.layer_name is not None
+
+
+def _adopt(module: nn.Module, verdict: Recognition) -> None:
+    """Store the decision on the instance and set the instance attributes its hub layer reads."""
+    module.__dict__[_DECISION_ATTR] = verdict
+    for name, value in verdict.setup.items():
+        setattr(module, name, value)
 
 
 def _mark(model: nn.Module) -> dict[str, Recognition]:
@@ -343,16 +354,14 @@ def _mark(model: nn.Module) -> dict[str, Recognition]:
             if verdict is None:
                 continue
             verdicts.setdefault(cls, verdict)
-        module.__dict__[_DECISION_ATTR] = verdict
-        for name, value in verdict.setup.items():
-            setattr(module, name, value)
+        _adopt(module, verdict)
         found[path] = verdict
         layers.setdefault(cls, set()).add(verdict.layer_name)
     for cls, verdict in verdicts.items():
         names = layers[cls] - {None}
         layer = next(iter(names)) if len(names) == 1 else _UNRECOGNISED.format(kind=verdict.kind)
         replace_kernel_forward_from_hub(cls, layer, condition=_condition)
-        cls._kernelize_per_instance = verdict.per_instance
+        setattr(cls, _CLASS_DECISION_ATTR, verdict)
     return found
 
 

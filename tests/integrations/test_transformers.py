@@ -47,7 +47,7 @@ SelfMixer = type("SelfMixer", (transformers.models.llama.modeling_llama.LlamaAtt
 # the attention recogniser reads the rotary function from the module that defines the class: here
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402, F401
 
-MARK_ATTRS = ("kernel_layer_name", "kernel_condition", "_kernelize_per_instance")
+MARK_ATTRS = ("kernel_layer_name", "kernel_condition", "_kernelize_class_recognition")
 
 
 def tiny_model(family: str = "llama", config_name: str | None = None, model_name: str | None = None, **extra):
@@ -261,3 +261,18 @@ def test_structure_not_class_names_decides() -> None:
         x = torch.randn(2, 5, HIDDEN)
         with torch.no_grad():
             torch.testing.assert_close(fast(x), eager(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [kernelize.Mode.INFERENCE, kernelize.Mode.TRAINING])
+def test_a_later_instance_of_a_marked_class_gets_the_decision_and_its_attributes(mode) -> None:
+    """kernelize_model marks classes process-wide; a model of the same classes it never saw, kernelized
+    later with a plain `kernelize`, runs the same layers (the decoder layer reads its norm style)."""
+    eager = tiny_model("llama")
+    with kernelized(eager, mode=mode):
+        other = copy.deepcopy(eager)
+        with kernelize.use_kernel_mapping(kernelize.hub.default_mapping()):
+            kernelize.kernelize(other, device="cpu", mode=mode)
+        assert layers_used(other)["model.layers.0"] == "PreNormDecoderLayer"
+        ids = torch.randint(1, TINY["vocab_size"], (2, 7))
+        with torch.set_grad_enabled(mode == kernelize.Mode.TRAINING):
+            torch.testing.assert_close(other(ids).logits, eager(ids).logits, atol=1e-4, rtol=1e-4)
