@@ -8,8 +8,9 @@ Three parts, every implementation timed in interleaved repetitions (median repor
 2. The demo decoder's training step (``kernelize.models.llama_demo``; cross-entropy on its logits):
    eager, kernelized (``Mode.TRAINING``), kernelized + the fused linear cross-entropy, torch.compile.
 3. A transformers ``LlamaForCausalLM`` step with labels (vocab 32k, from a config): eager, kernelized
-   (``replace_kernel_forward_from_hub`` marks on LlamaRMSNorm / LlamaMLP), kernelized + fused loss,
-   torch.compile.
+   (``replace_kernel_forward_from_hub`` marks on LlamaRMSNorm / LlamaMLP), the one call
+   ``kernelize_model(model, mode=Mode.TRAINING)`` (norms, MLPs, decoder blocks and the fused loss, which
+   ``model(input_ids, labels=...)`` then uses), torch.compile.
 
 Peak memory of a step: each (model, variant) runs in a fresh child process (glibc's mmap threshold fixed,
 so freed large blocks leave the resident set) that does two warm-up steps, resets the kernel's
@@ -43,6 +44,7 @@ from model import marked_transformers_llama  # noqa: E402
 
 import kernelize  # noqa: E402
 from kernelize import Mode, get_kernel, hub  # noqa: E402
+from kernelize.integrations.transformers import kernelize_model  # noqa: E402
 from kernelize.models.llama_demo import LlamaDemo, LlamaDemoConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -183,10 +185,7 @@ def step_fn(case: str, variant: str, model, ids, labels):
             return F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
     else:
 
-        def loss_of():
-            if variant == "kernelized+fused loss":
-                hidden = model.model(input_ids=ids).last_hidden_state
-                return fused(hidden[:, :-1], model.lm_head.weight, labels[:, 1:])
+        def loss_of():  # with kernelize_model the fused loss is the model's own loss (see build_variant)
             return model(input_ids=ids, labels=labels).loss
 
     def step():
@@ -201,7 +200,9 @@ def step_fn(case: str, variant: str, model, ids, labels):
 def build_variant(case: str, variant: str, quick: bool):
     """(model, step) for one variant; kernelized variants go through kernelize(mode=TRAINING)."""
     model, ids, labels = (demo_case if case == "demo" else llama_case)(quick)
-    if variant.startswith("kernelized"):
+    if case == "llama" and variant == "kernelized+fused loss":
+        kernelize_model(model, mode=Mode.TRAINING)  # the one call: layers, decoder blocks and the loss
+    elif variant.startswith("kernelized"):
         with kernelize.use_kernel_mapping(hub.default_mapping()):
             if case == "llama":
                 with marked_transformers_llama():

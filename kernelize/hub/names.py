@@ -30,7 +30,11 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
     "rotary": {"RotaryEmbedding": "RotaryEmbedding", "rotary_pos_emb": "ApplyRotaryPosEmb"},
     "softmax": {"Softmax": "Softmax", "ScaledMaskedSoftmax": "ScaledMaskedSoftmax"},
     "attention": {"ScaledDotProductAttention": "ScaledDotProductAttention"},
-    "llm": {"CausalSelfAttention": "CausalSelfAttention", "PreNormDecoderLayer": "PreNormDecoderLayer"},
+    "llm": {
+        "CausalSelfAttention": "CausalSelfAttention",
+        "PreNormDecoderLayer": "PreNormDecoderLayer",
+        "CausalLMWithLoss": "CausalLMWithLoss",
+    },
     "linear": {
         "Linear": "Linear",
         "LinearReLU": "LinearReLU",

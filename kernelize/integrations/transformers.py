@@ -13,6 +13,7 @@ with transformers, switches the model to it, and calls `kernelize` with the bund
 | q/k/v/o or qkv/o linears + rotary (probed: neox or interleaved) | `CausalSelfAttention` | `kernelize/llm` |
 | norm, attn, `residual +`, norm, mlp, `residual +` (source order) | `PreNormDecoderLayer` | `kernelize/llm` |
 | the model's `lm_head`, a plain `nn.Linear` (its class becomes `LMHead`) | `Linear` | `kernelize/linear` |
+| `model` + `lm_head` + transformers' `ForCausalLMLoss` | `CausalLMWithLoss` | `kernelize/llm` |
 
 A module that looks like one of these but does not match is left eager, and `kernelize.inspect(model)`
 says why; so does a replaced attention module whose calls took the eager path (see
@@ -307,9 +308,52 @@ def _lm_head(module: nn.Module) -> Recognition | None:
     return Recognition("lm_head", "Linear", "x @ W.T (+ b): the few-row matmul kernel for up to 16 rows")
 
 
+# ---- the causal LM's loss ------------------------------------------------------------------------------
+# the forward computes the logits of the base model's hidden states and hands them to the loss function
+_CAUSAL_LM_STEPS = ("self.model(", "self.lm_head(", "self.loss_function(")
+_CAUSAL_LM_PARAMS = (
+    *("self", "input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "labels"),
+    *("use_cache", "logits_to_keep", "kwargs"),
+)
+
+
+def _causal_lm(module: nn.Module) -> Recognition | None:
+    head = getattr(module, "lm_head", None)
+    if not (isinstance(head, nn.Linear) and isinstance(getattr(module, "model", None), nn.Module)):
+        return None
+    kind = "causal_lm"
+    loss = getattr(module, "loss_function", None)
+    if getattr(loss, "__name__", None) != "ForCausalLMLoss":
+        return _eager(kind, f"the loss function is {getattr(loss, '__name__', loss)!r}, not ForCausalLMLoss")
+    try:
+        source = pyinspect.getsource(type(module).forward)
+        params = tuple(pyinspect.signature(type(module).forward).parameters)
+    except (OSError, TypeError):
+        return _eager(kind, "the forward's source is not available to check its data flow")
+    missing = [step for step in _CAUSAL_LM_STEPS if step not in source]
+    if missing:
+        return _eager(kind, f"the forward does not call {', '.join(missing)}")
+    params = tuple("cache" if p == "past_key_values" else p for p in params)  # its name before 5.24
+    if params != _CAUSAL_LM_PARAMS:
+        return _eager(kind, f"forward parameters {params} differ from a causal LM's {_CAUSAL_LM_PARAMS}")
+    for extra in ("softcap", "aux_loss"):
+        if extra in source:
+            return _eager(kind, f"the forward has `{extra}` on the logits or loss: not in the fused loss")
+    return Recognition(
+        kind, "CausalLMWithLoss", "training calls with labels: fused linear + cross-entropy, no logits"
+    )
+
+
 # ---- the table ----------------------------------------------------------------------------------------
 # Each rule: module -> Recognition (a layer, or left eager with the reason), or None (not this kind).
-RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (_norm, _mlp, _attention, _decoder, _lm_head)
+RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (
+    _norm,
+    _mlp,
+    _attention,
+    _decoder,
+    _lm_head,
+    _causal_lm,
+)
 # The class mark of a kind whose modules are left eager: a name no mapping has, so nothing replaces them.
 _UNRECOGNISED = "{kind} (not recognised by kernelize_model)"
 

@@ -276,3 +276,33 @@ def test_a_later_instance_of_a_marked_class_gets_the_decision_and_its_attributes
         ids = torch.randint(1, TINY["vocab_size"], (2, 7))
         with torch.set_grad_enabled(mode == kernelize.Mode.TRAINING):
             torch.testing.assert_close(other(ids).logits, eager(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+def test_training_with_labels_uses_the_fused_loss_without_logits(family: str) -> None:
+    eager = tiny_model(family).train()
+    ids = torch.randint(1, TINY["vocab_size"], (2, 9))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    with kernelized(eager, mode=kernelize.Mode.TRAINING) as fast:
+        assert layers_used(fast)[""] == "CausalLMWithLoss"
+        for kw in ({}, {"num_items_in_batch": torch.tensor(11)}):
+            want, got = eager(input_ids=ids, labels=labels, **kw), fast(input_ids=ids, labels=labels, **kw)
+            assert got.logits is None  # never materialised
+            torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+            eager.zero_grad(), fast.zero_grad()
+            want.loss.backward(), got.loss.backward()
+            for (name, p), q in zip(eager.named_parameters(), fast.parameters(), strict=True):
+                torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+        fast.eval()  # evaluation keeps the logits (and the loss)
+        with torch.no_grad():
+            out = fast(input_ids=ids, labels=labels)
+        assert out.logits.shape == (2, 9, TINY["vocab_size"])
+
+
+def test_a_causal_lm_with_another_loss_is_left_eager_with_the_reason() -> None:
+    eager = tiny_model("llama")
+    eager.loss_function = lambda logits, labels, **kw: logits.mean()
+    with kernelized(eager, mode=kernelize.Mode.TRAINING) as fast:
+        choice = kernelize.inspect(fast)[""]
+        assert not choice.uses_kernel and "not ForCausalLMLoss" in choice.reason, str(choice)

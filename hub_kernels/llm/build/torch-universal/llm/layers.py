@@ -30,6 +30,7 @@ from kernelize import hub
 from kernelize.integrations.hf_attention import attention_forward
 
 from .block import block_of, run_block
+from .causal_lm import CausalLMWithLoss as CausalLMWithLoss  # a layer of this repository
 
 
 @functools.cache
