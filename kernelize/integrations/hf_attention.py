@@ -105,6 +105,8 @@ def attention_forward(
         >>> from transformers import AttentionInterface  # doctest: +SKIP
         >>> AttentionInterface.register("kernelize", attention_forward)  # doctest: +SKIP
     """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return attention_with_grad(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     reason = call_fallback_reason(module, query, key, dropout, kwargs)
     if reason is None:
         sdpa, unsupported = attention_kernel()  # type: ignore[misc]
@@ -125,6 +127,42 @@ def attention_forward(
             return out.transpose(1, 2), None
     note_fallback(module, reason)
     return eager_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def attention_with_grad(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A call that needs gradients: torch's `scaled_dot_product_attention`, which has a backward (on the CPU
+    its flash kernel; the generated kernel has none), or the module's eager attention when the call needs
+    what SDPA lacks (soft-capping, sinks, the attention weights, unknown arguments)."""
+    reason = call_fallback_reason(module, query, key, 0.0, {**kwargs, "sliding_window": None})
+    if reason is not None and reason != KERNEL_UNAVAILABLE:
+        note_fallback(module, reason, "eager attention (with gradients)")
+        return eager_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    mask, causal = attention_mask, attention_mask is None and q_len > 1 and getattr(module, "is_causal", True)
+    if causal and q_len != kv_len:  # a chunk after cached keys: causal from the bottom-right corner
+        mask, causal = _bottom_right_causal(q_len, kv_len, query.device), False
+    if mask is not None and mask.dim() == 4:
+        mask = mask[..., :kv_len]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout,
+        is_causal=causal,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2), None
 
 
 def _kernel_mask(

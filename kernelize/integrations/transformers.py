@@ -427,7 +427,8 @@ def _use_attention_function(model: nn.Module, mode: Mode) -> str:
     if attention_kernel() is None:
         return f"attention implementation unchanged: {KERNEL_UNAVAILABLE}"
     if mode & (Mode.TRAINING | Mode.TORCH_COMPILE):
-        # the kernel has no backward and is not traceable: every call would take the eager path
+        # the kernel has no backward and is not traceable: the model keeps its own implementation (and
+        # masks); the attention layer's calls with gradients take torch's SDPA
         return f"attention implementation unchanged for {mode}"
     setter = getattr(model, "set_attn_implementation", None)
     if setter is None:

@@ -164,13 +164,26 @@ def test_a_mapping_without_the_attention_layer_keeps_attention_eager() -> None:
         assert kernelize.inspect(fast)["model.norm"].uses_kernel
 
 
-def test_training_mode_keeps_attention_and_the_attention_implementation() -> None:
-    eager = tiny_model("llama")
+def test_training_mode_attention_runs_torch_sdpa_with_gradients() -> None:
+    """Calls that need gradients take torch's SDPA inside the attention layer (rotary stays a generated
+    kernel with its generated backward); the model's attention implementation is left as it was."""
+    eager = tiny_model("llama").train()
+    eager.config._attn_implementation = "sdpa"
     with kernelized(eager, mode=kernelize.Mode.TRAINING) as fast:
-        choice = attention_choice(fast)
-        assert not choice.uses_kernel and choice.fallback == kernelize.FallbackReason.NO_COMPATIBLE_MODE
-        assert fast.config._attn_implementation == "eager"
-        assert kernelize.inspect(fast)["model.layers.0.mlp"].uses_kernel  # hub MLP has a backward
+        assert attention_choice(fast).uses_kernel
+        assert fast.config._attn_implementation == "sdpa"
+        ids, mask = torch.randint(1, 96, (2, 9)), torch.ones(2, 9, dtype=torch.long)
+        mask[0, :3] = 0  # a left-padded row: the model's own sdpa mask reaches the layer
+        want = eager(input_ids=ids, attention_mask=mask).logits
+        got = fast(input_ids=ids, attention_mask=mask).logits
+        real = mask.bool()
+        torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+        seed = torch.randn_like(want)
+        (want[real] * seed[real]).sum().backward()
+        (got[real] * seed[real]).sum().backward()
+        for (name, p), q in zip(eager.named_parameters(), fast.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+        assert not [n for n in attention_choice(fast).notes if n.startswith("eager attention")]
 
 
 def test_not_a_module_is_a_type_error() -> None:
