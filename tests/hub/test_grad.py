@@ -103,3 +103,27 @@ def test_cpu_backend_gradients_match_math(hub_pkg, name: str) -> None:
         torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask_kind", ["additive", "bool", None])
+def test_attention_gradients_through_torch_sdpa(hub_pkg, mask_kind) -> None:
+    """The attention kernel has no backward: calls that need gradients run torch's SDPA inside the layer,
+    whose gradients equal autograd through the layer's plain math (`attention_math`)."""
+    layers = hub_pkg["attention"]
+    module = _module(scale=0.35)
+    q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64, requires_grad=True) for n in (4, 5, 5))
+    mask = {
+        "additive": torch.zeros(4, 5, dtype=torch.float64).masked_fill(torch.ones(4, 5).triu(2).bool(), -1e9),
+        "bool": torch.ones(4, 5).tril(1).bool(),
+        None: None,
+    }[mask_kind]
+    assert torch.autograd.gradcheck(
+        lambda *a: layers.ScaledDotProductAttention.forward(module, *a, mask), (q, k, v)
+    )
+    out = layers.ScaledDotProductAttention.forward(module, q, k, v, mask)
+    want = layers.attention_math(q, k, v, mask, scale=0.35)
+    seed = torch.randn_like(out)
+    got_g, want_g = torch.autograd.grad(out, (q, k, v), seed), torch.autograd.grad(want, (q, k, v), seed)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)  # attention_math's softmax is f32
+    for g, w in zip(got_g, want_g):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)

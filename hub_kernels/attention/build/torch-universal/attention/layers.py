@@ -1,13 +1,15 @@
 """Attention layers: the math once, as plain torch; `forward` runs the fused attention kernel.
 
 The kernel is one ``ATTENTION`` op of the kernelize IR (`kernelize.attention`): q @ k^T, scale, mask,
-an online softmax and the weighted sum of values in one pass, never storing the seq x seq scores. What
-the kernel cannot run (gradients, dropout, other dtypes) runs `attention_math` instead.
+an online softmax and the weighted sum of values in one pass, never storing the seq x seq scores. Calls
+that need gradients run torch's `scaled_dot_product_attention` (it has a backward); what else the kernel
+cannot run (dropout, other dtypes) runs `attention_math`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernelize import attention
@@ -34,6 +36,9 @@ def scaled_dot_product_attention(
 def _forward(owner, q, k, v, mask, scale):
     if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)  # the model's f32 mask on 16-bit activations: the kernel adds it in f32
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # the kernel has no backward; torch's SDPA has one and, on the CPU, never stores the scores either
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     try:
         return attention.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, owner=owner)
     except attention.AttentionUnsupported:
@@ -48,7 +53,7 @@ class ScaledDotProductAttention(nn.Module):
     (True = attend) and broadcasts to ``[batch, heads, q_len, k_len]``.
     """
 
-    has_backward = False
+    has_backward = True  # through torch's SDPA (see _forward)
     can_torch_compile = False
 
     def forward(
