@@ -106,7 +106,9 @@ def attention_forward(
         >>> AttentionInterface.register("kernelize", attention_forward)  # doctest: +SKIP
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        return attention_with_grad(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return attention_with_grad(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
     reason = call_fallback_reason(module, query, key, dropout, kwargs)
     if reason is None:
         sdpa, unsupported = attention_kernel()  # type: ignore[misc]
@@ -137,6 +139,7 @@ def attention_with_grad(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A call that needs gradients: torch's `scaled_dot_product_attention`, which has a backward (on the CPU
@@ -146,12 +149,9 @@ def attention_with_grad(
     if reason is not None and reason != KERNEL_UNAVAILABLE:
         note_fallback(module, reason, "eager attention (with gradients)")
         return eager_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    mask, causal = attention_mask, attention_mask is None and q_len > 1 and getattr(module, "is_causal", True)
-    if causal and q_len != kv_len:  # a chunk after cached keys: causal from the bottom-right corner
-        mask, causal = _bottom_right_causal(q_len, kv_len, query.device), False
-    if mask is not None and mask.dim() == 4:
-        mask = mask[..., :kv_len]
+    mask, causal = _kernel_mask(module, query, key, attention_mask, is_causal)
+    if mask is not None and mask.dim() == 4:  # an eager-style mask may be longer than the keys
+        mask = mask[..., : key.shape[-2]]
     out = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
