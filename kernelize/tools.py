@@ -102,16 +102,23 @@ def run_main(args: argparse.Namespace) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3 / repeat
-    n_lib = sum(1 for k in (cg.plan.kernels if cg.plan is not None else ()) if k.kind == "library")
-    print(
-        f"model {path.name}: backend {args.backend} on {device}, {len(cg.kernels)} generated kernels"
-        f" + {n_lib} library calls"
-    )
+    print(f"model {path.name}: backend {args.backend} on {device}, {_kernel_counts(cg)}")
     _print_differences(graph, got, want)
     print(f"time: {ms:.3f} ms per run ({repeat} runs)")
     if getattr(args, "compare", None) == "onnxruntime":
         return compare_onnxruntime(path, graph, inputs, got, ms, repeat)
     return 0
+
+
+def _kernel_counts(cg) -> str:
+    """What runs, by plan kernel kind: ``"52 conv + 1 row + 1 matmul kernels"`` (convolutions are
+    library calls with a prepacked weight; row, pointwise and matmul epilogues are generated)."""
+    from collections import Counter
+
+    kinds = Counter(str(k.kind) for k in (cg.plan.kernels if cg.plan is not None else ()))
+    if not kinds:
+        return f"{len(cg.kernels)} kernels"
+    return " + ".join(f"{n} {kind}" for kind, n in kinds.most_common()) + " kernels"
 
 
 def _run_inputs(graph, npz: str | None):
