@@ -40,7 +40,7 @@ from kernelize.autokernel.body import BodyBuilder, Materialize
 from kernelize.autokernel.canon import sink_views
 from kernelize.autokernel.conv import conv_epilogue
 from kernelize.autokernel.kernels import NODE_KINDS, Kernel, KernelKind
-from kernelize.autokernel.layout import DenseLayout, channels_inner, channels_last_buffers
+from kernelize.autokernel.layout import DenseLayout, channel_rows, channels_inner, channels_last_buffers
 from kernelize.autokernel.legality import can_absorb
 from kernelize.autokernel.partition import (
     POINTWISE_OPS,
@@ -341,7 +341,8 @@ def _plan_once(
     todo: list[Materialize] = []
     for g in part.groups.values():
         try:
-            kernels.extend(channels_inner(k, nhwc) for k in _lower(g, buffers, stop, order, slices, nhwc))
+            lowered = _lower(g, buffers, stop, order, slices, nhwc)
+            kernels.extend(channels_inner(channel_rows(k, nhwc), nhwc) for k in lowered)
         except Materialize as e:  # collect all of this round's, then plan again once
             todo.append(e)
     todo += _split_concats(kernels, slices)

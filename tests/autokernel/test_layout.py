@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kernelize.autokernel import KernelKind, PlanSettings, plan
-from kernelize.autokernel.layout import nhwc_strides
 from kernelize.ir import Graph, Op, evaluate, optimize
 from kernelize.runtime.compiled import compile_graph
 
@@ -62,7 +61,7 @@ def test_squeeze_excite_block_matches_reference(batch, c, h, w):
 
 
 def test_buffers_around_squeeze_excite_are_nhwc_and_pointwise_runs_over_channels():
-    g = _block(2)
+    g = _block(2, 12, 17, 19)  # rows of 323 pixels: longer than a row kernel reads across NHWC
     p = plan(g, CPU)
     convs = [k for k in p.kernels if k.kind is KernelKind.CONV]
     dw = next(k for k in convs if k.node.arg.groups > 1)
@@ -71,10 +70,8 @@ def test_buffers_around_squeeze_excite_are_nhwc_and_pointwise_runs_over_channels
     assert mul.writes[0] in p.channels_last  # the projection conv reads it without a copy
     assert mul.domain[-1] == mul.writes[0].shape[1]  # channels innermost: the store is contiguous
     assert mul.stores[0].strides[-1] == 1
-    (row,) = [k for k in p.kernels if k.kind is KernelKind.ROW]
-    (load,) = [e for e in row.body if hasattr(e, "buffer") and e.buffer is dw.writes[0]]
-    n, c, h, w = dw.writes[0].shape
-    assert load.strides == nhwc_strides((n, c, h, w))
+    (mean,) = [k for k in p.kernels if k.kind is KernelKind.LIBRARY]  # torch reduces NHWC along channels
+    assert mean.node.op is Op.MEAN and mean.inputs == (dw.writes[0],)
 
 
 def test_default_settings_keep_every_buffer_dense():
@@ -106,6 +103,22 @@ def test_reader_through_a_split_view_keeps_the_buffer_dense():
     _check(g, [torch.randn(2, 6, 5, 3)])
 
 
+def test_row_kernel_across_pixels_keeps_its_buffer_dense():
+    """A mean over H, W with an elementwise prologue over long rows would read an NHWC row with a stride
+    of C: the buffer stays dense. Over short rows it is read NHWC."""
+    for hw, nhwc in (((17, 19), False), ((5, 7), True)):
+        g = Graph()
+        x = g.input("x", (2, 6, *hw), "f32")
+        y = _conv(g, x, 6, 6)
+        m = g.reduce(Op.MEAN, g.exp(g.neg(y)), (2, 3), keepdim=True)
+        g.output(g.add(_conv(g, y, 6, 6, seed=8), g.broadcast(m, (2, 6, *hw))))
+        g = optimize(g)
+        p = plan(g, CPU)
+        assert [k.kind for k in p.kernels].count(KernelKind.ROW) == 1
+        assert any(k.kind is KernelKind.ROW and set(k.reads) & p.channels_last for k in p.kernels) == nhwc
+        _check(g, [torch.randn(2, 6, *hw)])
+
+
 def test_layernorm_over_channels_reads_nhwc_rows():
     """ConvNeXt: depthwise conv, permute to NHWC, layernorm over channels, permute back, conv."""
     g = Graph()
@@ -115,6 +128,9 @@ def test_layernorm_over_channels_reads_nhwc_rows():
     g.output(_conv(g, g.permute(t, (0, 3, 1, 2)), 8, 8, k=1, seed=6))
     p = plan(g, CPU)
     assert y in p.channels_last
+    (row,) = [k for k in p.kernels if k.kind is KernelKind.ROW]
+    (load,) = [e for e in row.body if getattr(e, "buffer", None) is y]
+    assert load.strides[-1] == 1  # the row runs along channels: contiguous in NHWC
     _check(g, [torch.randn(3, 8, 5, 7)])
 
 
