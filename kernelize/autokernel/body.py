@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from kernelize.autokernel.indexing import Affine, NotAffine
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.layout import DenseLayout, nhwc_strides
 from kernelize.autokernel.partition import POINTWISE_OPS, Group, is_axis, operand_sel
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, SOURCE, Node, Op
 from kernelize.ir.ops import ConcatArgs
@@ -69,8 +70,16 @@ def _range(sign: int, off: int, lo: int, hi: int) -> tuple[int, int]:
 class BodyBuilder:
     """Builds the body and stores of one group; see the module docstring."""
 
-    def __init__(self, group: Group, buffers: set[Node], stop: set[Node], order: Mapping[Node, int]):
+    def __init__(
+        self,
+        group: Group,
+        buffers: set[Node],
+        stop: set[Node],
+        order: Mapping[Node, int],
+        nhwc: frozenset[Node] = frozenset(),
+    ):
         self.g = group
+        self.nhwc = nhwc  # buffers laid out NHWC (kernelize.autokernel.layout)
         self.order = order
         self.ndom = len(group.domain)
         self.buffers = buffers
@@ -141,6 +150,14 @@ class BodyBuilder:
             self.computed.append(v)
         return self._compute(v, m, masks)
 
+    def _flat(self, m: Affine, buf: Node, flat_shape: Sequence | None = None) -> tuple[tuple, object]:
+        """``m.flat`` into ``buf`` as laid out in memory (row-major, or NHWC)."""
+        if buf not in self.nhwc:
+            return m.flat(buf.shape if flat_shape is None else flat_shape, buf)
+        if flat_shape is not None and tuple(flat_shape) != tuple(buf.shape):
+            raise DenseLayout(buf, f"read as {shape_str(flat_shape)} through a reshape")
+        return m.flat(buf.shape, buf, nhwc_strides(buf.shape))
+
     def _alias(self, child: Key) -> int | list[Key]:
         got = self._have([child])
         return got[0] if isinstance(got[0], int) else got
@@ -159,8 +176,10 @@ class BodyBuilder:
             # masked lanes of a concat branch are never used; 1 keeps an integer division there from trapping
             other = 1.0 if masks and buf.dtype.is_int else 0.0
         try:
-            strides, offset = m.flat(buf.shape if flat_shape is None else flat_shape, buf)
+            strides, offset = self._flat(m, buf, flat_shape)
         except NotAffine as e:
+            if buf in self.nhwc:
+                raise DenseLayout(buf, str(e)) from None
             if e.node.op in LAYOUT and e.node is not buf:
                 raise self._materialize(e) from None
             raise NotImplementedError(f"cannot index {buf} with a strided load: {e}") from None
@@ -298,6 +317,8 @@ class BodyBuilder:
         ]
         xm = Affine(tuple(rows), (0,) * n, n + 1, ((None, kdim),)).norm(x.shape)
         buf, bm, shape = self._resolve(x, xm)
+        if buf in self.nhwc:
+            raise DenseLayout(buf, "a matmul operand")
         try:
             strides, offset = bm.flat(buf.shape if shape is None else shape, buf)
         except NotAffine as e:
@@ -321,7 +342,7 @@ class BodyBuilder:
             if buf is not s:  # the slice of the concat: shift the concat axis by the pieces before `s`
                 start = sum(p.shape[buf.arg] for p in buf.src[: buf.src.index(s)])
                 m = m.replace(buf.arg, m.rows[buf.arg], m.off[buf.arg] + start).norm(buf.shape)
-            strides, offset = m.flat(buf.shape, buf)
+            strides, offset = self._flat(m, buf)
             out.append(Store(idx, buf, tuple(strides[: self.ndom]), offset))
         computes = tuple(sorted(self.computed, key=lambda n: self.order[n]))
         return Kernel("", g.kind, g.domain, tuple(self.body), tuple(out), g.row_rank, computes=computes)

@@ -274,13 +274,16 @@ class Affine:
                 parts[j] = (sid, s, x[j])
         return self._new(rows, off, parts, splits=tuple(splits)).norm(x)
 
-    def flat(self, shape: Sequence[Dim], node: Node | None = None) -> tuple[tuple[Dim, ...], Dim]:
-        """Strides (one per column) and offset into a contiguous buffer of ``shape``.
+    def flat(
+        self, shape: Sequence[Dim], node: Node | None = None, memory: Sequence[Dim] | None = None
+    ) -> tuple[tuple[Dim, ...], Dim]:
+        """Strides (one per column) and offset into a buffer of ``shape``: contiguous, or with the element
+        strides ``memory`` (an NHWC buffer).
 
         Raises:
             NotAffine: naming the view whose split index the buffer's strides cannot follow.
         """
-        cs = contiguous_strides(shape)
+        cs = contiguous_strides(shape) if memory is None else tuple(memory)
         who = node if node is not None else Node(Op.INPUT, "f32", tuple(shape))  # for the error message
         terms: list[list[Dim]] = [
             [dmul(c, r[col]) for c, r in zip(cs, self.rows)] for col in range(self.ncols)

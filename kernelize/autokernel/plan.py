@@ -40,6 +40,7 @@ from kernelize.autokernel.body import BodyBuilder, Materialize
 from kernelize.autokernel.canon import sink_views
 from kernelize.autokernel.conv import conv_epilogue
 from kernelize.autokernel.kernels import NODE_KINDS, Kernel, KernelKind
+from kernelize.autokernel.layout import DenseLayout, channel_rows, channels_inner, channels_last_buffers
 from kernelize.autokernel.legality import can_absorb
 from kernelize.autokernel.partition import (
     POINTWISE_OPS,
@@ -82,6 +83,9 @@ class PlanSettings:
             values (for backends whose matmul kernels compute several accumulators: the CPU's few-row kernel).
         column_reduce: ``"generate"`` (a sum/mean over leading axes is a ROW kernel over the transposed
             domain) or ``"library"`` (torch reduces the materialised operand with blocked partial sums).
+        channels_last: 4-D buffers between convolutions (and the generated kernels around them) are laid
+            out NHWC, the layout of the CPU's oneDNN convolutions (:mod:`kernelize.autokernel.layout`);
+            ``Plan.channels_last`` lists them and the runtime must allocate them so.
     """
 
     matmul: Literal["generate", "library"] = "generate"
@@ -95,6 +99,7 @@ class PlanSettings:
     conv_epilogue: bool = True
     merge_matmuls: bool = False
     column_reduce: Literal["generate", "library"] = "generate"
+    channels_last: bool = False
 
     def __post_init__(self) -> None:
         if self.matmul not in ("generate", "library"):
@@ -119,6 +124,7 @@ class Plan:
     graph: Graph
     kernels: tuple[Kernel, ...]
     settings: PlanSettings = field(default_factory=PlanSettings)
+    channels_last: frozenset[Node] = frozenset()  # buffers laid out NHWC (PlanSettings.channels_last)
 
     @property
     def buffers(self) -> tuple[Node, ...]:
@@ -171,21 +177,28 @@ def plan(graph: Graph, settings: PlanSettings | None = None) -> Plan:
     if settings.sink_views and settings.fuse:
         graph = sink_views(graph)
     forced: set[Node] = set()
-    for _ in range(len(graph.nodes) + 1):
+    dense: set[Node] = set()  # buffers some load cannot read NHWC
+    for _ in range(2 * len(graph.nodes) + 1):
         try:
-            kernels = _plan_once(graph, settings, forced)
+            kernels, nhwc = _plan_once(graph, settings, forced, dense)
         except Materialize as e:
             assert e.node not in forced, f"planner loops materializing {e.node}"
             logger.debug("%s", e)
             forced.update((e.node, *e.more))
             continue
+        except DenseLayout as e:
+            assert e.node not in dense, f"planner loops keeping {e.node} dense"
+            logger.debug("%s", e)
+            dense.add(e.node)
+            continue
         logger.debug(
-            "planned %d graph values into %d kernels (%d values materialized by request)",
+            "planned %d graph values into %d kernels (%d values materialized by request, %d NHWC)",
             len(graph.nodes),
             len(kernels),
             len(forced),
+            len(nhwc),
         )
-        return Plan(graph, kernels, settings)
+        return Plan(graph, kernels, settings, nhwc)
     raise AssertionError("planner did not converge")
 
 
@@ -277,7 +290,9 @@ def _pinned(graph: Graph, live: set[Node], part: Any, forced: set[Node], stop: s
     return {p for p in pinned if p.op not in SOURCE}
 
 
-def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple[Kernel, ...]:
+def _plan_once(
+    graph: Graph, settings: PlanSettings, forced: set[Node], dense: set[Node]
+) -> tuple[tuple[Kernel, ...], frozenset[Node]]:
     stop = {f for f in forced if f.op in LAYOUT}
     live = live_nodes(graph)  # dead code gets no kernel and forces no buffer
     slices = slice_stores(graph, live, forced, stop) if settings.fuse else {}
@@ -317,22 +332,32 @@ def _plan_once(graph: Graph, settings: PlanSettings, forced: set[Node]) -> tuple
             ):
                 buffers.discard(q)
 
+    nhwc: frozenset[Node] = frozenset()
+    if settings.channels_last:
+        outs = {base(o, stop) for o in graph.outputs}
+        nhwc = channels_last_buffers(buffers, users, part.group, outs) - dense
     order = {n: i for i, n in enumerate(graph.nodes)}
     kernels: list[Kernel] = []
     todo: list[Materialize] = []
     for g in part.groups.values():
         try:
-            kernels.extend(_lower(g, buffers, stop, order, slices))
+            lowered = _lower(g, buffers, stop, order, slices, nhwc)
+            kernels.extend(channels_inner(channel_rows(k, nhwc), nhwc) for k in lowered)
         except Materialize as e:  # collect all of this round's, then plan again once
             todo.append(e)
     todo += _split_concats(kernels, slices)
     if todo:
         raise Materialize(todo[0].node, str(todo[0]), more=tuple(e.node for e in todo[1:]))
-    return _schedule(kernels, order)
+    return _schedule(kernels, order), nhwc
 
 
 def _lower(
-    g: Group, buffers: set[Node], stop: set[Node], order: Mapping[Node, int], slices: Mapping[Node, Node]
+    g: Group,
+    buffers: set[Node],
+    stop: set[Node],
+    order: Mapping[Node, int],
+    slices: Mapping[Node, Node],
+    nhwc: frozenset[Node] = frozenset(),
 ) -> list[Kernel]:
     stores = sorted((m for m in g.sel if m in buffers), key=order.__getitem__)
     if not stores:
@@ -357,7 +382,7 @@ def _lower(
                 computes=ep.nodes,
             )
         ]
-    return [BodyBuilder(g, buffers, stop, order).kernel(stores, slices)]
+    return [BodyBuilder(g, buffers, stop, order, nhwc).kernel(stores, slices)]
 
 
 def slice_stores(graph: Graph, live: set[Node], forced: set[Node], stop: set[Node]) -> dict[Node, Node]:

@@ -406,7 +406,9 @@ class CpuBackend(Backend):
         6x slower than torch's blocked partial sums on 2048x2048 f32."""
         from kernelize.autokernel.plan import PlanSettings
 
-        return PlanSettings(matmul="generate", merge_matmuls=True, column_reduce="library")
+        return PlanSettings(
+            matmul="generate", merge_matmuls=True, column_reduce="library", channels_last=True
+        )
 
     def device_ok(self, device: torch.device) -> bool:
         return torch.device(device).type == "cpu"

@@ -236,7 +236,7 @@ class CompiledGraph:
             )
             for i, k in enumerate(kernels)
         ]
-        self._cl = channels_last_buffers(kernels) if device.type == "cpu" else frozenset()
+        self._cl = _layout(plan, kernels) if device.type == "cpu" else frozenset()
         self._bound: dict[tuple, _Bound] = {}
         # inputs only attention kernels read keep their strides: those kernels take any strides
         readers: dict[Node, set[KernelKind]] = {}
@@ -354,15 +354,22 @@ class CompiledGraph:
     def _outputs(self, k: Kernel, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
         """Buffers for what ``k`` writes; the cpu backend recycles large ones the caller dropped."""
         if self._pool is not None:
-            return [
-                torch.empty(shape, dtype=b.dtype.torch)
-                if b in self.fresh
-                else self._pool.empty(b, shape, b.dtype.torch)
-                for b, shape in zip(k.writes, shapes)
-            ]
+            return [self._empty(b, shape) for b, shape in zip(k.writes, shapes)]
         return [
             torch.empty(shape, dtype=b.dtype.torch, device=self.device) for b, shape in zip(k.writes, shapes)
         ]
+
+    def _empty(self, b: Node, shape: tuple[int, ...]) -> torch.Tensor:
+        """A CPU buffer for ``b``: from the pool unless it is fresh, NHWC when the plan lays it out so."""
+        nhwc = b in self._cl
+        if nhwc:
+            n, c, h, w = shape
+            shape = (n, h, w, c)
+        if b in self.fresh:
+            t = torch.empty(shape, dtype=b.dtype.torch)
+        else:
+            t = self._pool.empty(b, shape, b.dtype.torch)
+        return t.permute(0, 3, 1, 2) if nhwc else t
 
     def _grad_error(self, inputs: Sequence[torch.Tensor]) -> ValueError:
         """Outputs of generated kernels carry no autograd history: say so rather than drop the gradient."""
@@ -427,6 +434,15 @@ class CompiledGraph:
             f"CompiledGraph({self.backend} on {self.device}, {len(self._steps)} steps, "
             f"{len(self.kernels)} generated kernels)"
         )
+
+
+def _layout(plan: Any, kernels: Sequence[Kernel]) -> frozenset[Node]:
+    """The buffers kept channels-last: the plan's NHWC buffers when it laid them out (generated kernels
+    index those NHWC), else what :func:`channels_last_buffers` finds among library-only buffers."""
+    settings = getattr(plan, "settings", None)
+    if settings is not None and settings.channels_last:
+        return plan.channels_last
+    return channels_last_buffers(kernels)
 
 
 def channels_last_buffers(kernels: Sequence[Kernel]) -> frozenset[Node]:

@@ -115,7 +115,8 @@ def test_awkward_shapes(shape):
 
 
 def test_generated_reader_gets_a_dense_buffer():
-    """A conv output a generated kernel reads (here a mean) is stored NCHW, never channels-last."""
+    """Under the default plan settings a conv output a generated kernel reads (here a mean) is stored
+    NCHW (``PlanSettings.channels_last``, the cpu backend's, lays it out NHWC: see test_layout.py)."""
     g = Graph()
     x = g.input("x", (2, 4, 8, 8), "f32")
     y = g.clamp(_conv(g, x, 4, 6), 0, math.inf)
@@ -128,18 +129,36 @@ def test_generated_reader_gets_a_dense_buffer():
 @pytest.mark.parametrize("pads", [(0, 0, 1, 1), (1, 0, 2, 1), (2, 1, 0, 0), (0, 3, 2, 0)])
 @pytest.mark.parametrize("stride,dilation", [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((3, 2), (2, 1))])
 def test_asymmetric_padding_without_a_padded_copy(pads, stride, dilation):
-    """Asymmetric pads run as a symmetric pad by whole strides and a crop of the extra leading outputs."""
+    """Asymmetric pads run as zero taps of the kernel (when the pad difference is a multiple of the
+    dilation) or as a symmetric pad by whole strides and a crop of the extra leading outputs."""
     g = Graph()
     x = g.input("x", ("n", 4, 11, 10), "f32")
     w = g.const(torch.randn(6, 4, 3, 3))
     g.output(g.clamp(g.conv(x, w, stride=stride, padding=pads, dilation=dilation), 0, 6))
     cg = compile_graph(g, backend="cpu", cache=False)
     (runner,) = [s.conv for s in cg._steps if s.conv is not None]
-    assert runner.crop is not None  # no F.pad copy of the input
+    top, left, bottom, right = pads
+    whole = (bottom - top) % dilation[0] == 0 and (right - left) % dilation[1] == 0
+    assert (runner.taps is not None) == whole and (runner.crop is not None) == (not whole)  # no F.pad copy
     for n in (1, 2):
         xs = torch.randn(n, 4, 11, 10)
-        top, left, bottom, right = pads
         want = torch.nn.functional.conv2d(
             torch.nn.functional.pad(xs, (left, right, top, bottom)), w.arg.tensor, None, stride, 0, dilation
         ).clamp(0, 6)
         torch.testing.assert_close(cg(xs)[0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("pads", [(0, 0, 1, 1), (1, 2, 0, 1)])
+def test_asymmetric_padding_with_a_residual_runs_as_zero_taps(pads):
+    """An even kernel with "same" padding keeps the input shape: the residual add stays a post-op."""
+    g = Graph()
+    x = g.input("x", ("n", 4, 6, 7), "f32")
+    w = g.const(torch.randn(4, 4, 2, 2) if pads == (0, 0, 1, 1) else torch.randn(4, 4, 2, 4))
+    y = g.clamp(g.add(g.conv(x, w, padding=pads), x), 0, math.inf)
+    g.output(y)
+    cg = compile_graph(g, backend="cpu", cache=False)
+    (runner,) = [s.conv for s in cg._steps if s.conv is not None]
+    assert runner.taps is not None and runner.residual and runner.crop is None
+    for n in (1, 3):
+        xs = torch.randn(n, 4, 6, 7)
+        torch.testing.assert_close(cg(xs)[0], evaluate(g, [xs])[0], rtol=1e-4, atol=1e-4)

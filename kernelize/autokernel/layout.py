@@ -1,0 +1,143 @@
+"""Channels-last buffers: which 4-D buffers the planner lays out NHWC, and their strides.
+
+oneDNN convolutions read and write channels-last (NHWC) tensors; a buffer between two convolutions in
+NCHW costs a copy on each side. Generated kernels index every buffer through the strides of their loads
+and stores, so they can read and write NHWC as well as NCHW: the planner picks the buffers to keep NHWC
+(:func:`channels_last_buffers`), lowers their loads and stores with :func:`nhwc_strides`, and reorders a
+pointwise kernel's domain so that its inner loop runs along the channels of what it stores
+(:func:`channels_inner`). A buffer is NHWC when it is 4-D with static channel and image sizes, is not (under)
+a graph output, is written by a conv, a pool or a pointwise kernel feeding a conv or pool, and every reader
+is a conv or pool reading it directly (its activation or residual) or a generated pointwise or row kernel.
+The runtime allocates those buffers NHWC (``Plan.channels_last``).
+
+Example (squeeze-excite between two convs)::
+
+    y = conv(x, w1)            # CONV kernel, writes y NHWC
+    s = sigmoid(mean(y) @ a)   # ROW kernel reads y with strides (H*W*C, 1, W*C, C)
+    z = y * s                  # POINTWISE over (N, H, W, C): y and z contiguous, s broadcast
+    conv(z, w2)                # reads z NHWC, no copy
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+
+from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load
+from kernelize.ir.graph import Node, Op
+from kernelize.ir.shapes import numel
+
+GENERATED = frozenset({KernelKind.POINTWISE, KernelKind.ROW})
+STRIDED_ROW_MAX = 256  # longest row a ROW kernel reads across an NHWC buffer's pixels (channel_rows)
+
+
+class DenseLayout(Exception):
+    """Plan again with ``node`` dense (row-major): some load cannot index it NHWC."""
+
+    def __init__(self, node: Node, why: str):
+        super().__init__(f"keep {node} dense: {why}")
+        self.node = node
+
+
+def nhwc_strides(shape: Sequence) -> tuple:
+    """Element strides of an NHWC buffer of logical shape ``(N, C, H, W)``."""
+    _, c, h, w = shape
+    return (h * w * c, 1, w * c, c)
+
+
+def _candidate(b: Node) -> bool:
+    return b.rank == 4 and all(isinstance(d, int) for d in b.shape[1:]) and b.dtype.is_float
+
+
+def _direct_library_read(kind: KernelKind, u: Node, b: Node, epilogue) -> bool:
+    """``u`` (of a conv or pool group) reads ``b`` as the library's activation or residual operand."""
+    if kind is KernelKind.CONV:
+        return (u is epilogue.conv and u.src[0] is b) or (u is not epilogue.conv and epilogue.residual is b)
+    return u.op is Op.POOL and u.src[0] is b
+
+
+def channels_last_buffers(
+    buffers: Iterable[Node],
+    users: Mapping[Node, Sequence[Node]],
+    group_of: Callable[[Node], object],
+    outputs: set[Node],
+) -> frozenset[Node]:
+    """The buffers to lay out NHWC (see the module docstring). ``group_of(node)`` is the partition group
+    (``kind``, ``epilogue``) computing ``node``."""
+    out = set()
+    for b in buffers:
+        if b in outputs or not _candidate(b):
+            continue
+        wg = group_of(b)
+        library = wg.kind is KernelKind.CONV or (wg.kind is KernelKind.LIBRARY and b.op is Op.POOL)
+        if not library and wg.kind is not KernelKind.POINTWISE:
+            continue
+        feeds_library, ok = False, True
+        for u in users.get(b, ()):
+            g = group_of(u)
+            if g is wg and not library:
+                continue
+            if g.kind is KernelKind.CONV or (g.kind is KernelKind.LIBRARY and u.op is Op.POOL):
+                direct = _direct_library_read(g.kind, u, b, g.epilogue)
+                feeds_library |= direct
+                ok &= direct
+            else:
+                ok &= g.kind in GENERATED
+        if ok and (library or feeds_library):
+            out.add(b)
+    return frozenset(out)
+
+
+def channels_inner(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
+    """A pointwise kernel storing an NHWC buffer, with its domain reordered so that the store is
+    contiguous along the innermost axis (the generated loop runs over channels; an elementwise kernel over
+    NHWC operands becomes one flat loop). Other kernels, and kernels whose masks, gathers or concats name
+    domain axes, are returned as they are."""
+    store = next((s for s in k.stores if s.buffer in nhwc), None)
+    if k.kind is not KernelKind.POINTWISE or store is None:
+        return k
+    if any(isinstance(e, Load) and (e.mask or e.indirect) for e in k.body) or any(
+        isinstance(e, Compute) and e.op is Op.CONCAT for e in k.body
+    ):
+        return k
+    if not all(isinstance(s, int) for s in store.strides):
+        return k
+    # size-1 axes (stride 0 in every access) go outermost, where they cost no loop
+    perm = sorted(range(len(k.domain)), key=lambda d: (k.domain[d] != 1, -store.strides[d]))
+    if perm == list(range(len(k.domain))):
+        return k
+
+    def permuted(strides: tuple) -> tuple:
+        return tuple(strides[d] for d in perm)
+
+    body = tuple(replace(e, strides=permuted(e.strides)) if isinstance(e, Load) else e for e in k.body)
+    stores = tuple(replace(s, strides=permuted(s.strides)) for s in k.stores)
+    return replace(k, domain=permuted(k.domain), body=body, stores=stores)
+
+
+def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
+    """A ROW kernel whose rows run along an NHWC buffer's channels (a layernorm over channels): as it is.
+    One whose rows run across an NHWC buffer's pixels (a mean over H and W) reads each row with a stride
+    of C: fine for short rows (up to :data:`STRIDED_ROW_MAX`: a mean over 240 x 14 x 14 takes 15 us, a
+    torch call costs about as much in Python), measured 5-15x slower than a dense row beyond (a mean over
+    32 x 112 x 112: 367 us against 25 us). There a lone sum or mean of the buffer becomes a LIBRARY kernel
+    (torch reduces NHWC along the channels, 26 us), and anything else keeps the buffer dense
+    (:class:`DenseLayout`)."""
+    if k.kind is not KernelKind.ROW or not set(k.reads) & nhwc:
+        return k
+    row = numel(k.domain[len(k.domain) - k.row_rank :])
+    if isinstance(row, int) and row <= STRIDED_ROW_MAX:
+        return k
+    last = len(k.domain) - 1
+    for e in k.body:
+        if isinstance(e, Load) and e.buffer in nhwc and k.domain[last] != 1 and e.strides[last] not in (0, 1):
+            node = k.computes[0] if len(k.computes) == 1 else None
+            if node is not None and node.op in (Op.SUM, Op.MEAN) and node.src[0] is e.buffer:
+                return Kernel(
+                    "", KernelKind.LIBRARY, node.shape, node=node, inputs=(e.buffer,), computes=(node,)
+                )
+            raise DenseLayout(e.buffer, "a row kernel would read it across channels")
+    return k
+
+
+__all__ = ["DenseLayout", "channel_rows", "channels_inner", "channels_last_buffers", "nhwc_strides"]

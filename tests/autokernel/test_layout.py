@@ -1,0 +1,145 @@
+"""NHWC buffers between convolutions: which buffers the planner lays out channels-last, and that generated
+kernels reading and writing them compute what the reference executor does."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernelize.autokernel import KernelKind, PlanSettings, plan
+from kernelize.ir import Graph, Op, evaluate, optimize
+from kernelize.runtime.compiled import compile_graph
+
+CPU = PlanSettings(matmul="generate", merge_matmuls=True, column_reduce="library", channels_last=True)
+
+
+def _conv(g: Graph, x, cin: int, cout: int, k: int = 3, groups: int = 1, stride: int = 1, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = g.const(torch.randn(cout, cin // groups, k, k, generator=gen) * 0.3)
+    return g.conv(x, w, stride=(stride, stride), padding=(k // 2,) * 4, groups=groups)
+
+
+def _swish(g: Graph, y):
+    return g.mul(y, g.sigmoid(y))
+
+
+def _squeeze_excite(g: Graph, x, c: int, hidden: int, seed: int = 3):
+    """``x * sigmoid(relu(mean(x) @ a) @ b)`` over channels, written as exporters do (1x1 convs)."""
+    gen = torch.Generator().manual_seed(seed)
+    m = g.reduce(Op.MEAN, x, (2, 3), keepdim=True)
+    a = g.const(torch.randn(hidden, c, 1, 1, generator=gen) * 0.3)
+    b = g.const(torch.randn(c, hidden, 1, 1, generator=gen) * 0.3)
+    s = g.sigmoid(g.conv(g.clamp(g.conv(m, a), 0, math.inf), b))
+    return g.mul(x, g.broadcast(s, x.shape))
+
+
+def _block(batch, c: int = 12, h: int = 7, w: int = 9) -> Graph:
+    """An EfficientNet block: expand, depthwise, squeeze-excite, project, residual."""
+    g = Graph()
+    x = g.input("x", (batch, c, h, w), "f32")
+    y = _swish(g, _conv(g, x, c, 2 * c, k=1))
+    y = _swish(g, _conv(g, y, 2 * c, 2 * c, groups=2 * c, seed=1))
+    y = _squeeze_excite(g, y, 2 * c, 3)
+    g.output(g.add(_conv(g, y, 2 * c, c, k=1, seed=2), x))
+    return optimize(g)
+
+
+def _check(g: Graph, inputs) -> None:
+    want = evaluate(g, inputs)
+    got = compile_graph(g, backend="cpu", cache=False)(*inputs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("c,h,w", [(12, 7, 9), (5, 1, 1), (3, 13, 5), (17, 2, 11)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_squeeze_excite_block_matches_reference(batch, c, h, w):
+    g = _block("n", c, h, w)
+    _check(g, [torch.randn(batch, c, h, w)])
+
+
+def test_buffers_around_squeeze_excite_are_nhwc_and_pointwise_runs_over_channels():
+    g = _block(2, 12, 17, 19)  # rows of 323 pixels: longer than a row kernel reads across NHWC
+    p = plan(g, CPU)
+    convs = [k for k in p.kernels if k.kind is KernelKind.CONV]
+    dw = next(k for k in convs if k.node.arg.groups > 1)
+    assert dw.writes[0] in p.channels_last  # read by the mean (ROW) and the excite product (POINTWISE)
+    (mul,) = [k for k in p.kernels if k.kind is KernelKind.POINTWISE and k.writes[0].rank == 4]
+    assert mul.writes[0] in p.channels_last  # the projection conv reads it without a copy
+    assert mul.domain[-1] == mul.writes[0].shape[1]  # channels innermost: the store is contiguous
+    assert mul.stores[0].strides[-1] == 1
+    (mean,) = [k for k in p.kernels if k.kind is KernelKind.LIBRARY]  # torch reduces NHWC along channels
+    assert mean.node.op is Op.MEAN and mean.inputs == (dw.writes[0],)
+
+
+def test_default_settings_keep_every_buffer_dense():
+    p = plan(_block(2))
+    assert p.channels_last == frozenset()
+
+
+def test_graph_outputs_stay_dense():
+    g = Graph()
+    x = g.input("x", (2, 4, 5, 5), "f32")
+    y = _swish(g, _conv(g, x, 4, 6))
+    g.output(y, _conv(g, y, 6, 6, seed=4))
+    p = plan(g, CPU)
+    assert not set(g.outputs) & p.channels_last
+    _check(g, [torch.randn(2, 4, 5, 5)])
+
+
+def test_reader_through_a_split_view_keeps_the_buffer_dense():
+    """A group-norm-like view splits the channels: no load can index that NHWC, so the buffer is NCHW."""
+    g = Graph()
+    x = g.input("x", (2, 6, 5, 3), "f32")
+    y = _conv(g, x, 6, 6)
+    grouped = g.view(y, (2, 2, 3 * 5 * 3))
+    m = g.view(g.reduce(Op.MEAN, grouped, (2,), keepdim=True), (2, 2, 1, 1, 1))
+    centered = g.view(g.sub(g.view(y, (2, 2, 3, 5, 3)), g.broadcast(m, (2, 2, 3, 5, 3))), (2, 6, 5, 3))
+    g.output(_conv(g, g.clamp(centered, 0, math.inf), 6, 4, seed=5))
+    p = plan(g, CPU)
+    assert y not in p.channels_last
+    _check(g, [torch.randn(2, 6, 5, 3)])
+
+
+def test_row_kernel_across_pixels_keeps_its_buffer_dense():
+    """A mean over H, W with an elementwise prologue over long rows would read an NHWC row with a stride
+    of C: the buffer stays dense. Over short rows it is read NHWC."""
+    for hw, nhwc in (((17, 19), False), ((5, 7), True)):
+        g = Graph()
+        x = g.input("x", (2, 6, *hw), "f32")
+        y = _conv(g, x, 6, 6)
+        m = g.reduce(Op.MEAN, g.exp(g.neg(y)), (2, 3), keepdim=True)
+        g.output(g.add(_conv(g, y, 6, 6, seed=8), g.broadcast(m, (2, 6, *hw))))
+        g = optimize(g)
+        p = plan(g, CPU)
+        assert [k.kind for k in p.kernels].count(KernelKind.ROW) == 1
+        assert any(k.kind is KernelKind.ROW and set(k.reads) & p.channels_last for k in p.kernels) == nhwc
+        _check(g, [torch.randn(2, 6, *hw)])
+
+
+def test_layernorm_over_channels_reads_nhwc_rows():
+    """ConvNeXt: depthwise conv, permute to NHWC, layernorm over channels, permute back, conv."""
+    g = Graph()
+    x = g.input("x", (3, 8, 5, 7), "f32")
+    y = _conv(g, x, 8, 8, k=7, groups=8)
+    t = g.layernorm(g.permute(y, (0, 2, 3, 1)), g.const(torch.rand(8) + 0.5), g.const(torch.randn(8)))
+    g.output(_conv(g, g.permute(t, (0, 3, 1, 2)), 8, 8, k=1, seed=6))
+    p = plan(g, CPU)
+    assert y in p.channels_last
+    (row,) = [k for k in p.kernels if k.kind is KernelKind.ROW]
+    (load,) = [e for e in row.body if getattr(e, "buffer", None) is y]
+    assert load.strides[-1] == 1  # the row runs along channels: contiguous in NHWC
+    _check(g, [torch.randn(3, 8, 5, 7)])
+
+
+def test_pool_and_strided_depthwise_chain():
+    g = Graph()
+    x = g.input("x", ("n", 5, 11, 9), "f32")
+    y = g.clamp(_conv(g, x, 5, 10, stride=2), 0, 6)
+    y = g.pool(y, "max", (2, 2))
+    y = _swish(g, _conv(g, y, 10, 10, groups=10, seed=7))
+    g.output(g.reduce(Op.MEAN, g.add(y, g.exp(g.neg(y))), (2, 3)))
+    for batch in (1, 3):
+        _check(g, [torch.randn(batch, 5, 11, 9)])
