@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import os
 import platform
 import re
@@ -496,16 +497,42 @@ class CpuBackend(Backend):
         """``kernel`` from the functions compiled for its parts (its own or an identical kernel's)."""
         built = [self._wrap(fn, k, rendered[k.name][0]) for fn, (k, _) in zip(fns, parts, strict=True)]
         if kernel.kind is KernelKind.MATMUL:
-            epi, temps = parts[1]
-            return _matmul_kernel(self.name, kernel, built[0], built[1], epi, temps)
+            epi, temps = parts[-1]
+            few = built[0] if len(parts) == 2 else _never_few(kernel)
+            return _matmul_kernel(self.name, kernel, few, built[-1], epi, temps)
         return CompiledKernel(kernel.name, self.name, *built[0], kernel)
 
 
 def _parts(kernel: Kernel) -> list[tuple[Kernel, tuple]]:
-    """The functions ``kernel`` compiles to: itself, and for a matmul its epilogue (with its temporaries)."""
-    if kernel.kind is KernelKind.MATMUL:
-        return [(kernel, ()), _epilogue_of(kernel)]
-    return [(kernel, ())]
+    """The functions ``kernel`` compiles to: itself, and for a matmul its epilogue (with its temporaries).
+
+    A matmul whose row count is static and above ``FEW_ROWS`` never runs its few-row function, so only
+    the epilogue is built (the few-row functions were two thirds of ViT-base's and ConvNeXt's C++)."""
+    if kernel.kind is not KernelKind.MATMUL:
+        return [(kernel, ())]
+    if _static_rows(kernel) is not None:
+        return [_epilogue_of(kernel)]
+    return [(kernel, ()), _epilogue_of(kernel)]
+
+
+def _static_rows(kernel: Kernel) -> int | None:
+    """A matmul kernel's row count when it is static and too large for the few-row path, else None."""
+    from kernelize.autokernel.matmul import FEW_ROWS
+
+    dims = kernel.domain[:-1]
+    if not all(isinstance(d, int) for d in dims) or math.prod(dims) <= FEW_ROWS:
+        return None
+    return math.prod(dims)
+
+
+def _never_few(kernel: Kernel) -> tuple[str, Callable]:
+    """The few-row half of a matmul kernel that always has more rows (never called; said so if it is)."""
+    rows = _static_rows(kernel)
+
+    def few(reads, writes, sizes) -> None:
+        raise AssertionError(f"cpu kernel {kernel.name}: the few-row path of a kernel of {rows} rows")
+
+    return f"// always {rows} rows: no few-row function", few
 
 
 _NAME_HOLE = "KZ_SAME_SOURCE_NAME"

@@ -746,3 +746,25 @@ def test_unit_chunks_balance_by_size_and_keep_order():
     chunks = unit_chunks([10, 11, 12, 13], [100, 1, 1, 100], most=2)
     assert sorted(chunks) == [[10, 11], [12, 13]] or sorted(chunks) == [[10, 12], [11, 13]]
     assert all(c == sorted(c) for c in chunks)
+
+
+def test_matmul_of_static_many_rows_builds_only_its_epilogue(monkeypatch):
+    import re
+
+    from kernelize.codegen import cpu
+    from kernelize.runtime.compiled import compile_graph
+
+    units: list[str] = []
+    real = cpu.build_shared_object
+    monkeypatch.setattr(
+        cpu, "build_shared_object", lambda src, name="k": units.append(src) or real(src, name)
+    )
+    g = Graph()
+    x, w = g.input("x", (40, 64), DType.F32), g.input("w", (64, 32), DType.F32)
+    g.output(g.exp(g.mul(g.matmul(x, w), g.scalar(0.01, DType.F32))))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    (k,) = [k for k in cg.plan.kernels if k.kind is KernelKind.MATMUL]
+    names = {m for src in units for m in re.findall(r"\bkz_\w+", src)}
+    assert f"kz_{k.name}_epilogue" in names and f"kz_{k.name}" not in names
+    xs = [rand((40, 64), DType.F32), rand((64, 32), DType.F32)]
+    torch.testing.assert_close(cg(*xs)[0], evaluate(g, xs)[0], rtol=1e-4, atol=1e-5)
