@@ -651,8 +651,11 @@ def scalar_value(node: Node) -> float | None:
     t = node.arg.tensor
     if t.numel() == 1:
         return t.item()
-    if t.numel() and bool((t == t.flatten()[0]).all()):
-        return t.flatten()[0].item()
+    flat = t.reshape(-1)
+    if flat.numel() and flat[-1] != flat[0]:  # a weight differs at once: no full compare of its values
+        return None
+    if flat.numel() and bool((flat == flat[0]).all()):
+        return flat[0].item()
     return None
 
 

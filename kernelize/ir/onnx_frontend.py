@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -128,7 +129,7 @@ def _read(src: str | os.PathLike | bytes | onnx.ModelProto) -> tuple[onnx.ModelP
     return model, where
 
 
-WEIGHTLESS_BYTES = 4096  # initializers with more raw bytes than this are checked by size, not by the checker
+WEIGHTLESS_ELEMENTS = 1024  # initializers with more elements are checked by size, not by the checker
 
 
 def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -143,8 +144,8 @@ def _weightless(model: onnx.ModelProto) -> onnx.ModelProto:
         onnx.checker.ValidationError: an initializer whose byte count does not fit its shape and type.
     """
     graph = model.graph
-    # ByteSize is computed without copying the bytes out, as reading raw_data does
-    big = [t for t in graph.initializer if t.ByteSize() > WEIGHTLESS_BYTES and t.HasField("raw_data")]
+    # sized by their dims: reading raw_data copies the bytes out, ByteSize walks the message
+    big = [t for t in graph.initializer if math.prod(t.dims) > WEIGHTLESS_ELEMENTS and t.HasField("raw_data")]
     if not big:
         return model
     for t in big:
