@@ -768,3 +768,14 @@ def test_matmul_of_static_many_rows_builds_only_its_epilogue(monkeypatch):
     assert f"kz_{k.name}_epilogue" in names and f"kz_{k.name}" not in names
     xs = [rand((40, 64), DType.F32), rand((64, 32), DType.F32)]
     torch.testing.assert_close(cg(*xs)[0], evaluate(g, xs)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_compile_many_gives_each_kernel_the_source_and_results_of_compiling_it_alone():
+    from kernelize.autokernel.plan import plan
+
+    g = _layers_graph(3)
+    kernels = [k for k in plan(g, BACKEND.plan_settings).kernels if k.kind is not KernelKind.LIBRARY]
+    many = BACKEND.compile_many(kernels)
+    alone = [BACKEND.compile(k) for k in kernels]
+    assert [c.source for c in many] == [c.source for c in alone]
+    assert [c.name for c in many] == [k.name for k in kernels]
