@@ -36,7 +36,7 @@ from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Constant, Graph, Node, Op
 from kernelize.ir.shapes import Sym
 from kernelize.runtime.cache import graph_fingerprint
-from kernelize.runtime.diskcache import cached, get_or_build, remembered_sha256
+from kernelize.runtime.diskcache import cached, file_identity, get_or_build, remembered_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +204,7 @@ def load_optimized_onnx(
         return optimize(load_onnx(path, dynamic_dims=dynamic_dims, fold_limit=fold_limit), settings)
 
     try:
+        ident = file_identity(Path(path))
         digest = remembered_sha256(Path(path))
         limit = fold_limit_bytes(fold_limit)
     except (OSError, ValueError):
@@ -214,7 +215,9 @@ def load_optimized_onnx(
     if entry is not None:
         return graph_from_state(torch.load(entry, weights_only=True, mmap=True))
     graph = fresh()
-    writer = threading.Thread(target=_write, args=(key, graph, Path(path)), name="kernelize-graph-cache")
+    writer = threading.Thread(
+        target=_write, args=(key, graph, Path(path), ident), name="kernelize-graph-cache"
+    )
     with _WRITES_LOCK:
         _WRITES[key] = writer
     writer.start()
@@ -226,10 +229,13 @@ _WRITES: dict[tuple, threading.Thread] = {}  # entries being written by this pro
 _WRITES_LOCK = threading.Lock()
 
 
-def _write(key: tuple, graph: Graph, path: Path) -> None:
-    """Write ``graph``'s cache entry (in the background: nothing waits for it but the next load of it)."""
+def _write(key: tuple, graph: Graph, path: Path, ident: tuple) -> None:
+    """Write ``graph``'s cache entry (in the background: nothing waits for it but the next load of it),
+    unless the model file is no longer the one (``ident``) whose digest is in ``key``."""
 
     def build(tmp: Path) -> None:
+        if file_identity(path) != ident:
+            raise UncacheableGraph("the file changed while it was loaded")
         if _may_use_external_data(path):
             raise UncacheableGraph("it may read external data files, whose content is not in the key")
         state = graph_state(graph)  # raises UncacheableGraph: nothing is written

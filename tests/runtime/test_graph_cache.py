@@ -270,3 +270,18 @@ def test_every_op_argument_class_has_a_description() -> None:
         name for name, c in vars(ops).items() if name.endswith("Args") and dataclasses.is_dataclass(c)
     }
     assert len(arg_classes) >= 6 and arg_classes <= set(DATACLASSES), arg_classes - set(DATACLASSES)
+
+
+def test_file_changed_while_loading_writes_no_entry(model_path, monkeypatch, _cache_dir):
+    real = onnx_frontend.load_onnx
+
+    def load_then_edit(*args, **kw):
+        graph = real(*args, **kw)
+        edited = encoder_model(seed=2)
+        edited.doc_string = "edited"  # another size: the edit is seen even within one timestamp tick
+        onnx.save(edited, str(model_path))  # the digest in the key is now stale
+        return graph
+
+    monkeypatch.setattr(onnx_frontend, "load_onnx", load_then_edit)
+    load_optimized_onnx(model_path)
+    assert entries(_cache_dir) == []
