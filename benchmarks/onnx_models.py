@@ -13,6 +13,7 @@ Prints a table, writes ``<out>/onnx_models.json`` and ``<out>/onnx_models.png``.
 Usage:
     python benchmarks/onnx_models.py            # all models, batch 1 and 8
     python benchmarks/onnx_models.py --quick    # ResNet-50 and the BERT encoder at batch 1, few rounds
+    python benchmarks/onnx_models.py --compile-times-only --models vit_base bert_base
 """
 
 from __future__ import annotations
@@ -210,6 +211,26 @@ def bench(name: str, batch: int, rounds: int, compile_times: bool) -> dict:
     return row
 
 
+def compile_times(models: list[str], batch: int, rounds: int, out: Path) -> None:
+    """Cold (empty caches, fresh process) and warm (median of ``rounds`` fresh processes) load + compile
+    seconds per model; writes ``<out>/onnx_compile_times.json``."""
+    rows = []
+    print(f"{'model':<16} {'cold s':>7} {'warm s':>7}  warm runs", flush=True)
+    for name in models:
+        path = export(name)
+        cold_dir = tempfile.mkdtemp(prefix="kcold")
+        try:
+            cold = compile_seconds(path, batch, cold_dir)
+            warm = [compile_seconds(path, batch, cold_dir) for _ in range(rounds)]
+        finally:
+            shutil.rmtree(cold_dir, ignore_errors=True)
+        rows.append({"model": name, "batch": batch, "cold_s": cold, "warm_s": statistics.median(warm)})
+        runs = " ".join(f"{w:.2f}" for w in warm)
+        print(f"{name:<16} {cold:>7.2f} {statistics.median(warm):>7.2f}  {runs}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "onnx_compile_times.json").write_text(json.dumps({"threads": THREADS, "rows": rows}, indent=1))
+
+
 def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
@@ -221,11 +242,19 @@ def main() -> None:
     ap.add_argument("--batches", nargs="*", type=int, help="batch sizes (default 1 8)")
     ap.add_argument("--rounds", type=int, help="timed rounds per variant (interleaved)")
     ap.add_argument("--no-compile-times", action="store_true", help="skip the cold/warm compile runs")
+    ap.add_argument(
+        "--compile-times-only",
+        action="store_true",
+        help="only the cold and warm load + compile seconds (cold once, warm median of --rounds, default 3)",
+    )
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(THREADS)
     models = args.models or (QUICK if args.quick else list(MODELS))
     batches = args.batches or ([1] if args.quick else [1, 8])
+    if args.compile_times_only:
+        compile_times(models, batches[0], args.rounds or 3, Path(args.out))
+        return
     rounds = args.rounds or (5 if args.quick else 15)
     rows: list[dict] = []
     failed: list[dict] = []

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import os
 import platform
 import shlex
@@ -454,52 +455,137 @@ class CpuBackend(Backend):
         A compiler run costs ~0.3 s of start-up and prelude parsing before any kernel code, so dozens of
         kernels in one unit build many times faster than one unit each (a matmul kernel brings its few-row
         function and its epilogue); units of one graph share one cache entry, so a warm start is one lookup
-        per unit. Attention kernels build alone. ``progress(n)`` is called as kernels finish.
+        per unit. Kernels whose source differs only in their name (the same block in each of a
+        transformer's layers: ViT-base has 159 kernels, 15 distinct) are compiled once and share the
+        function. Attention kernels build alone. ``progress(n)`` is called as kernels finish.
         """
         out: list[CompiledKernel | None] = [None] * len(kernels)
-        epilogues: dict[int, tuple[Kernel, tuple]] = {}
         for i, k in enumerate(kernels):
             if k.kind is KernelKind.ATTENTION:
                 out[i] = self.compile(k)
                 if progress is not None:
                     progress(1)
-            elif k.kind is KernelKind.MATMUL:
-                epilogues[i] = _epilogue_of(k)
         rest = [i for i, c in enumerate(out) if c is None]
         if not rest:
             return out
-        parts = {i: [kernels[i]] + ([epilogues[i][0]] if i in epilogues else []) for i in rest}
-        rendered = {k.name: render(k, self.renderer) for i in rest for k in parts[i]}
+        parts = {i: _parts(kernels[i]) for i in rest}
+        rendered = {k.name: render(k, self.renderer) for i in rest for k, _ in parts[i]}
         assert len({name for _, name in rendered.values()}) == len(rendered), "kernel names collide"
-        units = max(1, min(os.cpu_count() or 1, len(rest), 4))
+        groups = same_source_groups(rest, parts, rendered)
+        units = unit_chunks(
+            list(groups), [sum(len(rendered[k.name][0]) for k, _ in parts[i]) for i in groups]
+        )
         shared = [load_template("cpu_prelude.h"), load_template("cpu_gemv.h")]
 
         def build(chunk: list[int]) -> tuple[list[int], Path]:
-            sources = [rendered[k.name][0] for i in chunk for k in parts[i]]
-            head = "".join(text for text in shared if any(text in src for src in sources))
-            body = []
-            for src in sources:
-                for text in shared:
-                    src = src.replace(text, "")
-                body.append(src)
-            return chunk, build_shared_object(head + "\n".join(body), f"{len(chunk)} kernels")
+            sources = [rendered[k.name][0] for i in chunk for k, _ in parts[i]]
+            return chunk, build_shared_object(_unit_source(sources, shared), f"{len(chunk)} kernels")
 
-        with ThreadPoolExecutor(max_workers=units) as pool:
-            for chunk, path in pool.map(build, [rest[i::units] for i in range(units)]):
+        with ThreadPoolExecutor(max_workers=len(units)) as pool:
+            for chunk, path in pool.map(build, units):
                 lib = load(path)
-                for i in chunk:
-                    built = [
-                        self._wrap(getattr(lib, rendered[k.name][1]), k, rendered[k.name][0])
-                        for k in parts[i]
-                    ]
-                    if i in epilogues:
-                        epi, temps = epilogues[i]
-                        out[i] = _matmul_kernel(self.name, kernels[i], built[0], built[1], epi, temps)
-                    else:
-                        out[i] = CompiledKernel(kernels[i].name, self.name, *built[0], kernels[i])
-                if progress is not None:
-                    progress(len(chunk))
+                for rep in chunk:
+                    for i in groups[rep]:
+                        fns = [lib[rendered[k.name][1]] for k, _ in parts[rep]]
+                        out[i] = self._assemble(kernels[i], parts[i], fns, rendered)
+                    if progress is not None:
+                        progress(len(groups[rep]))
         return out
+
+    def _assemble(
+        self, kernel: Kernel, parts: list[tuple[Kernel, tuple]], fns: list, rendered
+    ) -> CompiledKernel:
+        """``kernel`` from the functions compiled for its parts (its own or an identical kernel's)."""
+        built = [self._wrap(fn, k, rendered[k.name][0]) for fn, (k, _) in zip(fns, parts, strict=True)]
+        if kernel.kind is KernelKind.MATMUL:
+            epi, temps = parts[-1]
+            few = built[0] if len(parts) == 2 else _never_few(kernel)
+            return _matmul_kernel(self.name, kernel, few, built[-1], epi, temps)
+        return CompiledKernel(kernel.name, self.name, *built[0], kernel)
+
+
+def _parts(kernel: Kernel) -> list[tuple[Kernel, tuple]]:
+    """The functions ``kernel`` compiles to: itself, and for a matmul its epilogue (with its temporaries).
+
+    A matmul whose row count is static and above ``FEW_ROWS`` never runs its few-row function, so only
+    the epilogue is built (the few-row functions were two thirds of ViT-base's and ConvNeXt's C++)."""
+    if kernel.kind is not KernelKind.MATMUL:
+        return [(kernel, ())]
+    if _static_rows(kernel) is not None:
+        return [_epilogue_of(kernel)]
+    return [(kernel, ()), _epilogue_of(kernel)]
+
+
+def _static_rows(kernel: Kernel) -> int | None:
+    """A matmul kernel's row count when it is static and too large for the few-row path, else None."""
+    from kernelize.autokernel.matmul import FEW_ROWS
+
+    dims = kernel.domain[:-1]
+    if not all(isinstance(d, int) for d in dims) or math.prod(dims) <= FEW_ROWS:
+        return None
+    return math.prod(dims)
+
+
+def _never_few(kernel: Kernel) -> tuple[str, Callable]:
+    """The few-row half of a matmul kernel that always has more rows (never called; said so if it is)."""
+    rows = _static_rows(kernel)
+
+    def few(reads, writes, sizes) -> None:
+        raise AssertionError(f"cpu kernel {kernel.name}: the few-row path of a kernel of {rows} rows")
+
+    return f"// always {rows} rows: no few-row function", few
+
+
+_NAME_HOLE = "KZ_SAME_SOURCE_NAME"
+
+
+def same_source_groups(
+    order: Sequence[int], parts: Mapping[int, list[tuple[Kernel, tuple]]], rendered: Mapping[str, tuple]
+) -> dict[int, list[int]]:
+    """The kernels of ``order`` grouped by their parts' source with each function's own name blanked
+    out: ``{first index: [indices]}``, in order. A kernel's name is in its source only as its entry
+    point's C name (``kz_<name>``, an epilogue ``kz_<name>_epilogue``), so two kernels of one group are the
+    same text up to that name and any one's compiled function serves them all."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i in order:
+        key = tuple(_blank_name(*rendered[k.name]) for k, _ in parts[i])
+        groups.setdefault(key, []).append(i)
+    return {members[0]: members for members in groups.values()}
+
+
+def _blank_name(src: str, fn: str) -> str:
+    """``src`` with the identifier ``fn`` blanked out; ``src`` itself (a group of its own) when ``fn`` also
+    appears inside a longer identifier. A split, not a regex: a transformer's sources are ~6 MB."""
+    assert _NAME_HOLE not in src
+    pieces = src.split(fn)
+    for before, after in zip(pieces, pieces[1:]):
+        if (before and (before[-1].isalnum() or before[-1] == "_")) or (after and after[0].isalnum()):
+            return src
+    return _NAME_HOLE.join(pieces)
+
+
+def unit_chunks(items: Sequence[int], sizes: Sequence[int], most: int = 4) -> list[list[int]]:
+    """``items`` split into up to one unit per core (at most ``most``), balanced by source size (largest
+    first, each to the smallest unit); each unit keeps the items' order so its source is deterministic."""
+    units = max(1, min(os.cpu_count() or 1, len(items), most))
+    loads = [0] * units
+    chunks: list[list[int]] = [[] for _ in range(units)]
+    for pos in sorted(range(len(items)), key=lambda p: -sizes[p]):
+        u = loads.index(min(loads))
+        loads[u] += sizes[pos]
+        chunks[u].append(pos)
+    return [[items[p] for p in sorted(c)] for c in chunks if c]
+
+
+def _unit_source(sources: Sequence[str], shared: Sequence[str]) -> str:
+    """One translation unit of ``sources``: each shared header once at the top, not in every kernel."""
+    head = "".join(text for text in shared if any(text in src for src in sources))
+    body = []
+    for src in sources:
+        for text in shared:
+            src = src.replace(text, "")
+        body.append(src)
+    return head + "\n".join(body)
 
 
 def _epilogue_of(kernel: Kernel) -> tuple[Kernel, tuple]:

@@ -56,6 +56,11 @@ from kernelize.ir.shapes import (
 )
 
 
+def _digest(dtype: torch.dtype, shape: Sequence[int], content: str) -> str:
+    """A constant's digest: its dtype, shape and the sha1 of its bytes."""
+    return hashlib.sha1(f"{dtype}{tuple(shape)}{content}".encode()).hexdigest()
+
+
 @dataclass(frozen=True, eq=False)
 class Constant:
     """A constant tensor, hashed and compared by content so equal constants are shared."""
@@ -67,9 +72,19 @@ class Constant:
         if t.numel() == 1:  # one element is "contiguous" with any strides, but view(uint8) needs stride 1
             t = t.clone(memory_format=torch.contiguous_format)
         object.__setattr__(self, "tensor", t)
-        h = hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # the buffer, no copy
-        object.__setattr__(self, "digest", h.hexdigest())
+        buffer = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""  # no copy
+        object.__setattr__(self, "content", hashlib.sha1(buffer).hexdigest())
+        object.__setattr__(self, "digest", _digest(t.dtype, t.shape, self.content))
+
+    def reshaped(self, shape: Sequence[int]) -> Constant:
+        """This constant's values in row-major ``shape``: a view, whose digest comes from the bytes' digest
+        without reading them again (a transformer's weights are reshaped twice while folding: 800 MB)."""
+        if self.content is None:  # read back with a digest only: hash once
+            return Constant(self.tensor.reshape(tuple(shape)))
+        t = self.tensor.reshape(tuple(shape))
+        c = Constant.known(t, _digest(t.dtype, t.shape, self.content))
+        object.__setattr__(c, "content", self.content)
+        return c
 
     @classmethod
     def known(cls, tensor: torch.Tensor, digest: str) -> Constant:
@@ -81,6 +96,7 @@ class Constant:
         c = object.__new__(cls)
         object.__setattr__(c, "tensor", tensor)
         object.__setattr__(c, "digest", digest)
+        object.__setattr__(c, "content", None)  # the bytes' own digest, unknown
         return c
 
     def __hash__(self) -> int:
@@ -635,8 +651,11 @@ def scalar_value(node: Node) -> float | None:
     t = node.arg.tensor
     if t.numel() == 1:
         return t.item()
-    if t.numel() and bool((t == t.flatten()[0]).all()):
-        return t.flatten()[0].item()
+    flat = t.reshape(-1)
+    if flat.numel() and flat[-1] != flat[0]:  # a weight differs at once: no full compare of its values
+        return None
+    if flat.numel() and bool((flat == flat[0]).all()):
+        return flat[0].item()
     return None
 
 

@@ -129,12 +129,13 @@ def _pre_matmul(ctx: Context, mm: Node, a: Node, w: Node) -> Node | None:
     ``s``/``b`` run along x's last axis (the contraction); views keeping that axis may sit in between.
     """
     peeled = _through_views(ctx, a)
-    wv = _weight(w)
-    if peeled is None or wv is None or not _float(mm):
+    if peeled is None or not _float(mm):
         return None
     m, views = peeled
     split = _split_const(m) if m.op in (Op.MUL, Op.ADD) and ctx.uses(m) <= 1 else None
-    if split is None:
+    # the weight in f64 only once the pattern is there: every matmul is tried, and the copy costs ~5 ms/MB
+    wv = _weight(w) if split is not None else None
+    if split is None or wv is None:
         return None
     x, c = split
     row = _along(_f64(c), m.rank, m.rank - 1)

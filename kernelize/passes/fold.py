@@ -45,12 +45,15 @@ def _foldable(n: Node) -> bool:
 
 
 def _fold(ctx: Context, n: Node) -> Node | None:
+    if n.op is Op.VIEW and n.src[0].op is Op.CONST:
+        return ctx.g.push(Op.CONST, n.dtype, n.shape, (), n.src[0].arg.reshaped(n.shape))
     if n.op in LAYOUT and numel(n.shape) > FOLD_LIMIT and ctx.uses(n.src[0]) > 1:
         return None  # a re-indexed copy of a big constant others still read would double its memory
     g = Graph()
     srcs = []
     for s in n.src:
-        c = g.const(_const_operand(s).arg.tensor)
+        op = _const_operand(s)  # its Constant as is: hashing a weight again costs ~1 ms per MB
+        c = g.push(Op.CONST, op.dtype, op.shape, (), op.arg)
         srcs.append(c if s.op is Op.CONST else g.push(Op.BROADCAST, s.dtype, s.shape, (c,)))
     g.output(g.push(n.op, n.dtype, n.shape, srcs, n.arg))
     try:

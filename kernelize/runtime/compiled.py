@@ -21,8 +21,11 @@ import itertools
 import logging
 import math
 import sys
+import threading
+import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -154,21 +157,50 @@ def _build(graph: Graph, backend: str, device: torch.device, plan: Any, pool_out
 
 def _compile_all(impl: Backend, kernels: Sequence[Kernel]) -> dict[str, CompiledKernel]:
     """Compile every generated kernel, batched when the backend can (``compile_many``), behind a progress
-    bar on an interactive terminal when there is more than a handful."""
+    bar on an interactive terminal once compiling takes more than half a second (a warm start, all kernels
+    cached, shows none)."""
     from tqdm.auto import tqdm
 
     if not kernels:
         return {}
-    with tqdm(
-        total=len(kernels),
-        desc=f"compiling {impl.name} kernels",
-        unit="kernel",
-        disable=None,
-        leave=False,
-        delay=0.5,
-    ) as bar:
+    with (
+        tqdm(
+            total=len(kernels),
+            desc=f"compiling {impl.name} kernels",
+            unit="kernel",
+            disable=None,
+            leave=False,
+            delay=BAR_DELAY_S,
+        ) as bar,
+        _ticking(bar),
+    ):
         done = impl.compile_many(kernels, bar.update)
     return {k.name: c for k, c in zip(kernels, done)}
+
+
+BAR_DELAY_S = 0.5
+
+
+@contextmanager
+def _ticking(bar: Any, every_s: float = 0.25) -> Iterator[None]:
+    """Redraw ``bar`` (its elapsed time) every ``every_s`` once its delay has passed: kernels finish a whole
+    translation unit at a time, and tqdm draws a delayed bar only when it is updated, so a compile of two
+    units would show nothing until it was over."""
+    stop = threading.Event()
+    start = time.monotonic()
+
+    def tick() -> None:
+        while not stop.wait(every_s):
+            if time.monotonic() - start >= BAR_DELAY_S:
+                bar.refresh()
+
+    ticker = threading.Thread(target=tick, name="kernelize-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
 
 
 @dataclass(frozen=True)

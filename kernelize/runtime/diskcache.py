@@ -5,9 +5,15 @@ processes.
 ``key_parts`` (source text, compiler version, flags...). On a miss it calls ``build_fn(tmp_path)`` to write
 the artifact to a temporary name in the cache folder, records its sha256 in a sidecar ``<key>.sha256`` and
 publishes both with ``os.replace`` (atomic), all under a ``filelock.FileLock`` so concurrent processes
-build once. On a hit the artifact's hash is checked against the sidecar: a truncated or corrupt entry is
-rebuilt, never returned. The sidecar is a corruption check, not a trust boundary: whoever can write the
-folder can write a matching sidecar. Trust comes from the folder checks.
+build once. On a hit the artifact is checked against the sidecar: a truncated or overwritten entry is
+rebuilt, never returned. The sidecar also records the artifact's size, mtime and inode as published (the
+mtime set seconds back, so any later write moves it): an entry that still has them is not rehashed (a
+transformer's 440 MB optimized graph took 0.2-0.3 s to hash on every warm start); any other is checked by
+its sha256. The sidecar is a corruption check, not a trust boundary: whoever can write the folder can write
+a matching sidecar. Trust comes from the folder checks.
+
+:func:`remembered_sha256` hashes a file that is not ours (a model) once per file identity (path, inode,
+size, mtime, ctime) and remembers the digest in the sub folder ``digests``.
 
 The folder is ``$KERNELIZE_CACHE_DIR`` or ``~/.cache/kernelize``; missing components are created with mode
 0700. Since what it holds gets loaded and run (``dlopen``, ``import``), it is used only when, after
@@ -87,6 +93,51 @@ def file_sha256(path: Path) -> str:
             return hashlib.sha256().hexdigest()
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             return hashlib.sha256(m).hexdigest()
+
+
+RACY_SECONDS = 1.0  # a file changed this recently may still change within the same timestamp tick
+DIGESTS = "digests"  # the cache sub folder of remembered file digests
+_digests: dict[tuple, str] = {}
+
+
+def file_identity(path: Path) -> tuple:
+    """What changes whenever a file's content does: (real path, device, inode, size, mtime, ctime), in ns.
+    Writing a file in place moves its mtime and ctime, replacing it gives another inode, and the ctime
+    cannot be set back (``os.utime`` moves it too)."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def remembered_sha256(path: Path) -> str:
+    """:func:`file_sha256` of ``path``, remembered per :func:`file_identity` (in this process and in the
+    cache sub folder ``digests``), so an unchanged 440 MB model file is hashed once, not on every load.
+
+    A file whose mtime or ctime is within :data:`RACY_SECONDS` of now is hashed and not remembered: a
+    write in the same timestamp tick as our look would leave its identity unchanged (git's "racily clean"
+    files).
+
+    Example:
+        >>> remembered_sha256(Path("model.onnx"))  # doctest: +SKIP
+        'e3b0c442...'
+    """
+    ident = file_identity(path)
+    if ident in _digests:
+        return _digests[ident]
+    name = cache_key([repr(ident)])
+    memo = cache_dir(DIGESTS) / name
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            _digests[ident] = digest
+            return digest
+    except (OSError, UnicodeDecodeError):
+        pass
+    digest = file_sha256(path)
+    if time.time_ns() - max(ident[4], ident[5]) > RACY_SECONDS * 1e9 and file_identity(path) == ident:
+        _digests[ident] = digest
+        cached_file(DIGESTS, name, f"{digest}\n".encode())
+    return digest
 
 
 # --- folder checks ------------------------------------------------------------------------------------------
@@ -268,14 +319,60 @@ def _temporary(folder: Path, stem: str, suffix: str) -> Path:
 
 
 def _valid(artifact: Path, sidecar: Path) -> bool:
+    """Whether ``artifact`` is what its sidecar recorded: the same size, mtime and inode as when it was
+    published (its mtime was set to a moment before then, so any later write moves it), else the same
+    sha256."""
     try:
-        want = sidecar.read_text().strip()
-    except (OSError, UnicodeDecodeError):
+        want, *stamp = sidecar.read_text().split()
+    except (OSError, UnicodeDecodeError, ValueError):
         return False
     try:
+        if stamp and stamp == _stamp(artifact):
+            return True
         return artifact.is_file() and file_sha256(artifact) == want
     except OSError:
         return False
+
+
+def _stamp(path: Path) -> list[str]:
+    st = os.stat(path)
+    return [str(st.st_size), str(st.st_mtime_ns), str(st.st_ino)] if stat.S_ISREG(st.st_mode) else []
+
+
+def _publish(tmp: Path, artifact: Path, sidecar: Path) -> None:
+    """Move a built ``tmp`` to ``artifact`` with its sidecar: sha256, then size, mtime and inode.
+
+    The mtime is set a few seconds back first, so a write after publishing (which stamps the current
+    time) always changes it, even within one timestamp tick; the stamp lets a hit skip rehashing.
+    """
+    past = time.time_ns() - int(2 * RACY_SECONDS * 1e9)
+    os.utime(tmp, ns=(past, past))
+    tmp_side = tmp.with_name(tmp.name + ".sha256")
+    try:
+        digest = file_sha256(tmp)
+        os.replace(tmp, artifact)  # a rename keeps the inode and the mtime
+        tmp_side.write_text(" ".join([digest, *_stamp(artifact)]) + "\n")
+        # artifact first, sidecar last: a reader that sees the new sidecar sees the new artifact
+        os.replace(tmp_side, sidecar)
+    finally:
+        tmp_side.unlink(missing_ok=True)
+
+
+def _place(key_parts: Iterable[str | bytes], suffix: str) -> tuple[str, Path]:
+    key = cache_key(key_parts)
+    return key, _entry_folder(cache_dir(), (f"{key}{suffix}", f"{key}.sha256", f"{key}.lock"))
+
+
+def cached(key_parts: Iterable[str | bytes], suffix: str = "") -> Path | None:
+    """The valid artifact :func:`get_or_build` would return for ``key_parts`` without building, or None.
+
+    Example:
+        >>> cached(["source", "gcc 12", "-O3"], ".bin")  # doctest: +SKIP
+        PosixPath('/home/me/.cache/kernelize/5d1c....bin')
+    """
+    key, folder = _place(key_parts, suffix)
+    artifact = folder / f"{key}{suffix}"
+    return artifact if _valid(artifact, folder / f"{key}.sha256") else None
 
 
 def get_or_build(
@@ -293,8 +390,7 @@ def get_or_build(
         >>> path.read_bytes()  # doctest: +SKIP
         b'x'
     """
-    key = cache_key(key_parts)
-    folder = _entry_folder(cache_dir(), (f"{key}{suffix}", f"{key}.sha256", f"{key}.lock"))
+    key, folder = _place(key_parts, suffix)
     artifact = folder / f"{key}{suffix}"
     sidecar = folder / f"{key}.sha256"
     # the sidecar only detects corruption: the folder checks in cache_dir() are what make a hit trustworthy
@@ -306,16 +402,11 @@ def get_or_build(
         if artifact.exists() or sidecar.exists():
             logger.warning("kernelize cache entry %s is corrupt or incomplete; rebuilding", artifact.name)
         tmp = _temporary(folder, key[:16], suffix)
-        tmp_side = tmp.with_name(tmp.name + ".sha256")
         try:
             build_fn(tmp)
-            tmp_side.write_text(file_sha256(tmp) + "\n")
-            # artifact first, sidecar last: a reader that sees the new sidecar sees the new artifact
-            os.replace(tmp, artifact)
-            os.replace(tmp_side, sidecar)
+            _publish(tmp, artifact, sidecar)
         finally:
             tmp.unlink(missing_ok=True)
-            tmp_side.unlink(missing_ok=True)
     logger.debug("built cache entry %s", artifact)
     return artifact
 
@@ -350,10 +441,13 @@ __all__ = [
     "CacheFolderError",
     "cache_dir",
     "cache_key",
+    "cached",
     "cached_file",
     "fallback_dir",
+    "file_identity",
     "file_sha256",
     "folder_problem",
     "get_or_build",
     "private_folder",
+    "remembered_sha256",
 ]

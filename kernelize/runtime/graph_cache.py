@@ -23,6 +23,7 @@ import json
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
@@ -35,7 +36,7 @@ from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Constant, Graph, Node, Op
 from kernelize.ir.shapes import Sym
 from kernelize.runtime.cache import graph_fingerprint
-from kernelize.runtime.diskcache import file_sha256, get_or_build
+from kernelize.runtime.diskcache import cached, file_identity, get_or_build, remembered_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,11 @@ def load_optimized_onnx(
 
     A model whose bytes may name external data files is not cached (their content is not part of the key).
     The cached tensors are memory-mapped from the entry (copy-on-write), so a warm start reads each weight
-    page once, when it is first used.
+    page once, when it is first used. The model file's sha256 is remembered per file identity
+    (``diskcache.remembered_sha256``): an unchanged file is not hashed again. On a miss the graph is
+    returned at once and the entry written by a background thread (saving and hashing a transformer's
+    330-440 MB of weights took ~1 s of a cold start); the process waits for it at exit, and
+    :func:`wait_for_cache_writes` waits for it sooner.
 
     Example:
         >>> g = load_optimized_onnx("model.onnx", dynamic_dims={"batch": 8})  # doctest: +SKIP
@@ -199,17 +204,39 @@ def load_optimized_onnx(
         return optimize(load_onnx(path, dynamic_dims=dynamic_dims, fold_limit=fold_limit), settings)
 
     try:
-        digest = file_sha256(Path(path))
+        ident = file_identity(Path(path))
+        digest = remembered_sha256(Path(path))
         limit = fold_limit_bytes(fold_limit)
     except (OSError, ValueError):
         return fresh()  # load_onnx names the problem
     key = _key(digest, dynamic_dims, limit, settings)
-    built: list[Graph] = []
+    _wait_for(key)  # a write of this entry still under way in this process
+    entry = cached(key, SUFFIX)
+    if entry is not None:
+        return graph_from_state(torch.load(entry, weights_only=True, mmap=True))
+    graph = fresh()
+    writer = threading.Thread(
+        target=_write, args=(key, graph, Path(path), ident), name="kernelize-graph-cache"
+    )
+    with _WRITES_LOCK:
+        _WRITES[key] = writer
+    writer.start()
+    return graph
+
+
+SUFFIX = ".graph.pt"
+_WRITES: dict[tuple, threading.Thread] = {}  # entries being written by this process
+_WRITES_LOCK = threading.Lock()
+
+
+def _write(key: tuple, graph: Graph, path: Path, ident: tuple) -> None:
+    """Write ``graph``'s cache entry (in the background: nothing waits for it but the next load of it),
+    unless the model file is no longer the one (``ident``) whose digest is in ``key``."""
 
     def build(tmp: Path) -> None:
-        graph = fresh()
-        built.append(graph)
-        if _may_use_external_data(Path(path)):
+        if file_identity(path) != ident:
+            raise UncacheableGraph("the file changed while it was loaded")
+        if _may_use_external_data(path):
             raise UncacheableGraph("it may read external data files, whose content is not in the key")
         state = graph_state(graph)  # raises UncacheableGraph: nothing is written
         if graph_fingerprint(graph_from_state(state)) != graph_fingerprint(graph):
@@ -217,13 +244,35 @@ def load_optimized_onnx(
         torch.save(state, tmp)
 
     try:
-        entry = get_or_build(key, build, ".graph.pt")
+        get_or_build(key, build, SUFFIX)
     except UncacheableGraph as e:
         logger.info("optimized graph of %s not cached: %s", path, e)
-        return built[0] if built else fresh()
-    if built:
-        return built[0]
-    return graph_from_state(torch.load(entry, weights_only=True, mmap=True))
+    except Exception:  # a failed write only costs the next start the load: never the caller's problem
+        logger.warning("optimized graph of %s not cached", path, exc_info=True)
+    finally:
+        with _WRITES_LOCK:
+            if _WRITES.get(key) is threading.current_thread():
+                del _WRITES[key]
+
+
+def _wait_for(key: tuple) -> None:
+    with _WRITES_LOCK:
+        writer = _WRITES.get(key)
+    if writer is not None:
+        writer.join()
+
+
+def wait_for_cache_writes() -> None:
+    """Wait until the cache entries :func:`load_optimized_onnx` is writing in the background are written.
+
+    Example:
+        >>> g = load_optimized_onnx("model.onnx")  # doctest: +SKIP
+        >>> wait_for_cache_writes()  # the entry is on disk now  # doctest: +SKIP
+    """
+    with _WRITES_LOCK:
+        writers = list(_WRITES.values())
+    for writer in writers:
+        writer.join()
 
 
 __all__ = [
@@ -234,4 +283,5 @@ __all__ = [
     "graph_from_state",
     "graph_state",
     "load_optimized_onnx",
+    "wait_for_cache_writes",
 ]

@@ -690,3 +690,92 @@ def test_masked_softmax_matches_reference(dtype):
     torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=atol)
     assert torch.isfinite(got.float()).all()
     torch.testing.assert_close(got.float().sum(-1), torch.ones(n), rtol=1e-2, atol=1e-2)
+
+
+# ---- compile units: identical kernels compile once ------------------------------------------------
+def _layers_graph(layers: int) -> Graph:
+    """``layers`` identical blocks (norm, matmul, exp) over weights of one shape: one kernel per block and
+    kind, with the same source up to the kernel's name."""
+    g = Graph()
+    h = g.input("x", (Sym.of("n"), 64), DType.F32)
+    for i in range(layers):
+        w = g.input(f"w{i}", (64, 64), DType.F32)
+        h = g.exp(g.mul(g.matmul(g.rmsnorm(h, None, 1e-6), w), g.scalar(0.01, DType.F32)))
+    g.output(h)
+    return g
+
+
+def test_identical_kernels_compile_once_and_run_each_with_its_own_operands(monkeypatch):
+    import re
+
+    from kernelize.codegen import cpu
+    from kernelize.runtime.compiled import compile_graph
+
+    units: list[str] = []
+    real = cpu.build_shared_object
+
+    def spy(source: str, name: str = "kernel"):
+        units.append(source)
+        return real(source, name)
+
+    monkeypatch.setattr(cpu, "build_shared_object", spy)
+    g = _layers_graph(4)
+    cg = compile_graph(g, backend="cpu", cache=False)
+    defined = {m for src in units for m in re.findall(r"\bkz_k\d+\b", src)}
+    assert len(cg.kernels) >= 4 and 0 < len(defined) < len(cg.kernels)
+    xs = [rand((5, 64), DType.F32)] + [rand((64, 64), DType.F32) for _ in range(4)]
+    for rows in (5, 40):  # the few-row function and torch's GEMM plus the epilogue
+        xs[0] = rand((rows, 64), DType.F32)
+        for got, want in zip(cg(*xs), evaluate(g, xs)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_same_source_groups_blank_only_the_entry_points_name():
+    from kernelize.codegen.cpu import same_source_groups
+
+    k = {n: Kernel(name=n, kind=KernelKind.POINTWISE, domain=()) for n in ("k1", "k10")}
+    parts = {0: [(k["k1"], ())], 1: [(k["k10"], ())], 2: [(k["k1"], ())]}
+    rendered = {"k1": ("void kz_k1(){kz_k10();}", "kz_k1"), "k10": ("void kz_k10(){kz_k10();}", "kz_k10")}
+    # k1 calls kz_k10, k10 calls itself: not the same program
+    assert same_source_groups([0, 1, 2], parts, rendered) == {0: [0, 2], 1: [1]}
+
+
+def test_unit_chunks_balance_by_size_and_keep_order():
+    from kernelize.codegen.cpu import unit_chunks
+
+    chunks = unit_chunks([10, 11, 12, 13], [100, 1, 1, 100], most=2)
+    assert sorted(chunks) == [[10, 11], [12, 13]] or sorted(chunks) == [[10, 12], [11, 13]]
+    assert all(c == sorted(c) for c in chunks)
+
+
+def test_matmul_of_static_many_rows_builds_only_its_epilogue(monkeypatch):
+    import re
+
+    from kernelize.codegen import cpu
+    from kernelize.runtime.compiled import compile_graph
+
+    units: list[str] = []
+    real = cpu.build_shared_object
+    monkeypatch.setattr(
+        cpu, "build_shared_object", lambda src, name="k": units.append(src) or real(src, name)
+    )
+    g = Graph()
+    x, w = g.input("x", (40, 64), DType.F32), g.input("w", (64, 32), DType.F32)
+    g.output(g.exp(g.mul(g.matmul(x, w), g.scalar(0.01, DType.F32))))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    (k,) = [k for k in cg.plan.kernels if k.kind is KernelKind.MATMUL]
+    names = {m for src in units for m in re.findall(r"\bkz_\w+", src)}
+    assert f"kz_{k.name}_epilogue" in names and f"kz_{k.name}" not in names
+    xs = [rand((40, 64), DType.F32), rand((64, 32), DType.F32)]
+    torch.testing.assert_close(cg(*xs)[0], evaluate(g, xs)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_compile_many_gives_each_kernel_the_source_and_results_of_compiling_it_alone():
+    from kernelize.autokernel.plan import plan
+
+    g = _layers_graph(3)
+    kernels = [k for k in plan(g, BACKEND.plan_settings).kernels if k.kind is not KernelKind.LIBRARY]
+    many = BACKEND.compile_many(kernels)
+    alone = [BACKEND.compile(k) for k in kernels]
+    assert [c.source for c in many] == [c.source for c in alone]
+    assert [c.name for c in many] == [k.name for k in kernels]

@@ -417,3 +417,31 @@ def test_models_failing_the_onnx_checker_are_refused_from_a_file_bytes_or_a_prot
     for src in (path, str(path), model.SerializeToString(), model):
         with pytest.raises(ValueError, match="fails the ONNX checker"):
             load_onnx(src)
+
+
+def test_large_initializers_are_checked_by_size_and_the_graph_by_the_checker(tmp_path):
+    """Large weights skip the checker (parsing them took seconds), yet a bad model is still refused."""
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    good = _model(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [helper.make_tensor_value_info("x", F32, [2, 64])],
+        [_out("y", 2)],
+        [_init("w", w)],
+    )
+    x = np.ones((2, 64), np.float32)
+    (y,) = evaluate(load_onnx(good), [torch.from_numpy(x)])
+    torch.testing.assert_close(y, torch.from_numpy(x @ w))
+    dangling = _model(
+        [helper.make_node("MatMul", ["nowhere", "w"], ["y"])],
+        [helper.make_tensor_value_info("x", F32, [2, 64])],
+        [_out("y", 2)],
+        [_init("w", w)],
+    )
+    short = onnx.ModelProto()
+    short.CopyFrom(good)
+    short.graph.initializer[0].raw_data = w.tobytes()[:-4]
+    for model in (dangling, short):
+        path = tmp_path / "bad.onnx"
+        onnx.save(model, str(path))
+        with pytest.raises(ValueError, match="fails the ONNX checker"):
+            load_onnx(path)

@@ -154,3 +154,23 @@ def test_casts_move_below_broadcasts_and_into_concat_branches():
     assert all(n.src[0].op is not Op.CONCAT for n in casts)
     xs = [torch.randn(3, 1, 8).bfloat16(), torch.randn(3, 4, 8).bfloat16()]
     torch.testing.assert_close(evaluate(out, xs)[0], evaluate(g, xs)[0])
+
+
+def test_view_of_a_constant_folds_to_a_view_with_the_digest_of_its_values(monkeypatch):
+    import kernelize.ir.graph as graph_module
+
+    g = Graph()
+    x = g.input("x", (2, 64), "f32")
+    w = torch.randn(64, 4, 16)
+    g.output(g.matmul(x, g.view(g.const(w), (64, 64))))
+    hashed = []
+    real = graph_module.hashlib.sha1
+    monkeypatch.setattr(graph_module.hashlib, "sha1", lambda data=b"": hashed.append(len(data)) or real(data))
+    out = folded(g)
+    assert max(hashed) < w.nbytes  # the weight's bytes were not hashed again
+    monkeypatch.undo()
+    (c,) = [n.arg for n in out.nodes if n.op is Op.CONST]
+    assert c.tensor.shape == (64, 64) and c.tensor.data_ptr() == g.nodes[1].arg.tensor.data_ptr()
+    assert c == graph_module.Constant(w.reshape(64, 64).clone())  # equal values, equal digests
+    t = torch.randn(2, 64)
+    torch.testing.assert_close(evaluate(out, [t])[0], evaluate(g, [t])[0])

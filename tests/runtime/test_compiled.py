@@ -383,3 +383,31 @@ def test_unpooled_outputs_are_fresh_and_cached_apart() -> None:
     out = fresh(a)[0]
     assert sys.getrefcount(out) == 2
     torch.testing.assert_close(out, a.exp())
+
+
+def test_progress_bar_is_drawn_while_a_slow_compile_runs(monkeypatch):
+    """Kernels finish a translation unit at a time: the bar must show (and tick) before the first one."""
+    import time
+
+    from kernelize.runtime import compiled
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    seen_during: list[str] = []
+
+    class Slow:
+        name = "slow"
+
+        def compile_many(self, kernels, progress):
+            time.sleep(compiled.BAR_DELAY_S + 0.6)
+            seen_during.append(err.getvalue())
+            progress(len(kernels))
+            return ["done"] * len(kernels)
+
+    kernels = [Kernel(name=f"k{i}", kind=KernelKind.POINTWISE, domain=()) for i in range(3)]
+    assert compiled._compile_all(Slow(), kernels) == {"k0": "done", "k1": "done", "k2": "done"}
+    assert "compiling slow kernels" in seen_during[0] and "0/3" in seen_during[0]

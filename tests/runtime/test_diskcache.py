@@ -360,3 +360,18 @@ def test_temporaries_of_killed_builds_are_swept_once_stale(folder, monkeypatch):
     monkeypatch.setattr(diskcache, "_swept", set())
     get_or_build(["other"], _builder([]), ".so")
     assert not any(p.exists() for p in left) and fresh.exists()
+
+
+def test_hit_with_the_published_stamp_is_not_rehashed(folder, monkeypatch):
+    import kernelize.runtime.diskcache as diskcache
+
+    calls: list = []
+    path = get_or_build(["stamped"], _builder(calls, b"x" * 1000), ".so")
+    hashed: list = []
+    real = diskcache.file_sha256
+    monkeypatch.setattr(diskcache, "file_sha256", lambda p: hashed.append(p) or real(p))
+    assert get_or_build(["stamped"], _builder(calls, b"x" * 1000), ".so") == path
+    assert hashed == [] and len(calls) == 1
+    path.write_bytes(b"y" * 1000)  # same size, in place, within the same timestamp tick maybe
+    assert get_or_build(["stamped"], _builder(calls, b"x" * 1000), ".so") == path
+    assert len(calls) == 2 and path.read_bytes() == b"x" * 1000

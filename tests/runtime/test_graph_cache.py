@@ -5,6 +5,7 @@ trip of every argument kind."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import onnx
@@ -13,6 +14,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kernelize.ir.onnx_frontend as onnx_frontend
+import kernelize.runtime.diskcache as diskcache
 from kernelize.ir.graph import Constant, Graph
 from kernelize.ir.ops import AttentionArgs
 from kernelize.ir.reference import evaluate
@@ -27,6 +29,7 @@ from kernelize.runtime.graph_cache import (
     graph_from_state,
     graph_state,
     load_optimized_onnx,
+    wait_for_cache_writes,
 )
 
 
@@ -89,6 +92,7 @@ def loads(monkeypatch):
 
 
 def entries(cache) -> list:
+    wait_for_cache_writes()  # entries are written in the background
     return sorted(cache.glob("*.graph.pt"))
 
 
@@ -128,6 +132,53 @@ def test_key_follows_file_content_dims_and_settings(model_path, loads, _cache_di
     assert len(entries(_cache_dir)) == 4
     fresh = optimize(onnx_frontend.load_onnx(model_path, dynamic_dims={"batch": 2}))
     assert graph_fingerprint(g) == graph_fingerprint(fresh)
+
+
+def _edit_weight_in_place(path, seed: int = 0) -> None:
+    """Change one float of the initializer ``w`` inside the file, keeping its size (and inode)."""
+    w = np.random.default_rng(seed).standard_normal((32, 48)).astype(np.float32)
+    with open(path, "r+b") as f:
+        data = f.read()
+        at = data.find(w.tobytes())
+        assert at >= 0
+        f.seek(at)
+        f.write(np.float32(w.flat[0] + 1.0).tobytes())
+
+
+def test_file_edited_in_place_right_after_a_load_is_never_a_stale_hit(model_path):
+    """The same size, inode and (within one timestamp tick) maybe the same mtime: the digest of a file
+    changed this recently is not remembered, so the edit is seen."""
+    x = torch.randn(2, 8, 32)
+    (before,) = evaluate(load_optimized_onnx(model_path, dynamic_dims={"batch": 2}), [x])
+    size = model_path.stat().st_size
+    _edit_weight_in_place(model_path)
+    assert model_path.stat().st_size == size
+    g = load_optimized_onnx(model_path, dynamic_dims={"batch": 2})
+    (after,) = evaluate(g, [x])
+    assert not torch.equal(before, after)
+    fresh = optimize(onnx_frontend.load_onnx(model_path, dynamic_dims={"batch": 2}))
+    assert graph_fingerprint(g) == graph_fingerprint(fresh)
+
+
+def test_unchanged_file_is_hashed_once_and_an_edit_is_seen(model_path, monkeypatch):
+    hashed = []
+    real = diskcache.file_sha256
+    monkeypatch.setattr(diskcache, "file_sha256", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(diskcache, "RACY_SECONDS", 0.0)  # the file was written just now
+    monkeypatch.setattr(diskcache, "_digests", {})
+    first = load_optimized_onnx(model_path)
+    wait_for_cache_writes()
+    model_hashes = lambda: sum(1 for p in hashed if p == model_path)  # noqa: E731
+    assert model_hashes() == 1
+    diskcache._digests.clear()  # a new process: the digest comes from the cache folder
+    second = load_optimized_onnx(model_path)
+    assert model_hashes() == 1 and graph_fingerprint(first) == graph_fingerprint(second)
+    # the published entry is never rehashed: its stamp is the one recorded (only the temporary was hashed)
+    assert not [p for p in hashed if p.suffix == ".pt" and not p.name.startswith(".tmp-")]
+    _edit_weight_in_place(model_path)
+    os.utime(model_path, ns=(model_path.stat().st_atime_ns, 0))  # even with an old mtime: the ctime moved
+    third = load_optimized_onnx(model_path)
+    assert model_hashes() == 2 and graph_fingerprint(third) != graph_fingerprint(first)
 
 
 def test_model_with_external_data_is_not_cached(tmp_path, _cache_dir):
@@ -219,3 +270,18 @@ def test_every_op_argument_class_has_a_description() -> None:
         name for name, c in vars(ops).items() if name.endswith("Args") and dataclasses.is_dataclass(c)
     }
     assert len(arg_classes) >= 6 and arg_classes <= set(DATACLASSES), arg_classes - set(DATACLASSES)
+
+
+def test_file_changed_while_loading_writes_no_entry(model_path, monkeypatch, _cache_dir):
+    real = onnx_frontend.load_onnx
+
+    def load_then_edit(*args, **kw):
+        graph = real(*args, **kw)
+        edited = encoder_model(seed=2)
+        edited.doc_string = "edited"  # another size: the edit is seen even within one timestamp tick
+        onnx.save(edited, str(model_path))  # the digest in the key is now stale
+        return graph
+
+    monkeypatch.setattr(onnx_frontend, "load_onnx", load_then_edit)
+    load_optimized_onnx(model_path)
+    assert entries(_cache_dir) == []
