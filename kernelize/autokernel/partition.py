@@ -26,7 +26,7 @@ from typing import Any
 
 from kernelize.autokernel.kernels import KernelKind
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, Graph, Node, Op
-from kernelize.ir.shapes import Dim
+from kernelize.ir.shapes import Dim, numel
 
 POINTWISE_OPS = ELEMENTWISE | {Op.CONCAT, Op.PAD, Op.GATHER}
 ANCHORS = REDUCE | ROW | {Op.MATMUL}
@@ -480,10 +480,19 @@ def is_column_reduction(n: Node) -> bool:
     return n.op in (Op.SUM, Op.MEAN) and n.src[0].rank >= 2 and n.src[0].rank - 1 not in n.arg
 
 
+# the longest static row whose column sums a row kernel accumulates: each thread keeps a float and a double
+# partial per column (12 bytes), which must stay in its L2 next to the rows; longer rows go to torch
+ACCUMULATE_MAX_COLUMNS = 16384
+
+
 def is_leading_sum(n: Node) -> bool:
-    """A float sum or mean over a leading run of axes (``x.sum((0, 1))`` of a rank-3 ``x``): a column sum a
-    ROW kernel over ``x``'s own layout can accumulate per column."""
-    return is_column_reduction(n) and n.dtype.is_float and n.arg == tuple(range(len(n.arg)))
+    """A float sum or mean over a leading run of axes (``x.sum((0, 1))`` of a rank-3 ``x``) keeping at most
+    :data:`ACCUMULATE_MAX_COLUMNS` static elements: a column sum a ROW kernel over ``x``'s own layout can
+    accumulate per column."""
+    if not (is_column_reduction(n) and n.dtype.is_float and n.arg == tuple(range(len(n.arg)))):
+        return False
+    kept = numel(n.src[0].shape[len(n.arg) :])
+    return isinstance(kept, int) and kept <= ACCUMULATE_MAX_COLUMNS
 
 
 def kind_of(

@@ -8,7 +8,7 @@ import torch
 from spec_interpreter import run
 
 from kernelize.autokernel.kernels import KernelKind
-from kernelize.autokernel.partition import is_column_reduction
+from kernelize.autokernel.partition import ACCUMULATE_MAX_COLUMNS, is_column_reduction
 from kernelize.autokernel.plan import PlanSettings, plan
 from kernelize.ir.graph import Graph, Op
 from kernelize.ir.reference import evaluate
@@ -151,3 +151,13 @@ def test_cpu_column_sums_with_any_team(threads: int) -> None:
         torch.set_num_threads(old)
     for a, b in zip(got, evaluate(g, ins)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_accumulate_leaves_long_or_symbolic_rows_to_the_library() -> None:
+    """Per-thread partials of a very long (or unknown) row would not stay in cache: torch sums those."""
+    g = Graph()
+    x = g.input("x", ("n", "m"), "f32")
+    y = g.input("y", ("n", ACCUMULATE_MAX_COLUMNS + 1), "f32")
+    g.output(g.reduce(Op.SUM, g.exp(x), 0), g.reduce(Op.SUM, g.exp(y), 0))
+    kinds = [k.kind for k in plan(g, ACCUMULATE).kernels]
+    assert kinds.count(KernelKind.LIBRARY) == 2
