@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from kernelize.autokernel.indexing import Affine, NotAffine
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
 from kernelize.autokernel.layout import DenseLayout, nhwc_strides
-from kernelize.autokernel.partition import POINTWISE_OPS, Group, is_axis, operand_sel
+from kernelize.autokernel.partition import POINTWISE_OPS, Group, column_member, is_axis, operand_sel
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, SOURCE, Node, Op
 from kernelize.ir.ops import ConcatArgs
 from kernelize.ir.shapes import shape_str
@@ -237,7 +237,9 @@ class BodyBuilder:
         got = self._have(keys)
         if not isinstance(got[0], int):
             return got
-        if v.op in REDUCE:
+        if v.op in REDUCE and column_member(self.g, v, sel):
+            arg = tuple(a for a in range(self.ndom) if a not in self.g.row_axes)
+        elif v.op in REDUCE:
             arg = self.g.row_axes
         elif v.op in (Op.SOFTMAX, Op.LOG_SOFTMAX):
             arg = self.ndom - 1

@@ -110,9 +110,16 @@ def _target(n: Node, src: list[Node]) -> tuple | None:
         q = s.src[0]
         if q.op in SOURCE or q.op in LAYOUT:
             continue
-        if all(_strided(o, q.shape) for o in src if o is not s):
+        others = [o for o in src if o is not s]
+        if all(_strided(o, q.shape) for o in others) and not any(_merges_concat(o, q.shape) for o in others):
             return q.shape
     return None
+
+
+def _merges_concat(o: Node, shape: tuple) -> bool:
+    """Whether reading concat ``o`` at ``shape`` merges its axes: a concat is masked loads selecting on its
+    axis, which a merged index no longer is (the planner would write the concat to memory instead)."""
+    return o.op is Op.CONCAT and len(shape) < o.rank
 
 
 def _unflattened_matmul(out: Graph, src: list[Node]) -> Node | None:

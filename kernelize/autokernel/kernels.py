@@ -35,9 +35,12 @@ Kinds:
 * ``LIBRARY``: ``node`` (conv, pool, or a matmul better left to a library) runs as one torch call on
   ``inputs``; no body.
 
-Reductions and row ops in a ``ROW`` kernel always work over the row: a reduction's ``Compute.arg`` is the
+Reductions and row ops in a ``ROW`` kernel work over the row: a reduction's ``Compute.arg`` is the
 tuple of row axes of the domain (``x.sum(dim=arg, keepdim=True)`` over domain-shaped values), softmax and
-log-softmax carry the domain axis of the row (the last), norms keep the graph node's ``arg``.
+log-softmax carry the domain axis of the row (the last), norms keep the graph node's ``arg``. The one
+exception is a *column sum* (``PlanSettings(column_reduce="accumulate")``): a sum or mean whose ``arg`` is
+every axis outside the row; its value varies along the row, nothing in the kernel reads it, and it is only
+stored (strides 0 on the outer axes), once every row has been added (see :func:`column_sums`).
 
 Example (``y = x * rsqrt(mean(x*x) + eps) * w`` over rows of 4096, as an rmsnorm row kernel)::
 
@@ -230,7 +233,7 @@ def row_invariant(kernel: Kernel) -> list[bool]:
                 all(s == 0 for s in row_strides) and not row_masks and all(out[i.value] for i in e.indirect)
             )
         elif e.op in REDUCE:
-            out.append(True)
+            out.append(not _is_column_sum(kernel, e))
         elif e.op in ROW:
             out.append(False)
         elif e.op is Op.CONCAT:
@@ -238,3 +241,15 @@ def row_invariant(kernel: Kernel) -> list[bool]:
         else:
             out.append(all(out[s] for s in e.src))
     return out
+
+
+def _is_column_sum(kernel: Kernel, e: Compute) -> bool:
+    split = len(kernel.domain) - kernel.row_rank
+    return e.op in REDUCE and bool(e.arg) and all(a < split for a in e.arg)
+
+
+def column_sums(kernel: Kernel) -> list[int]:
+    """The body positions of a ROW kernel's column sums (sums over every axis outside the row)."""
+    if kernel.kind is not KernelKind.ROW:
+        return []
+    return [i for i, e in enumerate(kernel.body) if isinstance(e, Compute) and _is_column_sum(kernel, e)]

@@ -26,7 +26,7 @@ from typing import Any
 
 from kernelize.autokernel.kernels import KernelKind
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, Graph, Node, Op
-from kernelize.ir.shapes import Dim
+from kernelize.ir.shapes import Dim, numel
 
 POINTWISE_OPS = ELEMENTWISE | {Op.CONCAT, Op.PAD, Op.GATHER}
 ANCHORS = REDUCE | ROW | {Op.MATMUL}
@@ -203,8 +203,34 @@ def through_up(v: Node, sel: Sel | None, domain: Sequence[Dim], stop: set[Node])
 
 
 # -- group checks -----------------------------------------------------------------------------------------
-def member_ok(g: Group, n: Node, sel: Sel) -> bool:
-    """The member computes every element of ``n`` once per domain point it covers, as the kind allows."""
+def column_member(g: Group, n: Node, sel: Sel) -> bool:
+    """Whether member ``n`` of a ROW group is a column sum: a sum / mean over axes of the domain outside the
+    row, whose result varies along the row (each thread adds up the rows it owns, then one reduce over
+    threads). Nothing in the kernel may read it: it is complete only after every row."""
+    if g.kind is not KernelKind.ROW or n.op not in (Op.SUM, Op.MEAN):
+        return False
+    osel = operand_sel(n, 0, sel)
+    if osel is None:
+        return False
+    reduced = {osel[k] for k in n.arg if is_axis(osel[k])}
+    return bool(reduced) and not (reduced & set(g.row_axes))
+
+
+def _column_ok(g: Group, n: Node, sel: Sel) -> bool:
+    """A column sum reduces every outer axis and keeps exactly the row (the per-thread partials are rows)."""
+    osel = operand_sel(n, 0, sel)
+    rows = {a for a in g.row_axes if g.domain[a] != 1}
+    outer = {a for a, d in enumerate(g.domain) if d != 1} - rows
+    reduced = {osel[k] for k in n.arg if is_axis(osel[k]) and g.domain[osel[k]] != 1}
+    kept = {e for k, e in enumerate(osel) if k not in n.arg and is_axis(e)}
+    return reduced == outer and {a for a in kept if g.domain[a] != 1} == rows
+
+
+def member_ok(g: Group, n: Node, sel: Sel, columns: bool = False) -> bool:
+    """The member computes every element of ``n`` once per domain point it covers, as the kind allows;
+    ``columns``: a ROW group may also hold column sums over its rows (:func:`column_member`)."""
+    if columns and column_member(g, n, sel):
+        return n.dtype.is_float and _column_ok(g, n, sel)
     if len(sel) != n.rank:
         return False
     axes = [e for e in sel if is_axis(e)]
@@ -254,6 +280,7 @@ class Ctx:
     users: dict[Node, list[Node]]  # non-layout consumers through layout chains
     stop: set[Node]  # materialized layout values (copy kernels)
     merge_matmuls: bool = False  # matmuls reading the same left operand may share a kernel
+    columns: bool = False  # ROW groups may hold column sums over their rows (PlanSettings.column_reduce)
 
 
 def edges_ok(g: Group, members: Sequence[Node], ctx: Ctx) -> bool:
@@ -264,8 +291,12 @@ def edges_ok(g: Group, members: Sequence[Node], ctx: Ctx) -> bool:
             q = base(s, ctx.stop)
             if q in g.sel and not same_sel(through_down(s, operand_sel(n, i, sn), ctx.stop), g.sel[q]):
                 return False
+            if q in g.sel and ctx.columns and column_member(g, q, g.sel[q]):
+                return False  # a column sum is complete only after the kernel
         for u in ctx.users.get(n, ()):
             if u in g.sel and u not in members:
+                if ctx.columns and column_member(g, n, sn):
+                    return False
                 su = g.sel[u]
                 for i, s in enumerate(u.src):
                     if base(s, ctx.stop) is n and not same_sel(
@@ -396,7 +427,7 @@ def _combine(k: Group, o: Group, phi: list, ctx: Ctx) -> Group | None:
     for m, s in o.sel.items():
         g.sel[m] = _remap(s, phio)
     check = list(g.sel) if moved_k else list(o.sel)
-    if not all(member_ok(g, m, g.sel[m]) for m in check):
+    if not all(member_ok(g, m, g.sel[m], ctx.columns) for m in check):
         return None
     return g if edges_ok(g, check, ctx) else None
 
@@ -422,8 +453,14 @@ def _merge_matmuls(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> 
     return g
 
 
-def new_group(gid: int, n: Node, kind: KernelKind) -> Group:
-    """A group holding just ``n``; reductions and row ops put their row last."""
+def new_group(gid: int, n: Node, kind: KernelKind, columns: bool = False) -> Group:
+    """A group holding just ``n``; reductions and row ops put their row last, except that with ``columns``
+    a sum over leading axes (:func:`is_leading_sum`) keeps its operand's order: its row is what it keeps."""
+    if kind is KernelKind.ROW and columns and is_leading_sum(n):
+        x = n.src[0]
+        g = Group(gid, kind, x.shape, x.rank - len(n.arg))
+        g.sel[n] = result_sel(n, 0, tuple(range(x.rank)))
+        return g
     if kind is not KernelKind.ROW:
         g = Group(gid, kind, n.shape)
         g.sel[n] = tuple(range(n.rank))
@@ -443,9 +480,30 @@ def is_column_reduction(n: Node) -> bool:
     return n.op in (Op.SUM, Op.MEAN) and n.src[0].rank >= 2 and n.src[0].rank - 1 not in n.arg
 
 
-def kind_of(n: Node, library_matmul: bool, library_columns: bool = False) -> KernelKind:
+# the longest static row whose column sums a row kernel accumulates: each thread keeps a float and a double
+# partial per column (12 bytes), which must stay in its L2 next to the rows; longer rows go to torch
+ACCUMULATE_MAX_COLUMNS = 16384
+
+
+def is_leading_sum(n: Node) -> bool:
+    """A float sum or mean over a leading run of axes (``x.sum((0, 1))`` of a rank-3 ``x``) keeping at most
+    :data:`ACCUMULATE_MAX_COLUMNS` static elements: a column sum a ROW kernel over ``x``'s own layout can
+    accumulate per column."""
+    if not (is_column_reduction(n) and n.dtype.is_float and n.arg == tuple(range(len(n.arg)))):
+        return False
+    kept = numel(n.src[0].shape[len(n.arg) :])
+    return isinstance(kept, int) and kept <= ACCUMULATE_MAX_COLUMNS
+
+
+def kind_of(
+    n: Node, library_matmul: bool, library_columns: bool = False, columns: bool = False
+) -> KernelKind:
+    """The kind of ``n``'s own group; ``library_columns``: column sums go to torch, except that with
+    ``columns`` the leading ones (:func:`is_leading_sum`) are ROW groups accumulating per column."""
     if n.op in POINTWISE_OPS or n.op in LAYOUT:
         return KernelKind.POINTWISE
+    if columns and is_leading_sum(n):
+        return KernelKind.ROW
     if library_columns and n.dtype.is_float and is_column_reduction(n):
         return KernelKind.LIBRARY
     if n.op in REDUCE or n.op in ROW:

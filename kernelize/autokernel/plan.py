@@ -82,7 +82,11 @@ class PlanSettings:
             elementwise epilogue (``silu(x @ Wg) * (x @ Wu)``) become one MATMUL kernel with several MATMUL
             values (for backends whose matmul kernels compute several accumulators: the CPU's few-row kernel).
         column_reduce: ``"generate"`` (a sum/mean over leading axes is a ROW kernel over the transposed
-            domain) or ``"library"`` (torch reduces the materialised operand with blocked partial sums).
+            domain), ``"library"`` (torch reduces the materialised operand with blocked partial sums) or
+            ``"accumulate"`` (a float sum/mean over a leading run of axes is a column sum inside a ROW kernel
+            over its operand's own rows: the one computing the operand when they fuse, so the operand is never
+            written; each thread adds the rows it owns into per-column partial sums, then one reduce over
+            threads; other column sums go to the library).
         channels_last: 4-D buffers between convolutions (and the generated kernels around them) are laid
             out NHWC, the layout of the CPU's oneDNN convolutions (:mod:`kernelize.autokernel.layout`);
             ``Plan.channels_last`` lists them and the runtime must allocate them so.
@@ -98,15 +102,16 @@ class PlanSettings:
     horizontal: bool = True
     conv_epilogue: bool = True
     merge_matmuls: bool = False
-    column_reduce: Literal["generate", "library"] = "generate"
+    column_reduce: Literal["generate", "library", "accumulate"] = "generate"
     channels_last: bool = False
 
     def __post_init__(self) -> None:
         if self.matmul not in ("generate", "library"):
             raise ValueError(f"PlanSettings.matmul must be 'generate' or 'library', got {self.matmul!r}")
-        if self.column_reduce not in ("generate", "library"):
+        if self.column_reduce not in ("generate", "library", "accumulate"):
             raise ValueError(
-                f"PlanSettings.column_reduce must be 'generate' or 'library', got {self.column_reduce!r}"
+                "PlanSettings.column_reduce must be 'generate', 'library' or 'accumulate', "
+                f"got {self.column_reduce!r}"
             )
         if self.recompute_max_ops < 0:
             raise ValueError(f"PlanSettings.recompute_max_ops must be >= 0, got {self.recompute_max_ops}")
@@ -221,7 +226,8 @@ def _partition(
     together: Sequence[Sequence[Node]] = (),
 ) -> Partition:
     library_mm = settings.matmul == "library"
-    part = Partition(Ctx(graph, users, stop, settings.merge_matmuls))
+    columns = settings.column_reduce == "accumulate"
+    part = Partition(Ctx(graph, users, stop, settings.merge_matmuls, columns))
     prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2}  # node kinds: 3
     in_chain: dict[Node, int] = {}  # epilogue member -> gid of its CONV group
     outputs = set(graph.outputs)
@@ -229,10 +235,10 @@ def _partition(
         if n in in_chain:  # computed inside its conv's library call
             part.extend(in_chain[n], n, [base(s, stop) for s in n.src])
             continue
-        kind = kind_of(n, library_mm, settings.column_reduce == "library")
+        kind = kind_of(n, library_mm, settings.column_reduce != "generate", columns)
         if kind is KernelKind.LIBRARY and n.op is Op.CONV and settings.conv_epilogue and n.dtype.is_float:
             kind = KernelKind.CONV
-        g = new_group(len(part.parent), n, kind)
+        g = new_group(len(part.parent), n, kind, columns)
         if n in stop:
             g.copy = True
         part.add(g, [base(s, stop) for s in n.src])

@@ -47,7 +47,7 @@ from kernelize.codegen.cpu_attention import attention_launcher, render_attention
 from kernelize.codegen.render import Renderer, c_name, closure
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
-from kernelize.ir.graph import Op
+from kernelize.ir.graph import REDUCE, Op
 from kernelize.ir.shapes import numel
 from kernelize.runtime.backend import Backend, CompiledKernel, KernelCompileError
 from kernelize.runtime.diskcache import get_or_build
@@ -101,6 +101,7 @@ def _merge_axes(k: Kernel) -> Kernel:
     domain = list(k.domain)
     accs = [list(a.strides) for a in _accesses(k)]
     split = len(domain) - k.row_rank if k.kind is KernelKind.ROW else 0
+    axis = list(range(len(domain)))  # old axis -> merged axis
     d = len(domain) - 2
     while d >= 0:
         same_group = (d + 1 < split) or (d >= split)
@@ -108,13 +109,21 @@ def _merge_axes(k: Kernel) -> Kernel:
             domain[d : d + 2] = [domain[d] * domain[d + 1]]
             for s in accs:
                 s[d : d + 2] = [s[d + 1]]
+            axis = [a - 1 if a > d else a for a in axis]
             if d < split:
                 split -= 1
         d -= 1
     if len(domain) == len(k.domain):
         return k
     it = iter(accs)
-    body = tuple(replace(e, strides=tuple(next(it))) if isinstance(e, Load) else e for e in k.body)
+    body = tuple(
+        replace(e, strides=tuple(next(it)))
+        if isinstance(e, Load)
+        else replace(e, arg=tuple(sorted({axis[a] for a in e.arg})))
+        if e.op in REDUCE
+        else e
+        for e in k.body
+    )
     stores = tuple(replace(s, strides=tuple(next(it))) for s in k.stores)
     row_rank = len(domain) - split if k.kind is KernelKind.ROW else 0
     return replace(k, domain=tuple(domain), body=body, stores=stores, row_rank=row_rank)
@@ -251,7 +260,7 @@ class _Writer:
         return render_gemv(self)
 
     def row(self) -> str:
-        from kernelize.codegen.cpu_row import render_row
+        from kernelize.codegen.cpu_row import render_columns, render_row
 
         k = self.k
         split = self.rank - k.row_rank
@@ -269,6 +278,7 @@ class _Writer:
             PARALLEL_MIN=str(PARALLEL_MIN),
             OUTER_INDEX="\n".join(outer),
             ROW="\n".join(ind + line for line in render_row(self, row_invariant(k))),
+            **render_columns(self),
         )
 
 
@@ -403,12 +413,14 @@ class CpuBackend(Backend):
         """Matmuls are MATMUL kernels with the epilogue fused, and matmuls sharing their left operand share a
         kernel (``silu(x @ Wg) * (x @ Wu)``): :meth:`compile` runs them as the few-row kernel for up to
         ``FEW_ROWS`` rows and as torch's GEMM plus the epilogue kernel above (see ``cpu_gemv``). Column sums
-        (weight gradients) go to torch: the generated kernel walks each column with a row stride, measured
-        6x slower than torch's blocked partial sums on 2048x2048 f32."""
+        over leading axes (weight gradients) accumulate inside the row kernel over the same rows: each thread
+        adds its rows into partial sums in the write pass, so the summed operand (``dy * xhat``) is never
+        written; other column sums go to torch (a generated kernel walking each column with a row stride
+        was measured 6x slower than torch's blocked partial sums on 2048x2048 f32)."""
         from kernelize.autokernel.plan import PlanSettings
 
         return PlanSettings(
-            matmul="generate", merge_matmuls=True, column_reduce="library", channels_last=True
+            matmul="generate", merge_matmuls=True, column_reduce="accumulate", channels_last=True
         )
 
     def device_ok(self, device: torch.device) -> bool:

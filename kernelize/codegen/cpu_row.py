@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernelize.autokernel.kernels import Compute
+from kernelize.autokernel.kernels import Compute, column_sums
 from kernelize.codegen.render import closure, deps
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.ops import NormArgs
@@ -274,12 +274,13 @@ def render_row(w, inv: list[bool]) -> list[str]:
     split = w.rank - k.row_rank
     w.scratch_slots = 0
     row_axes = list(range(split, w.rank))
+    cols = column_sums(k)
     stage = [0] * len(k.body)
     full: dict[int, str] = {}
     passes: dict[int, list[tuple[int, _Pass]]] = {}
     for i, e in enumerate(k.body):
         start = max((stage[s] for s in deps(e)), default=0)
-        if isinstance(e, Compute) and (e.op in REDUCE or e.op in ROW):
+        if isinstance(e, Compute) and (e.op in REDUCE or e.op in ROW) and i not in cols:
             specs = _stat_passes(w, i, e, full, split)
             for j, p in enumerate(specs):
                 passes.setdefault(start + 1 + j, []).append((i, p))
@@ -315,13 +316,93 @@ def render_row(w, inv: list[bool]) -> list[str]:
         for _, sp in group:
             lines += sp.final
         scalars(p)
-    full_stores = [(j, s) for j, s in enumerate(k.stores) if not inv[s.value]]
-    if full_stores:
-        body = [w.value(j, row_axes, full) for j in closure(k, [s.value for _, s in full_stores], inv)]
+    # the write pass: full values stored, and the operands of column sums added to this thread's partials
+    full_stores = [(j, s) for j, s in enumerate(k.stores) if not inv[s.value] and s.value not in cols]
+    if full_stores or cols:
+        roots = [s.value for _, s in full_stores] + [k.body[i].src[0] for i in cols]
+        body = [w.value(j, row_axes, full) for j in closure(k, roots, inv)]
         body += [w.store(j, s, row_axes) for j, s in full_stores]
+        body += [f"kz_c{i}[{_row_pos(w, split)}] += v{k.body[i].src[0]};" for i in cols]
         lines += _loop(w, split, True, [], body)
+    if cols:
+        lines += _column_fold(cols)
     lines += [w.store(j, s, []) for j, s in enumerate(k.stores) if inv[s.value]]
     return [line for line in lines if line]
 
 
-__all__ = ["render_row"]
+COLUMN_BLOCK = 64  # rows a thread adds into its float partials before folding them into double totals
+
+
+def render_columns(w) -> dict[str, str]:
+    """The template holes of a row kernel's column sums: ``COL_ALLOC`` (before the parallel region: per
+    thread and column sum, a float row of partials and a double row of totals, padded to 64 bytes),
+    ``COL_SETUP`` (each thread zeroes its rows) and ``COL_FINISH`` (after every row: the threads split the
+    columns, add up the totals and partials and store). The write pass adds into the float partials (one
+    simd add per element); every COLUMN_BLOCK rows they fold into the totals, so a column of n rows
+    rounds like sums of 64 plus a double sum, not like one float sum of n / threads values."""
+    k, cols = w.k, column_sums(w.k)
+    if not cols:
+        return {"COL_ALLOC": "", "COL_SETUP": "", "COL_FINISH": ""}
+    nc, ind = len(cols), " " * 8
+    pt = "double" if any(k.body[i].dtype.itemsize > 4 for i in cols) else "float"  # f64 sums stay f64
+    alloc = [
+        "    const int64_t kz_cpad = (kz_rowlen + 15) / 16 * 16;",
+        f"    {pt}* const kz_cp = kz_partials<{pt}>(0, (int64_t)kz_team_n * {nc} * kz_cpad);",
+        f"    double* const kz_cq = kz_partials<double>(1, (int64_t)kz_team_n * {nc} * kz_cpad);",
+    ]
+    setup = [
+        f"{ind}const int64_t kz_cb = (int64_t)omp_get_thread_num() * {nc} * kz_cpad;",
+        f"{ind}int kz_cn = 0;",
+    ]
+    for slot, i in enumerate(cols):
+        setup += [
+            f"{ind}{pt}* __restrict kz_c{i} = kz_cp + kz_cb + {slot} * kz_cpad;",
+            f"{ind}double* __restrict kz_q{i} = kz_cq + kz_cb + {slot} * kz_cpad;",
+            f"{ind}for (int64_t kz_j = 0; kz_j < kz_rowlen; ++kz_j) kz_c{i}[kz_j] = 0, kz_q{i}[kz_j] = 0;",
+        ]
+    return {
+        "COL_ALLOC": "\n".join(alloc),
+        "COL_SETUP": "\n".join(setup),
+        "COL_FINISH": "\n".join(ind + line for line in _column_finish(w, cols)),
+    }
+
+
+def _column_fold(cols: list[int]) -> list[str]:
+    """After a row: every COLUMN_BLOCK rows, the float partials go into the double totals."""
+    fold = " ".join(f"kz_q{i}[kz_j] += kz_c{i}[kz_j]; kz_c{i}[kz_j] = 0;" for i in cols)
+    return [
+        f"if (++kz_cn == {COLUMN_BLOCK}) {{",
+        "    kz_cn = 0;",
+        "#pragma omp simd",
+        f"    for (int64_t kz_j = 0; kz_j < kz_rowlen; ++kz_j) {{ {fold} }}",
+        "}",
+    ]
+
+
+def _column_finish(w, cols: list[int]) -> list[str]:
+    """Per column: the sum of the threads' totals and partials (over the row count for a mean), stored."""
+    k = w.k
+    split = w.rank - k.row_rank
+    body = ["const int kz_nt = omp_get_num_threads();", "int64_t kz_rem = kz_j;"]
+    for d in range(w.rank - 1, split - 1, -1):
+        body.append(f"const int64_t i{d} = kz_rem % {w.n(d)}; kz_rem /= {w.n(d)};")
+    for slot, i in enumerate(cols):
+        e = k.body[i]
+        ct = w.r.ctype(e.dtype)
+        total = f"kz_div_or_nan(kz_t{i}, kz_outer)" if e.op is Op.MEAN else f"kz_t{i}"
+        at = f"(kz_t * {len(cols)} + {slot}) * kz_cpad + kz_j"
+        body += [
+            f"double kz_t{i} = 0;",
+            f"for (int kz_t = 0; kz_t < kz_nt; ++kz_t) kz_t{i} += kz_cq[{at}] + (double)kz_cp[{at}];",
+            f"const {ct} v{i} = ({ct})({total});",
+        ]
+    for j, s in enumerate(k.stores):
+        if s.value in cols:
+            assert all(s.strides[d] == 0 for d in range(split)), "a column sum stored per row"
+            body.append(f"const int64_t kz_s{j} = {w.r.dim(s.offset)};")
+            body.append(w.store(j, s, list(range(split, w.rank))))
+    loop = ["#pragma omp for schedule(static)", "for (int64_t kz_j = 0; kz_j < kz_rowlen; ++kz_j) {"]
+    return loop + ["    " + b for b in body] + ["}"]
+
+
+__all__ = ["render_columns", "render_row"]

@@ -92,3 +92,18 @@ def test_row_sums_large_sums_and_symbolic_sums_stay_reductions(axis, shape):
     x = g.input("x", shape, "f32")
     g.output(g.reduce(Op.SUM, x, axis, keepdim=True))
     assert sink_views(g) is g
+
+
+def test_a_concat_is_not_read_through_a_view_merging_its_axis():
+    """``cast(dy).view(n, 2, 8) * concat(...)`` (bf16 rotary's backward) stays in the concat's shape: moved
+    to the flat shape of ``cast(dy)``, the concat's axis is no domain axis and it would be written out."""
+    from kernelize.autokernel.plan import PlanSettings, plan
+
+    g = Graph()
+    dy, x = g.input("dy", ("n", 16), "bf16"), g.input("x", ("n", 2, 8), "bf16")
+    rot = g.concat([g.cast(g.neg(g.slice(x, 2, 4, 8)), "f32"), g.cast(g.slice(x, 2, 0, 4), "f32")], 2)
+    g.output(g.cast(g.mul(g.view(g.cast(dy, "f32"), x.shape), rot), "bf16"))
+    p = plan(g, PlanSettings())
+    assert len(p.kernels) == 1 and all(b.op is not Op.CONCAT for b in p.buffers)
+    ins = [torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(5, 2, 8, dtype=torch.bfloat16)]
+    torch.testing.assert_close(evaluate(sink_views(g), ins)[0], evaluate(g, ins)[0])

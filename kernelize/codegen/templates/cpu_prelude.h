@@ -5,6 +5,7 @@
 // Storage types: f32 float, f64 double, bf16 kz_bf16 and f16 kz_f16 (16-bit patterns), ints as <stdint.h>,
 // bool as bool. 16-bit floats are widened to float on load and rounded to nearest even on store.
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -277,6 +278,20 @@ KZ_INLINE int64_t kz_wrap(int64_t i, int64_t size, int* err) {
 template <class T> static T* kz_scratch(int slot, int64_t n) {
     static thread_local T* buf[4] = {0, 0, 0, 0};
     static thread_local int64_t cap[4] = {0, 0, 0, 0};
+    if (n > cap[slot]) {
+        free(buf[slot]);
+        buf[slot] = (T*)aligned_alloc(64, (size_t)((n * (int64_t)sizeof(T) + 63) / 64 * 64));
+        cap[slot] = n;
+    }
+    return buf[slot];
+}
+
+// ---- column partial sums of a row kernel (slot 0: float partials, 1: double totals): one block per thread
+// of the team, taken by the calling thread before the region (concurrent callers do not share one); never
+// freed, each grows to the largest seen
+template <class T> static T* kz_partials(int slot, int64_t n) {
+    static thread_local T* buf[2] = {0, 0};
+    static thread_local int64_t cap[2] = {0, 0};
     if (n > cap[slot]) {
         free(buf[slot]);
         buf[slot] = (T*)aligned_alloc(64, (size_t)((n * (int64_t)sizeof(T) + 63) / 64 * 64));
