@@ -21,6 +21,10 @@ resident-set high-water mark (``/proc/self/clear_refs``), runs one step and repo
 Usage:
     python benchmarks/train.py            # full sizes (~15 min on 2 shared cores)
     python benchmarks/train.py --quick    # small sizes (smoke run)
+    python benchmarks/train.py --layers-only   # the per-layer table alone
+The per-layer table's memory floor: forward reads every input and writes every output, backward reads the
+upstream gradients and the inputs and writes one gradient per input, each byte once, at the rate
+``Tensor.copy_`` moves bytes on this machine (same threads).
 Writes ``benchmarks/results/train.json`` and ``train.png``.
 """
 
@@ -105,7 +109,29 @@ def bench_layer(name: str, rows: int, cols: int, dtype: torch.dtype, reps: int) 
         f()
     row = interleaved_ms(impls, reps)
     row.update(layer=name, shape=f"{rows}x{cols}", dtype=str(dtype).removeprefix("torch."), grad_rel_err=err)
+    # the memory floor: forward reads every input and writes every output, backward reads the upstream
+    # gradients and the inputs and writes one gradient per input, each byte once, at the copy rate
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    forward, backward = nbytes(inputs) + nbytes(seeds), nbytes(seeds) + 2 * nbytes(inputs)
+    row["floor"] = (forward + backward) / copy_rate() * 1e3
     return row
+
+
+_COPY_RATE: list[float] = []
+
+
+def copy_rate() -> float:
+    """Bytes per second `Tensor.copy_` moves (read + write) on a 256 MiB f32 tensor, median of 7."""
+    if not _COPY_RATE:
+        src = torch.randn(64 << 20)
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(8):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        _COPY_RATE.append(2 * src.numel() * 4 / statistics.median(times[1:]))
+    return _COPY_RATE[0]
 
 
 def grad_error(fn, acts, weights, inputs, seeds) -> float:
@@ -278,14 +304,16 @@ def memory_child(case: str, variant: str, quick: bool) -> None:
 # ---- report ----------------------------------------------------------------------------------------------
 def layer_table(rows: list[dict]) -> str:
     lines = [
-        "| layer | dtype | eager ms | torch.compile ms | kernelize ms | vs eager | vs compile | grad err |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layer | dtype | eager ms | torch.compile ms | kernelize ms | memory floor ms | vs eager "
+        "| vs compile | grad err |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['layer']} {r['shape']} | {r['dtype']} | {r['eager']:.1f} | {r['torch.compile']:.1f} | "
-            f"{r['kernelize']:.1f} | {r['eager'] / r['kernelize']:.2f}x | "
-            f"{r['torch.compile'] / r['kernelize']:.2f}x | {r['grad_rel_err']:.1e} |"
+            f"{r['kernelize']:.1f} | {r.get('floor', float('nan')):.1f} | "
+            f"{r['eager'] / r['kernelize']:.2f}x | {r['torch.compile'] / r['kernelize']:.2f}x | "
+            f"{r['grad_rel_err']:.1e} |"
         )
     return "\n".join(lines)
 
@@ -338,6 +366,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--memory-child", nargs=2, metavar=("CASE", "VARIANT"))
     ap.add_argument("--skip-layers", action="store_true")
+    ap.add_argument("--layers-only", action="store_true", help="only the per-layer part (no steps, memory)")
     ap.add_argument("--memory-only", action="store_true", help="re-measure peak memory into train.json")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
@@ -352,6 +381,9 @@ def main() -> None:
             for name in LAYERS:
                 layers.append(bench_layer(name, rows, cols, dtype, reps))
                 print(layers[-1], file=sys.stderr)
+    if args.layers_only:
+        print(layer_table(layers))
+        return
     cases = ["demo", "llama"]
     if args.memory_only:  # re-measure memory into an existing train.json
         result = json.loads((args.out / "train.json").read_text())
