@@ -162,3 +162,76 @@ def test_asymmetric_padding_with_a_residual_runs_as_zero_taps(pads):
     for n in (1, 3):
         xs = torch.randn(n, 4, 6, 7)
         torch.testing.assert_close(cg(xs)[0], evaluate(g, [xs])[0], rtol=1e-4, atol=1e-4)
+
+
+def _runners(cg):
+    return [s.conv for s in cg._steps if s.conv is not None]
+
+
+def _pointwise_chain(g: Graph, x, cin: int, cout: int, bias: bool, act: str):
+    y = _conv(g, x, cin, cout, k=1, pad=0, seed=7)
+    if bias:
+        y = _bias(g, y, cout, seed=8)
+    return {
+        "none": lambda: y,
+        "relu": lambda: g.clamp(y, 0, math.inf),
+        "relu6": lambda: g.clamp(y, 0, 6),
+        "sigmoid": lambda: g.sigmoid(y),
+        "tanh": lambda: g.tanh(y),
+        "swish": lambda: g.mul(y, g.sigmoid(y)),
+        "hardswish": lambda: g.mul(y, g.mul(g.clamp(g.add(y, g.const(3.0)), 0, 6), g.const(1 / 6))),
+    }[act]()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("act", ["none", "relu", "relu6", "sigmoid", "tanh", "swish", "hardswish"])
+def test_pointwise_conv_runs_as_a_gemm_with_its_post_ops(batch, bias, act):
+    g = Graph()
+    x = g.input("x", ("n", 5, 7, 9), "f32")
+    g.output(_pointwise_chain(g, _conv(g, x, 5, 11, seed=6), 11, 13, bias, act))  # NHWC between the two
+    cg = compile_graph(g, backend="cpu", cache=False)
+    assert [r.gemm for r in _runners(cg)] == [False, True]
+    xs = torch.randn(batch, 5, 7, 9)
+    torch.testing.assert_close(cg(xs)[0], evaluate(g, [xs])[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_pointwise_conv_with_a_residual_runs_as_a_gemm(batch, bias):
+    g = Graph()
+    x = g.input("x", ("n", 13, 5, 3), "f32")
+    y = g.clamp(_conv(g, x, 13, 13, seed=2), 0, 6)
+    z = _pointwise_chain(g, y, 13, 13, bias, "none")
+    g.output(g.add(z, x))  # an inverted-residual block's projection
+    cg = compile_graph(g, backend="cpu", cache=False)
+    ((first, second),) = [_runners(cg)]
+    assert not first.gemm and second.gemm and second.residual
+    xs = torch.randn(batch, 13, 5, 3)
+    torch.testing.assert_close(cg(xs)[0], evaluate(g, [xs])[0], rtol=1e-4, atol=1e-4)
+
+
+def test_residual_then_activation_and_strided_1x1_stay_convolutions(monkeypatch):
+    g = Graph()
+    x = g.input("x", (2, 6, 7, 7), "f32")
+    y = g.clamp(g.add(_conv(g, x, 6, 6, k=1, pad=0, seed=3), x), 0, math.inf)
+    w = g.const(torch.randn(4, 6, 1, 1))
+    g.output(g.conv(y, w, stride=(2, 2)))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    assert [r.gemm for r in _runners(cg)] == [False, False]
+    xs = torch.randn(2, 6, 7, 7)
+    torch.testing.assert_close(cg(xs)[0], evaluate(g, [xs])[0], rtol=1e-4, atol=1e-4)
+
+
+def test_conv1x1_switch_keeps_convolutions(monkeypatch):
+    monkeypatch.setenv("KERNELIZE_CPU_CONV1X1", "conv")
+    g = Graph()
+    x = g.input("x", (1, 3, 4, 5), "f32")
+    g.output(_pointwise_chain(g, x, 3, 5, True, "relu"))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    assert [r.gemm for r in _runners(cg)] == [False]
+    xs = torch.randn(1, 3, 4, 5)
+    torch.testing.assert_close(cg(xs)[0], evaluate(g, [xs])[0], rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("KERNELIZE_CPU_CONV1X1", "matmul")
+    with pytest.raises(ValueError, match="KERNELIZE_CPU_CONV1X1"):
+        compile_graph(g, backend="cpu", cache=False)
