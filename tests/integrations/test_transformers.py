@@ -306,3 +306,17 @@ def test_a_causal_lm_with_another_loss_is_left_eager_with_the_reason() -> None:
     with kernelized(eager, mode=kernelize.Mode.TRAINING) as fast:
         choice = kernelize.inspect(fast)[""]
         assert not choice.uses_kernel and "not ForCausalLMLoss" in choice.reason, str(choice)
+
+
+def test_a_cache_passed_by_its_old_keyword_reaches_the_model() -> None:
+    """`past_key_values=` (the name before transformers 5.24, still accepted) goes through the causal LM
+    layer as a keyword, never as a second value of its positional `cache` parameter."""
+    eager = tiny_model("llama")
+    ids = torch.randint(1, TINY["vocab_size"], (2, 9))
+    with kernelized(eager) as fast, torch.no_grad():
+        logits = []
+        for model in (eager, fast):
+            cache = transformers.DynamicCache(config=model.config)
+            model(ids[:, :8], past_key_values=cache, use_cache=True)
+            logits.append(model(ids[:, 8:], past_key_values=cache, use_cache=True).logits)
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

@@ -87,17 +87,16 @@ class CausalLMWithLoss(nn.Module):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ) -> Any:
+        named = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        named.update(inputs_embeds=inputs_embeds, use_cache=use_cache)
+        if cache is not None:  # by name: a `past_key_values=` keyword may be in kwargs instead
+            named[_cache_name(self)] = cache
         if (
             labels is None
             or not (self.training and torch.is_grad_enabled())
             or kwargs.get("return_dict") is False
         ):
-            args = (input_ids, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache)
-            return type(self).forward(self, *args, logits_to_keep, **kwargs)
-        base = dict(kwargs, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        base.update(inputs_embeds=inputs_embeds, use_cache=use_cache)
-        if cache is not None:
-            base[_cache_name(self)] = cache
-        outputs = self.model(**base)
+            return type(self).forward(self, labels=labels, logits_to_keep=logits_to_keep, **named, **kwargs)
+        outputs = self.model(**named, **kwargs)
         extra = {k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs}
         return _output(outputs, causal_lm_loss(self, outputs.last_hidden_state, labels, extra))
