@@ -49,6 +49,11 @@ def _candidate(b: Node) -> bool:
     return b.rank == 4 and all(isinstance(d, int) for d in b.shape[1:]) and b.dtype.is_float
 
 
+def _library(kind: KernelKind, node: Node) -> bool:
+    """A conv, or a pool: the library kernels that take NHWC operands."""
+    return kind is KernelKind.CONV or (kind is KernelKind.LIBRARY and node.op is Op.POOL)
+
+
 def _direct_library_read(kind: KernelKind, u: Node, b: Node, epilogue) -> bool:
     """``u`` (of a conv or pool group) reads ``b`` as the library's activation or residual operand."""
     if kind is KernelKind.CONV:
@@ -69,7 +74,7 @@ def channels_last_buffers(
         if b in outputs or not _candidate(b):
             continue
         wg = group_of(b)
-        library = wg.kind is KernelKind.CONV or (wg.kind is KernelKind.LIBRARY and b.op is Op.POOL)
+        library = _library(wg.kind, b)
         if not library and wg.kind is not KernelKind.POINTWISE:
             continue
         feeds_library, ok = False, True
@@ -77,7 +82,7 @@ def channels_last_buffers(
             g = group_of(u)
             if g is wg and not library:
                 continue
-            if g.kind is KernelKind.CONV or (g.kind is KernelKind.LIBRARY and u.op is Op.POOL):
+            if _library(g.kind, u):
                 direct = _direct_library_read(g.kind, u, b, g.epilogue)
                 feeds_library |= direct
                 ok &= direct

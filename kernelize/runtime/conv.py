@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +83,7 @@ class ConvRunner:
             self._pad_by_whole_strides(top, left, bottom, right)
         self._packed: dict[tuple, torch.Tensor] = {}
         self.gemm = self._pointwise(kernel) and conv_as_gemm()
-        self._linear: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (address, weight, packed)
+        self._forms: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # (address, weight, form)
 
     def _pointwise(self, kernel: Kernel) -> bool:
         """A 1x1 convolution of stride 1, no padding and one group, whose epilogue a packed linear's
@@ -136,10 +136,12 @@ class ConvRunner:
     ) -> torch.Tensor:
         if not self.symmetric and self.crop is None:
             x = F.pad(x, self.pad)
-        if self.gemm and self._onednn(x, w) and x.numel():
-            y = self._run_gemm(x, w, residual)
-        elif self._onednn(x, w):
-            y = self._run_onednn(x, w, residual)
+        if self._onednn(x, w):
+            y = (
+                self._run_gemm(x, w, residual)
+                if self.gemm and x.numel()
+                else self._run_onednn(x, w, residual)
+            )
         else:
             y = self._run_torch(x, w, residual)
         if self.crop is not None:
@@ -156,7 +158,17 @@ class ConvRunner:
         return y[:, :, kh : kh + oh, kw : kw + ow]
 
     def _tapped(self, w: torch.Tensor) -> torch.Tensor:
-        return w if self.taps is None else F.pad(w, self.taps)
+        if self.taps is None:
+            return w
+        return self._derived("tapped", w, lambda: F.pad(w, self.taps))
+
+    def _derived(self, what: str, w: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, a form of the weight ``w``, made on first use and kept. The entry keeps the weight it
+        was made from, so its memory cannot be reused by another tensor while its address is the key."""
+        entry = self._forms.get(what)
+        if entry is None or entry[0] != w.data_ptr():
+            entry = self._forms[what] = (w.data_ptr(), w, make())
+        return entry[2]
 
     def _packed_weight(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         key = (tuple(x.shape), w.data_ptr())
@@ -181,12 +193,9 @@ class ConvRunner:
         )
 
     def _linear_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """``w`` as a packed oneDNN linear weight, packed on first use. The entry keeps the weight it was
-        packed from, so its memory cannot be reused by another tensor while its address is the key."""
-        if self._linear is None or self._linear[0] != w.data_ptr():
-            w2 = w.reshape(w.shape[0], w.shape[1]).contiguous()
-            self._linear = (w.data_ptr(), w, torch.ops.mkldnn._reorder_linear_weight(w2))
-        return self._linear[2]
+        """``w`` as a packed oneDNN linear weight, packed on first use."""
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        return self._derived("linear", w, lambda: pack(w.reshape(w.shape[0], w.shape[1]).contiguous()))
 
     def _run_gemm(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The conv as ``x[N*H*W, Cin] @ w[Cin, Cout]`` over the NHWC buffer (a view, no copy), the output

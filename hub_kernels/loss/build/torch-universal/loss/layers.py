@@ -146,22 +146,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):  # type: ignore[override]
         it = iter(ctx.saved_tensors)
         gh, gw, gb = (next(it) if has else None for has in ctx.has)
+        # the usual `loss.backward()` seeds 1: the stored gradients as they are, which saves a pass over,
+        # and a copy of, the LM head's weight gradient (checked on the CPU only: no device sync)
+        by = None if grad_loss.device.type == "cpu" and grad_loss.item() == 1.0 else grad_loss
         return (
-            _scaled(gh, grad_loss, gh.dtype),
-            _scaled(gw, grad_loss, ctx.dtypes[0]),
-            _scaled(gb, grad_loss, ctx.dtypes[1]),
+            _scaled(gh, by, gh.dtype),
+            _scaled(gw, by, ctx.dtypes[0]),
+            _scaled(gb, by, ctx.dtypes[1]),
             *(None,) * 5,
         )
 
 
-def _scaled(grad: torch.Tensor | None, by: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """``grad * by`` in ``dtype``; the stored gradient itself when ``by`` is 1 on the CPU (the usual
-    ``loss.backward()``), which saves a pass over, and a copy of, the LM head's weight gradient."""
+def _scaled(
+    grad: torch.Tensor | None, by: torch.Tensor | None, dtype: torch.dtype | None
+) -> torch.Tensor | None:
+    """``grad * by`` (``grad`` when ``by`` is None) in ``dtype``."""
     if grad is None:
         return None
-    if by.device.type == "cpu" and by.item() == 1.0:
-        return grad.to(dtype)
-    return (grad * by).to(dtype)
+    return (grad if by is None else grad * by).to(dtype)
 
 
 def fused_linear_cross_entropy(
