@@ -508,6 +508,14 @@ def _choose_saved(boundary: Sequence[Node], read_anyway: set[Node], written: set
     return saved
 
 
+def _row_statistics(grads: Sequence[Node], saved: list[Node], written: set[Node], tangent: set[Node]) -> list:
+    """The small reductions backward would still recompute (a layernorm's ``mean(x)`` inside its ``xhat``,
+    which is recomputed rather than saved): saved as well. Each is a few bytes per row, and recomputing
+    it costs backward one more pass over the row before the passes that need it."""
+    cone = _cone(grads, stop=set(saved) | written)
+    return [c for c in cone if c.op in _REDUCTIONS and c not in tangent and worth_saving([c], [], [c])]
+
+
 def split(joint: JointGraph) -> Split:
     """Cut `joint` into forward and backward graphs (see :class:`Split`).
 
@@ -532,6 +540,7 @@ def split(joint: JointGraph) -> Split:
     candidates = [n for n in boundary if n.op not in (Op.INPUT, Op.CONST)]
     written = {o for o in fwd_outs if o.op not in (Op.INPUT, Op.CONST)}
     saved = _choose_saved(candidates, read_anyway, written)
+    saved += _row_statistics(grads, saved, written, tangent)
     # forward outputs a recomputation starts from are read back too
     reads = _cone(grads, set(saved) | written)
     saved += [o for o in dict.fromkeys(fwd_outs) if o in written and o not in saved and o in reads]

@@ -200,6 +200,26 @@ def test_norm_saves_only_its_row_statistic() -> None:
     assert cut.primals_read == (0, 1)  # backward reads x and w, recomputes x * rstd
 
 
+def test_layernorm_saves_its_mean_too_so_backward_reduces_no_input_row() -> None:
+    """xhat is recomputed, but not the mean inside it: backward's only row reductions are over gradients
+    (one pass computes both), none over x alone."""
+    g = Graph()
+    x, w, b = g.input("x", ("n", 64), "f64"), g.input("w", (64,), "f64"), g.input("b", (64,), "f64")
+    g.output(g.layernorm(x, w, b, 1e-5))
+    cut = split(vjp(g))
+    assert [tuple(map(str, s.shape)) for s in cut.forward.outputs[1:]] == [("n", "1"), ("n", "1")]
+    backward = optimize(cut.backward)
+    x_in = backward.inputs[0]
+    means = [n for n in backward.nodes if n.op in (Op.MEAN, Op.SUM) and n.src[0] is x_in]
+    assert means == [] and cut.primals_read == (0, 1)
+    inputs = [torch.randn(5, 64, dtype=D), torch.rand(64, dtype=D) + 0.5, torch.randn(64, dtype=D)]
+    dy = torch.randn(5, 64, dtype=D)
+    _, grads = _grads_via_split(g, inputs, [dy])
+    want = _torch_grads(lambda a, c, d: F.layer_norm(a, (64,), c, d, 1e-5), inputs, [dy])
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref)
+
+
 def test_activation_saves_nothing_and_recomputes_from_its_input() -> None:
     x = torch.randn(4, 32)
     graph = optimize(trace(lambda t: F.silu(t[:, :16]) * t[:, 16:], x, dynamic_dims=[{0: "n"}]))
