@@ -61,14 +61,18 @@ def _square_of(sq: Node) -> Node | None:
     return None
 
 
-def _norm(ctx: Context, x: Node, ms: Node, eps: Node) -> Node | None:
-    """x * rsqrt(mean(x^2) + eps) -> rmsnorm(x); with x = y - mean(y) -> layernorm(y)."""
+def _norm(ctx: Context, x: Node, ms: Node, eps: Node, r: Node | None = None) -> Node | None:
+    """x * rsqrt(mean(x^2) + eps) -> rmsnorm(x); with x = y - mean(y) -> layernorm(y). Not when a statistic
+    (``r``, the mean) has readers outside the template, as in a training forward that saves them for
+    backward: the decomposition computes them once for both, a fused norm would compute them again."""
     sq = _mean_last(ms)
     e = scalar_value(eps)
     if sq is None or _square_of(sq) is not x or e is None or e < 0 or not x.dtype.is_float or x.rank == 0:
         return None
+    if r is not None and ctx.uses(r) > 1:
+        return None
     if x.op is Op.SUB and _mean_last(unbroadcast(x.src[1])) is x.src[0]:
-        return ctx.g.layernorm(x.src[0], eps=e)
+        return None if ctx.uses(unbroadcast(x.src[1])) > 1 else ctx.g.layernorm(x.src[0], eps=e)
     return ctx.g.rmsnorm(x, eps=e)
 
 
@@ -245,7 +249,7 @@ _EXP = Var("e", lambda n: n.op is Op.EXP)
 _SUM = P(Op.SUM, _EXP, name="s", where=_one_axis)
 
 RULES: list[Rule] = [
-    (P(Op.MUL, _x, B(P(Op.RSQRT, P(Op.ADD, _ms, _eps)))), _norm),
+    (P(Op.MUL, _x, B(P(Op.RSQRT, P(Op.ADD, _ms, _eps), name="r"))), _norm),
     (P(Op.DIV, _x, B(P(Op.SQRT, P(Op.ADD, _ms, _eps)))), _norm),
     (P(Op.MUL, _x, B(P(Op.RECIPROCAL, P(Op.SQRT, P(Op.ADD, _ms, _eps))))), _norm),
     (P(Op.MUL, P(Op.RMSNORM, name="n", where=_no_params), Var("w")), _rms_weight),

@@ -212,6 +212,8 @@ def test_layernorm_saves_its_mean_too_so_backward_reduces_no_input_row() -> None
     x_in = backward.inputs[0]
     means = [n for n in backward.nodes if n.op in (Op.MEAN, Op.SUM) and n.src[0] is x_in]
     assert means == [] and cut.primals_read == (0, 1)
+    fwd_ops = {n.op for n in optimize(cut.forward).nodes}  # the statistics are computed once, shared
+    assert Op.LAYERNORM not in fwd_ops and Op.RSQRT in fwd_ops
     inputs = [torch.randn(5, 64, dtype=D), torch.rand(64, dtype=D) + 0.5, torch.randn(64, dtype=D)]
     dy = torch.randn(5, 64, dtype=D)
     _, grads = _grads_via_split(g, inputs, [dy])

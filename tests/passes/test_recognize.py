@@ -84,6 +84,21 @@ def test_layernorm_template_and_parameters(params):
     assert (ln.arg.has_weight, ln.arg.has_bias) == ("weight" in params, "bias" in params)
 
 
+@pytest.mark.parametrize("shared", ["rstd", "mean"])
+def test_norm_whose_statistics_are_also_outputs_stays_decomposed(shared):
+    """A training forward saves a norm's statistics for backward: fusing the norm would compute them twice."""
+    g, x = new()
+    m = mean_last(g, x)
+    d = g.sub(x, m)
+    r = g.rsqrt(g.add(mean_last(g, g.mul(d, d)), 1e-5))
+    g.output(g.mul(d, r), r if shared == "rstd" else m)
+    assert Op.LAYERNORM not in recognized(g, torch.randn(3, 8))
+    g2, x2 = new()
+    r2 = g2.rsqrt(g2.add(mean_last(g2, g2.mul(x2, x2)), 1e-6))
+    g2.output(g2.mul(x2, r2), r2)
+    assert Op.RMSNORM not in recognized(g2, torch.randn(3, 8))
+
+
 @pytest.mark.parametrize("axis", [0, 1, -1])
 @pytest.mark.parametrize("form", ["shifted", "plain", "reciprocal"])
 def test_softmax_templates(axis, form):
