@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("model", help="path to an .onnx file")
     run.add_argument("--backend", default="cpu", choices=["reference", "triton", "cuda", "cpu"])
     run.add_argument("--inputs", help=".npz file with one array per graph input (random inputs otherwise)")
+    run.add_argument(
+        "--dim",
+        action="append",
+        metavar="NAME=SIZE",
+        help="pin a symbolic input dim (dim_param name, or INPUT:AXIS); repeatable. Default: the size in "
+        "--inputs, else 2",
+    )
     run.add_argument("--repeat", type=int, default=10, help="timed repetitions")
     run.add_argument(
         "--compare",

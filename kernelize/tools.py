@@ -63,13 +63,17 @@ __all__ = ["format_op_counts", "inspect_main"]
 
 
 def run_main(args: argparse.Namespace) -> int:
-    """``kernelize run model.onnx --backend B [--inputs file.npz] [--repeat N]``.
+    """``kernelize run model.onnx --backend B [--inputs file.npz] [--dim NAME=SIZE ...] [--repeat N]``.
 
     Runs the model through ``compile_graph`` with backend ``B`` and prints each output's shape, the largest
-    difference from the reference executor, and the time per run. Random inputs bind every symbolic dim
-    to 2. Triton on a machine without a GPU runs under its interpreter (``TRITON_INTERPRET=1``).
+    difference from the reference executor, and the median time per run. Every symbolic input dim is
+    pinned to a size at load time (:func:`_pinned_dims`), since ops such as a ``Reshape`` to a shape
+    computed from the input may need it then. The compiled graph comes through the optimized-graph cache
+    (:func:`~kernelize.runtime.graph_cache.load_optimized_onnx`), so a second run of the same model skips
+    the optimizer. Triton on a machine without a GPU runs under its interpreter (``TRITON_INTERPRET=1``).
     """
     import os
+    import statistics
     import time
 
     import torch
@@ -80,34 +84,69 @@ def run_main(args: argparse.Namespace) -> int:
         return 2
     if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
         print("# no GPU: running Triton kernels under the interpreter (slow; TRITON_INTERPRET=1)")
-    from kernelize.ir import evaluate, optimize
+    from kernelize.ir import evaluate
     from kernelize.ir.onnx_frontend import load_onnx
     from kernelize.runtime.compiled import compile_graph, default_device
+    from kernelize.runtime.graph_cache import load_optimized_onnx
 
-    graph = load_onnx(path)
+    pins = _pinned_dims(path, getattr(args, "dim", None) or [], args.inputs)
+    if pins is None:
+        return 2
+    graph = load_onnx(path, dynamic_dims=pins)
     device = default_device(args.backend)
     inputs = _run_inputs(graph, args.inputs)
     if inputs is None:
         return 2
+    t0 = time.perf_counter()
     want = evaluate(graph, inputs)
-    cg = compile_graph(graph if args.backend == "reference" else optimize(graph), args.backend, device)
+    print(f"# reference executor: {time.perf_counter() - t0:.1f} s")
+    ready = graph if args.backend == "reference" else load_optimized_onnx(path, dynamic_dims=pins)
+    cg = compile_graph(ready, args.backend, device)
     xs = [t.to(device) for t in inputs]
     got = cg(*xs)  # warm-up: compiles and loads kernels
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    repeat = max(1, args.repeat)
-    t0 = time.perf_counter()
+    repeat, times = max(1, args.repeat), []
     for _ in range(repeat):
+        t0 = time.perf_counter()
         got = cg(*xs)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) * 1e3 / repeat
-    print(f"model {path.name}: backend {args.backend} on {device}, {_kernel_counts(cg)}")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    dims = "".join(f", {k}={v}" for k, v in pins.items())
+    print(f"model {path.name}{dims}: backend {args.backend} on {device}, {_kernel_counts(cg)}")
     _print_differences(graph, got, want)
-    print(f"time: {ms:.3f} ms per run ({repeat} runs)")
+    print(f"time: {ms:.3f} ms per run (median of {repeat}, {torch.get_num_threads()} threads)")
     if getattr(args, "compare", None) == "onnxruntime":
         return compare_onnxruntime(path, graph, inputs, got, ms, repeat)
     return 0
+
+
+def _pinned_dims(path: Path, given: list[str], npz: str | None) -> dict[str, int] | None:
+    """A size for every symbolic input dim of the model (``dim_param`` name, or ``input:axis`` for an
+    unnamed one): ``--dim NAME=SIZE``, else the size in the ``--inputs`` arrays, else 2. None after
+    printing the error for a malformed ``--dim``."""
+    import numpy as np
+    import onnx
+
+    pins: dict[str, int] = {}
+    for item in given:
+        name, _, size = item.partition("=")
+        if not name or not size.isdigit():
+            print(f"kernelize run: --dim {item!r}: expected NAME=SIZE, e.g. --dim batch=8", file=sys.stderr)
+            return None
+        pins[name] = int(size)
+    arrays = np.load(npz) if npz else {}
+    model = onnx.load(str(path), load_external_data=False)
+    weights = {i.name for i in model.graph.initializer}
+    for vi in model.graph.input:
+        if vi.name in weights:
+            continue
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            key = d.dim_param or f"{vi.name}:{axis}"
+            if d.HasField("dim_value") or key in pins or f"{vi.name}:{axis}" in pins:
+                continue
+            pins[key] = int(arrays[vi.name].shape[axis]) if vi.name in arrays else 2
+    return pins
 
 
 def _kernel_counts(cg) -> str:

@@ -36,6 +36,7 @@ _TORCH_ACT = {
 }
 
 
+@functools.cache
 def _mkldnn_ok() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
 

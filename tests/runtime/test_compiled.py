@@ -195,6 +195,53 @@ def test_run_main_compares_with_reference(tmp_path, capsys):
     assert "output [3, 4]" in capsys.readouterr().out
 
 
+def _reshape_by_shape_onnx(path):
+    """``expand(c, reshape(concat(shape(x)[0], [4]), [-1]))`` with a symbolic batch, as BERT's export
+    writes its position ids: the reshaped shape is a run-time tensor unless the batch has a size at load."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    consts = [
+        helper.make_tensor("zero", TensorProto.INT64, [], [0]),
+        helper.make_tensor("axes", TensorProto.INT64, [1], [0]),
+        helper.make_tensor("four", TensorProto.INT64, [1], [4]),
+        helper.make_tensor("flat", TensorProto.INT64, [1], [-1]),
+        helper.make_tensor("c", TensorProto.FLOAT, [1, 4], [1.0, 2.0, 3.0, 4.0]),
+    ]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+        helper.make_node("Unsqueeze", ["n", "axes"], ["n1"]),
+        helper.make_node("Concat", ["n1", "four"], ["shape"], axis=0),
+        helper.make_node("Reshape", ["shape", "flat"], ["shape2"]),
+        helper.make_node("Expand", ["c", "shape2"], ["e"]),
+        helper.make_node("Add", ["e", "x"], ["y"]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    graph = helper.make_graph(nodes, "reshape", [x], [y], consts)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_run_pins_symbolic_dims_that_a_reshape_needs_at_load_time(tmp_path, capsys):
+    from kernelize.ir.errors import UnsupportedOpError
+    from kernelize.ir.onnx_frontend import load_onnx
+    from kernelize.tools import run_main
+
+    model = tmp_path / "reshape.onnx"
+    _reshape_by_shape_onnx(model)
+    with pytest.raises(UnsupportedOpError, match="symbolic sizes"):
+        load_onnx(model)  # what `kernelize run` did before it pinned the dims
+    args = Namespace(model=str(model), backend="cpu", inputs=None, repeat=1, dim=None)
+    assert run_main(args) == 0
+    out = capsys.readouterr().out
+    assert "batch=2" in out and "output [2, 4] f32: max |diff| vs reference = 0" in out
+    assert run_main(Namespace(**{**vars(args), "dim": ["batch=3"]})) == 0
+    assert "output [3, 4]" in capsys.readouterr().out
+    assert run_main(Namespace(**{**vars(args), "dim": ["batch"]})) == 2
+    assert "expected NAME=SIZE" in capsys.readouterr().err
+
+
 def test_run_compare_onnxruntime_prints_both_times_and_the_difference(tmp_path, capsys, monkeypatch):
     from kernelize.tools import run_main
 
