@@ -104,6 +104,8 @@ def run_main(args: argparse.Namespace) -> int:
     cg = compile_graph(ready, args.backend, device)
     xs = [t.to(device) for t in inputs]
     got = cg(*xs)  # warm-up: compiles and loads kernels
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     repeat, times = max(1, args.repeat), []
     for _ in range(repeat):
         t0 = time.perf_counter()
