@@ -41,6 +41,14 @@ def softmax(x):
     return torch.softmax(x * 0.5, dim=-1)
 
 
+def rotary(x, cos, sin):
+    """NeoX rotary over a flat hidden of 3 heads: cos / sin gradients are sums over the heads."""
+    t, d = x.shape[0], cos.shape[-1]
+    xh = x.view(t, -1, d)
+    rot = torch.cat((-xh[..., d // 2 :], xh[..., : d // 2]), dim=-1)
+    return (xh * cos[:, None, :] + rot * sin[:, None, :]).view(t, -1)
+
+
 H = 32
 CASES = {
     "rms_norm": (rms_norm, [(7, H), (H,)]),
@@ -48,6 +56,7 @@ CASES = {
     "silu_and_mul": (silu_and_mul, [(7, 2 * H)]),
     "gelu_tanh": (gelu_tanh, [(7, H)]),
     "softmax": (softmax, [(7, H)]),
+    "rotary": (rotary, [(7, 3 * 16), (7, 16), (7, 16)]),
 }
 
 
