@@ -105,6 +105,18 @@ def test_cuda_host_emulation_runs_backward(name: str, dtype: torch.dtype) -> Non
         torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_backward_under_triton_interpreter(dtype: torch.dtype) -> None:
+    """dx is one kernel, d cos and d sin (sums over the heads, through casts in bf16) share another."""
+    _, bwd, _, _ = graphs("rotary", dtype)
+    _, bwd_in = _inputs("rotary", 7, dtype)
+    cg = compile_graph(bwd, backend="triton", device="cpu")
+    assert sorted(len(k.writes) for k in cg.plan.kernels) == [1, 2], cg.plan
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(cg(*bwd_in), evaluate(bwd, bwd_in)):
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol * 4)
+
+
 def test_weight_gradient_column_sums_are_generated_on_gpu_backends() -> None:
     """The dweight of a norm is a sum over rows: on the GPU backends it is a generated ROW kernel."""
     _, bwd, _, _ = graphs("layer_norm")
