@@ -281,6 +281,7 @@ class Ctx:
     stop: set[Node]  # materialized layout values (copy kernels)
     merge_matmuls: bool = False  # matmuls reading the same left operand may share a kernel
     columns: bool = False  # ROW groups may hold column sums over their rows (PlanSettings.column_reduce)
+    recompute_ops: int = 0  # the largest pointwise tree readers may recompute (0: recomputation is off)
 
 
 def edges_ok(g: Group, members: Sequence[Node], ctx: Ctx) -> bool:
@@ -614,20 +615,20 @@ class Partition:
     def merge_siblings(self, together: Sequence[Sequence[Node]] = ()) -> None:
         """Horizontal fusion: POINTWISE (or ROW, over the same rows) groups over the same domain that read a
         common value and do not depend on each other become one kernel (one launch, the value loaded once).
-        Values of one POINTWISE group count as common (readers may recompute them from the same inputs), so
-        a second round merges readers of siblings merged in the first. The groups of each list of values in
-        `together` merge the same way without a common read (the pieces of a concat stored into slices of
-        one buffer)."""
+        A second round looks through reads of POINTWISE values (see :meth:`read_keys`): readers of one
+        POINTWISE group, or of cheap pointwise trees over a common value, merge too. The groups of each list
+        of values in `together` merge the same way without a common read (the pieces of a concat stored
+        into slices of one buffer)."""
         for nodes in together:
             gids = list(dict.fromkeys(self.find(self.of[n]) for n in nodes if n in self.of))
             if all(self.groups[a].kind in (KernelKind.POINTWISE, KernelKind.ROW) for a in gids):
                 self._join_all(gids)
-        for by_group in (False, True):
-            for gids in self._readers(by_group).values():
+        for through in (False, True):
+            for gids in self._readers(through).values():
                 self._join_all(gids)
 
-    def _readers(self, by_group: bool) -> dict[Any, list[int]]:
-        """Groups per value they read (or, `by_group`, per POINTWISE group whose values they read)."""
+    def _readers(self, through: bool) -> dict[Any, list[int]]:
+        """Groups per value they read (or, `through`, per :meth:`read_keys` key of the values they read)."""
         readers: dict[Any, list[int]] = {}
         for gid, g in self.groups.items():
             if g.kind not in (KernelKind.POINTWISE, KernelKind.ROW) or g.copy:
@@ -637,13 +638,37 @@ class Partition:
                     q = base(s, self.ctx.stop)
                     if q in g.sel or q.op is Op.CONST:  # a shared constant is no reason to merge
                         continue
-                    key: Any = q
-                    if by_group and q in self.of and self.group(q).kind is KernelKind.POINTWISE:
-                        key = self.find(self.of[q])
-                    readers.setdefault(key, [])
-                    if gid not in readers[key]:
-                        readers[key].append(gid)
+                    for key in self.read_keys(q) if through else (q,):
+                        readers.setdefault(key, [])
+                        if gid not in readers[key]:
+                            readers[key].append(gid)
         return readers
+
+    def read_keys(self, q: Node) -> list[Any]:
+        """What reading ``q`` amounts to once readers recompute cheap values: ``[q]``, or for a value of a
+        POINTWISE group, that group (its readers may recompute its values from the same inputs) and the
+        values its pointwise tree reads when the tree has at most ``ctx.recompute_ops`` ops. A reader of
+        ``cast(dy) * x`` and a reader of ``cast(dy) * cos`` both load ``dy``: one kernel loads it once, though
+        the cast they recompute lives in a third group they both depend on."""
+        if q not in self.of or self.group(q).kind is not KernelKind.POINTWISE:
+            return [q]
+        keys: list[Any] = [self.find(self.of[q])]
+        tree: set[Node] = set()
+        stack = [q]
+        while stack:
+            n = stack.pop()
+            if n in tree:
+                continue
+            g = self.group(n) if n in self.of else None
+            if g is None or g.kind is not KernelKind.POINTWISE or g.copy:  # an input or a buffer: loaded
+                if n.op is not Op.CONST:
+                    keys.append(n)
+                continue
+            tree.add(n)
+            if len(tree) > self.ctx.recompute_ops:  # too big to recompute: readers load a buffer under it
+                return keys[:1]
+            stack.extend(base(s, self.ctx.stop) for s in n.src)
+        return list(dict.fromkeys(keys))
 
     def _join_all(self, gids: Sequence[int]) -> None:
         for i, a in enumerate(gids):

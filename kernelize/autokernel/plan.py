@@ -74,7 +74,8 @@ class PlanSettings:
         sink_views: compute elementwise ops after a reshaped matmul / reduction in its index space
             (:func:`kernelize.autokernel.canon.sink_views`), so they fuse into it.
         horizontal: POINTWISE (or ROW, same rows) kernels over the same domain that read a common value
-            merge (one launch, the value read once).
+            merge (one launch, the value read once), also when they read it through cheap pointwise values
+            they recompute (a cast of it, say).
         conv_epilogue: convolutions become CONV kernels that apply their bias, residual add and activation
             inside the library call (:mod:`kernelize.autokernel.conv`); False leaves the conv alone as a
             LIBRARY kernel.
@@ -227,7 +228,8 @@ def _partition(
 ) -> Partition:
     library_mm = settings.matmul == "library"
     columns = settings.column_reduce == "accumulate"
-    part = Partition(Ctx(graph, users, stop, settings.merge_matmuls, columns))
+    recompute_ops = settings.recompute_max_ops if settings.recompute else 0
+    part = Partition(Ctx(graph, users, stop, settings.merge_matmuls, columns, recompute_ops))
     prio = {KernelKind.MATMUL: 0, KernelKind.ROW: 1, KernelKind.POINTWISE: 2}  # node kinds: 3
     in_chain: dict[Node, int] = {}  # epilogue member -> gid of its CONV group
     outputs = set(graph.outputs)

@@ -23,7 +23,7 @@ def partition(g: Graph) -> Partition:
     for n in g.nodes:
         for s in n.src:
             users[base(s)].append(n)
-    part = Partition(Ctx(g, users, set()))
+    part = Partition(Ctx(g, users, set(), recompute_ops=8))
     for n in g.nodes:
         if n.op in (Op.INPUT, Op.CONST) or n.op in (Op.VIEW, Op.BROADCAST, Op.PERMUTE, Op.SLICE, Op.FLIP):
             continue
@@ -98,3 +98,20 @@ def test_merges_never_make_a_cycle_between_kernels():
     assert part.group(s) is part.group(a) and part.group(r) is not part.group(a)
     assert part.group(c) is part.group(r)
     assert chain(g.broadcast(g.view(x, (1, 4, 6)), (2, 4, 6))) and base(x) is x
+
+
+def test_read_keys_look_through_cheap_pointwise_trees_to_their_inputs():
+    """Readers of recomputed pointwise values count as readers of what those values are computed from."""
+    g = Graph()
+    dy, x = g.input("dy", (4, 6), "bf16"), g.input("x", (4, 6), "bf16")
+    d = g.cast(dy, "f32")
+    a, b = g.mul(d, g.cast(x, "f32")), g.exp(d)
+    part = partition(g)
+    keys = part.read_keys(a)
+    assert keys[0] == part.find(part.of[a]) and set(keys[1:]) == {dy, x}
+    assert set(part.read_keys(b)[1:]) == {dy}
+    assert part.read_keys(x) == [x]  # an input is read as itself
+    part = Partition(Ctx(g, part.ctx.users, set(), recompute_ops=2))
+    for n in (d, g.cast(x, "f32"), a):
+        part.add(new_group(len(part.parent), n, kind_of(n, False)), [base(s) for s in n.src])
+    assert part.read_keys(a) == [part.find(part.of[a])]  # three ops: more than readers recompute

@@ -221,6 +221,74 @@ def test_rotary_of_q_and_k_is_one_kernel():
     assert kinds(p) == ["pointwise", "pointwise"]
 
 
+def _head_sum(g: Graph, v, heads: int):
+    """``v.sum(1, keepdim=True)`` of a ``[t, heads, d]`` value as autodiff writes it for a static head
+    count: adds of one-head slices."""
+    acc = g.slice(v, 1, 0, 1)
+    for h in range(1, heads):
+        acc = g.add(acc, g.slice(v, 1, h, h + 1))
+    return acc
+
+
+def _rotary_column_grads(dtype: str, heads: int = 4, d: int = 8) -> Graph:
+    """The cos and sin gradients of NeoX rotary over a flat hidden: per-head products of ``dy`` with ``x``
+    and with rotate-half(``x``), summed over the heads; in bf16 every read goes through a cast to f32."""
+    g = Graph()
+    dy, x = g.input("dy", ("t", heads * d), dtype), g.input("x", ("t", heads * d), dtype)
+    t = dy.shape[0]
+    dyf, xh = g.cast(dy, "f32"), g.view(x, (t, heads, d))
+    d_cos = g.view(g.mul(dyf, g.view(g.cast(xh, "f32"), (t, heads * d))), (t, heads, d))
+    rot = g.concat(
+        [g.cast(g.neg(g.slice(xh, 2, d // 2)), "f32"), g.cast(g.slice(xh, 2, 0, d // 2), "f32")], 2
+    )
+    d_sin = g.mul(g.view(dyf, (t, heads, d)), rot)
+    g.output(g.cast(_head_sum(g, d_cos, heads), dtype), g.cast(_head_sum(g, d_sin, heads), dtype))
+    return g
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_siblings_recomputing_values_of_common_inputs_are_one_kernel(dtype):
+    """The two column gradients read different products of ``dy`` and ``x`` (each in a group of its own,
+    recomputed by its reader, not stored): they read the same inputs, so one kernel computes both."""
+    g = _rotary_column_grads(dtype)
+    xs = [torch.randn(5, 32).to(getattr(torch, {"f32": "float32", "bf16": "bfloat16"}[dtype])) for _ in "ab"]
+    tol = 1e-5 if dtype == "f32" else 2e-2  # the reference rounds every bf16 intermediate
+    p = check(g, xs, tol=tol)
+    assert kinds(p) == ["pointwise"] and len(p.kernels[0].stores) == 2, p
+    assert {str(b.arg) for b in p.kernels[0].reads} == {"dy", "x"}
+    p = check(g, xs, PlanSettings(horizontal=False), tol=tol)
+    assert kinds(p) == ["pointwise", "pointwise"]
+
+
+def rotary_flat(x, cos, sin):
+    """NeoX rotary over a flat hidden (the heads a static split of it)."""
+    t, d = x.shape[0], cos.shape[-1]
+    xh = x.view(t, -1, d)
+    return rotary_neox(xh, cos[:, None, :], sin[:, None, :]).view(t, -1)
+
+
+@pytest.mark.parametrize("heads", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_backward_computes_both_column_gradients_in_one_kernel(dtype, heads):
+    """dx is one kernel and d cos, d sin (sums over the heads) another that loads dy and x once, in bf16
+    too, where both read recomputed casts of dy and x."""
+    from kernelize.ir.autodiff import split, vjp
+
+    xs = [
+        torch.randn(7, heads * 8, dtype=dtype),
+        torch.randn(7, 8, dtype=dtype),
+        torch.randn(7, 8, dtype=dtype),
+    ]
+    g = optimize(trace(rotary_flat, *xs, dynamic_dims=[{0: "n"}] * 3))
+    bwd = optimize(split(vjp(g)).backward)
+    for rows in (1, 5):
+        inputs = [torch.randn(rows, *i.shape[1:]).to(dtype) for i in bwd.inputs]
+        p = check(bwd, inputs, tol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert len(p.kernels) == 2, p
+    (cols,) = [k for k in p.kernels if len(k.writes) == 2]
+    assert {str(b.arg) for b in cols.reads} == {"grad_0", "x"}
+
+
 def test_kernels_sharing_only_a_constant_stay_apart():
     g = Graph()
     x, y = g.input("x", (4, 8), "f32"), g.input("y", (4, 8), "f32")

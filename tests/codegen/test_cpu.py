@@ -359,6 +359,23 @@ def test_masked_and_concat_and_gather_loads():
         BACKEND.compile(k2).launch([torch.tensor([0, 1, 2, 3, 10]), x], [out], {})
 
 
+def test_masked_loads_from_index_zero_test_only_the_upper_bound():
+    """A mask starting at index 0 renders without its always-true lower test: written out, gcc 12 left a
+    loop with several masked f32 loads scalar (rotary's cos / sin gradients: rotate-half of every head)."""
+    from kernelize.autokernel.plan import plan
+    from kernelize.runtime import compile_graph
+
+    g = Graph()
+    x = g.input("x", ("n", 2, 8), DType.F32)
+    heads = [g.slice(x, 1, h, h + 1) for h in range(2)]
+    g.output(g.add(*(g.concat([g.neg(g.slice(h, 2, 4)), g.slice(h, 2, 0, 4)], 2) for h in heads)))
+    (k,) = plan(g).kernels
+    src, _ = render(k)
+    assert "(i2 < 4)" in src and "i2 >= 4 && i2 < 8" in src and ">= 0 &&" not in src, src
+    xs = [rand((5, 2, 8), DType.F32)]
+    torch.testing.assert_close(compile_graph(g, backend="cpu")(*xs)[0], evaluate(g, xs)[0])
+
+
 # ---- row kernels -----------------------------------------------------------------------------------------
 def _row_graph(kind: str, dtype: DType, n, with_params=True):
     g = Graph()
