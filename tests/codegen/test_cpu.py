@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store, row_invariant
-from kernelize.codegen.cpu import CompilerNotFoundError, CpuBackend, render
+from kernelize.codegen.cpu import CompilerNotFoundError, CpuBackend, inner_pieces, render
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import ELEMENTWISE, REDUCE, ROW, Graph, Node, Op
 from kernelize.ir.ops import ConcatArgs
@@ -359,21 +359,114 @@ def test_masked_and_concat_and_gather_loads():
         BACKEND.compile(k2).launch([torch.tensor([0, 1, 2, 3, 10]), x], [out], {})
 
 
-def test_masked_loads_from_index_zero_test_only_the_upper_bound():
-    """A mask starting at index 0 renders without its always-true lower test: written out, gcc 12 left a
-    loop with several masked f32 loads scalar (rotary's cos / sin gradients: rotate-half of every head)."""
+def _rotate_half_graph(heads: int = 2, d: int = 8) -> Graph:
+    """rotate-half of every head, the heads added: masked loads of both halves of the inner axis."""
+    g = Graph()
+    x = g.input("x", ("n", heads, d), DType.F32)
+    halves = [g.slice(x, 1, h, h + 1) for h in range(heads)]
+    g.output(g.add(*(g.concat([g.neg(g.slice(h, 2, d // 2)), g.slice(h, 2, 0, d // 2)], 2) for h in halves)))
+    return g
+
+
+def _planned_source(g: Graph) -> tuple[Kernel, str]:
     from kernelize.autokernel.plan import plan
+
+    (k,) = plan(g).kernels
+    return k, render(k)[0]
+
+
+def _check_compiled(g: Graph, xs, tol: float = 1e-5) -> None:
     from kernelize.runtime import compile_graph
 
+    got, want = compile_graph(g, backend="cpu")(*xs), evaluate(g, xs)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_inner_loop_splits_at_static_mask_bounds():
+    """Masks and concats testing the inner index at static bounds: one simd loop per sub-range between the
+    bounds, where every load is plain and no test is left (as tests they ran as 64-bit vector compares)."""
+    g = _rotate_half_graph()
+    k, src = _planned_source(g)
+    assert inner_pieces(k) == [(0, 4), (4, 8)]
+    assert "for (int64_t i2 = 0; i2 < 4; ++i2)" in src and "for (int64_t i2 = 4; i2 < 8; ++i2)" in src, src
+    assert src.count("#pragma omp simd\n") == 2 and "? kz_ld" not in src and "i2 < 4 ?" not in src, src
+    for rows in (1, 7, 129):
+        _check_compiled(g, [rand((rows, 2, 8), DType.F32)])
+
+
+def test_masked_loads_from_index_zero_test_only_the_upper_bound():
+    """Past ``MAX_PIECES`` pieces the loop is not split and the masks stay tests; one starting at index 0
+    renders without its always-true lower test: written out, gcc 12 left a loop with several masked f32
+    loads scalar (rotary's cos / sin gradients: rotate-half of every head)."""
     g = Graph()
-    x = g.input("x", ("n", 2, 8), DType.F32)
-    heads = [g.slice(x, 1, h, h + 1) for h in range(2)]
-    g.output(g.add(*(g.concat([g.neg(g.slice(h, 2, 4)), g.slice(h, 2, 0, 4)], 2) for h in heads)))
-    (k,) = plan(g).kernels
-    src, _ = render(k)
-    assert "(i2 < 4)" in src and "i2 >= 4 && i2 < 8" in src and ">= 0 &&" not in src, src
-    xs = [rand((5, 2, 8), DType.F32)]
-    torch.testing.assert_close(compile_graph(g, backend="cpu")(*xs)[0], evaluate(g, xs)[0])
+    x = g.input("x", ("n", 10), DType.F32)
+    g.output(g.exp(g.concat([g.slice(x, 1, a, a + 2) for a in (8, 6, 4, 2, 0)], 1)))
+    k, src = _planned_source(g)
+    assert inner_pieces(k) is None and src.count("#pragma omp simd\n") == 1
+    assert "(i1 < 2)" in src and "i1 >= 2 && i1 < 4" in src and ">= 0 &&" not in src, src
+    _check_compiled(g, [rand((5, 10), DType.F32)])
+
+
+def test_pad_and_concat_pieces_on_the_inner_axis():
+    """A pad with a non-zero value (masked loads outside the source read the value) and a concat of uneven
+    pieces give the cuts 2, 3, 7: four loops, masked-out loads as literals, concat operands picked."""
+    g = Graph()
+    x, y = g.input("x", ("n", 5), DType.F32), g.input("y", ("n", 10), DType.F32)
+    padded = g.pad(x, [(0, 0), (2, 3)], 1.5)
+    cat = g.concat([g.slice(y, 1, 7), g.exp(g.slice(y, 1, 0, 4)), g.slice(y, 1, 4, 7)], 1)
+    g.output(g.mul(padded, cat))
+    k, src = _planned_source(g)
+    assert inner_pieces(k) == [(0, 2), (2, 3), (3, 7), (7, 10)]
+    assert src.count("#pragma omp simd\n") == 4 and "? kz_ld" not in src and "1.5f" in src, src
+    for rows in (1, 7, 129):
+        _check_compiled(g, [rand((rows, 5), DType.F32), rand((rows, 10), DType.F32)])
+
+
+def test_symbolic_bounds_or_inner_size_are_not_split():
+    """Graphs cannot pad or concat a symbolic axis today; the splitter still refuses symbolic bounds and
+    sizes (and a mask on another axis is no reason to split)."""
+    g = Graph()
+    x = g.input("x", (4, 8), DType.F32)
+    m = Sym(("m",), 1)
+
+    def kernel(domain, mask):
+        body = (Load(x, (8, 1), mask=mask),)
+        return Kernel("k", KernelKind.POINTWISE, domain, body, (Store(0, x, (8, 1)),))
+
+    assert inner_pieces(kernel((4, 8), ((1, 0, m),))) is None
+    assert inner_pieces(kernel((4, m), ((1, 0, 3),))) is None
+    assert inner_pieces(kernel((4, 8), ((0, 1, 3),))) is None
+    assert inner_pieces(kernel((4, 8), ((1, -2, 3),))) == [(0, 3), (3, 8)]
+
+
+def _rotary_flat(x, cos, sin):
+    """NeoX rotary over a flat hidden (the heads a static split of it)."""
+    t, d = x.shape[0], cos.shape[-1]
+    xh = x.view(t, -1, d)
+    rot = torch.cat((-xh[..., d // 2 :], xh[..., : d // 2]), dim=-1)
+    return (xh * cos[:, None, :] + rot * sin[:, None, :]).view(t, -1)
+
+
+@pytest.mark.parametrize(("heads", "d"), [(1, 10), (3, 6), (16, 10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_forward_and_backward_with_split_inner_loops(dtype, heads, d):
+    """Rotary's forward and its dx and cos / sin gradient kernels, whose rotate-half loads split at d / 2,
+    against the reference executor on awkward head counts, head dims and rows."""
+    from kernelize.autokernel.plan import plan
+    from kernelize.ir.autodiff import split, vjp
+    from kernelize.ir.torch_frontend import trace
+    from kernelize.passes import optimize
+
+    xs = [torch.randn(7, n, dtype=dtype) for n in (heads * d, d, d)]
+    fwd = optimize(trace(_rotary_flat, *xs, dynamic_dims=[{0: "n"}] * 3))
+    bwd = optimize(split(vjp(fwd)).backward)
+    for g in (fwd, bwd):
+        srcs = [render(k)[0] for k in plan(g).kernels]
+        assert any(s.count("#pragma omp simd\n") > 1 for s in srcs) and not any("? kz_ld" in s for s in srcs)
+        for rows in (1, 7, 129):
+            inputs = [torch.randn(rows, *i.shape[1:]).to(dtype) for i in g.inputs]
+            _check_compiled(g, inputs, tol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 # ---- row kernels -----------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 $PRELUDE$
 // $NAME$: pointwise over $DOMAIN$. The domain is cut into tiles of one outer index and up to $BLOCK$
 // inner elements; tiles are split across threads, the inner loop is a unit-stride simd loop (with a
-// constant trip count when the inner size is static and fits one tile, so it needs no remainder loop).
+// constant trip count when the inner size is static and fits one tile, so it needs no remainder loop;
+// a static inner axis whose masks or concats test the index at static bounds is one loop per sub-range
+// between the bounds, where the tests are constants and the loads plain).
 extern "C" int $NAME$($PARAMS$int kz_nthreads) {
     const int64_t kz_inner = $INNER$;
     const int64_t kz_outer = $OUTER$;
@@ -18,10 +20,7 @@ extern "C" int $NAME$($PARAMS$int kz_nthreads) {
             const int64_t kz_j0 = (kz_t - kz_o * kz_nblk) * $BLOCK$;
             const int64_t kz_j1 = kz_j0 + $BLOCK$ < kz_inner ? kz_j0 + $BLOCK$ : kz_inner;
 $OUTER_INDEX$
-#pragma omp simd
-            for (int64_t $J$ = $J0$; $J$ < $J1$; ++$J$) {
-$BODY$
-            }
+$LOOPS$
         }
     }
     kz_team_done(kz_team_n, kz_lag);
