@@ -268,6 +268,19 @@ def _loop(w, split: int, simd: bool, clauses: list[str], body: list[str]) -> lis
     return lines
 
 
+def _stat_pass(w, group: list[_Pass], inv: list[bool], written: set[int], full: dict[int, str], split: int):
+    """One statistics pass: the simd loop computing what its statistics read (and keeping costly values the
+    write pass needs in scratch rows), with the declarations before it and the scalar lines after it."""
+    values = closure(w.k, [o for sp in group for o in sp.operands], inv)
+    body = [w.value(j, list(range(split, w.rank)), full) for j in values]
+    decl, keep = _kept_in_scratch(w, values, written, full, split)
+    lines = [line for sp in group for line in sp.decl] + decl
+    updates = [u for sp in group for u in sp.update]
+    clauses = [c for sp in group for c in sp.clauses]
+    lines += _loop(w, split, all(sp.simd for sp in group), clauses, body + updates + keep)
+    return lines + [line for sp in group for line in sp.final]
+
+
 def render_row(w, inv: list[bool]) -> list[str]:
     """The code for one row (inside the loop over rows, after the outer indices and access bases)."""
     k = w.k
@@ -299,27 +312,14 @@ def render_row(w, inv: list[bool]) -> list[str]:
                 lines.append(w.value(i, [], full))
 
     scalars(0)
-    for p in range(1, last + 1):
-        group = passes.get(p, [])
-        operands = [o for _, sp in group for o in sp.operands]
-        body = [w.value(j, row_axes, full) for j in closure(k, operands, inv)]
-        simd = all(sp.simd for _, sp in group)
-        for _, sp in group:
-            lines += sp.decl
-        lines += _loop(
-            w,
-            split,
-            simd,
-            [c for _, sp in group for c in sp.clauses],
-            body + [u for _, sp in group for u in sp.update],
-        )
-        for _, sp in group:
-            lines += sp.final
-        scalars(p)
     # the write pass: full values stored, and the operands of column sums added to this thread's partials
     full_stores = [(j, s) for j, s in enumerate(k.stores) if not inv[s.value] and s.value not in cols]
+    roots = [s.value for _, s in full_stores] + [k.body[i].src[0] for i in cols]
+    written = set(closure(k, roots, inv))
+    for p in range(1, last + 1):
+        lines += _stat_pass(w, [sp for _, sp in passes.get(p, [])], inv, written, full, split)
+        scalars(p)
     if full_stores or cols:
-        roots = [s.value for _, s in full_stores] + [k.body[i].src[0] for i in cols]
         body = [w.value(j, row_axes, full) for j in closure(k, roots, inv)]
         body += [w.store(j, s, row_axes) for j, s in full_stores]
         body += [f"kz_c{i}[{_row_pos(w, split)}] += v{k.body[i].src[0]};" for i in cols]
@@ -328,6 +328,33 @@ def render_row(w, inv: list[bool]) -> list[str]:
         lines += _column_fold(cols)
     lines += [w.store(j, s, []) for j, s in enumerate(k.stores) if inv[s.value]]
     return [line for line in lines if line]
+
+
+# elementwise ops worth a scratch-row store and load rather than computing them again in a later pass
+_COSTLY = frozenset({Op.EXP, Op.LOG, Op.TANH, Op.SIGMOID, Op.ERF})
+
+
+def _kept_in_scratch(w, values: list[int], written: set[int], full: dict[int, str], split: int):
+    """Costly elementwise values a statistics pass computes that the write pass needs again (the fused
+    loss's ``exp(z - max)``: summed in one pass, scaled in the write pass): each is stored into a per-thread
+    scratch row (in cache) as the pass computes it, and later passes load it. Returns the declarations
+    before the pass and the stores inside it; ``full`` then names the scratch element for later passes.
+    Measured on the fused loss's 256 x 32000 f32 chunk kernel (1 thread, thread CPU time): 10.3 -> 8.0 ms."""
+    decl: list[str] = []
+    keep: list[str] = []
+    pos = _row_pos(w, split)
+    for i in values:
+        e = w.k.body[i]
+        if not (isinstance(e, Compute) and e.op in _COSTLY and i in written and i not in full):
+            continue
+        if w.scratch_slots >= SCRATCH_SLOTS:
+            break
+        ct = w.r.ctype(e.dtype)
+        decl.append(f"{ct}* __restrict kz_k{i} = kz_scratch<{ct}>({w.scratch_slots}, {_N});")
+        keep.append(f"kz_k{i}[{pos}] = v{i};")
+        full[i] = f"kz_k{i}[{pos}]"
+        w.scratch_slots += 1
+    return decl, keep
 
 
 COLUMN_BLOCK = 64  # rows a thread adds into its float partials before folding them into double totals

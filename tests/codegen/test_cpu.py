@@ -889,3 +889,22 @@ def test_compile_many_gives_each_kernel_the_source_and_results_of_compiling_it_a
     alone = [BACKEND.compile(k) for k in kernels]
     assert [c.source for c in many] == [c.source for c in alone]
     assert [c.name for c in many] == [k.name for k in kernels]
+
+
+def test_row_kernel_keeps_a_costly_value_in_scratch_for_the_write_pass():
+    """``e = exp(z - max)`` summed in one pass and scaled in the write pass (the fused loss's chunk kernel):
+    the statistics pass stores it into a scratch row, the write pass loads it instead of a second exp."""
+    from kernelize.autokernel.plan import plan
+
+    g = Graph()
+    z = g.input("z", ("n", 300), DType.F32)
+    e = g.exp(g.sub(z, g.reduce(Op.REDUCE_MAX, z, -1, keepdim=True)))
+    s = g.reduce(Op.SUM, e, -1, keepdim=True)
+    g.output(g.mul(e, g.reciprocal(s)), g.log(s))
+    (k,) = [k for k in plan(g).kernels if k.kind is KernelKind.ROW]
+    src = render(k)[0]
+    assert "kz_scratch<float>" in src, src
+    write_pass = src[src.rindex("#pragma omp simd") :]
+    assert "kz_exp" not in write_pass, write_pass
+    for rows in (1, 7, 129):
+        _check_compiled(g, [rand((rows, 300), DType.F32) * 5])
