@@ -73,7 +73,6 @@ def run_main(args: argparse.Namespace) -> int:
     the optimizer. Triton on a machine without a GPU runs under its interpreter (``TRITON_INTERPRET=1``).
     """
     import os
-    import statistics
     import time
 
     import torch
@@ -100,20 +99,12 @@ def run_main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     want = evaluate(graph, inputs)
     print(f"# reference executor: {time.perf_counter() - t0:.1f} s")
-    ready = graph if args.backend == "reference" else load_optimized_onnx(path, dynamic_dims=pins)
+    ready = (
+        graph if args.backend == "reference" else load_optimized_onnx(path, dynamic_dims=pins, loaded=graph)
+    )
     cg = compile_graph(ready, args.backend, device)
-    xs = [t.to(device) for t in inputs]
-    got = cg(*xs)  # warm-up: compiles and loads kernels
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    repeat, times = max(1, args.repeat), []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        got = cg(*xs)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    ms = statistics.median(times)
+    repeat = max(1, args.repeat)
+    got, ms = _timed(cg, [t.to(device) for t in inputs], repeat)
     dims = "".join(f", {k}={v}" for k, v in pins.items())
     print(f"model {path.name}{dims}: backend {args.backend} on {device}, {_kernel_counts(cg)}")
     _print_differences(graph, got, want)
@@ -121,6 +112,26 @@ def run_main(args: argparse.Namespace) -> int:
     if getattr(args, "compare", None) == "onnxruntime":
         return compare_onnxruntime(path, graph, inputs, got, ms, repeat)
     return 0
+
+
+def _timed(cg, xs: list, repeat: int) -> tuple[list, float]:
+    """``cg``'s outputs on ``xs`` and its median ms per call over ``repeat`` calls, after a warm-up call
+    (which compiles and loads the kernels); a GPU is synchronized around each timed call."""
+    import statistics
+    import time
+
+    import torch
+
+    sync = torch.cuda.synchronize if any(x.is_cuda for x in xs) else (lambda: None)
+    got = cg(*xs)
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        got = cg(*xs)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return got, statistics.median(times)
 
 
 def _pinned_dims(path: Path, given: list[str], npz: str | None) -> dict[str, int] | None:

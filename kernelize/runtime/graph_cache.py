@@ -181,6 +181,7 @@ def load_optimized_onnx(
     dynamic_dims: Mapping[str, int | str] | None = None,
     fold_limit: int | None = None,
     settings: Any = None,
+    loaded: Graph | None = None,
 ) -> Graph:
     """``optimize(load_onnx(path, ...), settings)``, read from the disk cache when this exact model file
     was loaded with the same arguments before (by this version of kernelize, torch and onnx).
@@ -193,6 +194,10 @@ def load_optimized_onnx(
     330-440 MB of weights took ~1 s of a cold start); the process waits for it at exit, and
     :func:`wait_for_cache_writes` waits for it sooner.
 
+    ``loaded``: the graph ``load_onnx(path, dynamic_dims=..., fold_limit=...)`` returned, when the caller
+    has it already (``kernelize run`` loads it for the reference executor): a miss optimizes it instead of
+    loading the model again.
+
     Example:
         >>> g = load_optimized_onnx("model.onnx", dynamic_dims={"batch": 8})  # doctest: +SKIP
     """
@@ -201,7 +206,8 @@ def load_optimized_onnx(
     from kernelize.passes.optimize import optimize
 
     def fresh() -> Graph:
-        return optimize(load_onnx(path, dynamic_dims=dynamic_dims, fold_limit=fold_limit), settings)
+        raw = loaded or load_onnx(path, dynamic_dims=dynamic_dims, fold_limit=fold_limit)
+        return optimize(raw, settings)
 
     try:
         ident = file_identity(Path(path))
