@@ -11,7 +11,8 @@ The source comes from the shared render table (:class:`~kernelize.codegen.render
   the row's reductions and row ops (simd reductions; independent ones share a pass), then one write pass;
 * matmul kernels: a few-row kernel (decode) or torch's GEMM plus the fused epilogue, chosen per call by
   the number of rows (:mod:`kernelize.codegen.cpu_gemv`);
-* attention kernels are fused flash-style kernels with an online softmax (:mod:`.cpu_attention`).
+* attention kernels are fused flash-style kernels with an online softmax (:mod:`.cpu_attention`);
+* conv kernels (f32) are NHWC implicit GEMMs or depthwise loops with the epilogue fused (:mod:`.cpu_conv`).
 
 16-bit floats are loaded and stored as 16 bits and computed in f32. Static sizes and strides are baked in;
 symbolic dims and the thread count (``torch.get_num_threads()``) are call arguments. Shared objects go
@@ -43,6 +44,7 @@ from pathlib import Path
 import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
+from kernelize.codegen import cpu_conv
 from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
 from kernelize.codegen.cpu_attention import attention_launcher, render_attention
 from kernelize.codegen.render import Renderer, c_name, closure, deps
@@ -367,8 +369,10 @@ class _Writer:
 
 def render(kernel: Kernel, renderer: CpuRenderer | None = None) -> tuple[str, str]:
     """The C++ source of ``kernel`` and its exported function name."""
+    if kernel.kind is KernelKind.CONV and cpu_conv.algorithm(kernel) is not None:
+        return cpu_conv.render(kernel, renderer or CpuRenderer())
     if kernel.kind in (KernelKind.LIBRARY, KernelKind.CONV):
-        raise ValueError(f"kernel {kernel.name} is a LIBRARY kernel: the runtime runs those with torch")
+        raise ValueError(f"kernel {kernel.name} is a library call: the runtime runs those with torch")
     if kernel.kind is KernelKind.ATTENTION:
         return render_attention(kernel, load_template("cpu_prelude.h"))
     w = _Writer(_normalize(kernel), renderer or CpuRenderer())
@@ -509,6 +513,12 @@ class CpuBackend(Backend):
     def device_ok(self, device: torch.device) -> bool:
         return torch.device(device).type == "cpu"
 
+    def generates(self, kernel: Kernel) -> bool:
+        """Everything but LIBRARY kernels, and the convolutions :func:`cpu_conv.algorithm` takes."""
+        if kernel.kind is KernelKind.CONV:
+            return cpu_conv.algorithm(kernel) is not None
+        return super().generates(kernel)
+
     def render(self, kernel: Kernel) -> str:
         """The C++ source :meth:`compile` builds (a MATMUL kernel: its few-row function, then the epilogue
         kernel run after torch's GEMM)."""
@@ -520,6 +530,11 @@ class CpuBackend(Backend):
     def compile(self, kernel: Kernel) -> CompiledKernel:
         if kernel.kind is KernelKind.MATMUL:
             return self._compile_matmul(kernel)
+        if kernel.kind is KernelKind.CONV:
+            source, fn_name = render(kernel, self.renderer)
+            return self._conv(
+                getattr(load(build_shared_object(source, kernel.name)), fn_name), kernel, source
+            )
         source, launch = self._build(kernel)
         return CompiledKernel(kernel.name, self.name, source, launch, kernel)
 
@@ -539,6 +554,10 @@ class CpuBackend(Backend):
             + [ctypes.c_int]
         )
         return source, _launcher(fn, kernel)
+
+    def _conv(self, fn, kernel: Kernel, source: str) -> CompiledKernel:
+        call = cpu_conv.ConvCall(fn, kernel)
+        return CompiledKernel(kernel.name, self.name, source, call.launch, kernel, call.fresh)
 
     def _compile_matmul(self, kernel: Kernel) -> CompiledKernel:
         epi, temps = _epilogue_of(kernel)
@@ -570,7 +589,7 @@ class CpuBackend(Backend):
         units = unit_chunks(
             list(groups), [sum(len(rendered[k.name][0]) for k, _ in parts[i]) for i in groups]
         )
-        shared = [load_template("cpu_prelude.h"), load_template("cpu_gemv.h")]
+        shared = [load_template(name) for name in ("cpu_prelude.h", "cpu_gemv.h", "cpu_conv.h")]
 
         def build(chunk: list[int]) -> tuple[list[int], Path]:
             sources = [rendered[k.name][0] for i in chunk for k, _ in parts[i]]
@@ -591,6 +610,8 @@ class CpuBackend(Backend):
         self, kernel: Kernel, parts: list[tuple[Kernel, tuple]], fns: list, rendered
     ) -> CompiledKernel:
         """``kernel`` from the functions compiled for its parts (its own or an identical kernel's)."""
+        if kernel.kind is KernelKind.CONV:
+            return self._conv(fns[0], kernel, rendered[kernel.name][0])
         built = [self._wrap(fn, k, rendered[k.name][0]) for fn, (k, _) in zip(fns, parts, strict=True)]
         if kernel.kind is KernelKind.MATMUL:
             epi, temps = parts[-1]

@@ -177,7 +177,9 @@ def _operand_view(
     t: torch.Tensor, ld: Load, shape: Sequence[int], axes: Sequence[int], sizes: Mapping[str, int]
 ) -> torch.Tensor:
     strides = bind(tuple(ld.strides[a] for a in axes), sizes)
-    return torch.as_strided(t, tuple(shape), tuple(strides), int(bind((ld.offset,), sizes)[0]))
+    # the load's offset counts from the buffer's first element, which need not start its storage (an arena)
+    offset = t.storage_offset() + int(bind((ld.offset,), sizes)[0])
+    return torch.as_strided(t, tuple(shape), tuple(strides), offset)
 
 
 def library_matmuls(

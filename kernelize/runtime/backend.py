@@ -1,12 +1,16 @@
 """What a code generator gives the runtime: a compiled kernel that launches on torch tensors.
 
 Each backend (``triton``, ``cuda``, ``cpu``) implements :class:`Backend`: ``compile(kernel)`` turns one
-:class:`~kernelize.autokernel.kernels.Kernel` (never ``LIBRARY``: the runtime runs those itself) into a
-:class:`CompiledKernel`. The runtime allocates every buffer, binds symbolic sizes from the inputs and
-calls ``launch(reads, writes, sizes)`` with tensors in the order of ``kernel.reads`` / ``kernel.writes``
-(all contiguous, on the backend's device) and ``sizes`` holding one int per name of ``kernel.symbols``.
-A kernel that is one library call allocating its own result (the CPU backend's oneDNN GEMMs) may also
-offer ``fresh(reads, sizes)``, which returns its outputs (or None to fall back to ``launch``).
+:class:`~kernelize.autokernel.kernels.Kernel` it ``generates`` (never ``LIBRARY``: the runtime runs those
+itself; ``CONV`` where the backend has a generated convolution) into a :class:`CompiledKernel`. The
+runtime allocates every buffer, binds symbolic sizes from the inputs and calls ``launch(reads, writes,
+sizes)`` with tensors in the order of ``kernel.reads`` / ``kernel.writes`` (all contiguous, on the
+backend's device) and ``sizes`` holding one int per name of ``kernel.symbols``. A kernel that is one
+library call allocating its own result (the CPU backend's oneDNN GEMMs) may also offer ``fresh(reads,
+sizes)``, which returns its outputs (or None to fall back to ``launch``). A generated ``CONV`` kernel is
+launched by the runtime's conv runner as ``launch([x, weight, bias, residual], [y], {})`` over
+channels-last tensors (bias and residual None when its epilogue has none), or ``fresh`` without ``y``; it
+packs the weight itself, on first use.
 An ``ATTENTION`` kernel is launched on its node's operands instead (``q, k, v[, mask]``, in ``node.src``
 order, with whatever strides their layout views give) and reads its sizes and strides from them.
 """
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kernelize.autokernel.kernels import Kernel
+from kernelize.autokernel.kernels import Kernel, KernelKind
 
 if TYPE_CHECKING:
     from kernelize.autokernel.plan import PlanSettings
@@ -81,6 +85,12 @@ class Backend(Protocol):
     def device_ok(self, device: torch.device) -> bool:
         """Whether tensors on ``device`` can be handed to this backend's kernels."""
         ...
+
+    def generates(self, kernel: Kernel) -> bool:
+        """Whether :meth:`compile` builds ``kernel``. ``LIBRARY`` kernels never (the runtime runs them with
+        torch); a ``CONV`` kernel when the backend has a generated convolution for it (else the runtime
+        runs the library's, with its epilogue as post-ops)."""
+        return kernel.kind not in (KernelKind.LIBRARY, KernelKind.CONV)
 
     def render(self, kernel: Kernel) -> str:
         """The source :meth:`compile` builds for ``kernel``, without compiling it."""

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from kernelize.runtime.backend import Backend, CompiledKernel
 from kernelize.runtime.cache import GRAPHS, graph_fingerprint
 from kernelize.runtime.conv import ConvRunner
 from kernelize.runtime.library import materialize, view_bases
-from kernelize.runtime.memory import OutputPool
+from kernelize.runtime.memory import Arena, OutputPool
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def _build(graph: Graph, backend: str, device: torch.device, plan: Any, pool_out
         plan = make_plan(graph, impl.plan_settings)
     kernels = list(plan.kernels if hasattr(plan, "kernels") else plan)
     graph = getattr(plan, "graph", None) or graph
-    generated = [k for k in kernels if k.kind not in (KernelKind.LIBRARY, KernelKind.CONV)]
+    generated = [k for k in kernels if impl.generates(k)]
     compiled = _compile_all(impl, generated)
     logger.debug("compiled %d kernels (%d generated) with %s", len(kernels), len(compiled), backend)
     cg = CompiledGraph(graph, backend, device, plan=plan, kernels=kernels, compiled=compiled)
@@ -224,6 +225,7 @@ class _Bound:
 
 
 _BOUND_CACHE_MAX = 256  # distinct input signatures remembered per compiled graph
+ARENAS = 4  # input signatures whose arenas a compiled graph keeps
 
 
 class CompiledGraph:
@@ -264,7 +266,7 @@ class CompiledGraph:
                 tuple(b for b, j in last.items() if j == i and b not in keep),
                 k.kind is KernelKind.LIBRARY,
                 k.kind is KernelKind.ATTENTION,
-                self._conv_runner(k) if k.kind is KernelKind.CONV else None,
+                self._conv_runner(k, compiled.get(k.name)) if k.kind is KernelKind.CONV else None,
             )
             for i, k in enumerate(kernels)
         ]
@@ -282,10 +284,54 @@ class CompiledGraph:
         # again once the caller has dropped it
         self._pool = OutputPool() if backend == "cpu" and device.type == "cpu" else None
         self.fresh: frozenset[Node] = frozenset()  # buffers never taken from the pool
+        # intermediates that generated kernels write live in one arena per input signature
+        self._lives = self._intermediates(kernels, keep) if self._pool is not None else {}
+        self._arenas: OrderedDict[tuple, Arena] = OrderedDict()
         # one generated kernel from inputs to outputs (most hub layers): calls skip the buffer bookkeeping,
         # which is most of a small call's cost (decode pays it for every layer of every token)
         self._direct = self._direct_reads()
         _REGISTRY[self.key] = self
+
+    def _intermediates(
+        self, kernels: Sequence[Kernel], keep: set[Node]
+    ) -> dict[Node, tuple[int, int, int, bool]]:
+        """The buffers an arena holds: written by a generated kernel (or a generated conv) and neither a graph
+        output nor viewed by one; per buffer (step writing it, index among its writes, last step reading it,
+        whether it is stored NHWC). A step reads a buffer also through the layout views it materialises (its
+        memory is reused after the last such read, whatever still references it)."""
+        last: dict[Node, int] = {}
+        for i, k in enumerate(kernels):
+            touched = list(k.reads) + (list(k.node.src) if k.node is not None else [])
+            if k.kind is KernelKind.CONV and k.epilogue.residual is not None:
+                touched.append(k.epilogue.residual)
+            for b in view_bases(touched):
+                last[b] = i
+        outputs = set(self.graph.outputs)
+        lives = {}
+        for i, st in enumerate(self._steps):
+            if st.library or st.compiled is None:
+                continue
+            conv = st.conv is not None
+            for j, b in enumerate(st.kernel.writes):
+                if b not in outputs and b not in keep:
+                    lives[b] = (i, j, last.get(b, i), conv or b in self._cl)
+        return lives
+
+    def _arena(self, bound: _Bound) -> Arena | None:
+        """The arena for ``bound``'s shapes (the last :data:`ARENAS` signatures keep theirs)."""
+        if not self._lives:
+            return None
+        arena = self._arenas.get(bound.shapes)
+        if arena is None:
+            buffers = {
+                b: (bound.shapes[i][j], b.dtype.torch, i, end) for b, (i, j, end, _) in self._lives.items()
+            }
+            arena = self._arenas[bound.shapes] = Arena(buffers, {b: v[3] for b, v in self._lives.items()})
+            if len(self._arenas) > ARENAS:
+                self._arenas.popitem(last=False)
+        else:
+            self._arenas.move_to_end(bound.shapes)
+        return arena
 
     def _direct_reads(self) -> tuple[tuple[int | torch.Tensor, ...], tuple[int, ...]] | None:
         """When the graph is one generated kernel that reads only inputs and constants and writes exactly
@@ -325,9 +371,21 @@ class CompiledGraph:
         bound = self._bind(inputs)
         if self._direct is not None:
             return self._run_direct(inputs, bound)
-        env = bound.env
         if self.backend == "reference":
             return _no_alias(evaluate(self.graph, list(inputs)), inputs)
+        arena = self._arena(bound)
+        views = None if arena is None else arena.take()
+        try:
+            return self._run_steps(inputs, bound, views or {})
+        finally:
+            if views is not None:
+                arena.release()
+
+    def _run_steps(
+        self, inputs: Sequence[torch.Tensor], bound: _Bound, views: Mapping[Node, torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The steps in order; intermediates in ``views`` are written there, the rest allocated."""
+        env = bound.env
         vals: dict[Node, torch.Tensor] = dict(self._consts)
         strided = self._strided
         vals.update((n, t if s else t.contiguous()) for n, t, s in zip(self.graph.inputs, inputs, strided))
@@ -337,7 +395,10 @@ class CompiledGraph:
                 ep = k.epilogue
                 x, w = (materialize(s, vals, env) for s in ep.conv.src)
                 r = None if ep.residual is None else materialize(ep.residual, vals, env)
-                vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl)
+                out = views.get(ep.tail)
+                if out is None and step.conv.generated is not None and ep.tail in self.graph.outputs:
+                    out = self._empty(ep.tail, shapes[0], nhwc=True)
+                vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
             elif step.library:
                 vals[k.node] = self._library(k, vals, env)
             else:
@@ -345,7 +406,7 @@ class CompiledGraph:
                     reads = [materialize(s, vals, env) for s in k.node.src]
                 else:
                     reads = [vals[b] if b in vals else materialize(b, vals, env) for b in k.reads]
-                writes = self._written(step, reads, shapes, sizes, launch)
+                writes = self._written(step, reads, shapes, sizes, launch, views)
                 vals.update(zip(k.writes, writes))
             for b in step.free:
                 vals.pop(b, None)
@@ -366,9 +427,11 @@ class CompiledGraph:
         shapes: Sequence[tuple[int, ...]],
         sizes: Mapping[str, int],
         launch: bool,
+        views: Mapping[Node, torch.Tensor] = {},  # noqa: B006 (read only)
     ) -> list[torch.Tensor]:
         """Run a generated kernel; returns what it wrote: the tensors a library call made itself
-        (``CompiledKernel.fresh``), else buffers allocated here and filled by ``launch``."""
+        (``CompiledKernel.fresh``), else the arena's ``views`` or buffers allocated here, filled by
+        ``launch``."""
         fresh = step.compiled.fresh
         if fresh is not None and launch:
             if torch.autograd.profiler._is_profiler_enabled:
@@ -378,7 +441,9 @@ class CompiledGraph:
                 outs = fresh(reads, sizes)
             if outs is not None:
                 return outs
-        writes = self._outputs(step.kernel, shapes)
+        writes = [views.get(b) for b in step.kernel.writes]
+        if any(w is None for w in writes):
+            writes = self._outputs(step.kernel, shapes)
         if launch:
             _launch(step, reads, writes, sizes)
         return writes
@@ -391,9 +456,10 @@ class CompiledGraph:
             torch.empty(shape, dtype=b.dtype.torch, device=self.device) for b, shape in zip(k.writes, shapes)
         ]
 
-    def _empty(self, b: Node, shape: tuple[int, ...]) -> torch.Tensor:
-        """A CPU buffer for ``b``: from the pool unless it is fresh, NHWC when the plan lays it out so."""
-        nhwc = b in self._cl
+    def _empty(self, b: Node, shape: tuple[int, ...], nhwc: bool | None = None) -> torch.Tensor:
+        """A CPU buffer for ``b``: from the pool unless it is fresh, NHWC when the plan lays it out so (or
+        ``nhwc`` says so)."""
+        nhwc = b in self._cl if nhwc is None else nhwc
         if nhwc:
             n, c, h, w = shape
             shape = (n, h, w, c)
@@ -457,9 +523,9 @@ class CompiledGraph:
         fmt = torch.channels_last if node in self._cl else torch.contiguous_format
         return out.to(node.dtype.torch).contiguous(memory_format=fmt)
 
-    def _conv_runner(self, k: Kernel) -> ConvRunner:
+    def _conv_runner(self, k: Kernel, generated: CompiledKernel | None) -> ConvRunner:
         bias = k.epilogue.bias
-        return ConvRunner(k, None if bias is None else materialize(bias, dict(self._consts), {}))
+        return ConvRunner(k, None if bias is None else materialize(bias, dict(self._consts), {}), generated)
 
     def __repr__(self) -> str:
         return (
@@ -580,13 +646,13 @@ def print_kernels(graph: Graph, backend: str = "triton", file: TextIO | None = N
     impl = make_backend(backend)
     from kernelize.autokernel.plan import plan as make_plan
 
-    p = make_plan(graph)
+    p = make_plan(graph, impl.plan_settings)
     kernels = list(p.kernels)
     print(f"# plan: {len(kernels)} kernels", file=file)
     for k in kernels:
         print(str(k), file=file)
     for k in kernels:
-        if k.kind in (KernelKind.LIBRARY, KernelKind.CONV):
+        if not impl.generates(k):
             print(f"\n# {k.name}: library call ({k.node.op}) run by the runtime with torch", file=file)
             continue
         src = impl.render(k)

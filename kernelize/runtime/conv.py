@@ -1,9 +1,12 @@
-"""Run a CONV kernel: one library convolution with its epilogue (bias, residual, activation) fused.
+"""Run a CONV kernel: one convolution with its epilogue (bias, residual, activation) fused.
 
-On the CPU with f32 the convolution goes to oneDNN through torch's mkldnn ops: the weight is reordered
-into oneDNN's blocked layout once (per input shape) and kept, activations are channels-last, padding is
-the convolution's own (asymmetric padding too: as zero taps that make it symmetric, else as a symmetric
-pad by whole strides and a crop), and the bias, residual add and activation are oneDNN post-ops.
+Where the backend generated the kernel (the CPU backend's NHWC f32 convolutions,
+:mod:`kernelize.codegen.cpu_conv`, which packs the weight on first use), the runner hands it channels-last
+input, residual and output buffers, and that is the whole call. Otherwise it is a library call. On the CPU
+with f32 the convolution goes to oneDNN through torch's mkldnn ops: the weight is reordered into oneDNN's
+blocked layout once (per input shape) and kept, activations are channels-last, padding is the
+convolution's own (asymmetric padding too: as zero taps that make it symmetric, else as a symmetric pad by
+whole strides and a crop), and the bias, residual add and activation are oneDNN post-ops.
 Measured on this machine's 2 cores for ResNet-50 convolutions, that is 2-4x faster than ``F.conv2d`` on
 NCHW tensors (which reorders the weight on every call and, with an explicit pad, copies the input
 first). A 1x1 convolution of stride 1 without padding or groups is a GEMM of the NHWC input viewed
@@ -26,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kernelize.autokernel.kernels import Kernel
+from kernelize.runtime.backend import CompiledKernel
 
 _TORCH_ACT = {
     "relu": lambda t, s: torch.relu_(t),
@@ -63,8 +67,11 @@ def conv_as_gemm() -> bool:
 class ConvRunner:
     """The compiled form of one CONV kernel (see the module docstring)."""
 
-    def __init__(self, kernel: Kernel, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, kernel: Kernel, bias: torch.Tensor | None, generated: CompiledKernel | None = None
+    ) -> None:
         self.kernel = kernel
+        self.generated = generated
         ep = kernel.epilogue
         args = kernel.node.arg
         top, left, bottom, right = args.padding
@@ -133,8 +140,18 @@ class ConvRunner:
         return x.device.type == "cpu" and x.dtype == torch.float32 and _mkldnn_ok()
 
     def __call__(
-        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None, channels_last: bool
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        residual: torch.Tensor | None,
+        channels_last: bool,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The conv's epilogue output, channels-last or contiguous as asked; a generated kernel writes into
+        ``out`` (an NHWC buffer of the output's shape) when given."""
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        if self.generated is not None and x.device.type == "cpu" and x.dtype == torch.float32:
+            return self._run_generated(x, w, residual, out).contiguous(memory_format=fmt)
         if not self.symmetric and self.crop is None:
             x = F.pad(x, self.pad)
         if self._onednn(x, w):
@@ -147,8 +164,20 @@ class ConvRunner:
             y = self._run_torch(x, w, residual)
         if self.crop is not None:
             y = self._cropped(y, x.shape[2:], w.shape[2:])
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
         return y.contiguous(memory_format=fmt)
+
+    def _run_generated(
+        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The generated kernel (which packs the weight on first use) on channels-last buffers, into ``out``
+        or a fresh NHWC buffer."""
+        cl = torch.channels_last
+        reads = [x.contiguous(memory_format=cl), w, self.bias]
+        reads.append(None if residual is None else residual.contiguous(memory_format=cl))
+        if out is None:
+            return self.generated.fresh(reads, {})[0]
+        self.generated.launch(reads, [out], {})
+        return out
 
     def _cropped(self, y: torch.Tensor, image: Sequence[int], kernel: Sequence[int]) -> torch.Tensor:
         sizes = [

@@ -126,11 +126,25 @@ def test_generated_reader_gets_a_dense_buffer():
     assert p.kernels[0].writes[0] not in channels_last_buffers(p.kernels)
 
 
+@pytest.fixture(params=["library", "auto"])
+def conv_path(request, monkeypatch):
+    """Both ways a CPU conv runs: oneDNN (``library``) and the generated kernel (``auto``)."""
+    monkeypatch.setenv("KERNELIZE_CPU_CONV", request.param)
+    return request.param
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    """The oneDNN path (the generated kernels would take these convs otherwise)."""
+    monkeypatch.setenv("KERNELIZE_CPU_CONV", "library")
+
+
 @pytest.mark.parametrize("pads", [(0, 0, 1, 1), (1, 0, 2, 1), (2, 1, 0, 0), (0, 3, 2, 0)])
 @pytest.mark.parametrize("stride,dilation", [((1, 1), (1, 1)), ((2, 2), (1, 1)), ((3, 2), (2, 1))])
-def test_asymmetric_padding_without_a_padded_copy(pads, stride, dilation):
+def test_asymmetric_padding_without_a_padded_copy(pads, stride, dilation, conv_path):
     """Asymmetric pads run as zero taps of the kernel (when the pad difference is a multiple of the
-    dilation) or as a symmetric pad by whole strides and a crop of the extra leading outputs."""
+    dilation) or as a symmetric pad by whole strides and a crop of the extra leading outputs; the generated
+    kernel reads its padding as zero rows."""
     g = Graph()
     x = g.input("x", ("n", 4, 11, 10), "f32")
     w = g.const(torch.randn(6, 4, 3, 3))
@@ -140,6 +154,7 @@ def test_asymmetric_padding_without_a_padded_copy(pads, stride, dilation):
     top, left, bottom, right = pads
     whole = (bottom - top) % dilation[0] == 0 and (right - left) % dilation[1] == 0
     assert (runner.taps is not None) == whole and (runner.crop is not None) == (not whole)  # no F.pad copy
+    assert (runner.generated is not None) == (conv_path == "auto")
     for n in (1, 2):
         xs = torch.randn(n, 4, 11, 10)
         want = torch.nn.functional.conv2d(
@@ -149,7 +164,7 @@ def test_asymmetric_padding_without_a_padded_copy(pads, stride, dilation):
 
 
 @pytest.mark.parametrize("pads", [(0, 0, 1, 1), (1, 2, 0, 1)])
-def test_asymmetric_padding_with_a_residual_runs_as_zero_taps(pads):
+def test_asymmetric_padding_with_a_residual_runs_as_zero_taps(pads, conv_path):
     """An even kernel with "same" padding keeps the input shape: the residual add stays a post-op."""
     g = Graph()
     x = g.input("x", ("n", 4, 6, 7), "f32")
@@ -186,7 +201,7 @@ def _pointwise_chain(g: Graph, x, cin: int, cout: int, bias: bool, act: str):
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("act", ["none", "relu", "relu6", "sigmoid", "tanh", "swish", "hardswish"])
-def test_pointwise_conv_runs_as_a_gemm_with_its_post_ops(batch, bias, act):
+def test_pointwise_conv_runs_as_a_gemm_with_its_post_ops(batch, bias, act, onednn):
     g = Graph()
     x = g.input("x", ("n", 5, 7, 9), "f32")
     g.output(_pointwise_chain(g, _conv(g, x, 5, 11, seed=6), 11, 13, bias, act))  # NHWC between the two
@@ -198,7 +213,7 @@ def test_pointwise_conv_runs_as_a_gemm_with_its_post_ops(batch, bias, act):
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("bias", [True, False])
-def test_pointwise_conv_with_a_residual_runs_as_a_gemm(batch, bias):
+def test_pointwise_conv_with_a_residual_runs_as_a_gemm(batch, bias, onednn):
     g = Graph()
     x = g.input("x", ("n", 13, 5, 3), "f32")
     y = g.clamp(_conv(g, x, 13, 13, seed=2), 0, 6)
@@ -211,7 +226,7 @@ def test_pointwise_conv_with_a_residual_runs_as_a_gemm(batch, bias):
     torch.testing.assert_close(cg(xs)[0], evaluate(g, [xs])[0], rtol=1e-4, atol=1e-4)
 
 
-def test_residual_then_activation_and_strided_1x1_stay_convolutions(monkeypatch):
+def test_residual_then_activation_and_strided_1x1_stay_convolutions(monkeypatch, onednn):
     g = Graph()
     x = g.input("x", (2, 6, 7, 7), "f32")
     y = g.clamp(g.add(_conv(g, x, 6, 6, k=1, pad=0, seed=3), x), 0, math.inf)
@@ -223,7 +238,7 @@ def test_residual_then_activation_and_strided_1x1_stay_convolutions(monkeypatch)
     torch.testing.assert_close(cg(xs)[0], evaluate(g, [xs])[0], rtol=1e-4, atol=1e-4)
 
 
-def test_conv1x1_switch_keeps_convolutions(monkeypatch):
+def test_conv1x1_switch_keeps_convolutions(monkeypatch, onednn):
     monkeypatch.setenv("KERNELIZE_CPU_CONV1X1", "conv")
     g = Graph()
     x = g.input("x", (1, 3, 4, 5), "f32")

@@ -458,3 +458,45 @@ def test_progress_bar_is_drawn_while_a_slow_compile_runs(monkeypatch):
     kernels = [Kernel(name=f"k{i}", kind=KernelKind.POINTWISE, domain=()) for i in range(3)]
     assert compiled._compile_all(Slow(), kernels) == {"k0": "done", "k1": "done", "k2": "done"}
     assert "compiling slow kernels" in seen_during[0] and "0/3" in seen_during[0]
+
+
+def _chain_graph() -> Graph:
+    """Three kernels with two intermediates between them (a library matmul splits the pointwise work)."""
+    g = Graph()
+    x = g.input("x", (B, 64), "f32")
+    w = g.const(torch.randn(64, 48) * 0.1)
+    h = g.exp(g.mul(x, g.const(0.5)))
+    y = g.add(g.matmul(h, w), g.const(1.0))
+    g.output(g.softmax(g.mul(y, y)))
+    return g
+
+
+def test_intermediates_live_in_one_arena_that_outputs_never_alias():
+    import threading
+
+    g = _chain_graph()
+    cg = compile_graph(g, backend="cpu", cache=False)
+    assert cg._lives, "the chain has intermediates"
+    xs = [torch.randn(n, 64) for n in (5, 9, 5)]
+    outs = [cg(x)[0] for x in xs]
+    for x, out in zip(xs, outs, strict=True):  # earlier outputs survive later calls
+        torch.testing.assert_close(out, evaluate(g, [x])[0], rtol=1e-5, atol=1e-6)
+    arena = cg._arenas[next(iter(cg._arenas))]
+    lo, hi = arena.block.data_ptr(), arena.block.data_ptr() + arena.block.numel()
+    assert not any(lo <= o.data_ptr() < hi for o in outs)
+    assert len(cg._arenas) == 2  # one per input signature
+    # calls from two threads at once: one takes the arena, the other allocates
+    results: dict[int, torch.Tensor] = {}
+    big = [torch.randn(4096, 64) for _ in range(2)]
+
+    def call(i: int) -> None:
+        for _ in range(5):
+            results[i] = cg(big[i])[0]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        torch.testing.assert_close(results[i], evaluate(g, [big[i]])[0], rtol=1e-5, atol=1e-6)

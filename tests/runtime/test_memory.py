@@ -1,10 +1,19 @@
-"""The CPU output pool and the huge-page hint (``kernelize.runtime.memory``)."""
+"""The CPU output pool, the intermediate arena and the huge-page hint (``kernelize.runtime.memory``)."""
 
 from __future__ import annotations
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kernelize.runtime.memory import HUGEPAGE_MIN, OutputPool, hint_hugepages
+from kernelize.runtime.memory import (
+    ARENA_ALIGN,
+    HUGEPAGE_MIN,
+    Arena,
+    OutputPool,
+    hint_hugepages,
+    plan_offsets,
+)
 
 
 def test_output_pool_recycles_only_dropped_buffers():
@@ -36,3 +45,35 @@ def test_hint_hugepages_accepts_any_buffer():
     big = torch.ones(HUGEPAGE_MIN // 4 + 1000)
     hint_hugepages(big[3:])
     assert small.sum() == 16 and big.sum() == big.numel()
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 12), st.integers(0, 6)), min_size=1, max_size=30)
+)
+def test_plan_offsets_never_overlaps_live_buffers(raw):
+    lifetimes = [(n, first, first + span) for n, first, span in raw]
+    offsets, size = plan_offsets(lifetimes)
+    for i, (n, a0, a1) in enumerate(lifetimes):
+        assert offsets[i] % ARENA_ALIGN == 0 and offsets[i] + n <= size
+        for j in range(i):
+            m, b0, b1 = lifetimes[j]
+            if a0 <= b1 and b0 <= a1:  # both alive at some step
+                assert offsets[i] + n <= offsets[j] or offsets[j] + m <= offsets[i], (i, j)
+    assert size <= sum(-(-n // ARENA_ALIGN) * ARENA_ALIGN for n, _, _ in lifetimes)
+
+
+def test_plan_offsets_reuses_memory_of_dead_buffers():
+    # a chain: each buffer read only by the next step; two slots are enough however long the chain
+    offsets, size = plan_offsets([(1000, i, i + 1) for i in range(10)])
+    assert size == 2 * 1024 and set(offsets) == {0, 1024}
+
+
+def test_arena_views_are_laid_out_nhwc_where_asked_and_taken_by_one_caller_at_a_time():
+    arena = Arena({"a": ((2, 3, 4, 5), torch.float32, 0, 1), "b": ((7,), torch.int64, 1, 2)}, {"a": True})
+    a, b = arena.views["a"], arena.views["b"]
+    assert a.shape == (2, 3, 4, 5) and a.is_contiguous(memory_format=torch.channels_last)
+    assert b.dtype == torch.int64 and b.data_ptr() % ARENA_ALIGN == 0
+    views = arena.take()
+    assert views is arena.views and arena.take() is None  # in use: a second caller allocates instead
+    arena.release()
+    assert arena.take() is not None

@@ -1,0 +1,411 @@
+// ---- convolutions over NHWC f32 (kernelize/codegen/cpu_conv.py) ------------------------------------------
+// Two drivers, each passing every output value through the kernel's generated epilogue (an object with
+// `epi(value, pixel, channel)` and, where every op of the chain has one, a vector form `epi.vec`):
+//   kz_conv_dense:     groups of `cig` input and `cog` output channels (1x1, kxk, strided, dilated) as an
+//                      implicit GEMM: a tile of KZ_MR output pixels x KZ_NR output channels accumulates in
+//                      registers over taps x input channels, reading the input rows through per-tap row
+//                      pointers (a zero row where a tap falls into the padding: no padded copy);
+//   kz_conv_depthwise: one input channel per output channel, vectorised over channels, KZ_DW_RUN output
+//                      pixels of a row at a time.
+// Weights come packed (cpu_conv.py pack_weight): dense [g][panel][kh][kw][cig][KZ_NR] with each group's
+// output channels zero-padded to whole panels; depthwise [kh][kw][c padded to a multiple of KZ_NR].
+#include <immintrin.h>
+
+#define KZ_NR 32  // output channels per panel (cpu_conv.PANEL, the packer's width)
+#if defined(__AVX512F__)
+typedef __m512 kz_vec;
+#define KZ_VW 16
+#define KZ_MR 12  // 12 x 2 accumulators + 2 weight vectors + 1 broadcast of the 32 zmm registers
+KZ_INLINE kz_vec kz_vzero() { return _mm512_setzero_ps(); }
+KZ_INLINE kz_vec kz_vload(const float* p) { return _mm512_loadu_ps(p); }
+KZ_INLINE kz_vec kz_vload_n(const float* p, int n) {  // the first n < KZ_VW lanes, the rest 0
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), p);
+}
+KZ_INLINE kz_vec kz_vbcast(float s) { return _mm512_set1_ps(s); }
+KZ_INLINE kz_vec kz_vfma(kz_vec a, kz_vec b, kz_vec c) { return _mm512_fmadd_ps(a, b, c); }
+KZ_INLINE void kz_vstore(float* p, kz_vec v) { _mm512_storeu_ps(p, v); }
+KZ_INLINE void kz_vstore_n(float* p, kz_vec v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1u), v); }
+// clamp with a NaN x staying NaN: max / min return their second operand when either is NaN
+KZ_INLINE kz_vec kz_vclamp(kz_vec x, float lo, float hi) {
+    return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 kz_vec;
+#define KZ_VW 8
+#define KZ_MR 3  // 3 x 4 accumulators + 4 weight vectors of the 16 ymm registers
+KZ_INLINE kz_vec kz_vzero() { return _mm256_setzero_ps(); }
+KZ_INLINE kz_vec kz_vload(const float* p) { return _mm256_loadu_ps(p); }
+KZ_INLINE kz_vec kz_vload_n(const float* p, int n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+}
+KZ_INLINE kz_vec kz_vbcast(float s) { return _mm256_set1_ps(s); }
+KZ_INLINE kz_vec kz_vfma(kz_vec a, kz_vec b, kz_vec c) { return _mm256_fmadd_ps(a, b, c); }
+KZ_INLINE void kz_vstore(float* p, kz_vec v) { _mm256_storeu_ps(p, v); }
+KZ_INLINE void kz_vstore_n(float* p, kz_vec v, int n) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane), v);
+}
+KZ_INLINE kz_vec kz_vclamp(kz_vec x, float lo, float hi) {
+    return _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x));
+}
+#else
+typedef float kz_vec __attribute__((vector_size(16)));
+#define KZ_VW 4
+#define KZ_MR 2
+KZ_INLINE kz_vec kz_vzero() { return (kz_vec){0, 0, 0, 0}; }
+KZ_INLINE kz_vec kz_vload(const float* p) { kz_vec v; memcpy(&v, p, sizeof v); return v; }
+KZ_INLINE kz_vec kz_vload_n(const float* p, int n) { kz_vec v = kz_vzero(); memcpy(&v, p, 4 * n); return v; }
+KZ_INLINE kz_vec kz_vbcast(float s) { return (kz_vec){s, s, s, s}; }
+KZ_INLINE kz_vec kz_vfma(kz_vec a, kz_vec b, kz_vec c) { return a * b + c; }
+KZ_INLINE void kz_vstore(float* p, kz_vec v) { memcpy(p, &v, sizeof v); }
+KZ_INLINE void kz_vstore_n(float* p, kz_vec v, int n) { memcpy(p, &v, 4 * n); }
+KZ_INLINE kz_vec kz_vclamp(kz_vec x, float lo, float hi) {
+    for (int i = 0; i < KZ_VW; ++i) x[i] = kz_clamp(x[i], lo, hi);
+    return x;
+}
+#endif
+// the first n lanes at p (the rest 0) without reading past them
+KZ_INLINE kz_vec kz_vld(const float* p, int n) { return n >= KZ_VW ? kz_vload(p) : kz_vload_n(p, n); }
+#define KZ_NV (KZ_NR / KZ_VW)             // vectors per panel row
+#define KZ_DW_RUN 8                       // output pixels per depthwise step
+#define KZ_MAX_TAPS 128                   // row pointers of a tile live on the stack (cpu_conv checks)
+#define KZ_ZERO_ROW 8192                  // the most input channels per group (cpu_conv checks)
+#define KZ_CONV_PARALLEL_MIN (1 << 17)    // multiply-adds below which one thread beats waking the team
+
+// sizes as the launcher passes them (one int64 array, in this order)
+struct kz_conv_dims {
+    int64_t n, h, w, c, oh, ow, co, kh, kw, sh, sw, pt, pl, dh, dw, g;
+};
+
+// what taps that fall into the padding read
+static const float kz_zero_row[KZ_ZERO_ROW] = {0};
+
+// acc[i][v] += sum over taps and input channels of a[tap * MR + i][k] * b[tap][k][v * KZ_VW ...], for the
+// first NV vectors of each panel row
+template <int MR, int NV>
+KZ_INLINE void kz_conv_micro(int64_t taps, int64_t cig, const float* const* a, const float* b, kz_vec acc[MR][NV]) {
+    for (int64_t t = 0; t < taps; ++t, a += MR) {
+        const float* row[MR];
+#pragma GCC unroll 32
+        for (int i = 0; i < MR; ++i) row[i] = a[i];
+        for (int64_t k = 0; k < cig; ++k, b += KZ_NR) {
+            kz_vec w[NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) w[v] = kz_vload(b + v * KZ_VW);
+#pragma GCC unroll 32
+            for (int i = 0; i < MR; ++i) {
+                const kz_vec x = kz_vbcast(row[i][k]);
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) acc[i][v] = kz_vfma(x, w[v], acc[i][v]);
+            }
+        }
+    }
+}
+
+// rows[t * MR + i]: the input row (from channel `cofs`) under output pixel p0 + i for tap t, or the zero row
+// where the tap falls into the padding or the pixel is past the end
+template <int MR>
+KZ_INLINE void kz_conv_rows(const kz_conv_dims& d, const float* x, int64_t p0, int64_t cofs, const float** rows) {
+    // (perf) the pixel's coordinates step along the tile: three 64-bit divisions per pixel cost more than
+    // the multiply-adds of a 1x1 conv over 16 input channels
+    int64_t ox = p0 % d.ow, oy = (p0 / d.ow) % d.oh, n = p0 / (d.ow * d.oh);
+    for (int i = 0; i < MR; ++i) {
+        for (int64_t ky = 0; ky < d.kh; ++ky) {
+            const int64_t iy = oy * d.sh - d.pt + ky * d.dh;
+            for (int64_t kx = 0; kx < d.kw; ++kx) {
+                const int64_t ix = ox * d.sw - d.pl + kx * d.dw;
+                const bool in = n < d.n && iy >= 0 && iy < d.h && ix >= 0 && ix < d.w;
+                rows[(ky * d.kw + kx) * MR + i] = in ? x + ((n * d.h + iy) * d.w + ix) * d.c + cofs : kz_zero_row;
+            }
+        }
+        if (++ox == d.ow) {
+            ox = 0;
+            if (++oy == d.oh) oy = 0, ++n;
+        }
+    }
+}
+
+// the row-segment form of kz_conv_rows, for kernels whose taps along a row are adjacent (no column
+// dilation, one group): rows[ky * MR + i] points at the kw * c contiguous inputs under kernel row ky of pixel
+// p0 + i (weights are packed [ky][kx][ci], so kernel row ky is one run of kw * cig weights), and the product
+// has kh taps of kw * cig channels instead of kh * kw taps of cig: a third of the pointers and loop trips for
+// a 3x3 kernel, a ninth of them per input channel of an RGB stem (stem conv 660 -> 390 us). False (nothing
+// usable written) when a pixel's segment is cut by the left or right padding; those tiles go per tap.
+template <int MR>
+KZ_INLINE bool kz_conv_segments(const kz_conv_dims& d, const float* x, int64_t p0, int64_t cofs, const float** rows) {
+    int64_t ox = p0 % d.ow, oy = (p0 / d.ow) % d.oh, n = p0 / (d.ow * d.oh);
+    for (int i = 0; i < MR; ++i) {
+        const int64_t ix = ox * d.sw - d.pl;
+        if (n < d.n && (ix < 0 || ix + d.kw > d.w)) return false;
+        for (int64_t ky = 0; ky < d.kh; ++ky) {
+            const int64_t iy = oy * d.sh - d.pt + ky * d.dh;
+            const bool in = n < d.n && iy >= 0 && iy < d.h;
+            rows[ky * MR + i] = in ? x + ((n * d.h + iy) * d.w + ix) * d.c + cofs : kz_zero_row;
+        }
+        if (++ox == d.ow) {
+            ox = 0;
+            if (++oy == d.oh) oy = 0, ++n;
+        }
+    }
+    return true;
+}
+
+// one output pixel's values acc[0 .. NV) (channels c0 .. c0 + nc, nc <= NV * KZ_VW) through the epilogue into
+// y. A kernel whose epilogue has a vector form (Epi::vector) applies it to the registers; otherwise the
+// values go through a small buffer and a simd loop of the scalar form
+template <int NV, class Epi>
+KZ_INLINE void kz_conv_put(const kz_vec* acc, float* y, int64_t p, int64_t c0, int nc, const Epi& epi) {
+    if constexpr (Epi::vector) {
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) {
+            const int n = nc - v * KZ_VW;
+            if (n >= KZ_VW)
+                kz_vstore(y + v * KZ_VW, epi.vec(acc[v], p, c0 + v * KZ_VW, KZ_VW));
+            else if (n > 0)
+                kz_vstore_n(y + v * KZ_VW, epi.vec(acc[v], p, c0 + v * KZ_VW, n), n);
+        }
+    } else {
+        float out[NV * KZ_VW];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) kz_vstore(out + v * KZ_VW, acc[v]);
+        if (nc == NV * KZ_VW) {
+#pragma omp simd
+            for (int j = 0; j < NV * KZ_VW; ++j) y[j] = epi(out[j], p, c0 + j);
+        } else {
+#pragma omp simd
+            for (int j = 0; j < nc; ++j) y[j] = epi(out[j], p, c0 + j);
+        }
+    }
+}
+
+// a dense tile's `rows` pixels through the epilogue into y (row stride ld). The scalar form buffers the whole
+// tile first: one simd loop per pixel right after its own stores ran ~15% slower on a 1x1 conv with swish
+template <int MR, int NV, class Epi>
+KZ_INLINE void kz_conv_tile_put(kz_vec acc[MR][NV], float* y, int64_t ld, int64_t p0, int64_t c0, int rows, int nc,
+                                const Epi& epi) {
+    if constexpr (Epi::vector) {
+        for (int i = 0; i < rows; ++i) kz_conv_put<NV>(acc[i], y + i * ld, p0 + i, c0, nc, epi);
+    } else {
+        constexpr int W = NV * KZ_VW;
+        float out[MR * W];
+#pragma GCC unroll 32
+        for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) kz_vstore(out + i * W + v * KZ_VW, acc[i][v]);
+        for (int i = 0; i < rows; ++i) {
+            if (nc == W) {
+#pragma omp simd
+                for (int j = 0; j < W; ++j) y[i * ld + j] = epi(out[i * W + j], p0 + i, c0 + j);
+            } else {
+#pragma omp simd
+                for (int j = 0; j < nc; ++j) y[i * ld + j] = epi(out[i * W + j], p0 + i, c0 + j);
+            }
+        }
+    }
+}
+
+// acc starts at the channel bias when the epilogue's first op adds it (Epi::bias_first), else at 0
+template <int NV, class Epi>
+KZ_INLINE void kz_conv_acc_init(kz_vec* acc, int64_t c0, int nc, const Epi& epi) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) {
+        const int n = nc - v * KZ_VW;
+        acc[v] = Epi::bias_first && n > 0 ? kz_vld(epi.kz_b + c0 + v * KZ_VW, n) : kz_vzero();
+    }
+}
+
+// tiles of MR output pixels x NV vectors of output channels (see kz_conv_dense)
+template <int MR, int NV, class Epi>
+static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
+                               const Epi& epi) {
+    const int64_t cig = d.c / d.g, cog = d.co / d.g, taps = d.kh * d.kw;
+    const int64_t panels = (cog + KZ_NR - 1) / KZ_NR, units = d.g * panels;
+    const int64_t pixels = d.n * d.oh * d.ow, tiles = (pixels + MR - 1) / MR;
+    // a kernel row's inputs are contiguous when the row has no dilation and one group (cig == c)
+    const bool segments = d.kw > 1 && d.dw == 1 && d.g == 1 && d.kw * cig <= KZ_ZERO_ROW;
+    // (perf) panels go in blocks of ~256 KiB of weights, which stay in L2 while every tile of pixels
+    // streams past; inside a block each thread takes a run of (tile, panel) items, tile-major, so a tile's
+    // row pointers are computed once per group and its input rows stay in L1 across the panels it meets
+    const int64_t panel_bytes = taps * cig * KZ_NR * 4;
+    const int64_t per_block = panel_bytes >= (256 << 10) ? 1 : (256 << 10) / panel_bytes;
+    KZ_TEAM_OPEN(nthreads, pixels * d.co * taps * cig >= KZ_CONV_PARALLEL_MIN)
+#pragma omp parallel num_threads(kz_team_n) reduction(max: kz_lag) if (kz_team_n > 1)
+    {
+        KZ_TEAM_STARTED();
+        const float* rows[KZ_MAX_TAPS * MR];
+        int64_t rows_of = -1;  // (tile, group) the row pointers are for
+        bool seg = false;      // and whether they are row segments
+        for (int64_t u0 = 0; u0 < units; u0 += per_block) {
+            const int64_t nu = units - u0 < per_block ? units - u0 : per_block;
+#pragma omp for schedule(static) nowait
+            for (int64_t item = 0; item < tiles * nu; ++item) {
+                const int64_t tile = item / nu, unit = u0 + item % nu;
+                const int64_t gi = unit / panels, panel = unit % panels, p0 = tile * MR;
+                if (tile * d.g + gi != rows_of) {
+                    seg = segments && kz_conv_segments<MR>(d, x, p0, gi * cig, rows);
+                    if (!seg) kz_conv_rows<MR>(d, x, p0, gi * cig, rows);
+                    rows_of = tile * d.g + gi;
+                }
+                const int64_t c0 = gi * cog + panel * KZ_NR;
+                const int nc = (int)(cog - panel * KZ_NR < KZ_NR ? cog - panel * KZ_NR : KZ_NR);
+                kz_vec acc[MR][NV];
+                kz_conv_acc_init<NV>(acc[0], c0, nc, epi);
+                for (int i = 1; i < MR; ++i)
+                    for (int v = 0; v < NV; ++v) acc[i][v] = acc[0][v];
+                const float* b = wp + unit * taps * cig * KZ_NR;
+                if (seg)
+                    kz_conv_micro<MR, NV>(d.kh, d.kw * cig, rows, b, acc);
+                else
+                    kz_conv_micro<MR, NV>(taps, cig, rows, b, acc);
+                kz_conv_tile_put<MR, NV>(acc, y + p0 * d.co + c0, d.co, p0, c0,
+                                         pixels - p0 < MR ? (int)(pixels - p0) : MR, nc, epi);
+            }
+        }
+    }
+    kz_team_done(kz_team_n, kz_lag);
+    return 0;
+}
+
+template <class Epi>
+static int kz_conv_dense(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
+                         const Epi& epi) {
+    if (d.n * d.oh * d.ow == 0 || d.co == 0) return 0;
+    if (d.c / d.g > KZ_ZERO_ROW || d.kh * d.kw > KZ_MAX_TAPS) return 1;
+    // (perf) groups of at most half a panel of output channels (a 1x1 projection to 16 channels) use half
+    // the vectors and twice the pixels per tile: the same registers, no multiply-adds on padding
+    if (KZ_NV >= 2 && d.co / d.g <= KZ_NR / 2) return kz_conv_dense_tiles<2 * KZ_MR, KZ_NV / 2>(d, x, wp, y, nthreads, epi);
+    return kz_conv_dense_tiles<KZ_MR, KZ_NV>(d, x, wp, y, nthreads, epi);
+}
+
+// `runs` runs of R output pixels whose taps all lie inside the input (full channel block, no column
+// dilation), in the sliding-window form: the (R - 1) * SW + KW input columns of a kernel row are loaded once
+// into registers and each feeds every output pixel whose window covers it (stride 1, 3 taps: 10 loads for
+// 24 multiply-adds, not 24). `rows[ky]` points at the first run's first input column in kernel row ky;
+// `w` at kernel row 0, `wrow` floats per kernel row; y at the first output pixel (p, c0). Kept out of line:
+// inlined into the row loop, gcc ran out of registers and re-read every column from memory.
+template <int KW, int SW, int R, class Epi>
+static __attribute__((noinline)) void kz_conv_dw_slide(const float* const* rows, int nky, const float* w,
+                                                       int64_t wrow, int64_t cpad, int64_t c, int64_t runs,
+                                                       float* y, int64_t co, int64_t p, int64_t c0, const Epi& epi) {
+    constexpr int NCOL = (R - 1) * SW + KW;
+    kz_vec init;
+    kz_conv_acc_init<1>(&init, c0, KZ_VW, epi);
+    for (int64_t r = 0; r < runs; ++r) {
+        kz_vec acc[R];
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) acc[i] = init;
+        for (int ky = 0; ky < nky; ++ky) {
+            const float* q = rows[ky] + r * (R * SW) * c;
+            kz_vec in[NCOL];
+#pragma GCC unroll 32
+            for (int j = 0; j < NCOL; ++j, q += c) in[j] = kz_vload(q);
+#pragma GCC unroll 8
+            for (int kx = 0; kx < KW; ++kx) {
+                const kz_vec wv = kz_vload(w + ky * wrow + kx * cpad);
+#pragma GCC unroll 16
+                for (int i = 0; i < R; ++i) acc[i] = kz_vfma(in[i * SW + kx], wv, acc[i]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) kz_conv_put<1>(&acc[i], y + (r * R + i) * co, p + r * R + i, c0, KZ_VW, epi);
+    }
+}
+
+// output pixels [ox0, ox0 + run) of row (n, oy), channels [c0, c0 + nc), kernel rows [ky0, ky1): any shape,
+// each load tested (the borders, partial channel blocks, shapes without a sliding-window form)
+template <class Epi>
+KZ_INLINE void kz_conv_dw_any(const kz_conv_dims& d, const float* x, const float* wp, float* y, int64_t n,
+                              int64_t oy, int64_t ox0, int run, int64_t c0, int nc, int64_t ky0, int64_t ky1,
+                              const Epi& epi) {
+    const int64_t cpad = (d.c + KZ_NR - 1) / KZ_NR * KZ_NR;
+    kz_vec acc[KZ_DW_RUN];
+    kz_conv_acc_init<1>(&acc[0], c0, nc, epi);
+    for (int i = 1; i < KZ_DW_RUN; ++i) acc[i] = acc[0];
+    for (int64_t ky = ky0; ky < ky1; ++ky) {
+        const float* xrow = x + (n * d.h + oy * d.sh - d.pt + ky * d.dh) * d.w * d.c + c0;
+        for (int64_t kx = 0; kx < d.kw; ++kx) {
+            const kz_vec w = kz_vload(wp + (ky * d.kw + kx) * cpad + c0);
+            for (int i = 0; i < run; ++i) {
+                const int64_t ix = (ox0 + i) * d.sw - d.pl + kx * d.dw;
+                if (ix >= 0 && ix < d.w) {
+                    const float* q = xrow + ix * d.c;
+                    acc[i] = kz_vfma(nc == KZ_VW ? kz_vload(q) : kz_vload_n(q, nc), w, acc[i]);
+                }
+            }
+        }
+    }
+    const int64_t p = (n * d.oh + oy) * d.ow + ox0;
+    for (int i = 0; i < run; ++i) kz_conv_put<1>(&acc[i], y + (p + i) * d.co + c0, p + i, c0, nc, epi);
+}
+
+// output row (n, oy), channels [c0, c0 + nc): the interior in the sliding-window form when the kernel has
+// one (KW > 0: the caller checked width, stride and dilation), the rest tested pixel by pixel
+template <int KW, int SW, int R, class Epi>
+KZ_INLINE void kz_conv_dw_row(const kz_conv_dims& d, const float* x, const float* wp, float* y, int64_t n,
+                              int64_t oy, int64_t c0, int nc, const Epi& epi) {
+    int64_t ky0 = 0, ky1 = d.kh;  // the kernel rows whose input row exists
+    while (ky0 < ky1 && oy * d.sh - d.pt + ky0 * d.dh < 0) ++ky0;
+    while (ky1 > ky0 && oy * d.sh - d.pt + (ky1 - 1) * d.dh >= d.h) --ky1;
+    // the interior [a, b): output pixels whose window lies inside the row; it goes in runs of R from a, the
+    // last run ending at b (overlapping the one before it: a few pixels are computed twice, none slowly)
+    int64_t a = 0, b = 0;
+    if (KW > 0 && nc == KZ_VW) {
+        a = d.pl <= 0 ? 0 : (d.pl + SW - 1) / SW;
+        b = (d.w - KW + d.pl) / SW + 1;
+        b = b < d.ow ? b : d.ow;
+        if (b - a < R) a = b = 0;
+    }
+    for (int64_t ox = 0; ox < a; ox += KZ_DW_RUN)
+        kz_conv_dw_any(d, x, wp, y, n, oy, ox, (int)(a - ox < KZ_DW_RUN ? a - ox : KZ_DW_RUN), c0, nc, ky0, ky1, epi);
+    if (b > a) {
+        const int64_t cpad = (d.c + KZ_NR - 1) / KZ_NR * KZ_NR, runs = (b - a) / R;
+        const float* rows[16];
+        const int64_t starts[2] = {a, b - R};
+        for (int64_t ox : starts) {
+            for (int64_t ky = ky0; ky < ky1; ++ky)
+                rows[ky - ky0] = x + ((n * d.h + oy * d.sh - d.pt + ky * d.dh) * d.w + ox * SW - d.pl) * d.c + c0;
+            const int64_t p = (n * d.oh + oy) * d.ow + ox;
+            kz_conv_dw_slide<KW, SW, R>(rows, (int)(ky1 - ky0), wp + ky0 * KW * cpad + c0, KW * cpad, cpad, d.c,
+                                        ox == a ? runs : 1, y + p * d.co + c0, d.co, p, c0, epi);
+            if (a + runs * R == b) break;
+        }
+    }
+    for (int64_t ox = b > a ? b : 0; ox < d.ow; ox += KZ_DW_RUN)
+        kz_conv_dw_any(d, x, wp, y, n, oy, ox, (int)(d.ow - ox < KZ_DW_RUN ? d.ow - ox : KZ_DW_RUN), c0, nc, ky0, ky1,
+                       epi);
+}
+
+template <int KW, int SW, int R, class Epi>
+static void kz_conv_dw_rows(const kz_conv_dims& d, const float* x, const float* wp, float* y, const Epi& epi) {
+    const int64_t rows = d.n * d.oh, cblocks = (d.c + KZ_VW - 1) / KZ_VW;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < rows * cblocks; ++item) {
+        const int64_t r = item / cblocks, c0 = (item % cblocks) * KZ_VW;
+        const int nc = d.c - c0 < KZ_VW ? (int)(d.c - c0) : KZ_VW;
+        kz_conv_dw_row<KW, SW, R>(d, x, wp, y, r / d.oh, r % d.oh, c0, nc, epi);
+    }
+}
+
+template <class Epi>
+static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
+                             const Epi& epi) {
+    const int64_t rows = d.n * d.oh, cblocks = (d.c + KZ_VW - 1) / KZ_VW;
+    if (rows * d.ow == 0 || d.c == 0) return 0;
+    KZ_TEAM_OPEN(nthreads, rows * d.ow * d.c * d.kh * d.kw >= KZ_CONV_PARALLEL_MIN)
+#pragma omp parallel num_threads(kz_team_n) reduction(max: kz_lag) if (kz_team_n > 1)
+    {
+        KZ_TEAM_STARTED();
+        // the kernel shapes of MobileNet / EfficientNet-style networks get the sliding-window form
+        const int form = d.dw != 1 || d.kh > 16 ? 0 : (int)(d.kw * 10 + d.sw);
+        switch (form) {
+            case 31: kz_conv_dw_rows<3, 1, 8>(d, x, wp, y, epi); break;
+            case 32: kz_conv_dw_rows<3, 2, 4>(d, x, wp, y, epi); break;
+            case 51: kz_conv_dw_rows<5, 1, 8>(d, x, wp, y, epi); break;
+            case 52: kz_conv_dw_rows<5, 2, 4>(d, x, wp, y, epi); break;
+            default: kz_conv_dw_rows<0, 0, KZ_DW_RUN>(d, x, wp, y, epi);
+        }
+    }
+    kz_team_done(kz_team_n, kz_lag);
+    return 0;
+}

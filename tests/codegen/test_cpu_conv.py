@@ -1,0 +1,158 @@
+"""The CPU backend's generated convolutions (kernelize/codegen/cpu_conv.py) against the reference executor."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernelize.autokernel import KernelKind, PlanSettings, plan
+from kernelize.codegen import cpu_conv
+from kernelize.codegen.cpu import CpuRenderer
+from kernelize.ir import Graph, evaluate
+from kernelize.runtime.compiled import compile_graph
+
+ACTS = {
+    "none": lambda g, y: y,
+    "relu": lambda g, y: g.clamp(y, 0, math.inf),
+    "relu6": lambda g, y: g.clamp(y, 0, 6),
+    "sigmoid": lambda g, y: g.sigmoid(y),
+    "tanh": lambda g, y: g.tanh(y),
+    "swish": lambda g, y: g.mul(y, g.sigmoid(y)),
+}
+
+
+def _graph(
+    x_shape, cout, k, *, stride=1, pad=(0, 0, 0, 0), dil=1, groups=1, bias=True, res=False, act="relu"
+):
+    """conv (+ bias) (+ residual input) (+ activation) over an input of ``x_shape``."""
+    g = Graph()
+    x = g.input("x", x_shape, "f32")
+    gen = torch.Generator().manual_seed(len(x_shape) + cout + k)
+    w = g.const(torch.randn(cout, x_shape[1] // groups, k, k, generator=gen) * 0.3)
+    b = g.const(torch.randn(cout, generator=gen)) if bias else None
+    y = g.conv(x, w, b, stride=(stride, stride), padding=pad, dilation=(dil, dil), groups=groups)
+    if res:
+        y = g.add(y, g.input("r", tuple(y.shape), "f32"))
+    g.output(ACTS[act](g, y))
+    return g
+
+
+def _generated(cg) -> list[bool]:
+    return [st.conv.generated is not None for st in cg._steps if st.conv is not None]
+
+
+def _check(g, inputs, *, generated=True, rtol=1e-4):
+    cg = compile_graph(g, backend="cpu", cache=False)
+    assert _generated(cg) == [generated]
+    want = evaluate(g, inputs)
+    for _ in range(2):  # the second call runs with the packed weight and the arena of the first
+        got = cg(*inputs)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=rtol)
+    return cg
+
+
+CASES = [  # (input shape, out channels, kernel, options): awkward sizes, every padding and stride form
+    ((1, 16, 14, 14), 96, 1, {}),  # an expansion 1x1
+    ((2, 33, 7, 5), 17, 1, {}),  # channels off every vector width; a group of <= 16 outputs
+    ((3, 7, 9, 11), 40, 1, dict(stride=2)),  # strided 1x1
+    ((1, 3, 33, 31), 32, 3, dict(stride=2, pad=(1, 1, 1, 1))),  # an RGB stem: row segments
+    ((1, 3, 32, 32), 24, 3, dict(stride=2, pad=(0, 0, 1, 1))),  # TF "same": asymmetric
+    ((2, 8, 9, 10), 64, 3, dict(pad=(1, 2, 0, 1), dil=2)),  # dilation: per-tap rows
+    ((1, 64, 6, 6), 64, 3, dict(pad=(1, 1, 1, 1))),
+    ((1, 5, 4, 4), 7, 5, dict(pad=(2, 2, 2, 2))),  # a kernel larger than the image
+    ((1, 2, 12, 40), 80, 7, dict(stride=2, pad=(3, 3, 3, 3))),  # 49 taps
+    ((2, 64, 5, 5), 64, 3, dict(groups=2, pad=(1, 1, 1, 1))),  # groups of 32 channels
+]
+
+
+@pytest.mark.parametrize("x_shape, cout, k, opts", CASES)
+@pytest.mark.parametrize("act", ["relu6", "swish"])
+def test_dense_convs_match_the_reference(x_shape, cout, k, opts, act):
+    g = _graph(x_shape, cout, k, act=act, **opts)
+    _check(g, [torch.randn(x_shape)])
+
+
+DEPTHWISE = [  # (input shape, kernel, options): the sliding-window shapes, borders, odd channel counts
+    ((1, 96, 16, 16), 3, dict(stride=2, pad=(0, 0, 1, 1))),
+    ((2, 144, 9, 21), 3, dict(pad=(1, 1, 1, 1))),
+    ((1, 40, 12, 12), 5, dict(pad=(2, 2, 2, 2))),
+    ((1, 24, 11, 13), 5, dict(stride=2, pad=(1, 1, 2, 2))),
+    ((1, 7, 8, 9), 3, dict(pad=(1, 1, 1, 1), dil=2)),  # dilation: the general form
+    ((1, 33, 3, 30), 3, dict(pad=(0, 1, 0, 1))),  # a partial channel block
+    ((1, 16, 2, 2), 3, dict(pad=(1, 1, 1, 1))),  # no interior at all
+]
+
+
+@pytest.mark.parametrize("x_shape, k, opts", DEPTHWISE)
+@pytest.mark.parametrize("act", ["none", "relu", "sigmoid"])
+def test_depthwise_convs_match_the_reference(x_shape, k, opts, act):
+    c = x_shape[1]
+    g = _graph(x_shape, c, k, groups=c, act=act, **opts)
+    _check(g, [torch.randn(x_shape)])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("act", list(ACTS))
+def test_residual_and_every_activation(bias, act):
+    g = _graph((2, 12, 6, 7), 12, 1, bias=bias, res=True, act=act)
+    x = torch.randn(2, 12, 6, 7)
+    _check(g, [x, torch.randn(2, 12, 6, 7)])
+
+
+def test_nan_and_inf_propagate_through_the_vector_epilogue():
+    g = _graph((1, 4, 5, 5), 32, 1, act="relu6", bias=False)
+    x = torch.randn(1, 4, 5, 5)
+    x[0, :, 1, 2] = math.nan
+    x[0, 0, 3, 3] = math.inf
+    cg = compile_graph(g, backend="cpu", cache=False)
+    got, want = cg(x)[0], evaluate(g, [x])[0]
+    assert torch.isnan(got[0, :, 1, 2]).all()
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_a_batch_of_zero_and_a_symbolic_batch():
+    g = Graph()
+    x = g.input("x", ("n", 6, 5, 5), "f32")
+    g.output(g.conv(x, g.const(torch.randn(8, 6, 3, 3)), padding=(1, 1, 1, 1)))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for n in (0, 1, 5):
+        x = torch.randn(n, 6, 5, 5)
+        torch.testing.assert_close(cg(x)[0], evaluate(g, [x])[0], rtol=1e-4, atol=1e-4)
+
+
+def test_narrow_groups_and_16_bit_convs_stay_with_the_library(monkeypatch):
+    narrow = _graph((1, 48, 8, 8), 48, 3, groups=6, pad=(1, 1, 1, 1))  # 8 output channels per group
+    _check(narrow, [torch.randn(1, 48, 8, 8)], generated=False)
+    monkeypatch.setenv("KERNELIZE_CPU_CONV", "library")
+    _check(_graph((1, 16, 8, 8), 32, 1), [torch.randn(1, 16, 8, 8)], generated=False)
+    monkeypatch.setenv("KERNELIZE_CPU_CONV", "fast")
+    with pytest.raises(ValueError, match="KERNELIZE_CPU_CONV"):
+        compile_graph(_graph((1, 16, 8, 8), 32, 1), backend="cpu", cache=False)
+
+
+def _conv_kernel(g):
+    (k,) = [k for k in plan(g, PlanSettings(channels_last=True)).kernels if k.kind is KernelKind.CONV]
+    return k
+
+
+def test_source_names_the_conv_and_renders_the_epilogue_both_ways():
+    k = _conv_kernel(_graph((1, 16, 8, 8), 96, 3, stride=2, pad=(1, 1, 1, 1), res=True))
+    src, name = cpu_conv.render(k, CpuRenderer())
+    assert name == "kz_k0" and "dense 3x3 conv, 16 -> 96 channels, stride 2x2" in src
+    assert "static constexpr bool vector = true;" in src and "kz_vclamp(" in src
+    assert "bias_first = true" in src
+    swish = _conv_kernel(_graph((1, 16, 8, 8), 32, 1, act="swish"))
+    assert "static constexpr bool vector = false;" in cpu_conv.render(swish, CpuRenderer())[0]
+
+
+def test_packed_weights_hold_every_weight_once():
+    k = _conv_kernel(_graph((1, 64, 6, 6), 40, 3, groups=2, pad=(1, 1, 1, 1)))
+    w = k.node.src[1].arg.tensor
+    packed = cpu_conv.pack_weight(w, k)
+    # [groups][panels][kh][kw][cig][PANEL]: 20 outputs per group pad to one panel of 32
+    assert packed.shape == (2, 1, 3, 3, 32, cpu_conv.PANEL)
+    assert torch.equal(packed[1, 0, 2, 1, 5, :20], w[20:40, 5, 2, 1])
+    assert not packed[..., 20:].any()
