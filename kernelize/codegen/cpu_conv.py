@@ -163,14 +163,15 @@ def bias_first(kernel: Kernel) -> bool:
 
 class VectorRenderer(Renderer):
     """The epilogue ops that have a spelling on ``kz_vec`` (GCC vector arithmetic and ``kz_v*`` helpers in
-    ``cpu_conv.h``): bias and residual adds and clamps (ReLU, ReLU6), the chains of most CNN convolutions.
-    A chain with any other op (sigmoid, tanh, swish) runs in the scalar form, which the compiler vectorises
-    over a buffer."""
+    ``cpu_conv.h``): bias and residual adds, clamps (ReLU, ReLU6), sigmoid and so swish: the chains of most
+    CNN convolutions. A chain with any other op (tanh, say) runs in the scalar form, which the compiler
+    vectorises over a buffer."""
 
     OP_RENDER = {
         Op.ADD: Renderer.OP_RENDER[Op.ADD],
         Op.SUB: Renderer.OP_RENDER[Op.SUB],
         Op.MUL: Renderer.OP_RENDER[Op.MUL],
+        Op.SIGMOID: lambda r, e, a: f"kz_vsigmoid({a[0]})",
         Op.CLAMP: lambda r, e, a: (
             f"kz_vclamp({a[0]}, {r.literal(e.arg.lo, e.dtype)}, {r.literal(e.arg.hi, e.dtype)})"
         ),

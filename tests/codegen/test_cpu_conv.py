@@ -144,8 +144,10 @@ def test_source_names_the_conv_and_renders_the_epilogue_both_ways():
     assert name == "kz_k0" and "dense 3x3 conv, 16 -> 96 channels, stride 2x2" in src
     assert "static constexpr bool vector = true;" in src and "kz_vclamp(" in src
     assert "bias_first = true" in src
-    swish = _conv_kernel(_graph((1, 16, 8, 8), 32, 1, act="swish"))
-    assert "static constexpr bool vector = false;" in cpu_conv.render(swish, CpuRenderer())[0]
+    swish = cpu_conv.render(_conv_kernel(_graph((1, 16, 8, 8), 32, 1, act="swish")), CpuRenderer())[0]
+    assert "static constexpr bool vector = true;" in swish and "kz_vsigmoid(" in swish
+    tanh = _conv_kernel(_graph((1, 16, 8, 8), 32, 1, act="tanh"))  # no vector spelling: the scalar form
+    assert "static constexpr bool vector = false;" in cpu_conv.render(tanh, CpuRenderer())[0]
 
 
 def test_packed_weights_hold_every_weight_once():

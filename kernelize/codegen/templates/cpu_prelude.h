@@ -164,17 +164,19 @@ template <class T> KZ_INLINE T kz_pow(T a, T b) {  // integer power by squaring;
 }
 
 // ---- exp and friends: vectorisable float versions (~1 ulp), libm for double ------------------------------
-// exp(r) for the reduced argument r = x - k ln2, |r| <= ln2 / 2 (Cephes polynomial); k = rint(x / ln2)
+// exp(r) for the reduced argument r = x - k ln2, |r| <= ln2 / 2 (Cephes polynomial); k = rint(x / ln2).
+// The constants are shared with the vector spelling in cpu_conv.h (kz_vexp_near1).
+#define KZ_LOG2E 1.44269504088896341f
+#define KZ_LN2_HI 0.693359375f  // Cody-Waite: ln2 in two parts
+#define KZ_LN2_LO -2.12194440e-4f
+static const float kz_exp_poly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                     4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 KZ_INLINE float kz_exp_reduced(float xc, float* k_out) {
-    float k = rintf(xc * 1.44269504088896341f);
-    float r = fmaf(k, -0.693359375f, xc);  // Cody-Waite: ln2 in two parts
-    r = fmaf(k, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
+    float k = rintf(xc * KZ_LOG2E);
+    float r = fmaf(k, -KZ_LN2_HI, xc);
+    r = fmaf(k, -KZ_LN2_LO, r);
+    float p = kz_exp_poly[0];
+    for (int i = 1; i < 6; ++i) p = fmaf(p, r, kz_exp_poly[i]);
     *k_out = k;
     return fmaf(p, r * r, r) + 1.0f;
 }
@@ -201,9 +203,11 @@ KZ_INLINE float kz_exp(float x) {
 KZ_INLINE double kz_exp(double x) { return exp(x); }
 // exp for internal uses whose result is only added to 1 (sigmoid, erf): the argument is clamped to
 // [-86, 89], so nothing goes denormal; exp(-86) = 4.5e-38 vanishes next to 1 exactly like the true value.
+#define KZ_EXP_NEAR1_LO -86.0f
+#define KZ_EXP_NEAR1_HI 89.0f
 KZ_INLINE float kz_exp_near1(float x) {
     float k;
-    float y = kz_exp_reduced(x < -86.0f ? -86.0f : (x > 89.0f ? 89.0f : x), &k);
+    float y = kz_exp_reduced(x < KZ_EXP_NEAR1_LO ? KZ_EXP_NEAR1_LO : (x > KZ_EXP_NEAR1_HI ? KZ_EXP_NEAR1_HI : x), &k);
     int32_t ki = (int32_t)k;
     int32_t k1 = ki >> 1;
     return y * kz_pow2i(k1) * kz_pow2i(ki - k1);  // NaN passes the clamps and stays NaN: no select needed
