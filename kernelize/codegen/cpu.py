@@ -52,7 +52,7 @@ from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, Op
 from kernelize.ir.shapes import numel
-from kernelize.runtime.backend import Backend, CompiledKernel, KernelCompileError
+from kernelize.runtime.backend import Backend, CCall, CompiledKernel, KernelCompileError
 from kernelize.runtime.diskcache import get_or_build
 from kernelize.runtime.memory import hint_hugepages
 
@@ -482,6 +482,18 @@ def _launcher(fn, kernel: Kernel):
     return launch
 
 
+def _c_caller(fn, kernel: Kernel) -> Callable[..., CCall]:
+    """``c_call`` of a kernel launched by :func:`_launcher`: the same arguments, for ``kz_replay``."""
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    symbols, error = kernel.symbols, f"cpu kernel {kernel.name}: a gather index is out of range"
+
+    def c_call(reads, writes, sizes: Mapping[str, int]) -> CCall:
+        ptrs = tuple(0 if t is None else t.data_ptr() for t in (*reads, *writes))
+        return CCall(address, ptrs + tuple(sizes[s] for s in symbols), error)
+
+    return c_call
+
+
 class CpuBackend(Backend):
     """Generates, compiles (disk-cached) and launches C++ kernels on CPU tensors.
 
@@ -530,18 +542,26 @@ class CpuBackend(Backend):
     def compile(self, kernel: Kernel) -> CompiledKernel:
         if kernel.kind is KernelKind.MATMUL:
             return self._compile_matmul(kernel)
+        source, fn_name = render(kernel, self.renderer)
+        fn = getattr(load(build_shared_object(source, kernel.name)), fn_name)
+        return self._kernel(fn, kernel, source)
+
+    def _kernel(self, fn, kernel: Kernel, source: str) -> CompiledKernel:
+        """A POINTWISE, ROW, ATTENTION or CONV kernel from its compiled function."""
         if kernel.kind is KernelKind.CONV:
-            source, fn_name = render(kernel, self.renderer)
-            return self._conv(
-                getattr(load(build_shared_object(source, kernel.name)), fn_name), kernel, source
+            call = cpu_conv.ConvCall(fn, kernel)
+            return CompiledKernel(
+                kernel.name, self.name, source, call.launch, kernel, call.fresh, call.c_call
             )
-        source, launch = self._build(kernel)
-        return CompiledKernel(kernel.name, self.name, source, launch, kernel)
+        _, launch = self._wrap(fn, kernel, source)
+        c_call = None if kernel.kind is KernelKind.ATTENTION else _c_caller(fn, kernel)
+        return CompiledKernel(kernel.name, self.name, source, launch, kernel, c_call=c_call)
 
     def _build(self, kernel: Kernel):
+        """(source, launch, the compiled function) of one kernel built alone."""
         source, fn_name = render(kernel, self.renderer)
-        path = build_shared_object(source, kernel.name)
-        return self._wrap(getattr(load(path), fn_name), kernel, source)
+        fn = getattr(load(build_shared_object(source, kernel.name)), fn_name)
+        return (*self._wrap(fn, kernel, source), fn)
 
     def _wrap(self, fn, kernel: Kernel, source: str) -> CompiledKernel:
         fn.restype = ctypes.c_int
@@ -555,13 +575,10 @@ class CpuBackend(Backend):
         )
         return source, _launcher(fn, kernel)
 
-    def _conv(self, fn, kernel: Kernel, source: str) -> CompiledKernel:
-        call = cpu_conv.ConvCall(fn, kernel)
-        return CompiledKernel(kernel.name, self.name, source, call.launch, kernel, call.fresh)
-
     def _compile_matmul(self, kernel: Kernel) -> CompiledKernel:
         epi, temps = _epilogue_of(kernel)
-        return _matmul_kernel(self.name, kernel, self._build(kernel), self._build(epi), epi, temps)
+        (*few, few_fn), (*epilogue, _) = self._build(kernel), self._build(epi)
+        return _matmul_kernel(self.name, kernel, few, epilogue, epi, temps, _c_caller(few_fn, kernel))
 
     def compile_many(self, kernels: Sequence[Kernel], progress: Callable[[int], None] | None = None):
         """Compile ``kernels`` as a few translation units (one per core) built in parallel.
@@ -610,14 +627,14 @@ class CpuBackend(Backend):
         self, kernel: Kernel, parts: list[tuple[Kernel, tuple]], fns: list, rendered
     ) -> CompiledKernel:
         """``kernel`` from the functions compiled for its parts (its own or an identical kernel's)."""
-        if kernel.kind is KernelKind.CONV:
-            return self._conv(fns[0], kernel, rendered[kernel.name][0])
+        if kernel.kind is not KernelKind.MATMUL:
+            return self._kernel(fns[0], kernel, rendered[kernel.name][0])
         built = [self._wrap(fn, k, rendered[k.name][0]) for fn, (k, _) in zip(fns, parts, strict=True)]
-        if kernel.kind is KernelKind.MATMUL:
-            epi, temps = parts[-1]
-            few = built[0] if len(parts) == 2 else _never_few(kernel)
-            return _matmul_kernel(self.name, kernel, few, built[-1], epi, temps)
-        return CompiledKernel(kernel.name, self.name, *built[0], kernel)
+        epi, temps = parts[-1]
+        few, few_call = (
+            (built[0], _c_caller(fns[0], kernel)) if len(parts) == 2 else (_never_few(kernel), None)
+        )
+        return _matmul_kernel(self.name, kernel, few, built[-1], epi, temps, few_call)
 
 
 def _parts(kernel: Kernel) -> list[tuple[Kernel, tuple]]:
@@ -713,9 +730,11 @@ def _epilogue_of(kernel: Kernel) -> tuple[Kernel, tuple]:
     return replace(epi, name=f"{kernel.name}_epilogue"), temps
 
 
-def _matmul_kernel(backend: str, kernel: Kernel, few_built, epi_built, epi: Kernel, temps) -> CompiledKernel:
-    """A matmul kernel: up to FEW_ROWS rows the generated few-row function; more, torch's GEMM then the
-    epilogue function."""
+def _matmul_kernel(
+    backend: str, kernel: Kernel, few_built, epi_built, epi: Kernel, temps, few_call=None
+) -> CompiledKernel:
+    """A matmul kernel: up to FEW_ROWS rows the generated few-row function (``few_call``: its C call, for
+    replay); more, torch's GEMM then the epilogue function."""
     from kernelize.autokernel.matmul import FEW_ROWS, rows_of
     from kernelize.codegen.cpu_gemv import direct_gemm, library_matmuls, run_direct
 
@@ -736,6 +755,9 @@ def _matmul_kernel(backend: str, kernel: Kernel, few_built, epi_built, epi: Kern
             return None
         return run_direct(kernel, direct, reads, sizes, packs)
 
+    def c_call(reads, writes, sizes: Mapping[str, int]) -> CCall | None:
+        return few_call(reads, writes, sizes) if rows_of(kernel, sizes) <= FEW_ROWS else None
+
     return CompiledKernel(
         kernel.name,
         backend,
@@ -743,6 +765,7 @@ def _matmul_kernel(backend: str, kernel: Kernel, few_built, epi_built, epi: Kern
         launch,
         kernel,
         fresh if direct is not None else None,
+        c_call if few_call is not None else None,
     )
 
 

@@ -40,12 +40,20 @@ from kernelize.codegen.render import Renderer, c_name
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Node, Op
+from kernelize.ir.shapes import bind
+from kernelize.runtime.backend import CCall
 
 PANEL = 32  # output channels per packed weight panel (KZ_NR in cpu_conv.h)
 MAX_TAPS = 128  # KZ_MAX_TAPS
 MAX_GROUP_CHANNELS = 8192  # KZ_ZERO_ROW: input channels per group
 
 DRIVERS = {"dense": "kz_conv_dense", "depthwise": "kz_conv_depthwise"}
+# Dense convs with at least this many multiply-adds per output (input channels per group x taps) stay
+# oneDNN's: side by side in the models (1 thread, min of 20 runs), the 27 such convs of ResNet-50,
+# MobileNetV2, EfficientNet-B0, RegNetY-400MF and ConvNeXt-tiny took 1.07x oneDNN's time generated, the
+# 135 smaller ones 0.97x (the depthwise ones 0.6-0.8x). Compute-bound, oneDNN's kernels run at ~97% of this
+# core's FMA peak and ours at ~90%.
+LIBRARY_K = 1024
 
 
 def algorithm(kernel: Kernel) -> str | None:
@@ -66,6 +74,8 @@ def algorithm(kernel: Kernel) -> str | None:
         return None
     if cig == 1 and co == groups:
         return "depthwise"
+    if cig * kh * kw >= LIBRARY_K:
+        return None
     # many groups of few output channels each fill a fraction of a panel: RegNet's 8-wide groups ran 4x
     # slower than oneDNN's grouped conv
     return "dense" if groups == 1 or co // groups >= PANEL // 2 else None
@@ -207,21 +217,21 @@ def pack_weight(w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
 ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int]
 
 
-def dims(kernel: Kernel, x: torch.Tensor, y: torch.Tensor) -> ctypes.Array:
-    """The ``kz_conv_dims`` array for input ``x`` and output ``y`` (both NCHW-shaped)."""
+def dims(kernel: Kernel, x_shape: Sequence[int], y_shape: Sequence[int]) -> ctypes.Array:
+    """The ``kz_conv_dims`` array for an input and output of these (NCHW) shapes."""
     a = kernel.node.arg
-    n, c, h, w = x.shape
-    _, co, oh, ow = y.shape
+    n, c, h, w = x_shape
+    _, co, oh, ow = y_shape
     kh, kw = kernel.node.src[1].shape[2:]
     top, left = a.padding[:2]
     values = (n, h, w, c, oh, ow, co, kh, kw, *a.stride, top, left, *a.dilation, a.groups)
     return (ctypes.c_int64 * len(values))(*values)
 
 
-def output_shape(kernel: Kernel, x: torch.Tensor) -> tuple[int, int, int, int]:
-    """The NCHW output shape of the conv on input ``x``."""
+def output_shape(kernel: Kernel, x: torch.Tensor | Sequence[int]) -> tuple[int, int, int, int]:
+    """The NCHW output shape of the conv on input ``x`` (a tensor or its shape)."""
     a = kernel.node.arg
-    n, _, h, w = x.shape
+    n, _, h, w = getattr(x, "shape", x)
     co, _, kh, kw = kernel.node.src[1].shape
     sizes = [
         (size + lo + hi - d * (k - 1) - 1) // s + 1
@@ -261,23 +271,34 @@ class ConvCall:
     ) -> None:
         x, w, b, r = reads
         (y,) = writes
-        key = (tuple(x.shape), tuple(y.shape))
+        d = self._dims_of(x.shape, y.shape)
+        ptrs = [0 if t is None else t.data_ptr() for t in (x, self.packed(w), b, r, y)]
+        if self.fn(*ptrs, d, torch.get_num_threads()):
+            raise RuntimeError(self._error(d))
+
+    def c_call(
+        self, reads: Sequence[torch.Tensor | None], writes: Sequence[torch.Tensor | None], sizes
+    ) -> CCall:
+        """The call :meth:`launch` makes, for ``kz_replay``; ``sizes`` binds the input's symbolic dims (a
+        None tensor is an argument filled in later: 0)."""
+        x, w, b, r = reads
+        (y,) = writes
+        x_shape = bind(self.kernel.node.src[0].shape, sizes)
+        d = self._dims_of(x_shape, output_shape(self.kernel, x_shape))
+        ptrs = tuple(0 if t is None else t.data_ptr() for t in (x, self.packed(w), b, r, y))
+        return CCall(
+            ctypes.cast(self.fn, ctypes.c_void_p).value, (*ptrs, ctypes.addressof(d)), self._error(d)
+        )
+
+    def _dims_of(self, x_shape: Sequence[int], y_shape: Sequence[int]) -> ctypes.Array:
+        key = (tuple(x_shape), tuple(y_shape))
         d = self._dims.get(key)
         if d is None:
-            d = self._dims[key] = dims(self.kernel, x, y)
-        rc = self.fn(
-            x.data_ptr(),
-            self.packed(w).data_ptr(),
-            None if b is None else b.data_ptr(),
-            None if r is None else r.data_ptr(),
-            y.data_ptr(),
-            d,
-            torch.get_num_threads(),
-        )
-        if rc:
-            raise RuntimeError(
-                f"cpu conv kernel {self.kernel.name} rejected its sizes {tuple(d)} (code {rc})"
-            )
+            d = self._dims[key] = dims(self.kernel, x_shape, y_shape)
+        return d
+
+    def _error(self, d: ctypes.Array) -> str:
+        return f"cpu conv kernel {self.kernel.name} rejected its sizes {tuple(d)}"
 
 
 def flops(kernel: Kernel, x: torch.Tensor) -> int:

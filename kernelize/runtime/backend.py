@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -50,6 +50,16 @@ class KernelCompileError(RuntimeError):
         )
 
 
+class CCall(NamedTuple):
+    """One call of a compiled C function as ``kz_replay`` makes it (see :mod:`kernelize.runtime.replay`):
+    its address and its integer arguments but the thread count, which goes last. ``error`` says what a
+    non-zero return means."""
+
+    fn: int
+    args: tuple[int, ...]
+    error: str
+
+
 @dataclass(frozen=True)
 class CompiledKernel:
     """A generated kernel ready to launch."""
@@ -62,6 +72,11 @@ class CompiledKernel:
     # optional: ``fresh(reads, sizes)`` returns the kernel's outputs as new tensors (a library call that
     # allocates its own result), or None when ``launch`` into allocated buffers must run instead
     fresh: Callable[..., list[torch.Tensor] | None] | None = field(default=None, repr=False, compare=False)
+    # optional: ``c_call(reads, writes, sizes)`` is the C call ``launch`` would make on those tensors (None
+    # for an argument filled in later: its pointer is 0), for kernels that are one C function taking
+    # ``reads``, ``writes`` (in that order, a tensor's data pointer each), then int sizes and the thread
+    # count; it returns None when ``launch`` would not be one C call at these sizes
+    c_call: Callable[..., CCall | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def source_hash(self) -> str:

@@ -20,6 +20,7 @@ import importlib
 import itertools
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -42,6 +43,7 @@ from kernelize.runtime.cache import GRAPHS, graph_fingerprint
 from kernelize.runtime.conv import ConvRunner
 from kernelize.runtime.library import materialize, view_bases
 from kernelize.runtime.memory import Arena, OutputPool
+from kernelize.runtime.replay import Batch, batch_of, step_call
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +228,8 @@ class _Bound:
 
 _BOUND_CACHE_MAX = 256  # distinct input signatures remembered per compiled graph
 ARENAS = 4  # input signatures whose arenas a compiled graph keeps
+# runs of generated steps go to C in one call (kernelize.runtime.replay); KERNELIZE_REPLAY=0 keeps Python
+REPLAY = os.environ.get("KERNELIZE_REPLAY", "1") != "0"
 
 
 class CompiledGraph:
@@ -295,10 +299,10 @@ class CompiledGraph:
     def _intermediates(
         self, kernels: Sequence[Kernel], keep: set[Node]
     ) -> dict[Node, tuple[int, int, int, bool]]:
-        """The buffers an arena holds: written by a generated kernel (or a generated conv) and neither a graph
-        output nor viewed by one; per buffer (step writing it, index among its writes, last step reading it,
-        whether it is stored NHWC). A step reads a buffer also through the layout views it materialises (its
-        memory is reused after the last such read, whatever still references it)."""
+        """The buffers an arena holds: written by a generated kernel (or a generated conv, NHWC) and neither
+        a graph output nor viewed by one; per buffer (step writing it, index among its writes, last step
+        reading it, whether it is stored NHWC). A step reads a buffer also through the layout views it
+        materialises (its memory is reused after the last such read, whatever still references it)."""
         last: dict[Node, int] = {}
         for i, k in enumerate(kernels):
             touched = list(k.reads) + (list(k.node.src) if k.node is not None else [])
@@ -311,10 +315,10 @@ class CompiledGraph:
         for i, st in enumerate(self._steps):
             if st.library or st.compiled is None:
                 continue
-            conv = st.conv is not None
             for j, b in enumerate(st.kernel.writes):
-                if b not in outputs and b not in keep:
-                    lives[b] = (i, j, last.get(b, i), conv or b in self._cl)
+                # a conv writes NHWC: the output of one the plan reads NCHW is a copy made after the call
+                if b not in outputs and b not in keep and (st.conv is None or b in self._cl):
+                    lives[b] = (i, j, last.get(b, i), b in self._cl)
         return lives
 
     def _arena(self, bound: _Bound) -> Arena | None:
@@ -375,42 +379,91 @@ class CompiledGraph:
             return _no_alias(evaluate(self.graph, list(inputs)), inputs)
         arena = self._arena(bound)
         views = None if arena is None else arena.take()
+        if views is None:
+            return self._run_steps(inputs, bound, {})
         try:
-            return self._run_steps(inputs, bound, views or {})
+            if arena.program is None and REPLAY:
+                arena.program = self._program(bound, views)
+            return self._run_steps(inputs, bound, views, arena.program)
         finally:
-            if views is not None:
-                arena.release()
+            arena.release()
 
     def _run_steps(
-        self, inputs: Sequence[torch.Tensor], bound: _Bound, views: Mapping[Node, torch.Tensor]
+        self, inputs: Sequence[torch.Tensor], bound: _Bound, views: Mapping[Node, torch.Tensor], program=None
     ) -> list[torch.Tensor]:
-        """The steps in order; intermediates in ``views`` are written there, the rest allocated."""
-        env = bound.env
+        """The steps in order (``program``: runs of them as replay batches); intermediates in ``views`` are
+        written there, the rest allocated."""
         vals: dict[Node, torch.Tensor] = dict(self._consts)
         strided = self._strided
         vals.update((n, t if s else t.contiguous()) for n, t, s in zip(self.graph.inputs, inputs, strided))
-        for step, shapes, sizes, launch in zip(self._steps, bound.shapes, bound.sizes, bound.launch):
-            k = step.kernel
-            if step.conv is not None:
-                ep = k.epilogue
-                x, w = (materialize(s, vals, env) for s in ep.conv.src)
-                r = None if ep.residual is None else materialize(ep.residual, vals, env)
-                out = views.get(ep.tail)
-                if out is None and step.conv.generated is not None and ep.tail in self.graph.outputs:
-                    out = self._empty(ep.tail, shapes[0], nhwc=True)
-                vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
-            elif step.library:
-                vals[k.node] = self._library(k, vals, env)
+        for unit in range(len(self._steps)) if program is None else program:
+            if isinstance(unit, Batch):
+                self._run_batch(unit, vals, bound, views)
             else:
-                if step.operands:
-                    reads = [materialize(s, vals, env) for s in k.node.src]
-                else:
-                    reads = [vals[b] if b in vals else materialize(b, vals, env) for b in k.reads]
-                writes = self._written(step, reads, shapes, sizes, launch, views)
-                vals.update(zip(k.writes, writes))
-            for b in step.free:
-                vals.pop(b, None)
+                self._run_step(unit, vals, bound, views)
+        env = bound.env
         return _no_alias([materialize(o, vals, env).contiguous() for o in self.graph.outputs], inputs)
+
+    def _run_step(self, i: int, vals: dict, bound: _Bound, views: Mapping[Node, torch.Tensor]) -> None:
+        step, shapes, env = self._steps[i], bound.shapes[i], bound.env
+        k = step.kernel
+        if step.conv is not None:
+            ep = k.epilogue
+            x, w = (materialize(s, vals, env) for s in ep.conv.src)
+            r = None if ep.residual is None else materialize(ep.residual, vals, env)
+            out = views.get(ep.tail)
+            if out is None and step.conv.generated is not None and ep.tail in self.graph.outputs:
+                out = self._empty(ep.tail, shapes[0], nhwc=True)
+            vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
+        elif step.library:
+            vals[k.node] = self._library(k, vals, env)
+        else:
+            if step.operands:
+                reads = [materialize(s, vals, env) for s in k.node.src]
+            else:
+                reads = [vals[b] if b in vals else materialize(b, vals, env) for b in k.reads]
+            writes = self._written(step, reads, shapes, bound.sizes[i], bound.launch[i], views)
+            vals.update(zip(k.writes, writes))
+        for b in step.free:
+            vals.pop(b, None)
+
+    def _run_batch(self, batch: Batch, vals: dict, bound: _Bound, views: Mapping[Node, torch.Tensor]) -> None:
+        """The batch's steps from C (see :mod:`kernelize.runtime.replay`); their arena buffers go into
+        ``vals`` first (a call may read a view of one an earlier call of the batch writes)."""
+        env = bound.env
+        for i in batch.steps:
+            vals.update((b, views[b]) for b in self._steps[i].kernel.writes if b in views)
+
+        def allocate(i: int) -> None:
+            k = self._steps[i].kernel
+            vals.update(zip(k.writes, self._outputs(k, bound.shapes[i], views)))
+
+        batch.run(lambda b: vals[b] if b in vals else materialize(b, vals, env), allocate)
+        for i in batch.steps:
+            for b in self._steps[i].free:
+                vals.pop(b, None)
+
+    def _program(self, bound: _Bound, views: Mapping[Node, torch.Tensor]) -> list[int | Batch]:
+        """The steps for ``bound``'s signature: runs of generated steps as replay batches, the rest alone."""
+        consts = self._consts
+
+        def fixed(b: Node) -> torch.Tensor | None:
+            return views[b] if b in views else consts.get(b)
+
+        units: list[int | Batch] = []
+        run: list = []
+        for i, (step, shapes, sizes) in enumerate(zip(self._steps, bound.shapes, bound.sizes)):
+            entry = step_call(step, shapes, sizes, fixed, self._cl) if bound.launch[i] else None
+            if entry is not None:
+                run.append((i, *entry))
+                continue
+            if run:
+                units.append(batch_of(run))
+                run = []
+            units.append(i)
+        if run:
+            units.append(batch_of(run))
+        return units
 
     def _run_direct(self, inputs: Sequence[torch.Tensor], bound: _Bound) -> list[torch.Tensor]:
         """``run`` for a graph of one kernel from inputs to outputs: its outputs are fresh (or recycled
@@ -441,17 +494,21 @@ class CompiledGraph:
                 outs = fresh(reads, sizes)
             if outs is not None:
                 return outs
-        writes = [views.get(b) for b in step.kernel.writes]
-        if any(w is None for w in writes):
-            writes = self._outputs(step.kernel, shapes)
+        writes = self._outputs(step.kernel, shapes, views)
         if launch:
             _launch(step, reads, writes, sizes)
         return writes
 
-    def _outputs(self, k: Kernel, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-        """Buffers for what ``k`` writes; the cpu backend recycles large ones the caller dropped."""
+    def _outputs(
+        self,
+        k: Kernel,
+        shapes: Sequence[tuple[int, ...]],
+        views: Mapping[Node, torch.Tensor] = {},  # noqa: B006
+    ) -> list[torch.Tensor]:
+        """Buffers for what ``k`` writes: the arena's ``views`` where it has them, else new ones (the cpu
+        backend recycles large ones the caller dropped)."""
         if self._pool is not None:
-            return [self._empty(b, shape) for b, shape in zip(k.writes, shapes)]
+            return [views[b] if b in views else self._empty(b, shape) for b, shape in zip(k.writes, shapes)]
         return [
             torch.empty(shape, dtype=b.dtype.torch, device=self.device) for b, shape in zip(k.writes, shapes)
         ]

@@ -187,6 +187,7 @@ class Arena:
             t = self.block[off : off + nbytes].view(dtype).view(stored)
             self.views[k] = t.permute(0, 3, 1, 2) if layouts.get(k) else t
         self._lock = threading.Lock()
+        self.program: list | None = None  # the replay program for this signature (CompiledGraph._program)
 
     def take(self) -> dict | None:
         """The views, reserved for this call (release with :meth:`release`), or None while another call holds

@@ -1,0 +1,26 @@
+// kz_replay: call a list of generated CPU kernels in order, with the arguments the Python launchers would
+// pass (kernelize/runtime/replay.py builds the list once per input signature). Every kernel entry point
+// takes only integer-class arguments (pointers, int64 sizes, the int thread count), which the x86-64 and
+// AArch64 C calling conventions pass the same way, so one signature of KZ_REPLAY_ARGS int64 arguments calls
+// them all: the arguments past a kernel's own are ignored.
+#include <stdint.h>
+
+#define KZ_REPLAY_ARGS 16
+struct kz_call {
+    void* fn;
+    int64_t args[KZ_REPLAY_ARGS];
+};
+typedef int (*kz_call_fn)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+// 0 when every call returned 0, else 1 + the index of the first call that returned non-zero (the rest
+// are not run)
+extern "C" int kz_replay(const kz_call* calls, int n) {
+    for (int i = 0; i < n; ++i) {
+        const int64_t* a = calls[i].args;
+        const int rc = ((kz_call_fn)calls[i].fn)(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10],
+                                                  a[11], a[12], a[13], a[14], a[15]);
+        if (rc) return i + 1;
+    }
+    return 0;
+}

@@ -1,0 +1,162 @@
+"""Replay: runs of a CPU graph's generated kernels called from one C loop, without Python between them.
+
+With an arena (:class:`~kernelize.runtime.memory.Arena`) every intermediate buffer of a compiled CPU graph
+has a fixed address for a given input signature, and constants and packed weights are fixed for the
+graph's life. So the C call each generated kernel makes (:attr:`CompiledKernel.c_call`: function address
+plus integer arguments) is fixed too, but for the few pointers that change per call: the graph's inputs,
+its outputs, and buffers that library steps (torch, oneDNN) allocate. A :class:`Batch` holds a run of
+consecutive generated steps as an array of such calls, patches the changing pointers and the thread count
+in, and hands the array to ``kz_replay`` (``templates/cpu_replay.cpp``) in one ctypes call. Library steps
+between batches run as before.
+
+Why: between its kernels, a compiled graph's Python (binding values, materialising views, allocating,
+ctypes argument conversion) cost 9-13 us per step; MobileNetV2 at batch 1 has 54 steps, ~0.7 ms of a
+~9 ms run on one thread, and more of a 2-thread run.
+
+Example:
+    >>> program = plan_program(cg, bound, views)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernelize.ir.graph import Node, Op
+from kernelize.runtime.backend import CCall
+
+REPLAY_ARGS = 16  # KZ_REPLAY_ARGS: the most integer arguments (the thread count included) a call passes
+
+
+class KzCall(ctypes.Structure):
+    """``struct kz_call`` of ``cpu_replay.cpp``."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_int64 * REPLAY_ARGS)]
+
+
+@functools.cache
+def _replay_fn():
+    """``kz_replay``, compiled once (disk-cached like every kernel)."""
+    from kernelize.codegen.cpu import build_shared_object, load
+    from kernelize.codegen.template import load_template
+
+    fn = load(build_shared_object(load_template("cpu_replay.cpp"), "kz_replay")).kz_replay
+    fn.argtypes, fn.restype = [ctypes.POINTER(KzCall), ctypes.c_int], ctypes.c_int
+    return fn
+
+
+@dataclass
+class Batch:
+    """Consecutive generated steps run by one ``kz_replay`` call.
+
+    Attributes:
+        steps: the step indices, in order.
+        calls: their calls (the thread count and ``patches`` filled in per run).
+        patches: ``(call, argument, buffer)``: the buffer's data pointer goes there on every run.
+        fresh: steps whose writes are allocated per run (graph outputs): their writes are patched.
+        errors: per call, what a non-zero return means.
+    """
+
+    steps: tuple[int, ...]
+    calls: ctypes.Array
+    patches: tuple[tuple[int, int, Node], ...]
+    fresh: tuple[int, ...]
+    errors: tuple[str, ...]
+    nargs: tuple[int, ...]  # per call, the index of its thread-count argument
+
+    def run(self, tensor: Callable[[Node], torch.Tensor], allocate: Callable[[int], None]) -> None:
+        """Allocate the per-run writes (``allocate(step)`` puts them where ``tensor`` finds them), patch the
+        pointers and the thread count, and make the calls."""
+        for i in self.fresh:
+            allocate(i)
+        calls = self.calls
+        for c, a, b in self.patches:
+            calls[c].args[a] = tensor(b).data_ptr()
+        threads = torch.get_num_threads()
+        for c, a in enumerate(self.nargs):
+            calls[c].args[a] = threads
+        rc = _replay_fn()(calls, len(self.nargs))
+        if rc:
+            raise RuntimeError(self.errors[rc - 1])
+
+
+def batch_of(
+    entries: Sequence[tuple[int, CCall, Sequence[tuple[int, Node]], bool]],
+) -> Batch:
+    """A batch from ``(step, call, dynamic arguments (index, buffer), writes allocated per run)`` entries."""
+    calls = (KzCall * len(entries))()
+    patches = []
+    for c, (_, call, dynamic, _) in enumerate(entries):
+        calls[c].fn = call.fn
+        for a, v in enumerate(call.args):
+            calls[c].args[a] = v
+        patches += [(c, a, b) for a, b in dynamic]
+    return Batch(
+        steps=tuple(e[0] for e in entries),
+        calls=calls,
+        patches=tuple(patches),
+        fresh=tuple(e[0] for e in entries if e[3]),
+        errors=tuple(e[1].error for e in entries),
+        nargs=tuple(len(e[1].args) for e in entries),
+    )
+
+
+def step_call(
+    step,
+    shapes: Sequence[tuple[int, ...]],
+    sizes: Mapping[str, int],
+    fixed: Callable[[Node], torch.Tensor | None],
+    channels_last: Container[Node],
+) -> tuple[CCall, list[tuple[int, Node]], bool] | None:
+    """The C call of a generated step, the arguments to patch per run and whether its writes are allocated
+    per run; None when the step must run in Python. ``fixed(b)`` is the tensor of buffer ``b`` when it is
+    the same on every run of this signature (arena views, constants), else None; ``channels_last`` the
+    buffers the plan lays out NHWC."""
+    k, compiled = step.kernel, step.compiled
+    if compiled is None or compiled.c_call is None or not all(map(_size, shapes)):
+        return None
+    if step.conv is not None:
+        return _conv_call(step, sizes, fixed, channels_last)
+    reads = [fixed(b) for b in k.reads]
+    writes = [fixed(b) for b in k.writes]
+    per_run = any(w is None for w in writes)
+    call = compiled.c_call(reads, writes, sizes)
+    if call is None or len(call.args) >= REPLAY_ARGS:  # None: not one C call at these sizes
+        return None
+    dynamic = [(i, b) for i, (b, t) in enumerate(zip(k.reads, reads)) if t is None]
+    dynamic += [(len(reads) + j, b) for j, (b, t) in enumerate(zip(k.writes, writes)) if t is None]
+    return call, dynamic, per_run
+
+
+def _conv_call(step, sizes, fixed, channels_last):
+    """A generated conv's call, when its input, residual and output are fixed channels-last buffers, the
+    plan reads its output NHWC (else the Python path hands readers an NCHW copy) and its weight is a
+    constant (packed once)."""
+    ep, conv = step.kernel.epilogue, step.conv
+    x, w = (fixed(s) for s in ep.conv.src)
+    r = None if ep.residual is None else fixed(ep.residual)
+    y = fixed(ep.tail)
+    cl = torch.channels_last
+    if x is None or w is None or y is None or ep.conv.src[1].op is not Op.CONST:
+        return None
+    if ep.tail not in channels_last:
+        return None
+    if (ep.residual is not None and r is None) or not all(
+        t.is_contiguous(memory_format=cl) for t in (x, y, *([r] if r is not None else []))
+    ):
+        return None
+    return conv.generated.c_call([x, w, conv.bias, r], [y], sizes), [], False
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+__all__ = ["Batch", "KzCall", "batch_of", "step_call"]

@@ -1,0 +1,91 @@
+"""Replay (``kernelize.runtime.replay``): runs of generated CPU steps from one C call, against Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelize.runtime.compiled as compiled_mod
+from kernelize.ir import evaluate
+from kernelize.ir.graph import Graph
+from kernelize.ir.shapes import Sym
+from kernelize.runtime.compiled import compile_graph
+from kernelize.runtime.replay import Batch
+
+B = Sym.of("batch")
+
+
+def _graph() -> Graph:
+    """pointwise -> library GEMM (many rows) -> pointwise -> row, conv-free: two batches around the GEMM."""
+    g = Graph()
+    x = g.input("x", (B, 64), "f32")
+    w = g.const(torch.randn(64, 48) * 0.1)
+    h = g.exp(g.mul(x, g.const(0.5)))
+    y = g.add(g.matmul(h, w), g.const(1.0))
+    z = g.softmax(g.mul(y, y))
+    g.output(z, g.add(z, g.const(2.0)))
+    return g
+
+
+def _program(cg):
+    return next(iter(cg._arenas.values())).program
+
+
+def test_replayed_runs_match_python_and_the_reference():
+    g = _graph()
+    cg = compile_graph(g, backend="cpu", cache=False)
+    programs = {}
+    for n in (3, 300, 3):  # a signature whose GEMM is the few-row kernel, one where it is torch's
+        x = torch.randn(n, 64)
+        got = cg(x)
+        for a, b in zip(got, evaluate(g, [x]), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        programs[n] = next(reversed(cg._arenas.values())).program  # the arena used last
+    # 3 rows: everything replays in one batch; 300 rows: the library GEMM runs in Python between two
+    assert len(programs[3]) == 1 and isinstance(programs[3][0], Batch)
+    assert [type(u) for u in programs[300]] == [Batch, int, Batch]
+
+
+def test_outputs_are_fresh_and_inputs_patched_on_every_call():
+    g = _graph()
+    cg = compile_graph(g, backend="cpu", cache=False)
+    xs = [torch.randn(5, 64) for _ in range(3)]
+    outs = [cg(x) for x in xs]
+    assert _program(cg) is not None
+    for x, out in zip(xs, outs, strict=True):  # each call's outputs survive the later calls
+        for a, b in zip(out, evaluate(g, [x]), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert outs[0][0].data_ptr() != outs[1][0].data_ptr()
+
+
+def test_replay_off_and_thread_count_changes(monkeypatch):
+    g = _graph()
+    x = torch.randn(400, 64)
+    monkeypatch.setattr(compiled_mod, "REPLAY", False)
+    python = compile_graph(g, backend="cpu", cache=False)
+    want = python(x)
+    assert _program(python) is None
+    monkeypatch.setattr(compiled_mod, "REPLAY", True)
+    replayed = compile_graph(g, backend="cpu", cache=False)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for a, b in zip(replayed(x), want, strict=True):
+                torch.testing.assert_close(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_failing_kernel_in_a_batch_names_itself():
+    g = Graph()
+    x = g.input("x", (B, 8), "f32")
+    idx = g.input("i", (B,), "i64")
+    rows = g.gather(g.softmax(x), idx, 0)  # out-of-range indices set the gathering kernel's error flag
+    g.output(g.add(rows, g.const(1.0)))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    x, good = torch.randn(4, 8), torch.tensor([3, 0, 1, 2])
+    torch.testing.assert_close(cg(x, good)[0], evaluate(g, [x, good])[0])
+    assert [type(u) for u in _program(cg)] == [Batch]  # softmax, then the gather: both in one batch
+    with pytest.raises(RuntimeError, match="gather index is out of range"):
+        cg(x, torch.tensor([9, 0, 1, 2]))
