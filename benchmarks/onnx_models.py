@@ -297,6 +297,12 @@ def main() -> None:
     (out / "onnx_models.json").write_text(json.dumps(data, indent=1))
     plot(rows, batches, out / "onnx_models.png")
     print(f"wrote {out / 'onnx_models.json'} and {out / 'onnx_models.png'}")
+    wrong = [f"{r['model']} batch {r['batch']}" for r in rows if not r["rel_diff_vs_ort"] <= MAX_REL_DIFF]
+    if wrong:  # a time for a wrong output means nothing: fail the run
+        raise SystemExit(f"outputs differ from onnxruntime by more than {MAX_REL_DIFF:g} (relative): {wrong}")
+
+
+MAX_REL_DIFF = 1e-4  # the accuracy target
 
 
 def plot(rows: list[dict], batches: list[int], path: Path) -> None:

@@ -446,9 +446,10 @@ class CompiledGraph:
     def _program(self, bound: _Bound, views: Mapping[Node, torch.Tensor]) -> list[int | Batch]:
         """The steps for ``bound``'s signature: runs of generated steps as replay batches, the rest alone."""
         consts = self._consts
+        unfixed: set[Node] = set()  # arena buffers a Python step may replace by tensors of its own
 
         def fixed(b: Node) -> torch.Tensor | None:
-            return views[b] if b in views else consts.get(b)
+            return views[b] if b in views and b not in unfixed else consts.get(b)
 
         units: list[int | Batch] = []
         run: list = []
@@ -457,6 +458,8 @@ class CompiledGraph:
             if entry is not None:
                 run.append((i, *entry))
                 continue
+            if step.conv is None and step.compiled is not None and step.compiled.fresh is not None:
+                unfixed.update(step.kernel.writes)  # a library GEMM returning its own output tensor
             if run:
                 units.append(batch_of(run))
                 run = []

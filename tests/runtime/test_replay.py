@@ -89,3 +89,17 @@ def test_a_failing_kernel_in_a_batch_names_itself():
     assert [type(u) for u in _program(cg)] == [Batch]  # softmax, then the gather: both in one batch
     with pytest.raises(RuntimeError, match="gather index is out of range"):
         cg(x, torch.tensor([9, 0, 1, 2]))
+
+
+def test_a_library_gemm_returning_its_own_tensor_is_read_from_there():
+    """A GEMM over a constant f32 weight with many rows is one oneDNN call allocating its output
+    (``CompiledKernel.fresh``), not the arena buffer planned for it: a replayed reader must follow it."""
+    g = Graph()
+    x = g.input("x", (B, 64), "f32")
+    y = g.matmul(g.exp(x), g.const(torch.randn(64, 32) * 0.1))  # exp first: the GEMM reads an intermediate
+    g.output(g.softmax(g.add(y, g.const(torch.randn(32)))))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    x = torch.randn(500, 64)
+    for _ in range(2):
+        torch.testing.assert_close(cg(x)[0], evaluate(g, [x])[0], rtol=1e-5, atol=1e-6)
+    assert any(cg._steps[u].compiled.fresh is not None for u in _program(cg) if isinstance(u, int))
