@@ -147,8 +147,8 @@ class ConvRunner:
         channels_last: bool,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The conv's epilogue output, channels-last or contiguous as asked; a generated kernel writes into
-        ``out`` (an NHWC buffer of the output's shape) when given."""
+        """The conv's epilogue output, channels-last or contiguous as asked; into ``out`` (an NHWC buffer of
+        the output's shape) when given."""
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         if self.generated is not None and x.device.type == "cpu" and x.dtype == torch.float32:
             return self._run_generated(x, w, residual, out).contiguous(memory_format=fmt)
@@ -164,6 +164,8 @@ class ConvRunner:
             y = self._run_torch(x, w, residual)
         if self.crop is not None:
             y = self._cropped(y, x.shape[2:], w.shape[2:])
+        if out is not None:  # the caller planned this memory for the output (an arena): keep it so
+            return out.copy_(y).contiguous(memory_format=fmt)
         return y.contiguous(memory_format=fmt)
 
     def _run_generated(
