@@ -32,6 +32,10 @@ Kinds:
 * ``CONV``: ``node`` is a conv run by the library (oneDNN with prepacked weights on the CPU, cuDNN on a GPU)
   with ``epilogue`` (:class:`~kernelize.autokernel.conv.ConvEpilogue`: bias, residual, activation) fused as
   post-ops; ``inputs`` are the activation, weight, bias and residual buffers; it writes ``epilogue.tail``.
+* ``CONV_CHAIN`` (``PlanSettings.conv_chains``): ``stages`` are CONV kernels run as one, the output of
+  each the input of the next and nowhere stored: a 1x1 expansion, a depthwise conv, a 1x1 projection (an
+  inverted-residual block), or two of them around the depthwise one; ``node`` is the depthwise conv,
+  ``inputs`` the buffers the stages read from outside the chain; it writes the last stage's tail.
 * ``LIBRARY``: ``node`` (conv, pool, or a matmul better left to a library) runs as one torch call on
   ``inputs``; no body.
 
@@ -68,6 +72,7 @@ class KernelKind(StrEnum):
     ROW = "row"
     MATMUL = "matmul"
     CONV = "conv"
+    CONV_CHAIN = "conv_chain"
     SPLITK = "splitk"
     ATTENTION = "attention"
     LIBRARY = "library"
@@ -156,13 +161,14 @@ class Kernel:
     node: Node | None = None  # LIBRARY, ATTENTION, CONV: the graph op to run
     inputs: tuple[Node, ...] = ()  # LIBRARY, ATTENTION, CONV: its operands' buffers
     epilogue: Any = None  # CONV: the fused ConvEpilogue
+    stages: tuple[Kernel, ...] = ()  # CONV_CHAIN: its CONV kernels, in order
     # graph values this kernel computes, for printing and pictures
     computes: tuple[Node, ...] = field(default=(), compare=False)
 
     @cached_property  # computed once per kernel: the runtime reads these on every launch
     def reads(self) -> tuple[Node, ...]:
         """Distinct buffers read, in first-use order (the generated function's input arguments)."""
-        if self.kind in NODE_KINDS or self.kind is KernelKind.CONV:
+        if self.kind in NODE_KINDS or self.kind in (KernelKind.CONV, KernelKind.CONV_CHAIN):
             return tuple(dict.fromkeys(self.inputs))
         return tuple(dict.fromkeys(e.buffer for e in self.body if isinstance(e, Load)))
 
@@ -173,6 +179,8 @@ class Kernel:
             return (self.node,)
         if self.kind is KernelKind.CONV:
             return (self.epilogue.tail,)
+        if self.kind is KernelKind.CONV_CHAIN:
+            return (self.stages[-1].epilogue.tail,)
         return tuple(dict.fromkeys(s.buffer for s in self.stores))
 
     @cached_property
@@ -192,6 +200,10 @@ class Kernel:
         if self.kind is KernelKind.ROW:
             head += f" (row = last {self.row_rank})"
         lines = [head]
+        if self.kind is KernelKind.CONV_CHAIN:
+            for stage in self.stages:
+                lines += ["  " + line for line in str(stage).splitlines()]
+            return "\n".join(lines)
         if self.kind in NODE_KINDS or self.kind is KernelKind.CONV:
             arg = "" if self.node.arg is None else f" {format_arg(self.node.arg)}"
             lines.append(f"  {self.node.op}{arg}")

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 from kernelize.autokernel.body import BodyBuilder, Materialize
 from kernelize.autokernel.canon import sink_views
-from kernelize.autokernel.conv import conv_epilogue
+from kernelize.autokernel.conv import conv_chains, conv_epilogue
 from kernelize.autokernel.kernels import NODE_KINDS, Kernel, KernelKind
 from kernelize.autokernel.layout import DenseLayout, channel_rows, channels_inner, channels_last_buffers
 from kernelize.autokernel.legality import can_absorb
@@ -91,6 +91,9 @@ class PlanSettings:
         channels_last: 4-D buffers between convolutions (and the generated kernels around them) are laid
             out NHWC, the layout of the CPU's oneDNN convolutions (:mod:`kernelize.autokernel.layout`);
             ``Plan.channels_last`` lists them and the runtime must allocate them so.
+        conv_chains: an expand (1x1) -> depthwise -> project (1x1) run of CONV kernels (or two of them
+            around the depthwise one) becomes one CONV_CHAIN kernel whose intermediates are never stored
+            (:func:`kernelize.autokernel.conv.conv_chains`; needs ``channels_last``).
     """
 
     matmul: Literal["generate", "library"] = "generate"
@@ -105,6 +108,7 @@ class PlanSettings:
     merge_matmuls: bool = False
     column_reduce: Literal["generate", "library", "accumulate"] = "generate"
     channels_last: bool = False
+    conv_chains: bool = False
 
     def __post_init__(self) -> None:
         if self.matmul not in ("generate", "library"):
@@ -356,7 +360,8 @@ def _plan_once(
     todo += _split_concats(kernels, slices)
     if todo:
         raise Materialize(todo[0].node, str(todo[0]), more=tuple(e.node for e in todo[1:]))
-    return _schedule(kernels, order), nhwc
+    outputs = {base(o, stop) for o in graph.outputs}
+    return _schedule(conv_chains(kernels, nhwc, outputs) if settings.conv_chains else kernels, order), nhwc
 
 
 def _lower(

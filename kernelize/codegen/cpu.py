@@ -369,7 +369,8 @@ class _Writer:
 
 def render(kernel: Kernel, renderer: CpuRenderer | None = None) -> tuple[str, str]:
     """The C++ source of ``kernel`` and its exported function name."""
-    if kernel.kind is KernelKind.CONV and cpu_conv.algorithm(kernel) is not None:
+    generated_conv = kernel.kind is KernelKind.CONV and cpu_conv.algorithm(kernel) is not None
+    if generated_conv or kernel.kind is KernelKind.CONV_CHAIN:
         return cpu_conv.render(kernel, renderer or CpuRenderer())
     if kernel.kind in (KernelKind.LIBRARY, KernelKind.CONV):
         raise ValueError(f"kernel {kernel.name} is a library call: the runtime runs those with torch")
@@ -519,7 +520,11 @@ class CpuBackend(Backend):
         from kernelize.autokernel.plan import PlanSettings
 
         return PlanSettings(
-            matmul="generate", merge_matmuls=True, column_reduce="accumulate", channels_last=True
+            matmul="generate",
+            merge_matmuls=True,
+            column_reduce="accumulate",
+            channels_last=True,
+            conv_chains=cpu_conv.chains_enabled(),
         )
 
     def device_ok(self, device: torch.device) -> bool:
@@ -547,12 +552,15 @@ class CpuBackend(Backend):
         return self._kernel(fn, kernel, source)
 
     def _kernel(self, fn, kernel: Kernel, source: str) -> CompiledKernel:
-        """A POINTWISE, ROW, ATTENTION or CONV kernel from its compiled function."""
+        """A POINTWISE, ROW, ATTENTION, CONV or CONV_CHAIN kernel from its compiled function."""
         if kernel.kind is KernelKind.CONV:
             call = cpu_conv.ConvCall(fn, kernel)
             return CompiledKernel(
                 kernel.name, self.name, source, call.launch, kernel, call.fresh, call.c_call
             )
+        if kernel.kind is KernelKind.CONV_CHAIN:
+            chain = cpu_conv.ChainCall(fn, kernel)
+            return CompiledKernel(kernel.name, self.name, source, chain.launch, kernel, c_call=chain.c_call)
         _, launch = self._wrap(fn, kernel, source)
         c_call = None if kernel.kind is KernelKind.ATTENTION else _c_caller(fn, kernel)
         return CompiledKernel(kernel.name, self.name, source, launch, kernel, c_call=c_call)

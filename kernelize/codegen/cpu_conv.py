@@ -81,6 +81,12 @@ def algorithm(kernel: Kernel) -> str | None:
     return "dense" if groups == 1 or co // groups >= PANEL // 2 else None
 
 
+def chains_enabled() -> bool:
+    """Whether the planner fuses inverted-residual runs of convs into CONV_CHAIN kernels (off with
+    ``KERNELIZE_CPU_CONV=library``, which sends every conv to oneDNN)."""
+    return _choice() == "auto"
+
+
 def _choice() -> str:
     """``KERNELIZE_CPU_CONV``: ``auto`` (default: the table in :func:`algorithm`) or ``library`` (every
     conv through oneDNN, for comparison)."""
@@ -91,24 +97,61 @@ def _choice() -> str:
 
 
 def render(kernel: Kernel, renderer: Renderer) -> tuple[str, str]:
-    """The C++ source of a CONV kernel and its exported function name."""
+    """The C++ source of a CONV or CONV_CHAIN kernel and its exported function name."""
+    name = c_name(kernel.name)
+    if kernel.kind is KernelKind.CONV_CHAIN:
+        a, c = chain_stages(kernel)
+        structs = [_epilogue_struct(s, f"{name}_s{i}", renderer) for i, s in enumerate((a, kernel, c))]
+        source = fill(
+            load_template("cpu_conv_chain.cpp"),
+            PRELUDE=load_template("cpu_prelude.h"),
+            CONV_LIB=load_template("cpu_conv.h"),
+            NAME=name,
+            WHAT=" -> ".join(describe(s) for s in kernel.stages),
+            EPILOGUES="\n".join(structs),
+            HAS_A="true" if a is not None else "false",
+            HAS_C="true" if c is not None else "false",
+        )
+        return source, name
     algo = algorithm(kernel)
     assert algo is not None, f"kernel {kernel.name} is not a generated conv"
-    name = c_name(kernel.name)
-    vector = epilogue_lines(kernel, VECTOR_RENDERER)
     source = fill(
         load_template("cpu_conv.cpp"),
         PRELUDE=load_template("cpu_prelude.h"),
         CONV_LIB=load_template("cpu_conv.h"),
         NAME=name,
         WHAT=describe(kernel),
-        EPILOGUE=_indent(epilogue_lines(kernel, renderer), 8),
-        VECTOR="true" if vector is not None else "false",
-        BIAS_FIRST="true" if bias_first(kernel) else "false",
-        VECTOR_EPILOGUE=_indent(vector or ["return v0;"], 8),
+        EPILOGUE=_epilogue_struct(kernel, f"{name}_epilogue", renderer),
         DRIVER=DRIVERS[algo],
     )
     return source, name
+
+
+def chain_stages(chain: Kernel) -> tuple[Kernel | None, Kernel | None]:
+    """The expand and project stages of a CONV_CHAIN kernel (None where the chain has none)."""
+    stages = list(chain.stages)
+    i = next(i for i, s in enumerate(stages) if s.node is chain.node)
+    return (stages[i - 1] if i > 0 else None), (stages[i + 1] if i + 1 < len(stages) else None)
+
+
+def _epilogue_struct(kernel: Kernel | None, struct: str, renderer: Renderer) -> str:
+    """The epilogue object of one conv (``templates/cpu_conv_epilogue.cpp``); None: a stage a chain lacks
+    (the identity, never called). A chain passes its depthwise stage as the chain kernel itself."""
+    stage = kernel.stages[[s.node for s in kernel.stages].index(kernel.node)] if _is_chain(kernel) else kernel
+    scalar = ["return v0;"] if stage is None else epilogue_lines(stage, renderer)
+    vector = ["return v0;"] if stage is None else epilogue_lines(stage, VECTOR_RENDERER)
+    return fill(
+        load_template("cpu_conv_epilogue.cpp"),
+        STRUCT=struct,
+        EPILOGUE=_indent(scalar, 8),
+        VECTOR="true" if vector is not None else "false",
+        BIAS_FIRST="true" if stage is not None and bias_first(stage) else "false",
+        VECTOR_EPILOGUE=_indent(vector or ["return v0;"], 8),
+    )
+
+
+def _is_chain(kernel: Kernel | None) -> bool:
+    return kernel is not None and kernel.kind is KernelKind.CONV_CHAIN
 
 
 def describe(kernel: Kernel) -> str:
@@ -301,6 +344,81 @@ class ConvCall:
         return f"cpu conv kernel {self.kernel.name} rejected its sizes {tuple(d)}"
 
 
+class ChainCall:
+    """A compiled CONV_CHAIN kernel: ``launch(reads, [y], sizes)`` with ``reads`` in ``kernel.reads`` order
+    (the chain's input and residual NHWC, the stages' weights packed on first use, their biases), into the
+    NHWC output ``y``; ``c_call`` is the same call for ``kz_replay``."""
+
+    def __init__(self, fn, kernel: Kernel) -> None:
+        fn.argtypes, fn.restype = [ctypes.c_void_p] * 10 + [ctypes.c_int], ctypes.c_int
+        self.fn, self.kernel = fn, kernel
+        a, c = chain_stages(kernel)
+        b = next(s for s in kernel.stages if s.node is kernel.node)
+        self.stages = (a, b, c)
+        reads = kernel.reads
+        slot = reads.index
+        self.x = slot(kernel.stages[0].inputs[0])
+        self.w = tuple(None if s is None else slot(s.inputs[1]) for s in self.stages)
+        self.b = tuple(
+            None if s is None or s.epilogue.bias is None else slot(s.inputs[2]) for s in self.stages
+        )
+        self.r = None if c is None or c.epilogue.residual is None else slot(c.inputs[-1])
+        self._packed: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # stage -> (address, w, packed)
+        self._dims: dict[tuple, ctypes.Array] = {}
+
+    def _weight(self, i: int, w: torch.Tensor) -> torch.Tensor:
+        entry = self._packed.get(i)
+        if entry is None or entry[0] != w.data_ptr():
+            entry = self._packed[i] = (w.data_ptr(), w, pack_weight(w.contiguous(), self.stages[i]))
+        return entry[2]
+
+    def _args(self, reads: Sequence[torch.Tensor | None], y: torch.Tensor | None, x_shape) -> tuple[int, ...]:
+        def ptr(i: int | None) -> int:
+            return 0 if i is None or reads[i] is None else reads[i].data_ptr()
+
+        args = [ptr(self.x)]
+        for s, (w, b) in enumerate(zip(self.w, self.b, strict=True)):
+            args += [0 if w is None else self._weight(s, reads[w]).data_ptr(), ptr(b)]
+        args += [ptr(self.r), 0 if y is None else y.data_ptr(), ctypes.addressof(self._dims_of(x_shape))]
+        return tuple(args)
+
+    def _dims_of(self, x_shape: Sequence[int]) -> ctypes.Array:
+        """The three stages' ``kz_conv_dims`` for a chain input of ``x_shape`` (NCHW)."""
+        key = tuple(x_shape)
+        d = self._dims.get(key)
+        if d is None:
+            values, shape = [], tuple(x_shape)
+            for s in self.stages:
+                if s is None:
+                    values += [0] * 16
+                    continue
+                out = output_shape(s, shape)
+                values += list(dims(s, shape, out))
+                shape = out
+            d = self._dims[key] = (ctypes.c_int64 * 48)(*values)
+        return d
+
+    def launch(self, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes=None) -> None:
+        (y,) = writes
+        if self.fn(*self._args(reads, y, reads[self.x].shape), torch.get_num_threads()):
+            raise RuntimeError(self._error())
+
+    def c_call(
+        self, reads: Sequence[torch.Tensor | None], writes: Sequence[torch.Tensor | None], sizes
+    ) -> CCall:
+        """The call :meth:`launch` makes (a None tensor: an argument filled in later)."""
+        x_shape = bind(self.kernel.reads[self.x].shape, sizes)
+        slots = [None] * len(reads)
+        for arg, i in ((0, self.x), (2, self.b[0]), (4, self.b[1]), (6, self.b[2]), (7, self.r)):
+            if i is not None:
+                slots[i] = arg
+        address = ctypes.cast(self.fn, ctypes.c_void_p).value
+        return CCall(address, self._args(reads, writes[0], x_shape), self._error(), (*slots, 8))
+
+    def _error(self) -> str:
+        return f"cpu conv chain kernel {self.kernel.name} rejected its sizes"
+
+
 def flops(kernel: Kernel, x: torch.Tensor) -> int:
     """Multiply-adds of the conv on ``x`` (for benchmarks and tests)."""
     co, cig, kh, kw = kernel.node.src[1].shape
@@ -308,4 +426,15 @@ def flops(kernel: Kernel, x: torch.Tensor) -> int:
     return math.prod((n, co, oh, ow, cig, kh, kw))
 
 
-__all__ = ["MAX_TAPS", "PANEL", "ConvCall", "algorithm", "dims", "output_shape", "pack_weight", "render"]
+__all__ = [
+    "MAX_TAPS",
+    "PANEL",
+    "ChainCall",
+    "ConvCall",
+    "algorithm",
+    "chain_stages",
+    "dims",
+    "output_shape",
+    "pack_weight",
+    "render",
+]

@@ -53,11 +53,14 @@ class KernelCompileError(RuntimeError):
 class CCall(NamedTuple):
     """One call of a compiled C function as ``kz_replay`` makes it (see :mod:`kernelize.runtime.replay`):
     its address and its integer arguments but the thread count, which goes last. ``error`` says what a
-    non-zero return means."""
+    non-zero return means; ``slots`` gives, for each of the kernel's reads then writes, the argument holding
+    its data pointer (None: an argument derived from it, such as a packed weight), when that is not the
+    identity."""
 
     fn: int
     args: tuple[int, ...]
     error: str
+    slots: tuple[int | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -55,14 +55,15 @@ def library_operands(
 
 
 def run_library(kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]) -> torch.Tensor:
-    """Run a LIBRARY or CONV kernel with the reference implementation of its op (a CONV kernel's chain op
-    by op: conv, bias, residual, activation)."""
-    if kernel.kind is KernelKind.CONV:
+    """Run a LIBRARY, CONV or CONV_CHAIN kernel with the reference implementation of its op (a CONV
+    kernel's epilogue op by op: conv, bias, residual, activation; a chain's stages one after another)."""
+    if kernel.kind in (KernelKind.CONV, KernelKind.CONV_CHAIN):
         vals = dict(values)
-        for n in kernel.epilogue.nodes:
-            operands = library_operands(replace(kernel, node=n), vals, env)
-            vals[n] = EVAL[n.op](n, operands, dict(env)).to(n.dtype.torch)
-        return vals[kernel.epilogue.tail].contiguous()
+        for stage in kernel.stages or (kernel,):
+            for n in stage.epilogue.nodes:
+                operands = library_operands(replace(kernel, node=n), vals, env)
+                vals[n] = EVAL[n.op](n, operands, dict(env)).to(n.dtype.torch)
+        return vals[kernel.writes[0]].contiguous()
     node = kernel.node
     out = EVAL[node.op](node, library_operands(kernel, values, env), dict(env))
     return out.to(node.dtype.torch).contiguous()

@@ -127,8 +127,10 @@ def step_call(
     call = compiled.c_call(reads, writes, sizes)
     if call is None or len(call.args) >= REPLAY_ARGS:  # None: not one C call at these sizes
         return None
-    dynamic = [(i, b) for i, (b, t) in enumerate(zip(k.reads, reads)) if t is None]
-    dynamic += [(len(reads) + j, b) for j, (b, t) in enumerate(zip(k.writes, writes)) if t is None]
+    slots = call.slots or range(len(reads) + len(writes))
+    dynamic = [(a, b) for a, b, t in zip(slots, (*k.reads, *k.writes), (*reads, *writes)) if t is None]
+    if any(a is None for a, _ in dynamic):  # a changing tensor the call only sees through a derived one
+        return None
     return call, dynamic, per_run
 
 

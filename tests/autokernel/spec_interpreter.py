@@ -98,7 +98,7 @@ def _compute(e: Compute, vals: list, dtypes: list[DType], grid: list[torch.Tenso
 
 def run_kernel(k: Kernel, values: dict[Node, torch.Tensor], env: Mapping[str, int]) -> None:
     """Run one kernel: read buffers from ``values``, add the buffers it writes."""
-    if k.kind in (KernelKind.LIBRARY, KernelKind.CONV):
+    if k.kind in (KernelKind.LIBRARY, KernelKind.CONV, KernelKind.CONV_CHAIN):
         values[k.writes[0]] = run_library(k, values, env)
         return
     sizes = [_dim(d, env) for d in k.domain]

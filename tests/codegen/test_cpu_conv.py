@@ -10,7 +10,7 @@ import torch
 from kernelize.autokernel import KernelKind, PlanSettings, plan
 from kernelize.codegen import cpu_conv
 from kernelize.codegen.cpu import CpuRenderer
-from kernelize.ir import Graph, evaluate
+from kernelize.ir import Graph, Op, evaluate
 from kernelize.runtime.compiled import compile_graph
 
 ACTS = {
@@ -158,3 +158,87 @@ def test_packed_weights_hold_every_weight_once():
     assert packed.shape == (2, 1, 3, 3, 32, cpu_conv.PANEL)
     assert torch.equal(packed[1, 0, 2, 1, 5, :20], w[20:40, 5, 2, 1])
     assert not packed[..., 20:].any()
+
+
+# ---- conv chains ---------------------------------------------------------------------------------------
+def _block(g, x, cin, e, cout, k, stride, *, expand=True, project=True, residual=False, act="relu6", seed=0):
+    """MobileNet-style block after ``x``: [1x1 expand] -> depthwise kxk -> [1x1 project] (+ x)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def conv(y, cout, cin, k, **kw):
+        w = g.const(torch.randn(cout, cin // kw.get("groups", 1), k, k, generator=gen) * 0.3)
+        return g.conv(y, w, g.const(torch.randn(cout, generator=gen)), **kw)
+
+    y = ACTS[act](g, conv(x, e, cin, 1)) if expand else x
+    pad = (k // 2,) * 4
+    y = ACTS[act](g, conv(y, e, e, k, stride=(stride, stride), padding=pad, groups=e))
+    if project:
+        y = conv(y, cout, e, 1)
+        if residual:
+            y = g.add(y, x)
+    return y
+
+
+def _chain_graph(n, hw, cin, e, cout, k, stride, **kw):
+    """stem conv -> block -> 1x1 conv: the block's input and output are NHWC buffers read by convs."""
+    g = Graph()
+    x = g.input("x", ("n", 3, hw, hw), "f32")
+    stem = g.clamp(g.conv(x, g.const(torch.randn(cin, 3, 3, 3) * 0.3), padding=(1, 1, 1, 1)), 0, 6)
+    y = _block(g, stem, cin, e, cout, k, stride, **kw)
+    g.output(g.conv(y, g.const(torch.randn(5, y.shape[1], 1, 1) * 0.3)))
+    return g
+
+
+CHAINS = [  # (batch, size, cin, expanded, cout, kernel, stride, options)
+    (1, 9, 8, 48, 8, 3, 1, dict(residual=True)),
+    (2, 13, 16, 40, 24, 3, 2, {}),  # odd sizes, channels off the vector width
+    (1, 11, 24, 72, 17, 5, 1, dict(act="swish")),
+    (1, 8, 16, 32, 16, 3, 1, {}),  # a projection to <= 16 channels: the half-width tiles
+    (3, 7, 12, 24, 12, 5, 2, dict(residual=False)),
+    (1, 10, 16, 16, 9, 3, 1, dict(expand=False)),  # depthwise -> project
+    (2, 9, 8, 32, 0, 3, 2, dict(project=False, act="swish")),  # expand -> depthwise
+]
+
+
+@pytest.mark.parametrize("n, hw, cin, e, cout, k, stride, opts", CHAINS)
+def test_conv_chains_match_the_reference_and_the_separate_convs(
+    monkeypatch, n, hw, cin, e, cout, k, stride, opts
+):
+    monkeypatch.setattr("kernelize.autokernel.conv.CHAIN_MIN_BYTES", 0)
+    g = _chain_graph(n, hw, cin, e, cout, k, stride, **opts)
+    cg = compile_graph(g, backend="cpu", cache=False)
+    (chain,) = [k for k in cg.plan.kernels if k.kind is KernelKind.CONV_CHAIN]
+    assert len(chain.stages) == 3 - (not opts.get("expand", True)) - (not opts.get("project", True))
+    x = torch.randn(n, 3, hw, hw)
+    want = evaluate(g, [x])[0]
+    for _ in range(2):  # the second run replays with the packed weights
+        torch.testing.assert_close(cg(x)[0], want, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("KERNELIZE_CPU_CONV", "library")  # every conv oneDNN's, no chain
+    separate = compile_graph(g, backend="cpu", cache=False)
+    assert not any(k.kind is KernelKind.CONV_CHAIN for k in separate.plan.kernels)
+    torch.testing.assert_close(separate(x)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_chain_stops_where_a_value_is_read_twice_or_small(monkeypatch):
+    g = Graph()
+    x = g.input("x", (1, 3, 12, 12), "f32")
+    stem = g.clamp(g.conv(x, g.const(torch.randn(8, 3, 3, 3)), padding=(1, 1, 1, 1)), 0, 6)
+    y = _block(g, stem, 8, 32, 8, 3, 1, project=False)  # expand -> depthwise, read by the projection and ...
+    squeeze = g.reduce(Op.MEAN, y, (2, 3), keepdim=True)  # ... a squeeze-excite mean: no project stage
+    z = g.conv(g.mul(y, g.broadcast(g.sigmoid(squeeze), y.shape)), g.const(torch.randn(8, 32, 1, 1)))
+    g.output(g.conv(z, g.const(torch.randn(4, 8, 1, 1))))
+
+    def kinds():
+        return [
+            [s.node.src[1].shape[2] for s in k.stages]
+            for k in compile_graph(g, backend="cpu", cache=False).plan.kernels
+            if k.kind is KernelKind.CONV_CHAIN
+        ]  # noqa: E731
+
+    assert kinds() == []  # 12 x 12 x 32 floats: too small to pay
+    monkeypatch.setattr("kernelize.autokernel.conv.CHAIN_MIN_BYTES", 0)
+    assert kinds() == [[1, 3]]  # expand and depthwise; the depthwise output is stored for both readers
+    x_in = torch.randn(1, 3, 12, 12)
+    torch.testing.assert_close(
+        compile_graph(g, backend="cpu", cache=False)(x_in)[0], evaluate(g, [x_in])[0], rtol=1e-4, atol=1e-4
+    )

@@ -262,10 +262,13 @@ struct kz_conv_rows_cache {
 };
 
 // one tile: MR output pixels from p0 x the NV vectors of panel `unit` (a group's panel), epilogue included
+// (pixels from `limit` on are computed but not stored: a chain's row ends there). Out of line: inlined into
+// the chain's row loop, gcc kept the tile's row offsets in vector registers and on the stack (the chain's
+// 32 -> 16 projection ran 2x slower than the same tiles in the conv's own driver)
 template <int MR, int NV, class Epi>
-KZ_INLINE void kz_conv_tile(const kz_conv_dims& d, const float* x, const float* wp, float* y, int64_t p0,
-                            int64_t unit, bool segments, kz_conv_rows_cache& rc, const Epi& epi) {
-    const int64_t cig = d.c / d.g, cog = d.co / d.g, taps = d.kh * d.kw, pixels = d.n * d.oh * d.ow;
+static __attribute__((noinline)) void kz_conv_tile(const kz_conv_dims& d, const float* x, const float* wp, float* y, int64_t p0,
+                            int64_t unit, bool segments, kz_conv_rows_cache& rc, const Epi& epi, int64_t limit) {
+    const int64_t cig = d.c / d.g, cog = d.co / d.g, taps = d.kh * d.kw;
     const int64_t panels = (cog + KZ_NR - 1) / KZ_NR, gi = unit / panels, panel = unit % panels;
     const int64_t key = (p0 * d.g + gi) * 64 + MR;
     if (key != rc.of) {
@@ -284,8 +287,8 @@ KZ_INLINE void kz_conv_tile(const kz_conv_dims& d, const float* x, const float* 
         kz_conv_micro<MR, NV>(d.kh, d.kw * cig, rc.rows, b, acc);
     else
         kz_conv_micro<MR, NV>(taps, cig, rc.rows, b, acc);
-    kz_conv_tile_put<MR, NV>(acc, y + p0 * d.co + c0, d.co, p0, c0, pixels - p0 < MR ? (int)(pixels - p0) : MR,
-                             nc, epi);
+    kz_conv_tile_put<MR, NV>(acc, y + p0 * d.co + c0, d.co, p0, c0, limit - p0 < MR ? (int)(limit - p0) : MR, nc,
+                             epi);
 }
 
 // tiles of MR output pixels x NV vectors of output channels (see kz_conv_dense); the pixels left after the
@@ -317,11 +320,11 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
             for (int64_t item = 0; item < tiles * nu; ++item) {
                 const int64_t tile = item / nu, unit = u0 + item % nu, p0 = tile * MR;
                 if (tile < whole || rest > MEDIUM)
-                    kz_conv_tile<MR, NV>(d, x, wp, y, p0, unit, segments, rc, epi);
+                    kz_conv_tile<MR, NV>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
                 else if (rest > SMALL)
-                    kz_conv_tile<MEDIUM, NV>(d, x, wp, y, p0, unit, segments, rc, epi);
+                    kz_conv_tile<MEDIUM, NV>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
                 else
-                    kz_conv_tile<SMALL, NV>(d, x, wp, y, p0, unit, segments, rc, epi);
+                    kz_conv_tile<SMALL, NV>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
             }
         }
     }
@@ -463,6 +466,126 @@ static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float*
             case 52: kz_conv_dw_rows<5, 2, 4>(d, x, wp, y, epi); break;
             default: kz_conv_dw_rows<0, 0, KZ_DW_RUN>(d, x, wp, y, epi);
         }
+    }
+    kz_team_done(kz_team_n, kz_lag);
+    return 0;
+}
+
+// ---- conv chains (kernelize/autokernel/conv.py conv_chains) ------------------------------------------------
+// [1x1 expand A] -> depthwise B -> [1x1 project C] as one pass over groups of output rows: for a group of B's
+// output rows, A computes the rows of its output their windows cover into a buffer (rows the previous group
+// already computed are moved to its front, not computed again), B writes the group's rows into a second
+// buffer and C turns that into the output rows. Only the chain's input and output touch memory. A group
+// holds at least KZ_CHAIN_PIXELS output pixels, so the 1x1 stages are GEMMs of several row tiles (a 7 x 7
+// output row by row wasted 5 of every 12 tile rows). The stages are the single convs' tile and
+// sliding-window functions on those buffers, addressed through base pointers offset by the first pixel
+// they hold (d[s]: each stage's sizes).
+#define KZ_CHAIN_PIXELS 48
+
+// A's output for image n, input rows [lo, hi), into buf (rows of w pixels x the expanded channels)
+template <class E0>
+KZ_INLINE void kz_conv_chain_expand(const kz_conv_dims& da, const float* x, const float* w, float* buf, int64_t n,
+                                    int64_t lo, int64_t hi, int64_t buf_first, kz_conv_rows_cache& rc, const E0& e0) {
+    const int64_t units = (da.co + KZ_NR - 1) / KZ_NR, p_end = (n * da.h + hi) * da.w;
+    float* base = buf - (n * da.h + buf_first) * da.w * da.co;
+    for (int64_t p0 = (n * da.h + lo) * da.w; p0 < p_end; p0 += KZ_MR)
+        for (int64_t u = 0; u < units; ++u) {
+            if (da.co <= KZ_NR / 2 && KZ_NV >= 2)
+                kz_conv_tile<2 * KZ_MR, KZ_NV / 2>(da, x, w, base, p0, u, false, rc, e0, p_end);
+            else
+                kz_conv_tile<KZ_MR, KZ_NV>(da, x, w, base, p0, u, false, rc, e0, p_end);
+        }
+}
+
+// C's output for B's pixels [p, p_end), held in buf from pixel p
+template <class E2>
+KZ_INLINE void kz_conv_chain_project(const kz_conv_dims& dc, const float* buf, const float* w, float* y, int64_t p,
+                                     int64_t p_end, kz_conv_rows_cache& rc, const E2& e2) {
+    const int64_t units = (dc.co + KZ_NR - 1) / KZ_NR;
+    const float* base = buf - p * dc.c;
+    for (int64_t p0 = p; p0 < p_end; p0 += KZ_MR)
+        for (int64_t u = 0; u < units; ++u) {
+            if (dc.co <= KZ_NR / 2 && KZ_NV >= 2)
+                kz_conv_tile<2 * KZ_MR, KZ_NV / 2>(dc, base, w, y, p0, u, false, rc, e2, p_end);
+            else
+                kz_conv_tile<KZ_MR, KZ_NV>(dc, base, w, y, p0, u, false, rc, e2, p_end);
+        }
+}
+
+template <int KW, int SW, int R, bool A, bool C, class E0, class E1, class E2>
+static void kz_conv_chain_rows(const kz_conv_dims* d, const float* x, const float* const* w, float* y,
+                               int64_t r0, int64_t r1, int64_t group, float* t1, float* t2, const E0& e0,
+                               const E1& e1, const E2& e2) {
+    const kz_conv_dims &da = d[0], &db = d[1], &dc = d[2];
+    const int64_t e = db.c, cpad = (e + KZ_NR - 1) / KZ_NR * KZ_NR, row_floats = db.w * e;
+    int64_t held_n = -1, held_lo = 0, held_hi = 0;  // A's rows in t1: [held_lo, held_hi) of image held_n
+    kz_conv_rows_cache rca, rcc;
+    for (int64_t g0 = r0; g0 < r1;) {
+        const int64_t n = g0 / db.oh, oy0 = g0 % db.oh;
+        const int64_t g1 = g0 + group < r1 && oy0 + group < db.oh ? g0 + group : (r1 < (n + 1) * db.oh ? r1 : (n + 1) * db.oh);
+        const int64_t oy1 = oy0 + (g1 - g0);
+        int64_t lo = oy0 * db.sh - db.pt, hi = (oy1 - 1) * db.sh - db.pt + db.kh;
+        lo = lo < 0 ? 0 : lo;
+        hi = hi > db.h ? db.h : hi;
+        if (A) {
+            if (held_n == n && lo >= held_lo && lo < held_hi) {  // keep the rows the group shares with the last
+                memmove(t1, t1 + (lo - held_lo) * row_floats, sizeof(float) * (held_hi - lo) * row_floats);
+                kz_conv_chain_expand(da, x, w[0], t1, n, held_hi, hi, lo, rca, e0);
+            } else {
+                kz_conv_chain_expand(da, x, w[0], t1, n, lo, hi, lo, rca, e0);
+            }
+            held_n = n, held_lo = lo, held_hi = hi;
+        }
+        const float* in = A ? t1 - lo * row_floats : x + n * db.h * row_floats;  // row iy at in + iy * row_floats
+        const int64_t p = g0 * db.ow;  // B's first output pixel of the group
+        for (int64_t oy = oy0; oy < oy1; ++oy) {
+            int64_t ky0 = 0, ky1 = db.kh;
+            while (ky0 < ky1 && oy * db.sh - db.pt + ky0 < 0) ++ky0;
+            while (ky1 > ky0 && oy * db.sh - db.pt + ky1 - 1 >= db.h) --ky1;
+            const int64_t pr = (n * db.oh + oy) * db.ow;
+            float* out = C ? t2 + (pr - p) * e : y + pr * e;
+            for (int64_t c0 = 0; c0 < e; c0 += KZ_VW) {
+                const float* rows[16];
+                for (int64_t ky = ky0; ky < ky1; ++ky) rows[ky - ky0] = in + (oy * db.sh - db.pt + ky) * row_floats + c0;
+                const int nc = e - c0 < KZ_VW ? (int)(e - c0) : KZ_VW;
+                kz_conv_dw_slide<KW, SW, R>(db, rows, (int)(ky1 - ky0), w[1] + ky0 * KW * cpad + c0, KW * cpad, cpad,
+                                            out + c0, pr, c0, nc, e1);
+            }
+        }
+        if (C) kz_conv_chain_project(dc, t2, w[2], y, p, g1 * db.ow, rcc, e2);
+        g0 = g1;
+    }
+}
+
+// d: the three stages' sizes (d[1] the depthwise one; d[0] / d[2] unused without A / C); w: their packed
+// weights; each thread takes a band of output rows, in groups of about KZ_CHAIN_PIXELS pixels
+template <bool A, bool C, class E0, class E1, class E2>
+static int kz_conv_chain(const kz_conv_dims* d, const float* x, const float* const* w, float* y, int nthreads,
+                         const E0& e0, const E1& e1, const E2& e2) {
+    const kz_conv_dims& db = d[1];
+    const int64_t rows = db.n * db.oh, e = db.c;
+    if (rows * db.ow == 0) return 0;
+    if (db.kh > 16) return 1;
+    const int64_t group = (KZ_CHAIN_PIXELS + db.ow - 1) / db.ow;
+    const int64_t work = rows * db.ow * e * (db.kh * db.kw + (A ? d[0].c : 0) + (C ? d[2].co : 0));
+    KZ_TEAM_OPEN(nthreads, work >= KZ_CONV_PARALLEL_MIN)
+#pragma omp parallel num_threads(kz_team_n) reduction(max: kz_lag) if (kz_team_n > 1)
+    {
+        KZ_TEAM_STARTED();
+        const int t = omp_get_thread_num(), tn = omp_get_num_threads();
+        const int64_t r0 = rows * t / tn, r1 = rows * (t + 1) / tn;
+        // A's rows for a group, B's rows for C, with KZ_MR pixels of slack: a tile of C computes past the
+        // group's end. Zeroed: garbage there could be denormal floats, which x86 multiplies ~100x slower
+        const int64_t t1_rows = (group - 1) * db.sh + db.kh;
+        float* t1 = (float*)calloc(A ? (t1_rows * db.w + KZ_MR) * e : 1, sizeof(float));
+        float* t2 = (float*)calloc(C ? (group * db.ow + 2 * KZ_MR) * e : 1, sizeof(float));
+        const int form = (int)(db.kw * 10 + db.sw);
+        if (form == 31) kz_conv_chain_rows<3, 1, 8, A, C>(d, x, w, y, r0, r1, group, t1, t2, e0, e1, e2);
+        if (form == 32) kz_conv_chain_rows<3, 2, 4, A, C>(d, x, w, y, r0, r1, group, t1, t2, e0, e1, e2);
+        if (form == 51) kz_conv_chain_rows<5, 1, 8, A, C>(d, x, w, y, r0, r1, group, t1, t2, e0, e1, e2);
+        if (form == 52) kz_conv_chain_rows<5, 2, 4, A, C>(d, x, w, y, r0, r1, group, t1, t2, e0, e1, e2);
+        free(t1);
+        free(t2);
     }
     kz_team_done(kz_team_n, kz_lag);
     return 0;
