@@ -164,19 +164,38 @@ template <class T> KZ_INLINE T kz_pow(T a, T b) {  // integer power by squaring;
 }
 
 // ---- exp and friends: vectorisable float versions (~1 ulp), libm for double ------------------------------
-// exp(r) for the reduced argument r = x - k ln2, |r| <= ln2 / 2 (Cephes polynomial); k = rint(x / ln2)
+// Adding 1.5 * 2^23 to a float of magnitude < 2^22 rounds it to an integer (to nearest even, as rintf) that
+// sits in the low mantissa bits; subtracting it again gives that integer as a float. One fma and one add
+// instead of a multiply, a round and (for 2^k) a conversion: the exps below are throughput-bound on the FP
+// pipes (the sigmoid of a SiLU-and-mul on AVX-512 took ~36 vector instructions per 16 elements)
+#define KZ_EXP_SHIFT 12582912.0f
+// exp(r) for the reduced argument r = x - k ln2, |r| <= ln2 / 2: a degree-6 minimax polynomial (relative
+// error 2e-9 before rounding; exp stays within 1.06 ulp, checked over every float in [-87, 0]), Horner
+// ending in 1 + r * (1 + ...), so exp(0) is exactly 1; k = rint(x / ln2)
+KZ_INLINE float kz_exp_poly(float r) {
+    float p = 1.3843607157e-3f;
+    p = fmaf(p, r, 8.3741955459e-3f);
+    p = fmaf(p, r, 4.1668005288e-2f);
+    p = fmaf(p, r, 1.6666430235e-1f);
+    p = fmaf(p, r, 4.9999994040e-1f);
+    p = fmaf(p, r, 1.0f);
+    return fmaf(p, r, 1.0f);
+}
 KZ_INLINE float kz_exp_reduced(float xc, float* k_out) {
-    float k = rintf(xc * 1.44269504088896341f);
+    float k = fmaf(xc, 1.44269504088896341f, KZ_EXP_SHIFT) - KZ_EXP_SHIFT;
     float r = fmaf(k, -0.693359375f, xc);  // Cody-Waite: ln2 in two parts
     r = fmaf(k, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
     *k_out = k;
-    return fmaf(p, r * r, r) + 1.0f;
+    return kz_exp_poly(r);
+}
+// exp(x) for x in [-87.3, 88.3], where 2^k is one normal float: the shift also adds the exponent bias 127,
+// so the low mantissa bits hold k + 127 and, moved up by 23, are the bits of 2^k
+KZ_INLINE float kz_exp_normal(float x) {
+    float t = fmaf(x, 1.44269504088896341f, KZ_EXP_SHIFT + 127.0f);
+    float k = t - (KZ_EXP_SHIFT + 127.0f);
+    float r = fmaf(k, -0.693359375f, x);
+    r = fmaf(k, 2.12194440e-4f, r);
+    return kz_exp_poly(r) * __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, t) << 23);
 }
 KZ_INLINE float kz_pow2i(int32_t k) { return __builtin_bit_cast(float, (uint32_t)(k + 127) << 23); }  // normal k
 // exp over the whole float range, denormal results included, without denormal arithmetic: x86 takes a
@@ -199,23 +218,10 @@ KZ_INLINE float kz_exp(float x) {
     return x != x ? x : out;
 }
 KZ_INLINE double kz_exp(double x) { return exp(x); }
-// exp for internal uses whose result is only added to 1 (sigmoid, erf): the argument is clamped to
-// [-86, 89], so nothing goes denormal; exp(-86) = 4.5e-38 vanishes next to 1 exactly like the true value.
-KZ_INLINE float kz_exp_near1(float x) {
-    float k;
-    float y = kz_exp_reduced(x < -86.0f ? -86.0f : (x > 89.0f ? 89.0f : x), &k);
-    int32_t ki = (int32_t)k;
-    int32_t k1 = ki >> 1;
-    return y * kz_pow2i(k1) * kz_pow2i(ki - k1);  // NaN passes the clamps and stays NaN: no select needed
-}
-// exp of x <= 0 (softmax's x - max): one scale factor; results below FLT_MIN (x < -87.3) are 0, not
-// denormals (they vanish next to the row's exp(0) = 1 anyway); NaN stays NaN
-KZ_INLINE float kz_exp_neg(float x) {
-    float k;
-    float y = kz_exp_reduced(x < -87.3f ? -87.3f : x, &k);  // k >= -126 and y > 1 there: never denormal
-    float out = y * kz_pow2i((int32_t)k);
-    return x < -87.3f ? 0.0f : (x != x ? x : out);
-}
+// exp of x <= 0 (softmax's x - max, erf's -x^2): one scale factor; results below FLT_MIN (x < -87.3) are 0,
+// not denormals (they vanish next to the row's exp(0) = 1, or the 1 they are subtracted from, anyway). NaN
+// stays NaN through the arithmetic; gcc computes the unclamped lanes and masks them, no clamp instruction
+KZ_INLINE float kz_exp_neg(float x) { return x < -87.3f ? 0.0f : kz_exp_normal(x); }
 KZ_INLINE double kz_exp_neg(double x) { return exp(x); }
 
 KZ_INLINE float kz_tanh(float x) {
@@ -237,7 +243,14 @@ KZ_INLINE float kz_tanh(float x) {
 }
 KZ_INLINE double kz_tanh(double x) { return tanh(x); }
 
-KZ_INLINE float kz_sigmoid(float x) { return 1.0f / (1.0f + kz_exp_near1(-x)); }
+// 1 / (1 + e) for x >= 0 and e / (1 + e) for x < 0, with e = exp(-|x|) <= 1: one exp that never overflows
+// and needs one scale factor; below -87.3 the result (< FLT_MIN) is 0. NaN stays NaN. 1.13 -> 0.85 cycles
+// per element for x * sigmoid(x) * y on AVX-512 in L1 (the previous form exp'd -x with a two-sided clamp)
+KZ_INLINE float kz_sigmoid(float x) {
+    float e = kz_exp_neg(__builtin_bit_cast(float, __builtin_bit_cast(uint32_t, x) | 0x80000000u));
+    float r = 1.0f / (1.0f + e);
+    return x < 0.0f ? e * r : r;
+}
 KZ_INLINE double kz_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
 
 KZ_INLINE float kz_erf(float x) {
@@ -248,7 +261,7 @@ KZ_INLINE float kz_erf(float x) {
     float t = 1.0f / fmaf(0.3275911f, ax, 1.0f);
     float poly = fmaf(fmaf(fmaf(fmaf(1.061405429f, t, -1.453152027f), t, 1.421413741f), t, -0.284496736f), t,
                       0.254829592f) * t;
-    float big = copysignf(1.0f - poly * kz_exp_near1(-z), x);
+    float big = copysignf(1.0f - poly * kz_exp_neg(-z), x);
     return ax < 0.5f ? small : big;
 }
 KZ_INLINE double kz_erf(double x) { return erf(x); }
