@@ -299,6 +299,33 @@ template <class T> static T* kz_scratch(int slot, int64_t n) {
     return buf[slot];
 }
 
+// ---- bf16 stores through a float chunk ---------------------------------------------------------------------
+// With AVX512-BF16, a simd loop storing bf16 values contiguously writes them as floats into a 64-value chunk
+// on the stack, converted with one instruction per 32 values (kz_st_bf16_row): rounding in integer
+// arithmetic (kz_f32_to_bf16_bits) costs ~9 vector instructions per 16 values (2.8 against 6.8 cycles per 32
+// values in L1). The instruction flushes denormal inputs to zero, so a block of 32 holding one is converted
+// the integer way: the results are kz_f32_to_bf16_bits' bit for bit (checked over every float). Without
+// AVX512-BF16 (KZ_BF16_ROWS 0) kernels store each value with kz_st.
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define KZ_BF16_ROWS 1
+KZ_INLINE void kz_st_bf16_row(kz_bf16* __restrict dst, const float* __restrict src, int64_t n) {
+    uint16_t* d = (uint16_t*)dst;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512 a = _mm512_loadu_ps(src + i), b = _mm512_loadu_ps(src + i + 16);
+        if (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) {  // 0x20: denormal
+            for (int64_t j = i; j < i + 32; ++j) d[j] = kz_f32_to_bf16_bits(src[j]);
+        } else {
+            _mm512_storeu_si512((void*)(d + i), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
+    for (; i < n; ++i) d[i] = kz_f32_to_bf16_bits(src[i]);
+}
+#else
+#define KZ_BF16_ROWS 0
+#endif
+
 // ---- column partial sums of a row kernel (slot 0: float partials, 1: double totals): one block per thread
 // of the team, taken by the calling thread before the region (concurrent callers do not share one); never
 // freed, each grows to the largest seen
