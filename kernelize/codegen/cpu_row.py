@@ -332,9 +332,13 @@ def render_row(w, inv: list[bool]) -> list[str]:
 
 def _write_pass(w, split: int, values: list[str], stores: list[tuple[int, Any]], sums: list[str]):
     """The write pass: ``values``, the full ``stores`` and the column-sum updates ``sums``. Over one row
-    axis, bf16 stores go through float chunks (:func:`~kernelize.codegen.cpu_chunks.chunked_loop`)."""
+    axis and without column sums, bf16 stores go through float chunks
+    (:func:`~kernelize.codegen.cpu_chunks.chunked_loop`): with a row of column partials to update as well,
+    chunks were slower (add+RMSNorm bf16 backward, 2048 x 2048, 1 thread: 2.10 ms plain, 2.53 ms in chunks
+    of 64, 2.19 ms of 32)."""
     row_axes = list(range(split, w.rank))
-    bf16 = [b for j, s in stores if w.k.row_rank == 1 and (b := bf16_store(w, j, s, split)) is not None]
+    chunks = w.k.row_rank == 1 and not sums
+    bf16 = [b for j, s in stores if chunks and (b := bf16_store(w, j, s, split)) is not None]
     chunked = {b.slot for b in bf16}
     rest = [w.store(j, s, row_axes) for j, s in stores if j not in chunked] + sums
     if not bf16:
