@@ -47,6 +47,7 @@ from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Stor
 from kernelize.codegen import cpu_conv
 from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
 from kernelize.codegen.cpu_attention import attention_launcher, render_attention
+from kernelize.codegen.cpu_chunks import bf16_store, chunked_loop
 from kernelize.codegen.render import Renderer, c_name, closure, deps
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -333,11 +334,13 @@ class _Writer:
 
     def simd_loop(self, j0: str, j1: str, values: Sequence[int], piece: Piece | None = None) -> str:
         """The ``#pragma omp simd`` loop over the inner axis from ``j0`` to ``j1``: ``values``, the stores."""
-        j, ind = f"i{self.rank - 1}", " " * 12
-        body = [self.value(i, [self.rank - 1], {}, piece) for i in values]
-        body += [self.store(n, s, [self.rank - 1]) for n, s in enumerate(self.k.stores)]
-        head = ["#pragma omp simd", f"{ind}for (int64_t {j} = {j0}; {j} < {j1}; ++{j}) {{"]
-        return "\n".join(head + [ind + "    " + line for line in body] + [ind + "}"])
+        last, ind = self.rank - 1, " " * 12
+        body = [self.value(i, [last], {}, piece) for i in values]
+        bf16 = [b for n, s in enumerate(self.k.stores) if (b := bf16_store(self, n, s, last)) is not None]
+        chunked = {b.slot for b in bf16}
+        rest = [self.store(n, s, [last]) for n, s in enumerate(self.k.stores) if n not in chunked]
+        lines = chunked_loop(f"i{last}", j0, j1, body, bf16, rest)
+        return "\n".join(line if line.startswith("#") else ind + line for line in lines)
 
     def matmul(self) -> str:
         from kernelize.codegen.cpu_gemv import render_gemv

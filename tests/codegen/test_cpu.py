@@ -776,6 +776,31 @@ def test_exp_denormal_range_is_exact():
     assert torch.equal(erf, torch.sign(x))
 
 
+def test_exp_sigmoid_erf_are_within_a_few_ulp_everywhere():
+    """The vector exp (shift rounding, degree-6 polynomial) and the sigmoid from exp(-|x|) against float64,
+    over a dense range and the edges: 0, -0, the clamps, +-inf, NaN, 1e4, awkward lengths (tails)."""
+    g = Graph()
+    a = g.input("a", ("n",), DType.F32)
+    g.output(g.exp(a), g.sigmoid(a), g.erf(a), g.mul(a, g.sigmoid(a)))
+    edges = [0.0, -0.0, 1e4, -1e4, 87.3, -87.3, -87.29, -87.31, 88.7, -88.7, 89.0, math.inf, -math.inf, 1e-30]
+    for n in (1, 7, 33, 4097):
+        x = torch.cat([torch.linspace(-90.0, 89.0, n), torch.tensor(edges + [math.nan])])
+        got = run(kernel_of(g, KernelKind.POINTWISE, (Sym.of("n"),)), g, [x])
+        e, sig, erf, silu = (got[o] for o in g.outputs)
+        xd = x.double()
+        ulp = torch.maximum(torch.exp(xd).abs() * 2.0**-23, torch.full_like(xd, 2.0**-149))
+        fin = x < 88.7
+        assert ((e.double() - torch.exp(xd)).abs()[fin] <= 2 * ulp[fin]).all()
+        # sigmoid: relative 4e-7 (~3 ulp) down to FLT_MIN; below -87.3 (1.23e-38) the result is 0
+        want = torch.sigmoid(xd)
+        ok = (sig.double() - want).abs() <= 4e-7 * want + 1.3e-38
+        assert ok[:-1].all(), x[:-1][~ok[:-1]]
+        torch.testing.assert_close(silu.double(), xd * want, rtol=4e-7, atol=90 * 1.3e-38, equal_nan=True)
+        torch.testing.assert_close(erf.double(), torch.erf(xd), rtol=0, atol=4e-7, equal_nan=True)
+        assert sig[-1].isnan() and e[-1].isnan() and erf[-1].isnan() and silu[-1].isnan()
+        assert sig[x == -math.inf].eq(0).all() and sig[x == math.inf].eq(1).all()
+
+
 @pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
 def test_masked_softmax_matches_reference(dtype):
     """softmax(x * scale + mask) with a causal -inf mask, very negative (finite) scores and whole masked

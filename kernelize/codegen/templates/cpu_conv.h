@@ -29,9 +29,6 @@ KZ_INLINE void kz_vstore_n(float* p, kz_vec v, int n) { _mm512_mask_storeu_ps(p,
 KZ_INLINE kz_vec kz_vclamp(kz_vec x, float lo, float hi) {
     return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x));
 }
-KZ_INLINE kz_vec kz_vround(kz_vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-// y * 2^k for an integral k: exact, as the two power-of-two factors of the scalar form
-KZ_INLINE kz_vec kz_vpow2(kz_vec y, kz_vec k) { return _mm512_scalef_ps(y, k); }
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 kz_vec;
 #define KZ_VW 8
@@ -52,13 +49,6 @@ KZ_INLINE void kz_vstore_n(float* p, kz_vec v, int n) {
 KZ_INLINE kz_vec kz_vclamp(kz_vec x, float lo, float hi) {
     return _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x));
 }
-KZ_INLINE kz_vec kz_vround(kz_vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-KZ_INLINE kz_vec kz_vpow2(kz_vec y, kz_vec k) {  // 2^k as two normal factors, as kz_exp_near1
-    const __m256i ki = _mm256_cvtps_epi32(k), k1 = _mm256_srai_epi32(ki, 1), bias = _mm256_set1_epi32(127);
-    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
-    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ki, k1), bias), 23));
-    return y * f1 * f2;
-}
 #else
 typedef float kz_vec __attribute__((vector_size(16)));
 #define KZ_VW 4
@@ -74,30 +64,26 @@ KZ_INLINE kz_vec kz_vclamp(kz_vec x, float lo, float hi) {
     for (int i = 0; i < KZ_VW; ++i) x[i] = kz_clamp(x[i], lo, hi);
     return x;
 }
-KZ_INLINE kz_vec kz_vround(kz_vec x) {
-    for (int i = 0; i < KZ_VW; ++i) x[i] = rintf(x[i]);
-    return x;
-}
-KZ_INLINE kz_vec kz_vpow2(kz_vec y, kz_vec k) {
-    for (int i = 0; i < KZ_VW; ++i) {
-        const int32_t ki = (int32_t)k[i], k1 = ki >> 1;
-        y[i] = y[i] * kz_pow2i(k1) * kz_pow2i(ki - k1);
-    }
-    return y;
-}
 #endif
-// kz_exp_near1 and kz_sigmoid of cpu_prelude.h on a vector: the same clamps, reduction and polynomial
-// (its constants), so a lane gives what the scalar form gives
-KZ_INLINE kz_vec kz_vexp_near1(kz_vec x) {
-    x = kz_vclamp(x, KZ_EXP_NEAR1_LO, KZ_EXP_NEAR1_HI);
-    const kz_vec k = kz_vround(x * kz_vbcast(KZ_LOG2E));
+// kz_exp_normal and kz_sigmoid of cpu_prelude.h on a vector, in GCC vector arithmetic: the same shift
+// rounding, reduction and polynomial (its constants), so a lane gives what the scalar form gives
+typedef int32_t kz_vint __attribute__((vector_size(sizeof(kz_vec))));
+KZ_INLINE kz_vec kz_vexp_normal(kz_vec x) {
+    const kz_vec t = kz_vfma(x, kz_vbcast(KZ_LOG2E), kz_vbcast(KZ_EXP_SHIFT + 127.0f));
+    const kz_vec k = t - kz_vbcast(KZ_EXP_SHIFT + 127.0f);
     kz_vec r = kz_vfma(k, kz_vbcast(-KZ_LN2_HI), x);
     r = kz_vfma(k, kz_vbcast(-KZ_LN2_LO), r);
-    kz_vec p = kz_vbcast(kz_exp_poly[0]);
-    for (int i = 1; i < 6; ++i) p = kz_vfma(p, r, kz_vbcast(kz_exp_poly[i]));
-    return kz_vpow2(kz_vfma(p, r * r, r) + kz_vbcast(1.0f), k);
+    kz_vec p = kz_vbcast(kz_exp_coef[0]);
+    for (int i = 1; i < 5; ++i) p = kz_vfma(p, r, kz_vbcast(kz_exp_coef[i]));
+    p = kz_vfma(kz_vfma(p, r, kz_vbcast(1.0f)), r, kz_vbcast(1.0f));
+    return p * (kz_vec)((kz_vint)t << 23);
 }
-KZ_INLINE kz_vec kz_vsigmoid(kz_vec x) { return kz_vbcast(1.0f) / (kz_vbcast(1.0f) + kz_vexp_near1(-x)); }
+KZ_INLINE kz_vec kz_vsigmoid(kz_vec x) {
+    const kz_vec nax = (kz_vec)((kz_vint)x | (kz_vint)kz_vbcast(-0.0f));  // -|x|: exp never overflows
+    const kz_vec e = nax < kz_vbcast(-87.3f) ? kz_vzero() : kz_vexp_normal(nax);
+    const kz_vec r = kz_vbcast(1.0f) / (kz_vbcast(1.0f) + e);
+    return x < kz_vzero() ? e * r : r;
+}
 
 // the first n lanes at p (the rest 0) without reading past them
 KZ_INLINE kz_vec kz_vld(const float* p, int n) { return n >= KZ_VW ? kz_vload(p) : kz_vload_n(p, n); }
