@@ -107,7 +107,7 @@ def render(kernel: Kernel, renderer: Renderer) -> tuple[str, str]:
             PRELUDE=load_template("cpu_prelude.h"),
             CONV_LIB=load_template("cpu_conv.h"),
             NAME=name,
-            WHAT=" -> ".join(describe(s) for s in kernel.stages),
+            WHAT=" -> ".join(f"{algorithm(s)} conv" for s in kernel.stages),
             EPILOGUES="\n".join(structs),
             HAS_A="true" if a is not None else "false",
             HAS_C="true" if c is not None else "false",
@@ -120,7 +120,7 @@ def render(kernel: Kernel, renderer: Renderer) -> tuple[str, str]:
         PRELUDE=load_template("cpu_prelude.h"),
         CONV_LIB=load_template("cpu_conv.h"),
         NAME=name,
-        WHAT=describe(kernel),
+        WHAT=f"{algo} conv",
         EPILOGUE=_epilogue_struct(kernel, f"{name}_epilogue", renderer),
         DRIVER=DRIVERS[algo],
     )
@@ -152,23 +152,6 @@ def _epilogue_struct(kernel: Kernel | None, struct: str, renderer: Renderer) -> 
 
 def _is_chain(kernel: Kernel | None) -> bool:
     return kernel is not None and kernel.kind is KernelKind.CONV_CHAIN
-
-
-def describe(kernel: Kernel) -> str:
-    """``"depthwise 3x3 conv, stride 2"``-style summary for the generated source's comment."""
-    conv = kernel.node
-    co, cig, kh, kw = conv.src[1].shape
-    a = conv.arg
-    parts = [f"{algorithm(kernel)} {kh}x{kw} conv, {cig * a.groups} -> {co} channels"]
-    if a.groups > 1:
-        parts.append(f"{a.groups} groups")
-    if a.stride != (1, 1):
-        parts.append(f"stride {a.stride[0]}x{a.stride[1]}")
-    if any(a.padding):
-        parts.append(f"padding {a.padding}")
-    if a.dilation != (1, 1):
-        parts.append(f"dilation {a.dilation}")
-    return ", ".join(parts)
 
 
 def epilogue_lines(kernel: Kernel, renderer: Renderer) -> list[str] | None:

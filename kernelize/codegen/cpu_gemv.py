@@ -298,10 +298,13 @@ def direct_gemm(k: Kernel) -> DirectGemm | None:
     if len(parts.mms) != 1 or len(k.stores) != 1:
         return None
     (mi, ib), store, rank = parts.mms[0], k.stores[0], len(k.domain)
-    rows = row_major(k.domain)
     if k.body[mi].dtype is not DType.F32 or k.body[ib].buffer.op is not Op.CONST:
         return None
-    if store.offset != 0 or store.strides != rows or tuple(store.buffer.shape) != tuple(k.domain):
+    if (
+        store.offset != 0
+        or not _row_major(store.strides, k.domain)
+        or tuple(store.buffer.shape) != tuple(k.domain)
+    ):
         return None
     if not (weights_shared(k) or rank == 2):
         return None
@@ -319,7 +322,7 @@ def direct_gemm(k: Kernel) -> DirectGemm | None:
             if not isinstance(other, Load) or other.mask or other.indirect or other.offset != 0:
                 return None
             at = k.body.index(other)
-            if other.strides == rows and other.buffer.dtype is DType.F32:
+            if _row_major(other.strides, k.domain) and other.buffer.dtype is DType.F32:
                 residual = at
             elif bias is None and _is_bias(other, k.domain):
                 bias = at
@@ -332,6 +335,12 @@ def direct_gemm(k: Kernel) -> DirectGemm | None:
     if store.value != cur or loads - parts.operands - {bias, residual}:
         return None
     return DirectGemm(bias, residual, attr, algorithm)
+
+
+def _row_major(strides: Sequence[Dim], domain: Sequence[Dim]) -> bool:
+    """Whether ``strides`` walk ``domain`` row major. An axis of size 1 may have any stride (loads and
+    stores give it 0): BERT's and ViT's batch-1 GEMMs missed the direct path over their leading 1."""
+    return all(s == r for s, r, d in zip(strides, row_major(domain), domain, strict=True) if d != 1)
 
 
 def _is_bias(ld: Load, domain: Sequence[Dim]) -> bool:

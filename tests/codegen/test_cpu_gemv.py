@@ -310,6 +310,17 @@ def test_direct_gemm_recognises_bias_gelu_and_residual(epilogue, bias, want):
         assert got._replace(bias=got.bias is not None) == want._replace(bias=want.bias is not None)
 
 
+@pytest.mark.parametrize("epilogue", ["gelu", "residual"])
+def test_direct_gemm_takes_a_leading_axis_of_size_one(direct_calls, epilogue):
+    """A static batch of 1 (an ONNX encoder at batch 1) is stored with stride 0 on that axis: still one
+    oneDNN call (BERT and ViT at batch 1 had run every GEMM through the epilogue kernel)."""
+    gen = torch.Generator().manual_seed(13)
+    g = const_linear_graph((1, 40), torch.randn(24, 16, generator=gen) / 4, epilogue)
+    assert direct_gemm(_matmul_kernel_of(g)) is not None
+    check(g, inputs_for(g, {}, gen), DType.F32)
+    assert direct_calls == [True]
+
+
 def test_direct_gemm_declines_what_onednn_cannot_fuse():
     gen = torch.Generator().manual_seed(9)
     w = torch.randn(24, 16, generator=gen)

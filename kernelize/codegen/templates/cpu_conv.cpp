@@ -1,7 +1,8 @@
 $PRELUDE$
 $CONV_LIB$
 
-// $NAME$: $WHAT$ over NHWC f32 with its epilogue fused; the sizes come in `kz_dims` (see kz_conv_dims)
+// $NAME$: $WHAT$ over NHWC f32 with its epilogue fused. No size appears in this source (they come in `kz_dims`,
+// see kz_conv_dims), so the convs of a model that share an epilogue compile once.
 $EPILOGUE$
 extern "C" int $NAME$(const float* kz_x, const float* kz_w, const float* kz_b, const float* kz_r, float* kz_y,
                       const int64_t* kz_dims, int kz_nthreads) {
