@@ -20,6 +20,7 @@ Example (squeeze-excite between two convs)::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
@@ -127,22 +128,35 @@ def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
     torch call costs about as much in Python), measured 5-15x slower than a dense row beyond (a mean over
     32 x 112 x 112: 367 us against 25 us). There a lone sum or mean of the buffer becomes a LIBRARY kernel
     (torch reduces NHWC along the channels, 26 us), and anything else keeps the buffer dense
-    (:class:`DenseLayout`)."""
+    (:class:`DenseLayout`). A lone sum or mean is a LIBRARY kernel also over a short row whose loads
+    evict each other from L1 (:func:`_aliasing`)."""
     if k.kind is not KernelKind.ROW or not set(k.reads) & nhwc:
         return k
     row = numel(k.domain[len(k.domain) - k.row_rank :])
-    if isinstance(row, int) and row <= STRIDED_ROW_MAX:
-        return k
+    short = isinstance(row, int) and row <= STRIDED_ROW_MAX
     last = len(k.domain) - 1
     for e in k.body:
         if isinstance(e, Load) and e.buffer in nhwc and k.domain[last] != 1 and e.strides[last] not in (0, 1):
             node = k.computes[0] if len(k.computes) == 1 else None
-            if node is not None and node.op in (Op.SUM, Op.MEAN) and node.src[0] is e.buffer:
+            lone = node is not None and node.op in (Op.SUM, Op.MEAN) and node.src[0] is e.buffer
+            if lone and (not short or _aliasing(e.buffer, row)):
                 return Kernel(
                     "", KernelKind.LIBRARY, node.shape, node=node, inputs=(e.buffer,), computes=(node,)
                 )
-            raise DenseLayout(e.buffer, "a row kernel would read it across channels")
+            if not short:
+                raise DenseLayout(e.buffer, "a row kernel would read it across channels")
     return k
+
+
+def _aliasing(b: Node, row: int) -> bool:
+    """Whether a row of ``row`` pixels across NHWC ``b`` evicts its own lines from L1 (32-48 KiB, 64 sets
+    of 64-byte lines, 8-12 ways): a step of ``s`` bytes visits only 4096 / gcd(s, 4096) sets, and a row
+    needing more than 8 lines per set misses on every load, again for each channel that shares the lines.
+    ResNet-50's final mean over 2048 x 7 x 7 (8 KiB steps, one set) took 300 us as a row kernel, 16 us
+    in torch; MobileNetV2's over 1280 x 7 x 7 (5 KiB steps, 4 sets) 84-148 us."""
+    step = b.shape[1] * b.dtype.itemsize if isinstance(b.shape[1], int) else 0
+    sets = min(64, 4096 // math.gcd(step, 4096)) if step else 64
+    return row > 8 * sets
 
 
 __all__ = ["DenseLayout", "channel_rows", "channels_inner", "channels_last_buffers", "nhwc_strides"]

@@ -112,7 +112,10 @@ def _pool(n: Node, xs, env) -> torch.Tensor:
     top, left, bottom, right = a.padding
     pad = (left, right, top, bottom)
     x = _f(xs[0], n.dtype)
-    if a.kind == "max":
+    if a.kind == "max" and _torch_pads(a):
+        # torch pads with -inf itself: no padded copy (ResNet-50's stem pool at batch 8: a 25 MB one)
+        out = F.max_pool2d(x, a.kernel, a.stride, (top, left), a.dilation, ceil_mode=False)
+    elif a.kind == "max":
         x = F.pad(x, pad, value=-math.inf)
         out = F.max_pool2d(x, a.kernel, a.stride, 0, a.dilation, ceil_mode=a.ceil_mode)
     else:
@@ -124,6 +127,14 @@ def _pool(n: Node, xs, env) -> torch.Tensor:
     # drops one that starts in the right padding, so keep the IR's (never larger) output size
     oh, ow = bind(n.shape, env)[2:]
     return out[..., :oh, :ow]
+
+
+def _torch_pads(a: PoolArgs) -> bool:
+    """Whether torch's pooling takes ``a``'s padding as its own: the same on both sides, at most half the
+    window, and no ceil mode (whose last window torch and the IR drop differently)."""
+    top, left, bottom, right = a.padding
+    half = [k // 2 for k in a.kernel]
+    return not a.ceil_mode and top == bottom <= half[0] and left == right <= half[1]
 
 
 def _reduce(fn: Callable) -> Callable:

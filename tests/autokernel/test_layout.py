@@ -74,6 +74,22 @@ def test_buffers_around_squeeze_excite_are_nhwc_and_pointwise_runs_over_channels
     assert mean.node.op is Op.MEAN and mean.inputs == (dw.writes[0],)
 
 
+@pytest.mark.parametrize("c,library", [(2048, True), (1280, True), (240, False), (440, False)])
+def test_a_short_mean_across_pixels_is_torchs_when_its_loads_alias_in_l1(c, library):
+    """A global mean over 7 x 7 pixels of NHWC buffers: a step of 8 KiB (ResNet-50's 2048 channels) or
+    5 KiB (MobileNetV2's 1280) keeps the row's loads in 1-4 L1 sets, so torch reduces it; 960 B or
+    1760 B steps spread over every set and stay a generated row kernel."""
+    g = Graph()
+    x = g.input("x", (1, 16, 7, 7), "f32")
+    g.output(g.reduce(Op.MEAN, g.clamp(_conv(g, x, 16, c, k=1), 0, math.inf), (2, 3)))
+    p = plan(g, CPU)
+    (conv,) = [k for k in p.kernels if k.kind is KernelKind.CONV]
+    assert conv.writes[0] in p.channels_last
+    (mean,) = [k for k in p.kernels if k is not conv]
+    assert (mean.kind is KernelKind.LIBRARY) == library and mean.computes[0].op is Op.MEAN
+    _check(g, [torch.randn(1, 16, 7, 7)])
+
+
 def test_default_settings_keep_every_buffer_dense():
     p = plan(_block(2))
     assert p.channels_last == frozenset()

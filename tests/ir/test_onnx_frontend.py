@@ -251,6 +251,13 @@ SYMBOLIC_CASES = {
     "maxpool_same": lambda: _single(
         "MaxPool", ["B", 2, 7, 6], kernel_shape=[3, 2], strides=[2, 2], auto_pad="SAME_UPPER"
     ),
+    # symmetric pads torch's pooling takes itself (padding is -inf, inputs are negative too), with dilation
+    "maxpool_pads": lambda: _single(
+        "MaxPool", ["B", 3, 9, 8], kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4
+    ),
+    "maxpool_pads_dilated": lambda: _single(
+        "MaxPool", ["B", 2, 9, 9], kernel_shape=[3, 2], dilations=[2, 2], pads=[1, 1, 1, 1]
+    ),
     "slice_static_axis": lambda: _single(
         "Slice",
         ["B", 10],
