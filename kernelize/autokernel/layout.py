@@ -6,8 +6,10 @@ and stores, so they can read and write NHWC as well as NCHW: the planner picks t
 (:func:`channels_last_buffers`), lowers their loads and stores with :func:`nhwc_strides`, and reorders a
 pointwise kernel's domain so that its inner loop runs along the channels of what it stores
 (:func:`channels_inner`). A buffer is NHWC when it is 4-D with static channel and image sizes, is not (under)
-a graph output, is written by a conv, a pool or a pointwise kernel feeding a conv or pool, and every reader
-is a conv or pool reading it directly (its activation or residual) or a generated pointwise or row kernel.
+a graph output, is written by a conv, a pool or a generated or matmul kernel feeding a conv or pool, and
+every reader is a conv or pool reading it directly (its activation or residual), a generated pointwise or
+row kernel, or a matmul kernel's epilogue (a ConvNeXt block's residual: its output projection is a matmul
+over (N, H, W, C) whose NHWC output oneDNN writes in place, and the next depthwise conv reads it as is).
 The runtime allocates those buffers NHWC (``Plan.channels_last``).
 
 Example (squeeze-excite between two convs)::
@@ -76,7 +78,7 @@ def channels_last_buffers(
             continue
         wg = group_of(b)
         library = _library(wg.kind, b)
-        if not library and wg.kind is not KernelKind.POINTWISE:
+        if not library and wg.kind not in (*GENERATED, KernelKind.MATMUL):
             continue
         feeds_library, ok = False, True
         for u in users.get(b, ()):
@@ -87,11 +89,20 @@ def channels_last_buffers(
                 direct = _direct_library_read(g.kind, u, b, g.epilogue)
                 feeds_library |= direct
                 ok &= direct
-            else:
-                ok &= g.kind in GENERATED
-        if ok and (library or feeds_library):
+            else:  # a matmul reading it as an operand raises DenseLayout when lowered
+                ok &= g.kind in GENERATED or g.kind is KernelKind.MATMUL
+        if ok and (library or feeds_library or _nhwc_product(wg, b)):
             out.add(b)
     return frozenset(out)
+
+
+def _nhwc_product(group, b: Node) -> bool:
+    """Whether ``b`` is written by a matmul group computing it over (N, H, W, C): a linear layer over NHWC
+    activations (ConvNeXt). Laid out NHWC, the store is row major, so oneDNN writes the output itself."""
+    if group.kind is not KernelKind.MATMUL:
+        return False
+    n, c, h, w = b.shape
+    return any(m.op is Op.MATMUL and tuple(m.shape) == (n, h, w, c) != tuple(b.shape) for m in group.sel)
 
 
 def channels_inner(k: Kernel, nhwc: frozenset[Node]) -> Kernel:

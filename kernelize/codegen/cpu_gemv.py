@@ -289,6 +289,7 @@ class DirectGemm(NamedTuple):
     residual: int | None
     attr: str  # oneDNN eltwise post-op: "none" or "gelu"
     algorithm: str  # gelu's "none" (erf) or "tanh"
+    nhwc: bool = False  # the output is an NCHW buffer laid out NHWC over a domain (N, H, W, C)
 
 
 def direct_gemm(k: Kernel) -> DirectGemm | None:
@@ -300,11 +301,9 @@ def direct_gemm(k: Kernel) -> DirectGemm | None:
     (mi, ib), store, rank = parts.mms[0], k.stores[0], len(k.domain)
     if k.body[mi].dtype is not DType.F32 or k.body[ib].buffer.op is not Op.CONST:
         return None
-    if (
-        store.offset != 0
-        or not _row_major(store.strides, k.domain)
-        or tuple(store.buffer.shape) != tuple(k.domain)
-    ):
+    shape, dom = tuple(store.buffer.shape), tuple(k.domain)
+    nhwc = rank == 4 and shape != dom and (shape[0], *shape[2:], shape[1]) == dom
+    if store.offset != 0 or not _row_major(store.strides, dom) or (shape != dom and not nhwc):
         return None
     if not (weights_shared(k) or rank == 2):
         return None
@@ -334,7 +333,7 @@ def direct_gemm(k: Kernel) -> DirectGemm | None:
     loads = {i for i, e in enumerate(k.body) if isinstance(e, Load)}
     if store.value != cur or loads - parts.operands - {bias, residual}:
         return None
-    return DirectGemm(bias, residual, attr, algorithm)
+    return DirectGemm(bias, residual, attr, algorithm, nhwc)
 
 
 def _row_major(strides: Sequence[Dim], domain: Sequence[Dim]) -> bool:
@@ -381,7 +380,8 @@ def run_direct(
         r = k.body[plan.residual]
         rv = _operand_view(reads[index[r.buffer]], r, dom, range(rank), sizes).reshape(a2.shape[0], dom[-1])
         y = torch.ops.mkldnn._linear_pointwise.binary(a2.contiguous(), rv.contiguous(), pw, bias, "add")
-    return [y.view(tuple(dom))]
+    y = y.view(tuple(dom))
+    return [y.permute(0, 3, 1, 2) if plan.nhwc else y]
 
 
 # CPU flags (Linux /proc/cpuinfo) of instructions that make torch's 16-bit GEMM fast

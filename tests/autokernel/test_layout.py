@@ -159,3 +159,35 @@ def test_pool_and_strided_depthwise_chain():
     g.output(g.reduce(Op.MEAN, g.add(y, g.exp(g.neg(y))), (2, 3)))
     for batch in (1, 3):
         _check(g, [torch.randn(batch, 5, 11, 9)])
+
+
+def _convnext_block(g: Graph, x, c: int, seed: int):
+    """Depthwise 7 x 7 conv, then over (N, H, W, C) a layernorm and two linears, permuted back and added
+    to the block's input."""
+    gen = torch.Generator().manual_seed(seed)
+    y = g.permute(_conv(g, x, c, c, k=7, groups=c, seed=seed), (0, 2, 3, 1))
+    y = g.layernorm(y, g.const(torch.rand(c, generator=gen) + 0.5), g.const(torch.randn(c, generator=gen)))
+    y = g.gelu(g.matmul(y, g.const(torch.randn(c, 4 * c, generator=gen) / 5)))
+    y = g.matmul(y, g.const(torch.randn(4 * c, c, generator=gen) / 10))
+    return g.add(x, g.permute(y, (0, 3, 1, 2)))
+
+
+def test_a_linear_over_nhwc_activations_writes_its_nhwc_output_in_place():
+    """Two ConvNeXt blocks and a depthwise conv: the blocks' sums are laid out NHWC, so each second linear
+    stores row major, the next block's depthwise conv reads the sum as it is, and oneDNN writes the second
+    block's sum itself with the first one as its residual post-op."""
+    from kernelize.codegen.cpu_gemv import direct_gemm
+
+    c = 24
+    g = Graph()
+    x = g.input("x", ("n", c, 6, 5), "f32")
+    s1 = _convnext_block(g, x, c, 1)
+    s2 = _convnext_block(g, s1, c, 2)
+    g.output(_conv(g, s2, c, c, k=7, groups=c, seed=3))
+    p = plan(g, CPU)
+    assert {s1, s2} <= p.channels_last
+    (second,) = [k for k in p.kernels if k.kind is KernelKind.MATMUL and k.writes[0] is s2]
+    how = direct_gemm(second)
+    assert how is not None and how.nhwc and how.residual is not None
+    for n in (1, 3):  # 30 and 90 rows: oneDNN's direct path, past the few-row kernel
+        _check(g, [torch.randn(n, c, 6, 5)])

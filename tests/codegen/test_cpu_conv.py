@@ -82,6 +82,7 @@ DEPTHWISE = [  # (input shape, kernel, options): the sliding-window shapes, bord
     ((1, 24, 11, 13), 5, dict(stride=2, pad=(1, 1, 2, 2))),
     ((1, 7, 8, 9), 3, dict(pad=(1, 1, 1, 1), dil=2)),  # dilation: the general form
     ((1, 33, 3, 30), 3, dict(pad=(0, 1, 0, 1))),  # a partial channel block
+    ((1, 40, 9, 19), 7, dict(pad=(3, 3, 3, 3))),  # ConvNeXt's 7 x 7, sliding; a row of 19 = 2 runs + 3
     ((1, 16, 2, 2), 3, dict(pad=(1, 1, 1, 1))),  # no interior at all
 ]
 

@@ -450,6 +450,7 @@ static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float*
             case 32: kz_conv_dw_rows<3, 2, 4>(d, x, wp, y, epi); break;
             case 51: kz_conv_dw_rows<5, 1, 8>(d, x, wp, y, epi); break;
             case 52: kz_conv_dw_rows<5, 2, 4>(d, x, wp, y, epi); break;
+            case 71: kz_conv_dw_rows<7, 1, 8>(d, x, wp, y, epi); break;  // ConvNeXt
             default: kz_conv_dw_rows<0, 0, KZ_DW_RUN>(d, x, wp, y, epi);
         }
     }
