@@ -73,8 +73,10 @@ KZ_INLINE kz_vec kz_vexp_normal(kz_vec x) {
     const kz_vec k = t - kz_vbcast(KZ_EXP_SHIFT + 127.0f);
     kz_vec r = kz_vfma(k, kz_vbcast(-KZ_LN2_HI), x);
     r = kz_vfma(k, kz_vbcast(-KZ_LN2_LO), r);
-    kz_vec p = kz_vbcast(kz_exp_coef[0]);
-    for (int i = 1; i < 5; ++i) p = kz_vfma(p, r, kz_vbcast(kz_exp_coef[i]));
+    kz_vec p = kz_vfma(kz_vbcast(KZ_EXP_C0), r, kz_vbcast(KZ_EXP_C1));
+    p = kz_vfma(p, r, kz_vbcast(KZ_EXP_C2));
+    p = kz_vfma(p, r, kz_vbcast(KZ_EXP_C3));
+    p = kz_vfma(p, r, kz_vbcast(KZ_EXP_C4));
     p = kz_vfma(kz_vfma(p, r, kz_vbcast(1.0f)), r, kz_vbcast(1.0f));
     return p * (kz_vec)((kz_vint)t << 23);
 }
