@@ -933,3 +933,25 @@ def test_row_kernel_keeps_a_costly_value_in_scratch_for_the_write_pass():
     assert "kz_exp" not in write_pass, write_pass
     for rows in (1, 7, 129):
         _check_compiled(g, [rand((rows, 300), DType.F32) * 5])
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64", reason="x86 assembly")
+@pytest.mark.parametrize("what", ["swish_mul", "softmax"])
+def test_exp_kernels_compile_to_packed_vector_math(what):
+    """The exp-based kernels' hot loops are vector code: packed FMAs and no calls to libm. A merge once
+    turned the exp polynomial into an array read in a loop, which gcc left scalar in simd loops (SiluAndMul
+    forward + backward 5x slower) while every result stayed right."""
+    from kernelize.codegen.cpu import compiler, flags
+
+    g = Graph()
+    x = g.input("x", (64, 4096), DType.F32)
+    if what == "swish_mul":
+        g.output(g.mul(g.mul(x, g.sigmoid(x)), g.input("y", (64, 4096), DType.F32)))
+    else:
+        g.output(g.softmax(x))
+    _, src = _planned_source(g)
+    cmd = [compiler()[0], *flags(), "-x", "c++", "-", "-S", "-o", "-"]
+    asm = subprocess.run(cmd, input=src, capture_output=True, text=True, check=True).stdout
+    packed = [ln for ln in asm.splitlines() if "vfmadd" in ln and "ps" in ln.split()[0] and "mm" in ln]
+    assert len(packed) >= 5, "no packed FMAs: the exp polynomial did not vectorise"
+    assert "call\texpf" not in asm and "call\texp" not in asm
