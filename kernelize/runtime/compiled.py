@@ -290,6 +290,7 @@ class CompiledGraph:
         self.fresh: frozenset[Node] = frozenset()  # buffers never taken from the pool
         # intermediates that generated kernels write live in one arena per input signature
         self._lives = self._intermediates(kernels, keep) if self._pool is not None else {}
+        self._inplace = self._residuals_in_place()
         self._arenas: OrderedDict[tuple, Arena] = OrderedDict()
         # one generated kernel from inputs to outputs (most hub layers): calls skip the buffer bookkeeping,
         # which is most of a small call's cost (decode pays it for every layer of every token)
@@ -321,6 +322,17 @@ class CompiledGraph:
                     lives[b] = (i, j, last.get(b, i), b in self._cl)
         return lives
 
+    def _residuals_in_place(self) -> dict[Node, Node]:
+        """Per generated conv with a residual, its output -> the residual: a conv adds it element by element,
+        so its output may overwrite the residual where nothing reads that later (the arena checks), as
+        onnxruntime's fused Conv + Sum does. ResNet-50 (1 thread, thread CPU time, min of 12, side by side):
+        batch 1 81.0-83.2 -> 79.7-80.1 ms, batch 8 654 -> 641 ms."""
+        return {
+            st.kernel.writes[0]: st.kernel.epilogue.residual
+            for st in self._steps
+            if st.conv is not None and st.compiled is not None and st.kernel.epilogue.residual is not None
+        }
+
     def _arena(self, bound: _Bound) -> Arena | None:
         """The arena for ``bound``'s shapes (the last :data:`ARENAS` signatures keep theirs)."""
         if not self._lives:
@@ -330,7 +342,8 @@ class CompiledGraph:
             buffers = {
                 b: (bound.shapes[i][j], b.dtype.torch, i, end) for b, (i, j, end, _) in self._lives.items()
             }
-            arena = self._arenas[bound.shapes] = Arena(buffers, {b: v[3] for b, v in self._lives.items()})
+            layouts = {b: v[3] for b, v in self._lives.items()}
+            arena = self._arenas[bound.shapes] = Arena(buffers, layouts, self._inplace)
             if len(self._arenas) > ARENAS:
                 self._arenas.popitem(last=False)
         else:

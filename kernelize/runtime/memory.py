@@ -18,7 +18,7 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -134,21 +134,29 @@ _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 ARENA_ALIGN = 64  # bytes: a cache line, and what vector loads want
 
 
-def plan_offsets(lifetimes: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
+def plan_offsets(
+    lifetimes: Sequence[tuple[int, int, int]], inplace: Mapping[int, int] | None = None
+) -> tuple[list[int], int]:
     """Byte offsets in one arena for buffers given as ``(nbytes, first_step, last_step)``, and its size.
 
     A buffer occupies its bytes from the step that writes it through the last step that reads it. The
     steps go in order: each step's buffers take the smallest free block that fits (else the end of the
     arena grows), then the buffers whose last reader was this step free their blocks (merged with free
     neighbours). A step's outputs therefore never share memory with its inputs, and a buffer usually
-    lands where a buffer of similar size just died, whose lines are still in cache.
+    lands where a buffer of similar size just died, whose lines are still in cache. The exception is
+    ``inplace``: buffer ``i`` may take over the block of buffer ``inplace[i]`` of the same size when that
+    one's last reader is the step writing ``i`` (a conv adding its residual element by element).
 
     Example:
         >>> plan_offsets([(100, 0, 1), (100, 1, 2), (100, 2, 3)])
         ([0, 128, 0], 256)
+        >>> plan_offsets([(100, 0, 1), (100, 1, 2)], inplace={1: 0})
+        ([0, 0], 128)
     """
+    inplace = inplace or {}
     order = sorted(range(len(lifetimes)), key=lambda i: (lifetimes[i][1], i))
     ends: dict[int, list[int]] = {}
+    taken: set[int] = set()  # buffers whose block went to the buffer written in place over them
     for i, (_, _, last) in enumerate(lifetimes):
         ends.setdefault(last, []).append(i)
     free: list[list[int]] = []  # [offset, size], sorted by offset
@@ -158,6 +166,16 @@ def plan_offsets(lifetimes: Sequence[tuple[int, int, int]]) -> tuple[list[int], 
             i = order[pos]
             pos += 1
             size = -(-lifetimes[i][0] // ARENA_ALIGN) * ARENA_ALIGN
+            j = inplace.get(i)
+            if (
+                j is not None
+                and j not in taken
+                and lifetimes[j][2] == step
+                and lifetimes[j][0] == lifetimes[i][0]
+            ):
+                offsets[i] = offsets[j]
+                taken.add(j)
+                continue
             fits = [b for b in free if b[1] >= size]
             if fits:
                 block = min(fits, key=lambda b: b[1])
@@ -168,8 +186,9 @@ def plan_offsets(lifetimes: Sequence[tuple[int, int, int]]) -> tuple[list[int], 
             else:
                 offsets[i], top = top, top + size
         for i in ends.get(step, ()):
-            size = -(-lifetimes[i][0] // ARENA_ALIGN) * ARENA_ALIGN
-            free = _freed(free, offsets[i], size)
+            if i not in taken:
+                size = -(-lifetimes[i][0] // ARENA_ALIGN) * ARENA_ALIGN
+                free = _freed(free, offsets[i], size)
     return offsets, top
 
 
@@ -196,15 +215,25 @@ class Arena:
     another thread allocates instead (:meth:`take`).
     """
 
-    def __init__(self, buffers: dict, layouts: dict) -> None:
+    def __init__(self, buffers: dict, layouts: dict, inplace: Mapping | None = None) -> None:
         """``buffers``: key -> (shape, dtype, first step, last step); ``layouts``: key -> True for an NHWC
-        buffer (stored ``(n, h, w, c)`` and viewed as NCHW)."""
+        buffer (stored ``(n, h, w, c)`` and viewed as NCHW); ``inplace``: key -> the key of a buffer of the
+        same shape and layout it may overwrite (see :func:`plan_offsets`)."""
         keys = list(buffers)
+        index = {k: i for i, k in enumerate(keys)}
         lifetimes = []
         for k in keys:
             shape, dtype, first, last = buffers[k]
             lifetimes.append((math.prod(shape) * dtype.itemsize, first, last))
-        offsets, size = plan_offsets(lifetimes)
+        pairs = {
+            index[k]: index[r]
+            for k, r in (inplace or {}).items()
+            if k in index
+            and r in index
+            and buffers[k][:2] == buffers[r][:2]
+            and layouts.get(k) == layouts.get(r)
+        }
+        offsets, size = plan_offsets(lifetimes, pairs)
         self.block = torch.empty(max(size, 1), dtype=torch.uint8)
         hint_hugepages(self.block)
         self.views: dict = {}

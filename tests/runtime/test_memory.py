@@ -93,3 +93,17 @@ def test_zeros_on_fresh_pages_are_zeros_that_take_writes():
     assert big.data_ptr() % mmap.PAGESIZE == 0 and not big.any()
     big[::1024] = 1.0
     assert big.sum().item() == len(range(0, big.numel(), 1024))
+
+
+def test_a_buffer_written_in_place_takes_the_block_of_one_dying_at_its_step():
+    # 1 over 0 (0 dies at step 1, same size): one block; 3 over 2 refused (2 is read at step 3, after 3 is
+    # written at step 2); 5 over 4 refused (another size)
+    lifetimes = [(256, 0, 1), (256, 1, 2), (256, 1, 3), (256, 2, 4), (256, 3, 4), (128, 4, 5)]
+    offsets, _ = plan_offsets(lifetimes, inplace={1: 0, 3: 2, 5: 4})
+    assert offsets[1] == offsets[0]
+    assert offsets[3] != offsets[2] and offsets[5] != offsets[4]
+    # buffers alive at once never overlap, the pair written in place excepted
+    for i, (n, a, b) in enumerate(lifetimes):
+        for j, (m, c, d) in enumerate(lifetimes[:i]):
+            if (i, j) != (1, 0) and a <= d and c <= b:
+                assert offsets[i] + n <= offsets[j] or offsets[j] + m <= offsets[i], (i, j)
