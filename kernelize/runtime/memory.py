@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import mmap
 import os
 import platform
 import sys
@@ -54,32 +53,6 @@ def hint_hugepages(t: torch.Tensor) -> None:
     lo, hi = (start + _HUGE - 1) & ~(_HUGE - 1), (start + nbytes) & ~(_HUGE - 1)
     if hi > lo:
         _madvise(lo, hi - lo, _MADV_HUGEPAGE)
-
-
-FRESH_ZEROS_MIN = 1 << 20
-
-
-def zeros_on_fresh_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor on fresh anonymous pages (its own mapping, unmapped when the tensor is freed).
-
-    The kernel hands out zero pages when they are first touched, so memory nothing writes costs nothing:
-    an embedding's weight gradient is a [vocab, hidden] zero tensor with a few rows added in, and
-    ``torch.zeros`` writes (and page-faults) all of it. [32000, 512] f32 with 512 rows added, 1 thread:
-    ``torch.zeros`` + ``index_add_`` 24.6 ms, the huge-page hint first 7.5 ms, fresh pages 1.4 ms. Small
-    tensors (under ``FRESH_ZEROS_MIN`` bytes) come from ``torch.zeros``.
-
-    Example:
-        >>> g = zeros_on_fresh_pages((32000, 512), torch.float32)
-        >>> float(g.abs().sum())
-        0.0
-    """
-    nbytes = dtype.itemsize
-    for d in shape:
-        nbytes *= d
-    if nbytes < FRESH_ZEROS_MIN:
-        return torch.zeros(shape, dtype=dtype)
-    # the tensor holds the mmap object: the mapping goes when the tensor's storage is freed
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class OutputPool:
@@ -256,11 +229,9 @@ class Arena:
 
 __all__ = [
     "ARENA_ALIGN",
-    "FRESH_ZEROS_MIN",
     "HUGEPAGE_MIN",
     "Arena",
     "OutputPool",
     "hint_hugepages",
     "plan_offsets",
-    "zeros_on_fresh_pages",
 ]

@@ -300,28 +300,6 @@ def test_training_with_labels_uses_the_fused_loss_without_logits(family: str) ->
         assert out.logits.shape == (2, 9, TINY["vocab_size"])
 
 
-def test_the_fused_loss_step_writes_only_the_used_rows_of_the_embedding_gradient(monkeypatch) -> None:
-    """With labels, the token embeddings are looked up by the causal LM layer: a vocab large enough for
-    the fresh-pages gradient, repeated tokens and the padding token (no gradient), against eager."""
-    from kernelize.runtime import memory
-
-    fresh = []
-    real = memory.zeros_on_fresh_pages
-    monkeypatch.setattr(memory, "zeros_on_fresh_pages", lambda *a: fresh.append(a) or real(*a))
-    vocab = memory.FRESH_ZEROS_MIN // (4 * TINY["hidden_size"]) + 7
-    eager = tiny_model("llama", vocab_size=vocab).train()
-    ids = torch.randint(0, 5, (2, 9))  # padding token 0 and repeats
-    ids[1, 3:] = torch.randint(vocab - 3, vocab, (6,))
-    labels = ids.clone()
-    with kernelized(eager, mode=kernelize.Mode.TRAINING) as fast:
-        want, got = eager(input_ids=ids, labels=labels), fast(input_ids=ids, labels=labels)
-        want.loss.backward(), got.loss.backward()
-        assert fresh == [((vocab, TINY["hidden_size"]), torch.float32)]
-        for (name, p), q in zip(eager.named_parameters(), fast.parameters(), strict=True):
-            torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
-        assert not fast.get_input_embeddings().weight.grad[0].any()  # the padding token's row
-
-
 def test_a_causal_lm_with_another_loss_is_left_eager_with_the_reason() -> None:
     eager = tiny_model("llama")
     eager.loss_function = lambda logits, labels, **kw: logits.mean()

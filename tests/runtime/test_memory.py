@@ -79,22 +79,6 @@ def test_arena_views_are_laid_out_nhwc_where_asked_and_taken_by_one_caller_at_a_
     assert arena.take() is not None
 
 
-def test_zeros_on_fresh_pages_are_zeros_that_take_writes():
-    import mmap
-
-    from kernelize.runtime.memory import FRESH_ZEROS_MIN, zeros_on_fresh_pages
-
-    for shape, dtype in [((3, 5), torch.float32), ((1,), torch.bfloat16), ((4097, 129), torch.float32)]:
-        z = zeros_on_fresh_pages(shape, dtype)
-        assert z.shape == shape and z.dtype == dtype and z.is_contiguous() and not z.any()
-        z[-1, ...] = 2.0
-        assert z.sum().item() == 2.0 * (shape[-1] if len(shape) > 1 else 1)
-    big = zeros_on_fresh_pages((FRESH_ZEROS_MIN // 4 + 1,), torch.float32)  # past the threshold: own pages
-    assert big.data_ptr() % mmap.PAGESIZE == 0 and not big.any()
-    big[::1024] = 1.0
-    assert big.sum().item() == len(range(0, big.numel(), 1024))
-
-
 def test_a_buffer_written_in_place_takes_the_block_of_one_dying_at_its_step():
     # 1 over 0 (0 dies at step 1, same size): one block; 3 over 2 refused (2 is read at step 3, after 3 is
     # written at step 2); 5 over 4 refused (another size)

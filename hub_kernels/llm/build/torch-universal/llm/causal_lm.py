@@ -10,10 +10,6 @@ own forward, logits included.
 The loss is transformers' `ForCausalLMLoss`: labels shifted left by one (or `shift_labels` as given),
 `ignore_index` -100, the mean over the other tokens, or the sum divided by `num_items_in_batch` when the
 trainer passes it (gradient accumulation).
-
-In that call the token embeddings of `input_ids` are looked up here and passed as `inputs_embeds`: their
-weight gradient starts as zeros on fresh pages, so only the rows of the batch's tokens are written
-(`_TokenEmbedding`).
 """
 
 from __future__ import annotations
@@ -64,49 +60,6 @@ def causal_lm_loss(
     return loss if count is None else loss / (count.to(loss.device) if torch.is_tensor(count) else count)
 
 
-class _TokenEmbedding(torch.autograd.Function):
-    """``weight[ids]`` whose weight gradient starts as zeros on fresh pages
-    (:func:`kernelize.runtime.memory.zeros_on_fresh_pages`): the rows of the tokens in the batch are written,
-    the rest of the [vocab, hidden] gradient is never touched. Eager's embedding backward zero-fills all of
-    it first ([32000, 512] f32: ~10-25 ms of page faults and writes per step, against ~1 ms)."""
-
-    @staticmethod
-    def forward(ctx: Any, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.weight_shape, ctx.padding_idx = tuple(weight.shape), padding_idx
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None, None]:
-        if not ctx.needs_input_grad[1]:
-            return None, None, None
-        from kernelize.runtime.memory import zeros_on_fresh_pages
-
-        (ids,) = ctx.saved_tensors
-        flat, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
-        if ctx.padding_idx is not None:  # as nn.Embedding: the padding row gets no gradient
-            keep = flat != ctx.padding_idx
-            flat, rows = flat[keep], rows[keep]
-        # repeated tokens are summed in f32 (a bf16 table's rows would otherwise round at every add)
-        used, where = torch.unique(flat, return_inverse=True)
-        sums = torch.zeros(len(used), rows.shape[-1], dtype=torch.float32).index_add_(0, where, rows.float())
-        out = zeros_on_fresh_pages(ctx.weight_shape, grad.dtype)
-        out.index_copy_(0, used, sums.to(grad.dtype))
-        return None, out, None
-
-
-def _token_embeddings(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """The input embeddings of `input_ids` through :class:`_TokenEmbedding`, or None when the model's input
-    embedding is not a plain CPU `nn.Embedding` (max_norm, scale_grad_by_freq, sparse: its own forward)."""
-    get = getattr(module, "get_input_embeddings", None)
-    emb = get() if get is not None else None
-    if type(emb) is not nn.Embedding or emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
-        return None
-    if emb.weight.device.type != "cpu":
-        return None
-    return _TokenEmbedding.apply(input_ids, emb.weight, emb.padding_idx)
-
-
 def _output(outputs: Any, loss: torch.Tensor) -> Any:
     """The causal LM's output type with `loss`, no logits, and the base model's other fields."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -144,10 +97,6 @@ class CausalLMWithLoss(nn.Module):
             or kwargs.get("return_dict") is False
         ):
             return type(self).forward(self, labels=labels, logits_to_keep=logits_to_keep, **named, **kwargs)
-        if input_ids is not None and inputs_embeds is None:
-            embedded = _token_embeddings(self, input_ids)
-            if embedded is not None:
-                named.update(input_ids=None, inputs_embeds=embedded)
         outputs = self.model(**named, **kwargs)
         extra = {k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs}
         return _output(outputs, causal_lm_loss(self, outputs.last_hidden_state, labels, extra))
