@@ -402,13 +402,6 @@ class ChainCall:
         return f"cpu conv chain kernel {self.kernel.name} rejected its sizes"
 
 
-def flops(kernel: Kernel, x: torch.Tensor) -> int:
-    """Multiply-adds of the conv on ``x`` (for benchmarks and tests)."""
-    co, cig, kh, kw = kernel.node.src[1].shape
-    n, _, oh, ow = output_shape(kernel, x)
-    return math.prod((n, co, oh, ow, cig, kh, kw))
-
-
 __all__ = [
     "MAX_TAPS",
     "PANEL",
