@@ -21,11 +21,31 @@ STEPS = 2
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
-def _model() -> torch.nn.Module:
+def _model(family: str) -> torch.nn.Module:
+    """The demo decoder kernelized by hand, or a tiny transformers Llama through the one call (projections
+    through `kernelize.hub.project`, the fused loss)."""
+    if family == "llama":
+        import transformers
+
+        from kernelize.integrations.transformers import kernelize_model
+
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
+        )
+        config._attn_implementation = "sdpa"
+        return kernelize_model(transformers.LlamaForCausalLM(config).train(), mode=Mode.TRAINING)
     model = LlamaDemo(LlamaDemoConfig.tiny()).train()
     with kernelize.use_kernel_mapping(hub.default_mapping()):
         kernelize.kernelize(model, device="cpu", mode=Mode.TRAINING)
     return model
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    inner = getattr(model, "module", model)
+    if isinstance(inner, LlamaDemo):
+        return F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+    return model(input_ids=ids, labels=labels).loss  # the same token count on every rank: mean of means
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,8 +60,7 @@ def _train(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> l
     grads = []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
-        loss.backward()
+        _loss(model, ids, labels).backward()
         grads.append({n.removeprefix("module."): _full(p.grad).clone() for n, p in model.named_parameters()})
         opt.step()
     return grads
@@ -52,20 +71,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, mode: str, family: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = _model()
+        model = _model(family)
         ids, labels = _batch()
-        mine = slice(rank * 2, rank * 2 + 2)  # each rank trains on half the batch
-        if mode == "ddp":
+        mine = slice(rank * 4 // world, (rank + 1) * 4 // world)  # each rank trains on its part of the batch
+        if mode == "single":
+            wrapped = model
+        elif mode == "ddp":
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
         else:
             from torch.distributed.fsdp import fully_shard
 
-            for layer in model.layers:
+            for layer in model.layers if family == "demo" else model.model.layers:
                 fully_shard(layer)
             wrapped = fully_shard(model)
         grads = _train(wrapped, ids[mine], labels[mine])
@@ -75,6 +96,14 @@ def _worker(rank: int, world: int, port: int, mode: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _spawned(world: int, mode: str, family: str, out: Path) -> list[dict[str, torch.Tensor]]:
+    """The gradients rank 0 saw, training in `world` spawned processes (the single-process reference
+    runs spawned too: `kernelize_model` marks transformers' classes process-wide)."""
+    args = (world, _free_port(), mode, family, str(out))
+    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="spawn")
+    return torch.load(out)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,17 +111,12 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow  # two spawned processes import torch and build the kernels: ~1 min on 2 cores
+@pytest.mark.parametrize("family", ["demo", "llama"])
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_two_process_training_matches_single_process(mode: str, tmp_path: Path) -> None:
+def test_two_process_training_matches_single_process(mode: str, family: str, tmp_path: Path) -> None:
     if mode == "fsdp2":
         pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed.fsdp.fully_shard")
-    ids, labels = _batch()
-    want = _train(_model(), ids, labels)
-    out = tmp_path / "grads.pt"
-    mp.start_processes(
-        _worker, args=(2, _free_port(), mode, str(out)), nprocs=2, join=True, start_method="spawn"
-    )
-    got = torch.load(out)
+    got, want = (_spawned(n, m, family, tmp_path / f"{m}.pt") for n, m in ((2, mode), (1, "single")))
     for step_got, step_want in zip(got, want, strict=True):
         assert step_got.keys() == step_want.keys()
         for name, g in step_got.items():

@@ -37,6 +37,7 @@ from kernelize import hub_autograd
 
 from .names import HUB_LAYERS, MAPPED_DEVICES, default_mapping
 from .policy import DEVICE_BACKENDS, backend_for, require_float, use_backend
+from .project import project
 from .records import KernelRecord, compiled_ran, kernels_ran, note_kernels, note_ran
 from .signatures import SIGNATURES, cached, clear_cache, compiled_count, dim_names, entry_for, signature
 
@@ -53,6 +54,7 @@ __all__ = [
     "default_mapping",
     "kernels_ran",
     "note_kernels",
+    "project",
     "require_float",
     "run",
     "use_backend",

@@ -109,9 +109,10 @@ def compile_graph(
         device: where inputs live and kernels run; CUDA for the GPU backends when available, else CPU.
         plan: a ready plan (anything with ``.kernels``, or a sequence of kernels) instead of ``plan(graph)``.
         cache: reuse the CompiledGraph of an identical graph, backend and device compiled before.
-        pool_outputs: False: the graph's outputs are always fresh tensors, never buffers the CPU output
-            pool keeps a reference to (gradients: autograd adopts a gradient nothing else references and
-            copies any other one, which costs more than the kernel that computed it).
+        pool_outputs: False: the graph's outputs are always new tensors nothing else references
+            (gradients: autograd adopts a gradient nothing else references and copies any other one,
+            which costs more than the kernel that computed it); on the CPU they take memory an earlier
+            output of the same graph left once every tensor on it is gone (``OutputPool.fresh``).
 
     Raises:
         ValueError: unknown backend, or a device the backend cannot run on (the message says what to do).
@@ -536,8 +537,8 @@ class CompiledGraph:
         if nhwc:
             n, c, h, w = shape
             shape = (n, h, w, c)
-        if b in self.fresh:
-            t = torch.empty(shape, dtype=b.dtype.torch)
+        if b in self.fresh:  # new tensors (gradients autograd adopts), on memory dropped since
+            t = self._pool.fresh(b, shape, b.dtype.torch)
         else:
             t = self._pool.empty(b, shape, b.dtype.torch)
         return t.permute(0, 3, 1, 2) if nhwc else t

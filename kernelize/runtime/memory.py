@@ -20,6 +20,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Fresh large outputs cost more in page faults than the kernel itself (a 64 MiB torch.empty is first
 # touched by the kernel: ~16k 4 KiB faults). Before launch, large outputs get MADV_HUGEPAGE on their
@@ -75,6 +76,7 @@ class OutputPool:
 
     def __init__(self) -> None:
         self._slots: dict = {}
+        self._storages: dict = {}
         self._lock = threading.Lock()
 
     def empty(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -100,8 +102,53 @@ class OutputPool:
             self._slots[key] = t
             return t
 
+    def fresh(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor that nothing else references (so autograd adopts it as ``.grad`` without a copy) on
+        the memory of the one handed out under ``key`` before, once no tensor holds that memory any more.
+
+        A training step's gradients are dropped by ``zero_grad()`` and made again by the next step: recycled
+        memory saves their page faults (a 32000 x 512 f32 LM-head gradient: ~15 ms of a ~500 ms step here).
+        """
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.MIN_BYTES or _storage_use_count is None:
+            return torch.empty(shape, dtype=dtype)
+        with self._lock:
+            s = self._storages.get(key)
+            # refs to the storage: the pool's `s` alone, so no tensor or view is left on it
+            if s is not None and s.nbytes() == nbytes and _storage_use_count(s._cdata) == 1:
+                return torch.empty(0, dtype=dtype).set_(s, 0, shape, _contiguous_strides(shape))
+            t = torch.empty(shape, dtype=dtype)
+            hint_hugepages(t)
+            self._storages[key] = t.untyped_storage()
+            return t
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_POOLS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def pool_of(owner: torch.Tensor) -> OutputPool:
+    """The :class:`OutputPool` of buffers made for ``owner`` (e.g. a weight's gradient step after step),
+    dropped with it.
+
+    Example:
+        >>> w = torch.zeros(1024, 512)
+        >>> g = pool_of(w).fresh("grad", (1024, 512), torch.float32); p = g.data_ptr(); del g
+        >>> pool_of(w).fresh("grad", (1024, 512), torch.float32).data_ptr() == p
+        True
+    """
+    pool = _POOLS.get(owner)
+    if pool is None:
+        pool = _POOLS[owner] = OutputPool()
+    return pool
 
 
 ARENA_ALIGN = 64  # bytes: a cache line, and what vector loads want
@@ -234,4 +281,5 @@ __all__ = [
     "OutputPool",
     "hint_hugepages",
     "plan_offsets",
+    "pool_of",
 ]

@@ -89,3 +89,24 @@ def test_user_mistakes_raise_with_a_remedy(loss_pkg, kw, err, match) -> None:
         loss_pkg.fused_linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3))
     with pytest.raises(ValueError, match="do not fit"):
         loss_pkg.fused_linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 6), torch.tensor([0, 1, 2]))
+
+
+def test_gradients_reuse_the_memory_of_dropped_ones(loss_pkg) -> None:
+    """Large gradients go out on the memory of the previous call's once they are dropped (no page faults
+    of a fresh [vocab, hidden] tensor per step), never on memory a kept gradient still uses."""
+    h, w = torch.randn(64, 256, requires_grad=True), (torch.randn(2048, 256) * 0.1).requires_grad_()
+    y = torch.randint(0, 2048, (64,))
+    want_g = torch.autograd.grad(F.cross_entropy(h @ w.T, y), [h, w])
+    loss_pkg.fused_linear_cross_entropy(h, w, y).backward()
+    kept = w.grad
+    w.grad, h.grad = None, None
+    loss_pkg.fused_linear_cross_entropy(h, w, y).backward()  # `kept` still holds the first block
+    assert w.grad.data_ptr() != kept.data_ptr()
+    torch.testing.assert_close(kept, w.grad)
+    ptr = w.grad.data_ptr()
+    del kept
+    w.grad, h.grad = None, None
+    loss_pkg.fused_linear_cross_entropy(h, w, y).backward()
+    assert w.grad.data_ptr() == ptr
+    torch.testing.assert_close(w.grad, want_g[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad, want_g[0], rtol=1e-5, atol=1e-6)

@@ -300,6 +300,30 @@ def test_training_with_labels_uses_the_fused_loss_without_logits(family: str) ->
         assert out.logits.shape == (2, 9, TINY["vocab_size"])
 
 
+def test_the_fused_loss_step_trains_the_projections_through_onednn() -> None:
+    """With labels, the attention and MLP projections train through `kernelize.hub.project` (forward and
+    input gradient in oneDNN); gradients equal eager's."""
+    eager = tiny_model("llama").train()
+    ids = torch.randint(1, TINY["vocab_size"], (2, 9))
+    with kernelized(eager, mode=kernelize.Mode.TRAINING) as fast:
+        want, got = eager(input_ids=ids, labels=ids), fast(input_ids=ids, labels=ids)
+        assert "_LinearBackward" in _autograd_nodes(got.loss)
+        want.loss.backward(), got.loss.backward()
+        for (name, p), q in zip(eager.named_parameters(), fast.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _autograd_nodes(t: torch.Tensor) -> set[str]:
+    """The names of the autograd nodes `t` was computed through."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return {n.name() for n in seen}
+
+
 def test_a_causal_lm_with_another_loss_is_left_eager_with_the_reason() -> None:
     eager = tiny_model("llama")
     eager.loss_function = lambda logits, labels, **kw: logits.mean()

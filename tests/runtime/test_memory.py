@@ -91,3 +91,43 @@ def test_a_buffer_written_in_place_takes_the_block_of_one_dying_at_its_step():
         for j, (m, c, d) in enumerate(lifetimes[:i]):
             if (i, j) != (1, 0) and a <= d and c <= b:
                 assert offsets[i] + n <= offsets[j] or offsets[j] + m <= offsets[i], (i, j)
+
+
+def test_output_pool_fresh_tensors_reuse_memory_only_once_nothing_holds_it():
+    """``fresh`` hands out a new tensor each time (autograd adopts it as ``.grad`` without a copy), on the
+    memory of the previous one once no tensor or view is left on it."""
+    pool = OutputPool()
+    shape = (1024, 512)
+    a = pool.fresh("g", shape, torch.float32)
+    b = pool.fresh("g", shape, torch.float32)  # `a` alive: other memory
+    assert b.data_ptr() != a.data_ptr()
+    view, ptr_b = b[3], b.data_ptr()
+    del b
+    c = pool.fresh("g", shape, torch.float32)  # a view of `b` is left: other memory again
+    assert c.data_ptr() != ptr_b and view.data_ptr() == ptr_b + 3 * 512 * 4
+    ptr_c = c.data_ptr()
+    del c
+    d = pool.fresh("g", shape, torch.float32)
+    assert d.data_ptr() == ptr_c and d.shape == shape and d.is_contiguous() and d._use_count() == 1
+
+    w = torch.nn.Parameter(torch.zeros(shape))
+
+    class Grad(torch.autograd.Function):  # backward hands out a pooled gradient
+        @staticmethod
+        def forward(ctx, x):
+            return x.sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            return pool.fresh("w", shape, torch.float32).fill_(g.item())
+
+    Grad.apply(w).backward()
+    first = w.grad.data_ptr()
+    Grad.apply(w).backward()  # accumulates: the `.grad` holds the first block, the second is new
+    assert w.grad.data_ptr() == first and bool((w.grad == 2).all())
+    w.grad = None
+    Grad.apply(w).backward(torch.tensor(3.0))
+    again = w.grad.data_ptr()
+    w.grad = None
+    Grad.apply(w).backward(torch.tensor(4.0))  # dropped: the same memory, adopted as `.grad`
+    assert w.grad.data_ptr() == again and bool((w.grad == 4).all())

@@ -236,8 +236,8 @@ class GatedMLP(nn.Module):
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
         if _training(x, gate_proj, up_proj, down_proj) or not _bias_free(gate_proj, up_proj, down_proj):
-            gate, up = gate_proj(x), up_proj(x)
-            return down_proj(hub.run(self, math_fn, [gate, up]))
+            gate, up = hub.project(gate_proj, x), hub.project(up_proj, x)
+            return hub.project(down_proj, hub.run(self, math_fn, [gate, up]))
         gate_up = merged_parameter(self, ("gate_proj", "up_proj"))
         h = hub.run(self, GATE_UP_MATH[math_fn], [x], [gate_up])
         return hub.run(self, down_math, [h], [down_proj.weight])
@@ -280,8 +280,8 @@ class FusedGatedMLP(nn.Module):
         if math_fn is not None and merged:
             h = hub.run(self, GATE_UP_MATH[GATED_MATH[act]], [hidden_states], [fused.weight])
             return hub.run(self, down_math, [h], [down_proj.weight])
-        gate_up = fused(hidden_states)
+        gate_up = hub.project(fused, hidden_states)
         if math_fn is None:
             gate, up = gate_up.chunk(2, dim=-1)
-            return down_proj(up * self.activation_fn(gate))
-        return down_proj(hub.run(self, math_fn, [gate_up]))
+            return hub.project(down_proj, up * self.activation_fn(gate))
+        return hub.project(down_proj, hub.run(self, math_fn, [gate_up]))

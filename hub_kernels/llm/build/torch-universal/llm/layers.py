@@ -99,9 +99,9 @@ def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.T
     if merged is not None:
         qkv = linear(module, hidden_states, *merged)
     elif len(projs) == 1:
-        qkv = projs[0](hidden_states)
+        qkv = hub.project(projs[0], hidden_states)
     else:
-        qkv = torch.cat([p(hidden_states) for p in projs], dim=-1)
+        qkv = torch.cat([hub.project(p, hidden_states) for p in projs], dim=-1)
     return qkv[..., :n_qk], qkv[..., n_qk:]
 
 
@@ -110,7 +110,7 @@ def project_out(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
     proj = module.o_proj
     if _inference(out, proj):
         return linear(module, out, proj.weight, proj.bias)
-    return proj(out)
+    return hub.project(proj, out)
 
 
 def sliding_window_of(module: nn.Module) -> int | None:

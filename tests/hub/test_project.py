@@ -1,0 +1,42 @@
+"""``kernelize.hub.project``: an ``nn.Linear`` while training on the CPU, with oneDNN products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernelize import hub
+from kernelize.hub.project import _Linear
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(37,), (3, 11)])
+def test_matches_the_module_forward_and_gradients(bias, lead) -> None:
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(200, 72, bias=bias)
+    x = torch.randn(*lead, 200, requires_grad=True)
+    y = hub.project(proj, x)
+    assert type(y.grad_fn).__name__ == f"{_Linear.__name__}Backward"  # the oneDNN path ran
+    seed = torch.randn(*lead, 72).transpose(0, -1).contiguous().transpose(0, -1)  # a strided upstream
+    got = torch.autograd.grad(y, [x, *proj.parameters()], seed)
+    want = torch.autograd.grad(proj(x), [x, *proj.parameters()], seed)
+    torch.testing.assert_close(y, proj(x), rtol=1e-5, atol=1e-5)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_falls_back_to_the_module_call(monkeypatch) -> None:
+    """bf16, no gradients, a hooked module or `KERNELIZE_CPU_GEMM=torch`: the module's own call."""
+    proj = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+    assert hub.project(proj.bfloat16(), x.bfloat16()).grad_fn.name() != "_LinearBackward"
+    proj.float()
+    with torch.no_grad():
+        assert hub.project(proj, x).grad_fn is None
+    calls = []
+    handle = proj.register_forward_hook(lambda *a: calls.append(1))
+    hub.project(proj, x)
+    assert calls == [1]
+    handle.remove()
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "torch")
+    assert type(hub.project(proj, x).grad_fn).__name__ == "AddmmBackward0"
