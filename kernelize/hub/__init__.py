@@ -37,7 +37,7 @@ from kernelize import hub_autograd
 
 from .names import HUB_LAYERS, MAPPED_DEVICES, default_mapping
 from .policy import DEVICE_BACKENDS, backend_for, require_float, use_backend
-from .project import project
+from .project import project, train_linear
 from .records import KernelRecord, compiled_ran, kernels_ran, note_kernels, note_ran
 from .signatures import SIGNATURES, cached, clear_cache, compiled_count, dim_names, entry_for, signature
 
@@ -57,6 +57,7 @@ __all__ = [
     "project",
     "require_float",
     "run",
+    "train_linear",
     "use_backend",
 ]
 

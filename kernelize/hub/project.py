@@ -1,4 +1,4 @@
-"""A hub layer's ``nn.Linear`` projections while training on the CPU: oneDNN for the products it runs faster.
+"""Linear layers while training on the CPU: oneDNN for the products it runs faster than MKL.
 
 ``project(proj, x)`` is ``proj(x)``. With gradients, for a plain f32 ``nn.Linear`` on the CPU (no hooks, no
 ``torch.compile`` trace, no DTensor weight) it runs as one autograd function: the forward ``x @ W.T`` and
@@ -6,7 +6,8 @@ the input gradient ``dy @ W`` are oneDNN matmuls on the weight as it is, the wei
 ``dy.T @ x`` stays MKL's (``torch.mm``), which is faster for that product. Measured per product (512
 tokens, 2 threads, GFLOP/s, MKL -> oneDNN): 512 x 512 forward 169 -> 217, input gradient 169 -> 217;
 512 -> 1408 forward 166 -> 210; 1408 -> 512 input gradient 162 -> 216. ``KERNELIZE_CPU_GEMM=torch``
-keeps every product in ``torch.mm``.
+keeps every product in ``torch.mm``. ``train_linear(x, weight, bias)`` is the same on tensors (the hub's
+``Linear`` layer trains through it) and returns None where it does not apply.
 
 Example:
     >>> proj = torch.nn.Linear(64, 32)
@@ -21,6 +22,8 @@ import torch
 from torch import nn
 
 from kernelize.codegen.cpu_gemv import onednn_gemm, onednn_linear
+
+from .policy import backend_for
 
 
 class _Linear(torch.autograd.Function):
@@ -47,26 +50,39 @@ class _Linear(torch.autograd.Function):
         return dx, dw, db
 
 
-def _direct(proj: nn.Module, x: torch.Tensor) -> bool:
-    """Whether ``proj(x)`` may run as :class:`_Linear`: the conditions in the module doc."""
-    if type(proj) is not nn.Linear or proj._forward_hooks or proj._forward_pre_hooks:
-        return False
-    w = proj.weight
+def _hookless(proj: nn.Module) -> bool:
+    """A plain ``nn.Linear`` whose call runs no hooks (of its own or global)."""
     return (
-        torch.is_grad_enabled()
-        and (x.requires_grad or w.requires_grad)
-        and type(w.data) is torch.Tensor
-        and x.dim() >= 2
-        and x.dtype == w.dtype
-        and not torch.compiler.is_compiling()
-        and onednn_gemm(x, w)
+        type(proj) is nn.Linear
+        and not (proj._forward_hooks or proj._forward_pre_hooks)
         and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
     )
+
+
+def train_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` as :class:`_Linear` when gradients are needed and the oneDNN path applies
+    (f32 CPU tensors, the cpu backend, no ``torch.compile`` trace, no DTensor weight), else None (the
+    caller's own path)."""
+    if not (
+        torch.is_grad_enabled()
+        and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        and type(weight.data) is torch.Tensor
+        and x.dim() >= 2
+        and x.numel() > 0
+        and x.dtype == weight.dtype
+        and (bias is None or bias.dtype == weight.dtype)
+        and not torch.compiler.is_compiling()
+        and onednn_gemm(x, weight)
+        and backend_for(x.device) == "cpu"  # not under use_backend("reference") or another forced backend
+    ):
+        return None
+    return _Linear.apply(x, weight, bias)
 
 
 def project(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``proj(x)``; on the CPU with gradients, a plain f32 ``nn.Linear`` runs its forward and input gradient
     through oneDNN (see the module doc)."""
-    if not _direct(proj, x):
-        return proj(x)
-    return _Linear.apply(x, proj.weight, proj.bias)
+    y = train_linear(x, proj.weight, proj.bias) if _hookless(proj) else None
+    return proj(x) if y is None else y

@@ -92,7 +92,10 @@ def test_cpu_backend_gradients_match_math(hub_pkg, name: str) -> None:
     outs = out if isinstance(out, tuple) else (out,)
     seeds = [torch.randn_like(o) for o in outs]
     got = torch.autograd.grad(outs, leaves, seeds)
-    assert hub.kernels_ran(module).backend == "cpu"
+    if layer == "Linear":  # f32 on the CPU: oneDNN / MKL products (kernelize.hub.train_linear)
+        assert type(outs[0].grad_fn).__name__ == "_LinearBackward"
+    else:
+        assert hub.kernels_ran(module).backend == "cpu"
 
     # the same layer forward with the eager math in place of the kernels (`reference`: the graph run by torch)
     with hub.use_backend("reference"):

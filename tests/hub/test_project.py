@@ -40,3 +40,20 @@ def test_falls_back_to_the_module_call(monkeypatch) -> None:
     handle.remove()
     monkeypatch.setenv("KERNELIZE_CPU_GEMM", "torch")
     assert type(hub.project(proj, x).grad_fn).__name__ == "AddmmBackward0"
+
+
+def test_the_hub_linear_layer_trains_through_it() -> None:
+    from kernelize import get_kernel
+
+    layer = get_kernel("kernelize/linear", version=1).layers.Linear()
+    ref = torch.nn.Linear(48, 20)
+    layer.weight, layer.bias = ref.weight, ref.bias
+    x = torch.randn(5, 48, requires_grad=True)
+    y = layer(x)
+    assert type(y.grad_fn).__name__ == f"{_Linear.__name__}Backward"
+    got = torch.autograd.grad(y.sum(), [x, ref.weight, ref.bias])
+    want = torch.autograd.grad(ref(x).sum(), [x, ref.weight, ref.bias])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert hub.train_linear(x.detach(), ref.weight.detach()) is None  # nothing needs a gradient
+    assert hub.train_linear(x.bfloat16(), ref.weight.bfloat16()) is None
