@@ -1,8 +1,8 @@
 """Linear layers while training on the CPU: oneDNN for the products it runs faster than MKL.
 
 ``project(proj, x)`` is ``proj(x)``. With gradients, for a plain f32 ``nn.Linear`` on the CPU (no hooks, no
-``torch.compile`` trace, no DTensor weight) it runs as one autograd function: the forward ``x @ W.T`` and
-the input gradient ``dy @ W`` are oneDNN matmuls on the weight as it is, the weight gradient
+autocast, no ``torch.compile`` trace, no DTensor weight) it runs as one autograd function: the forward
+``x @ W.T`` and the input gradient ``dy @ W`` are oneDNN matmuls on the weight as it is, the weight gradient
 ``dy.T @ x`` stays MKL's (``torch.mm``), which is faster for that product. Measured per product (512
 tokens, 2 threads, GFLOP/s, MKL -> oneDNN): 512 x 512 forward 169 -> 217, input gradient 169 -> 217;
 512 -> 1408 forward 166 -> 210; 1408 -> 512 input gradient 162 -> 216. ``KERNELIZE_CPU_GEMM=torch``
@@ -42,7 +42,8 @@ class _Linear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = onednn_linear(dy2, weight.t()).view(x.shape)
+            # create_graph=True: torch's differentiable product (the oneDNN op has no derivative)
+            dx = dy @ weight if torch.is_grad_enabled() else onednn_linear(dy2, weight.t()).view(x.shape)
         if ctx.needs_input_grad[1]:
             dw = torch.mm(dy2.t(), x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -63,8 +64,8 @@ def train_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """``x @ weight.T + bias`` as :class:`_Linear` when gradients are needed and the oneDNN path applies
-    (f32 CPU tensors, the cpu backend, no ``torch.compile`` trace, no DTensor weight), else None (the
-    caller's own path)."""
+    (f32 CPU tensors, the cpu backend, no autocast, no ``torch.compile`` trace, no DTensor weight), else None
+    (the caller's own path)."""
     if not (
         torch.is_grad_enabled()
         and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
@@ -74,6 +75,7 @@ def train_linear(
         and x.dtype == weight.dtype
         and (bias is None or bias.dtype == weight.dtype)
         and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled(x.device.type)  # autocast picks the matmul dtype: torch's call
         and onednn_gemm(x, weight)
         and backend_for(x.device) == "cpu"  # not under use_backend("reference") or another forced backend
     ):

@@ -57,3 +57,19 @@ def test_the_hub_linear_layer_trains_through_it() -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert hub.train_linear(x.detach(), ref.weight.detach()) is None  # nothing needs a gradient
     assert hub.train_linear(x.bfloat16(), ref.weight.bfloat16()) is None
+
+
+def test_double_backward_and_autocast_match_the_module() -> None:
+    """create_graph=True differentiates the backward (torch products there); under autocast the module's
+    own call runs (autocast picks the matmul dtype)."""
+    torch.manual_seed(1)
+    proj = torch.nn.Linear(24, 10)
+    x = torch.randn(6, 24, requires_grad=True)
+    grads = []
+    for y in (hub.project(proj, x), proj(x)):
+        (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        grads.append(torch.autograd.grad(gx.pow(2).sum(), [x, proj.weight]))
+    for g, w in zip(*grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert hub.project(proj, x).dtype == torch.bfloat16
