@@ -57,6 +57,7 @@ __all__ = [
     "project",
     "require_float",
     "run",
+    "run_into",
     "train_linear",
     "use_backend",
 ]
@@ -104,6 +105,34 @@ def run(
             return outs[0] if entry.n_outputs == 1 else tuple(outs)
         return _run_outside_graph()(owner, fn, inputs, weights, params)
     return _run_eager(owner, fn, inputs, weights, params)
+
+
+def run_into(
+    fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
+    inputs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor | None],
+    weights: Sequence[torch.Tensor] = (),
+    **params: Any,
+) -> Any:
+    """:func:`run` without gradients for math that compiles to one generated kernel, writing output ``i``
+    into ``outs[i]`` (None: a new buffer); an out may be an input's memory when the kernel reads that input
+    only at the element it writes (see :meth:`~kernelize.runtime.compiled.CompiledGraph.run_into`).
+
+    Raises:
+        ValueError: an input requires grad with grad mode on, or the math is not one generated kernel.
+
+    Example:
+        >>> def scaled(x):
+        ...     return x * 2.0
+        >>> x = torch.randn(4, 64)
+        >>> y = run_into(scaled, [x], [x])  # doctest: +SKIP
+    """
+    tensors = [*inputs, *weights]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError(f"run_into({fn.__qualname__}): inputs require grad; call it under torch.no_grad()")
+    entry = entry_for(fn, tensors, len(inputs), params, backend_for(tensors[0].device))
+    got = entry.compiled.run_into(tensors, outs)
+    return got[0] if entry.n_outputs == 1 else tuple(got)
 
 
 def _key(

@@ -482,6 +482,51 @@ class CompiledGraph:
             units.append(batch_of(run))
         return units
 
+    def run_into(
+        self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
+        """``run`` for a graph of one generated kernel, writing output ``i`` into ``outs[i]`` (None: a new
+        buffer). An out may be the memory of an input only when the kernel reads that input at exactly the
+        element it writes (pointwise kernels, the write pass of row kernels), as a chunked loss writes the
+        gradient of its logits over them.
+
+        Raises:
+            ValueError: the graph is not one generated kernel from inputs to outputs, or an out's shape,
+                dtype, device or layout is not the output's (contiguous).
+        """
+        if self.backend == "reference":  # every output computed first, then copied: any out is fine
+            got = self.run(inputs)
+            for j, (g, o) in enumerate(zip(got, outs, strict=True)):
+                if o is not None:
+                    self._check_out(j, o, (tuple(g.shape), g.dtype, g.device))
+            return [g if o is None else o.copy_(g) for g, o in zip(got, outs, strict=True)]
+        bound = self._bind(inputs)
+        step = self._steps[0]
+        if self._direct is None or step.compiled.fresh is not None:
+            raise ValueError(
+                f"run_into: compiled graph {self.key} is not one generated kernel from its inputs to its "
+                "outputs; call run() and copy"
+            )
+        direct, order = self._direct
+        views = {}
+        for j, out in enumerate(outs):
+            if out is None:
+                continue
+            node = step.kernel.writes[order[j]]
+            self._check_out(j, out, (tuple(bound.shapes[0][order[j]]), node.dtype.torch, self.device))
+            views[node] = out
+        reads = [inputs[r].contiguous() if isinstance(r, int) else r for r in direct]
+        writes = self._written(step, reads, bound.shapes[0], bound.sizes[0], bound.launch[0], views)
+        return [writes[i] for i in order]
+
+    def _check_out(self, j: int, out: torch.Tensor, want: tuple) -> None:
+        """``out`` is contiguous with output ``j``'s (shape, dtype, device) ``want``, else ValueError."""
+        if (tuple(out.shape), out.dtype, out.device) != want or not out.is_contiguous():
+            raise ValueError(
+                f"run_into: output {j} of {self.key} is {want}, contiguous; got "
+                f"{(tuple(out.shape), out.dtype, out.device)} (contiguous: {out.is_contiguous()})"
+            )
+
     def _run_direct(self, inputs: Sequence[torch.Tensor], bound: _Bound) -> list[torch.Tensor]:
         """``run`` for a graph of one kernel from inputs to outputs: its outputs are fresh (or recycled
         buffers nothing else holds), so they alias no input and need no copy."""
@@ -527,7 +572,8 @@ class CompiledGraph:
         if self._pool is not None:
             return [views[b] if b in views else self._empty(b, shape) for b, shape in zip(k.writes, shapes)]
         return [
-            torch.empty(shape, dtype=b.dtype.torch, device=self.device) for b, shape in zip(k.writes, shapes)
+            views[b] if b in views else torch.empty(shape, dtype=b.dtype.torch, device=self.device)
+            for b, shape in zip(k.writes, shapes)
         ]
 
     def _empty(self, b: Node, shape: tuple[int, ...], nhwc: bool | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import os
 import platform
 import sys
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -78,6 +79,16 @@ class OutputPool:
         self._slots: dict = {}
         self._storages: dict = {}
         self._lock = threading.Lock()
+        _HOLDERS.add(self)
+
+    def held_bytes(self) -> int:
+        """Bytes of the buffers the pool keeps that no tensor outside it uses (memory a caller would
+        otherwise have had back between calls)."""
+        with self._lock:
+            # refs to a slot tensor: the slot, `t`, getrefcount's argument; to a storage: the pool's object
+            idle = [t for t in self._slots.values() if sys.getrefcount(t) == 3 and t._use_count() == 1]
+            n = sum(t.numel() * t.element_size() for t in idle)
+            return n + sum(s.nbytes() for s in self._storages.values() if _storage_use_count(s._cdata) == 1)
 
     def empty(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = dtype.itemsize
@@ -132,6 +143,19 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_HOLDERS: weakref.WeakSet = weakref.WeakSet()  # every live OutputPool and Arena
+
+
+def held_bytes() -> int:
+    """Bytes the CPU runtime keeps between calls that no tensor outside it uses: idle pool buffers and
+    arena blocks (what a memory measure taken between training steps would otherwise not see).
+
+    Example:
+        >>> n = held_bytes()  # e.g. added to the resident size before a step (benchmarks/train.py)
+    """
+    return sum(h.held_bytes() for h in list(_HOLDERS))
+
+
 _POOLS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -255,6 +279,7 @@ class Arena:
         }
         offsets, size = plan_offsets(lifetimes, pairs)
         self.block = torch.empty(max(size, 1), dtype=torch.uint8)
+        _HOLDERS.add(self)
         hint_hugepages(self.block)
         self.views: dict = {}
         for k, off, (nbytes, _, _) in zip(keys, offsets, lifetimes, strict=True):
@@ -264,6 +289,10 @@ class Arena:
             self.views[k] = t.permute(0, 3, 1, 2) if layouts.get(k) else t
         self._lock = threading.Lock()
         self.program: list | None = None  # the replay program for this signature (CompiledGraph._program)
+
+    def held_bytes(self) -> int:
+        """The block's bytes: an arena keeps them between calls."""
+        return self.block.numel()
 
     def take(self) -> dict | None:
         """The views, reserved for this call (release with :meth:`release`), or None while another call holds
@@ -279,6 +308,7 @@ __all__ = [
     "HUGEPAGE_MIN",
     "Arena",
     "OutputPool",
+    "held_bytes",
     "hint_hugepages",
     "plan_offsets",
     "pool_of",

@@ -500,3 +500,31 @@ def test_intermediates_live_in_one_arena_that_outputs_never_alias():
         t.join()
     for i in range(2):
         torch.testing.assert_close(results[i], evaluate(g, [big[i]])[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_run_into_writes_outputs_where_asked_even_over_an_input(backend) -> None:
+    """A row kernel (softmax: statistics, then one write pass) may write its output over its input; the
+    other outputs go to new buffers; a wrong out and a graph of several kernels raise."""
+    from kernelize import hub
+
+    def softmax_and_max(x):
+        return torch.softmax(x, -1), x.amax(-1, keepdim=True)
+
+    x = torch.randn(37, 300)
+    want = softmax_and_max(x)
+    with hub.use_backend(backend):
+        buf = x.clone()
+        got = hub.run_into(softmax_and_max, [buf], [buf, None])
+        assert got[0].data_ptr() == buf.data_ptr()
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+        with pytest.raises(ValueError, match="output 0"):
+            hub.run_into(softmax_and_max, [x], [torch.empty(37, 299), None])
+
+    def two_kernels(x):  # a row reduction, then a column reduction of its result: two kernels
+        return torch.softmax(x, -1).sum(0)
+
+    if backend == "cpu":
+        with pytest.raises(ValueError, match="not one generated kernel"):
+            hub.run_into(two_kernels, [x], [None])

@@ -131,3 +131,22 @@ def test_output_pool_fresh_tensors_reuse_memory_only_once_nothing_holds_it():
     w.grad = None
     Grad.apply(w).backward(torch.tensor(4.0))  # dropped: the same memory, adopted as `.grad`
     assert w.grad.data_ptr() == again and bool((w.grad == 4).all())
+
+
+def test_held_bytes_counts_idle_pool_buffers_and_arena_blocks():
+    """What the runtime keeps between calls that no outside tensor uses: a dropped pool buffer (not one a
+    view still holds), a dropped fresh tensor's memory, and arena blocks; the module total covers them."""
+    from kernelize.runtime.memory import held_bytes
+
+    pool = OutputPool()
+    a = pool.empty("y", (1024, 512), torch.float32)
+    g = pool.fresh("g", (1024, 256), torch.float32)
+    assert pool.held_bytes() == 0
+    view = a[1]
+    del a
+    assert pool.held_bytes() == 0  # the view still uses the buffer
+    del view, g
+    assert pool.held_bytes() == 1024 * 512 * 4 + 1024 * 256 * 4
+    arena = Arena({"t": ((64, 64), torch.float32, 0, 1)}, {})
+    assert arena.held_bytes() == arena.block.numel() >= 64 * 64 * 4
+    assert held_bytes() >= pool.held_bytes() + arena.held_bytes()

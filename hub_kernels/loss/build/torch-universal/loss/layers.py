@@ -110,9 +110,11 @@ def _launch(
         if z is None:
             z = logits[: h.shape[0]]
             torch.mm(h, weight.t(), out=z) if bias is None else torch.addmm(bias, h, weight.t(), out=z)
-        dz, lse, mean = hub.run(None, chunk_grad_math, [z, scale], smoothing=label_smoothing)
         safe_y = torch.where(valid[start : start + chunk], labels[start : start + chunk], 0).unsqueeze(1)
-        row_loss = lse - keep * z.gather(1, safe_y).float() - label_smoothing * mean
+        z_y = z.gather(1, safe_y).float()
+        # the gradient over the logits in place: one chunk-sized buffer, not two
+        dz, lse, mean = hub.run_into(chunk_grad_math, [z, scale], [z, None, None], smoothing=label_smoothing)
+        row_loss = lse - keep * z_y - label_smoothing * mean
         total += (row_loss * scale).sum()
         dz.scatter_add_(1, safe_y, (-keep * scale).to(dz.dtype))
         dh = onednn_linear(dz, weight.t())
