@@ -15,8 +15,10 @@ Three parts, every implementation timed in interleaved repetitions (median repor
 Peak memory of a step: each (model, variant) runs in a fresh child process (glibc's mmap threshold fixed,
 so freed large blocks leave the resident set) that does two warm-up steps, resets the kernel's
 resident-set high-water mark (``/proc/self/clear_refs``), runs one step and reports
-``VmHWM - VmRSS(before the step)``: everything the step allocated on top of model, inputs and caches
-(kernelize's output pools included, as they are resident).
+``VmHWM - VmRSS(before the step) + held``: everything the step allocated on top of what the previous step
+left (model, inputs, gradients, caches), plus ``held``, what kernelize's runtime keeps resident between
+steps that no tensor outside it uses (``kernelize.runtime.memory.held_bytes``: idle output-pool buffers,
+arena blocks), which the resident size before the step would otherwise hide.
 
 Usage:
     python benchmarks/train.py            # full sizes (~15 min on 2 shared cores)
