@@ -502,7 +502,7 @@ class CompiledGraph:
             return [g if o is None else o.copy_(g) for g, o in zip(got, outs, strict=True)]
         bound = self._bind(inputs)
         step = self._steps[0]
-        if self._direct is None or step.compiled.fresh is not None:
+        if self._direct is None or step.compiled.fresh is not None or set(step.kernel.writes) & self._cl:
             raise ValueError(
                 f"run_into: compiled graph {self.key} is not one generated kernel from its inputs to its "
                 "outputs; call run() and copy"

@@ -86,8 +86,9 @@ def _launch(
     chunk: int,
     need_weight_grad: bool,
 ) -> LossAndGrads:
-    """One pass over row chunks: the logits (into one reused buffer), the generated row kernel for the
-    softmax part of their gradient, the one-hot part scattered in, then the two matmuls."""
+    """One pass over row chunks: the logits (a oneDNN matmul on the CPU in f32, else into one reused
+    buffer), the generated row kernel writing the softmax part of their gradient over them, the one-hot
+    part scattered in, then the two matmuls."""
     tokens, vocab = hidden.shape[0], weight.shape[0]
     valid = labels != ignore_index
     count = int(valid.sum()) if reduction == "mean" else 1
