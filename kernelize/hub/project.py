@@ -41,9 +41,11 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            # create_graph=True: torch's differentiable product (the oneDNN op has no derivative)
-            dx = dy @ weight if torch.is_grad_enabled() else onednn_linear(dy2, weight.t()).view(x.shape)
+        if ctx.needs_input_grad[0] and torch.is_grad_enabled():
+            dx = dy @ weight  # create_graph=True: torch's differentiable product (oneDNN's has no derivative)
+        elif ctx.needs_input_grad[0]:
+            dx2 = onednn_linear(dy2, weight.t())
+            dx = (dy2 @ weight if dx2 is None else dx2).view(x.shape)
         if ctx.needs_input_grad[1]:
             dw = torch.mm(dy2.t(), x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
