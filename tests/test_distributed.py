@@ -92,6 +92,7 @@ def _worker(rank: int, world: int, port: int, mode: str, family: str, out: str) 
         grads = _train(wrapped, ids[mine], labels[mine])
         if rank == 0:
             torch.save(grads, out)
+        dist.barrier()  # no rank tears gloo down while another's last collective may be in flight
     finally:
         dist.destroy_process_group()
 
