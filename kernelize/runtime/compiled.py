@@ -507,7 +507,7 @@ class CompiledGraph:
                 f"run_into: compiled graph {self.key} is not one generated kernel from its inputs to its "
                 "outputs; call run() and copy"
             )
-        direct, order = self._direct
+        order = self._direct[1]
         views = {}
         for j, out in enumerate(outs):
             if out is None:
@@ -515,9 +515,7 @@ class CompiledGraph:
             node = step.kernel.writes[order[j]]
             self._check_out(j, out, (tuple(bound.shapes[0][order[j]]), node.dtype.torch, self.device))
             views[node] = out
-        reads = [inputs[r].contiguous() if isinstance(r, int) else r for r in direct]
-        writes = self._written(step, reads, bound.shapes[0], bound.sizes[0], bound.launch[0], views)
-        return [writes[i] for i in order]
+        return self._run_direct(inputs, bound, views)
 
     def _check_out(self, j: int, out: torch.Tensor, want: tuple) -> None:
         """``out`` is contiguous with output ``j``'s (shape, dtype, device) ``want``, else ValueError."""
@@ -527,12 +525,17 @@ class CompiledGraph:
                 f"{(tuple(out.shape), out.dtype, out.device)} (contiguous: {out.is_contiguous()})"
             )
 
-    def _run_direct(self, inputs: Sequence[torch.Tensor], bound: _Bound) -> list[torch.Tensor]:
+    def _run_direct(
+        self,
+        inputs: Sequence[torch.Tensor],
+        bound: _Bound,
+        views: Mapping[Node, torch.Tensor] = {},  # noqa: B006 (read only)
+    ) -> list[torch.Tensor]:
         """``run`` for a graph of one kernel from inputs to outputs: its outputs are fresh (or recycled
-        buffers nothing else holds), so they alias no input and need no copy."""
+        buffers nothing else holds, or the caller's ``views``), so they alias no input and need no copy."""
         step, (direct, order) = self._steps[0], self._direct
         reads = [inputs[r].contiguous() if isinstance(r, int) else r for r in direct]
-        writes = self._written(step, reads, bound.shapes[0], bound.sizes[0], bound.launch[0])
+        writes = self._written(step, reads, bound.shapes[0], bound.sizes[0], bound.launch[0], views)
         return [writes[i] for i in order]
 
     def _written(

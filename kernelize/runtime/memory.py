@@ -85,28 +85,15 @@ class OutputPool:
         """Bytes of the buffers the pool keeps that no tensor outside it uses (memory a caller would
         otherwise have had back between calls)."""
         with self._lock:
-            # refs to a slot tensor: the slot, `t`, getrefcount's argument; to a storage: the pool's object
-            idle = [t for t in self._slots.values() if sys.getrefcount(t) == 3 and t._use_count() == 1]
-            n = sum(t.numel() * t.element_size() for t in idle)
-            return n + sum(s.nbytes() for s in self._storages.values() if _storage_use_count(s._cdata) == 1)
+            n = sum(t.numel() * t.element_size() for t in self._slots.values() if _slot_idle(t))
+            return n + sum(s.nbytes() for s in self._storages.values() if _storage_idle(s))
 
     def empty(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= d
-        if nbytes < self.MIN_BYTES or _storage_use_count is None:
+        if math.prod(shape) * dtype.itemsize < self.MIN_BYTES or _storage_use_count is None:
             return torch.empty(shape, dtype=dtype)
         with self._lock:
             t = self._slots.get(key)
-            # refs: the slot, `t`, getrefcount's argument; storage: the tensor and the temporary storage
-            if (
-                t is not None
-                and t.dtype == dtype
-                and tuple(t.shape) == shape
-                and sys.getrefcount(t) == 3
-                and t._use_count() == 1
-                and _storage_use_count(t.untyped_storage()._cdata) == 2
-            ):
+            if t is not None and t.dtype == dtype and tuple(t.shape) == shape and _slot_idle(t):
                 return t
             t = torch.empty(shape, dtype=dtype)
             hint_hugepages(t)
@@ -125,21 +112,27 @@ class OutputPool:
             return torch.empty(shape, dtype=dtype)
         with self._lock:
             s = self._storages.get(key)
-            # refs to the storage: the pool's `s` alone, so no tensor or view is left on it
-            if s is not None and s.nbytes() == nbytes and _storage_use_count(s._cdata) == 1:
-                return torch.empty(0, dtype=dtype).set_(s, 0, shape, _contiguous_strides(shape))
+            if s is not None and s.nbytes() == nbytes and _storage_idle(s):
+                return torch.empty(0, dtype=dtype).set_(s, 0, shape)
             t = torch.empty(shape, dtype=dtype)
             hint_hugepages(t)
             self._storages[key] = t.untyped_storage()
             return t
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
+def _slot_idle(t: torch.Tensor) -> bool:
+    """Nothing outside the pool uses slot tensor ``t``. Refs: the slot, the caller's name, this parameter and
+    getrefcount's argument; no C++ owner (autograd); its storage's: ``t`` and the temporary object."""
+    return (
+        sys.getrefcount(t) == 4
+        and t._use_count() == 1
+        and _storage_use_count(t.untyped_storage()._cdata) == 2
+    )
+
+
+def _storage_idle(s: torch.UntypedStorage) -> bool:
+    """No tensor or view is left on pooled storage ``s`` (its only reference is the pool's object)."""
+    return _storage_use_count(s._cdata) == 1
 
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
