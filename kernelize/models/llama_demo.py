@@ -1,4 +1,4 @@
-"""A small Llama-style decoder whose RMSNorm, MLP activation, rotary and attention layers are marked.
+"""A small Llama-style decoder whose norms, MLP activation, rotary, attention and projections are marked.
 
 The model is ordinary eager PyTorch, written the way model code usually is (norms computed in f32 with
 several ops, `rotate_half` with a concat, scores, softmax after a scale and an additive causal mask, and
@@ -14,6 +14,7 @@ module                        marked as                     hub repository
 ``SiluAndMul``                ``SiluAndMul``          kernelize/activation
 ``RotaryEmbedding``           ``RotaryEmbedding``     kernelize/rotary
 ``ScaledDotProductAttention`` ``ScaledDotProductAttention`` kernelize/attention
+``Linear`` (the projections)  ``Linear``                    kernelize/linear
 ============================  ============================  =================
 
 ``ScaledMaskedSoftmax`` (kernelize/softmax) is kept for models that only mark their softmax.
@@ -138,6 +139,14 @@ class RotaryEmbedding(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+@use_kernel_forward_from_hub("Linear")
+class Linear(nn.Linear):
+    """A projection, ``x @ weight.T`` (no bias): ``nn.Linear`` marked so the hub's ``Linear`` can take it."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+
 @use_kernel_forward_from_hub("ScaledMaskedSoftmax")
 class ScaledMaskedSoftmax(nn.Module):
     """``softmax(scores * scale + mask)`` over the last axis, in f32."""
@@ -173,9 +182,9 @@ class ScaledDotProductAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaDemoConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden, 2 * cfg.intermediate)
         self.act = SiluAndMul()
-        self.down_proj = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+        self.down_proj = Linear(cfg.intermediate, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -185,8 +194,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaDemoConfig) -> None:
         super().__init__()
         self.heads, self.head_dim = cfg.heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)
-        self.o_proj = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.qkv_proj = Linear(cfg.hidden, 3 * cfg.hidden)
+        self.o_proj = Linear(cfg.hidden, cfg.hidden)
         self.rotary = RotaryEmbedding()
         self.attn = ScaledDotProductAttention(1.0 / math.sqrt(cfg.head_dim))
 
@@ -228,7 +237,7 @@ class LlamaDemo(nn.Module):
             self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
             self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
             self.norm = RMSNorm(cfg.hidden, cfg.eps)
-            self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+            self.lm_head = Linear(cfg.hidden, cfg.vocab)
             for module in self.modules():  # non-trivial norm weights so a wrong weight read shows
                 if isinstance(module, RMSNorm):
                     nn.init.normal_(module.weight, 1.0, 0.1)
@@ -255,5 +264,5 @@ class LlamaDemo(nn.Module):
 # module class -> the name it is marked with (what default_mapping() must cover for the demo)
 MARKED_LAYERS = {
     cls.__name__: cls.kernel_layer_name
-    for cls in (RMSNorm, ResidualRMSNorm, SiluAndMul, RotaryEmbedding, ScaledDotProductAttention)
+    for cls in (RMSNorm, ResidualRMSNorm, SiluAndMul, RotaryEmbedding, ScaledDotProductAttention, Linear)
 }

@@ -333,10 +333,39 @@ def test_direct_gemm_declines_what_onednn_cannot_fuse():
     x = g.input("x", ("m", 16), DType.F32)
     g.output(g.sigmoid(g.matmul(x, g.transpose(g.const(w)))))
     assert direct_gemm(_matmul_kernel_of(g)) is None
-    g = linear_graph(("m",), 16, 24, DType.F32, "bias")  # a weight that is an input, not a constant
-    assert direct_gemm(_matmul_kernel_of(g)) is None
     g = linear_graph(("m",), 16, 12, DType.F32, "gated_silu")  # two matmuls in one kernel
     assert direct_gemm(_matmul_kernel_of(g)) is None
+    g = Graph()  # a weight of symbolic shape
+    x = g.input("x", ("m", 16), DType.F32)
+    g.output(g.matmul(x, g.input("w", (16, "n"), DType.F32)))
+    assert direct_gemm(_matmul_kernel_of(g)) is None
+
+
+@pytest.mark.parametrize("epilogue", ["none", "bias", "bias_gelu", "residual"])
+def test_input_weight_in_linear_layout_runs_one_unpacked_onednn_call(direct_calls, packed_calls, epilogue):
+    """A hub layer's weight is an input (it may change between calls): oneDNN reads it as it is, no pack;
+    its bias (an input too) is a post-op. Results equal the reference, also after the weight changes."""
+    gen = torch.Generator().manual_seed(14)
+    g = linear_graph(("b", "s"), 45, 70, DType.F32, epilogue)
+    plan_ = direct_gemm(_matmul_kernel_of(g))
+    assert plan_ is not None and not plan_.packed
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for sizes in ({"b": 2, "s": 40}, {"b": 1, "s": 3}):
+        inputs = inputs_for(g, sizes, gen)
+        for _ in range(2):
+            (got,) = cg(*inputs)
+            (want,) = evaluate(g, inputs)
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=str(sizes))
+            inputs[1].mul_(-0.5)  # an optimizer step in place: nothing of the old weight may be kept
+    assert direct_calls == [True, True] and packed_calls == []
+
+
+def test_input_weight_stored_k_by_n_takes_the_library_gemm(direct_calls):
+    """A (K, N) weight input is not in the layout oneDNN reads unpacked: the GEMM + epilogue path runs."""
+    gen = torch.Generator().manual_seed(15)
+    g = linear_graph(("m",), 33, 50, DType.F32, "bias", transposed_w=True)
+    check(g, inputs_for(g, {"m": 40}, gen), DType.F32)
+    assert direct_calls == [False]
 
 
 @pytest.fixture
