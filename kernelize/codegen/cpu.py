@@ -47,7 +47,7 @@ from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Stor
 from kernelize.codegen import cpu_conv
 from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
 from kernelize.codegen.cpu_attention import attention_launcher, render_attention
-from kernelize.codegen.cpu_chunks import bf16_store, chunked_loop
+from kernelize.codegen.cpu_chunks import CHUNK, ChunkStore, chunk_store, chunked_loop, stream_bytes
 from kernelize.codegen.render import Renderer, c_name, closure, deps
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -328,6 +328,7 @@ class _Writer:
             INNER=self.n(last),
             OUTER=self.r.dim(numel(k.domain[:last])),
             PARALLEL_MIN=str(PARALLEL_MIN),
+            STREAM_BYTES=str(stream_bytes(c) if self.streams(c := self.chunk_stores(last)) else 0),
             OUTER_INDEX="\n".join(outer),
             LOOPS="\n".join(loops),
         )
@@ -336,11 +337,26 @@ class _Writer:
         """The ``#pragma omp simd`` loop over the inner axis from ``j0`` to ``j1``: ``values``, the stores."""
         last, ind = self.rank - 1, " " * 12
         body = [self.value(i, [last], {}, piece) for i in values]
-        bf16 = [b for n, s in enumerate(self.k.stores) if (b := bf16_store(self, n, s, last)) is not None]
-        chunked = {b.slot for b in bf16}
-        rest = [self.store(n, s, [last]) for n, s in enumerate(self.k.stores) if n not in chunked]
-        lines = chunked_loop(f"i{last}", j0, j1, body, bf16, rest)
+        chunked = self.chunk_stores(last)
+        short = j0.isdigit() and j1.isdigit() and int(j1) - int(j0) < CHUNK  # no whole chunk to stream
+        stream = self.streams(chunked) and not short
+        chunked = chunked if stream else [c for c in chunked if c.bf16]
+        slots = {c.slot for c in chunked}
+        rest = [self.store(n, s, [last]) for n, s in enumerate(self.k.stores) if n not in slots]
+        lines = chunked_loop(f"i{last}", j0, j1, body, chunked, rest, stream=stream)
         return "\n".join(line if line.startswith("#") else ind + line for line in lines)
+
+    def chunk_stores(self, axis: int, stores: Sequence[tuple[int, Store]] | None = None) -> list[ChunkStore]:
+        """The stores (all of the kernel's by default) a simd loop over ``axis`` writes contiguously in f32
+        or bf16: chunked, and streamed when the kernel streams its outputs (see :meth:`streams`)."""
+        pairs = enumerate(self.k.stores) if stores is None else stores
+        return [c for n, s in pairs if (c := chunk_store(self, n, s, axis)) is not None]
+
+    def streams(self, chunked: Sequence[ChunkStore]) -> bool:
+        """Whether the kernel gets a streamed loop for ``chunked``: not when its static size keeps them
+        under :data:`STREAM_MIN` bytes."""
+        size = numel(self.k.domain)
+        return bool(chunked) and not (isinstance(size, int) and size * stream_bytes(chunked) < STREAM_MIN)
 
     def matmul(self) -> str:
         from kernelize.codegen.cpu_gemv import render_gemv
@@ -348,10 +364,11 @@ class _Writer:
         return render_gemv(self)
 
     def row(self) -> str:
-        from kernelize.codegen.cpu_row import render_columns, render_row
+        from kernelize.codegen.cpu_row import render_columns, render_row, row_stream_bytes
 
         k = self.k
         split = self.rank - k.row_rank
+        inv = row_invariant(k)
         ind = " " * 8
         outer = self.outer_index(split, "kz_o", ind) + self.bases(split, ind)
         return fill(
@@ -365,7 +382,8 @@ class _Writer:
             ROWLEN=self.r.dim(numel(k.domain[split:])),
             PARALLEL_MIN=str(PARALLEL_MIN),
             OUTER_INDEX="\n".join(outer),
-            ROW="\n".join(ind + line for line in render_row(self, row_invariant(k))),
+            STREAM_BYTES=row_stream_bytes(self, inv),
+            ROW="\n".join(ind + line for line in render_row(self, inv)),
             **render_columns(self),
         )
 
@@ -449,6 +467,42 @@ def build_shared_object(source: str, kernel_name: str = "kernel") -> Path:
 # One deadline for every kernel library: after a parallel region whose workers started late (other processes
 # hold the cores), regions run on one thread until then (see "thread teams under load" in cpu_prelude.h).
 TEAM_DEADLINE = ctypes.c_int64(0)
+STREAM_MIN = 1 << 20  # a kernel whose static size keeps its outputs smaller never streams them
+
+
+def stream_threshold() -> int:
+    """Bytes of contiguous output from which a pointwise or row kernel writes it with non-temporal stores
+    (see "non-temporal stores" in cpu_prelude.h): ``$KERNELIZE_CPU_NT_BYTES`` (a byte count, or ``off``),
+    else half the last-level cache (from sysfs; 16 MiB when unreadable). Measured on LayerNorm's forward,
+    2048 x 2048 f32 (16 MiB out; 32 MiB L3), 2 threads: 1.0 -> 0.8 ms; a smaller output, which the cache keeps
+    it for the next op, streamed was slower (2 MiB: 0.25 -> 0.31 ms)."""
+    env = os.environ.get("KERNELIZE_CPU_NT_BYTES", "").strip().lower()
+    if env == "off":
+        return 2**63 - 1
+    if env:
+        try:
+            return max(int(env), 1)
+        except ValueError:
+            raise ValueError(f"KERNELIZE_CPU_NT_BYTES={env!r}: expected a byte count or `off`") from None
+    return _last_level_cache() // 2
+
+
+def _last_level_cache() -> int:
+    sizes = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:].upper(), 1)
+        digits = size.rstrip("KkMm")
+        if digits.isdigit():
+            sizes[level] = int(digits) * scale
+    return sizes[max(sizes)] if sizes else 32 << 20
+
+
+# Shared by every kernel library, like the deadline: tests and tools may change it at run time.
+NT_BYTES = ctypes.c_int64(stream_threshold())
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -456,10 +510,11 @@ def load(path: Path) -> ctypes.CDLL:
         lib = _LOADED.get(str(path))
         if lib is None:
             lib = _LOADED[str(path)] = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
-            bind = getattr(lib, "kz_bind_team_state", None)
-            if bind is not None:
-                bind.argtypes = [ctypes.POINTER(ctypes.c_int64)]
-                bind(ctypes.byref(TEAM_DEADLINE))
+            for name, value in (("kz_bind_team_state", TEAM_DEADLINE), ("kz_bind_nt_bytes", NT_BYTES)):
+                bind = getattr(lib, name, None)
+                if bind is not None:
+                    bind.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+                    bind(ctypes.byref(value))
         return lib
 
 

@@ -37,48 +37,73 @@ from kernelize.ir.dtypes import DType
 CHUNK = 64
 
 
-class Bf16Store(NamedTuple):
-    """A bf16 store of a simd loop, contiguous along the loop index: ``dst`` is the address of the element
-    at index 0 (``kz_out2 + kz_s2``), ``line`` the plain store, ``value`` the stored value's C name."""
+class ChunkStore(NamedTuple):
+    """An f32 or bf16 store of a simd loop, contiguous along the loop index: ``dst`` is the address of the
+    element at index 0 (``kz_out2 + kz_s2``), ``line`` the plain store, ``value`` the stored value's name."""
 
     slot: int
     value: str
     dst: str
     line: str
+    bf16: bool
 
 
-def bf16_store(w, n: int, s, axis: int) -> Bf16Store | None:
-    """Store ``n`` (``s``) of writer ``w``'s kernel as a :class:`Bf16Store` of a loop over ``axis``, or None
-    when it is not a bf16 store with unit stride along that axis."""
-    if s.buffer.dtype is not DType.BF16 or s.strides[axis] != 1:
+def chunk_store(w, n: int, s, axis: int) -> ChunkStore | None:
+    """Store ``n`` (``s``) of writer ``w``'s kernel as a :class:`ChunkStore` of a loop over ``axis``, or None
+    when it is not an f32 or bf16 store with unit stride along that axis."""
+    if s.buffer.dtype not in (DType.F32, DType.BF16) or s.strides[axis] != 1:
         return None
-    return Bf16Store(n, f"v{s.value}", f"{w.ptr[s.buffer]} + kz_s{n}", w.store(n, s, [axis]))
+    line = w.store(n, s, [axis])
+    return ChunkStore(n, f"v{s.value}", f"{w.ptr[s.buffer]} + kz_s{n}", line, s.buffer.dtype is DType.BF16)
+
+
+def stream_bytes(stores: Sequence[ChunkStore]) -> int:
+    """Bytes the streamable ``stores`` write per element of the loop (what ``kz_streams`` is asked about)."""
+    return sum(2 if s.bf16 else 4 for s in stores)
 
 
 def chunked_loop(
-    var: str, lo: str, hi: str, body: Sequence[str], stores: Sequence[Bf16Store], rest: Sequence[str]
+    var: str,
+    lo: str,
+    hi: str,
+    body: Sequence[str],
+    stores: Sequence[ChunkStore],
+    rest: Sequence[str],
+    bf16_chunks: bool = True,
+    stream: bool = True,
 ) -> list[str]:
     """The simd loop ``for var in [lo, hi)`` computing ``body``, doing ``rest`` (the other stores and
-    updates) and the bf16 ``stores``: in float chunks where AVX512-BF16 is there, plainly for the rest.
-    Without bf16 stores, the plain loop alone."""
+    updates) and the contiguous ``stores``: when ``stream`` and the kernel streams its outputs (``kz_nt``),
+    every one of them through float chunks written with non-temporal stores; else the bf16 ones in float
+    chunks where AVX512-BF16 is there (and ``bf16_chunks``); plainly for the rest of the range."""
 
     def loop(start: str, end: str, lines: Sequence[str]) -> list[str]:
         head = f"for (int64_t {var} = {start}; {var} < {end}; ++{var}) {{"
         return ["#pragma omp simd", head, *("    " + b for b in lines), "}"]
 
+    def chunks(chunked: Sequence[ChunkStore], write: str) -> list[str]:
+        kept = {s.slot for s in chunked}
+        lines = [s.line for s in stores if s.slot not in kept]
+        chunk = [*body, *(f"kz_b{s.slot}[{var} - kz_ch] = {s.value};" for s in chunked), *lines, *rest]
+        return [
+            f"for (; kz_ch + {CHUNK} <= {hi}; kz_ch += {CHUNK}) {{",
+            *(f"    alignas(64) float kz_b{s.slot}[{CHUNK}];" for s in chunked),
+            *("    " + b for b in loop("kz_ch", f"kz_ch + {CHUNK}", chunk)),
+            *(f"    {write}({s.dst} + kz_ch, kz_b{s.slot}, {CHUNK});" for s in chunked),
+            "}",
+        ]
+
     plain = [*body, *(s.line for s in stores), *rest]
-    if not stores:
+    if not stores or not (stream or bf16_chunks and any(s.bf16 for s in stores)):
         return loop(lo, hi, plain)
-    chunk = [*body, *(f"kz_b{s.slot}[{var} - kz_ch] = {s.value};" for s in stores), *rest]
-    chunks = [
-        f"for (; kz_ch + {CHUNK} <= {hi}; kz_ch += {CHUNK}) {{",
-        *(f"    alignas(64) float kz_b{s.slot}[{CHUNK}];" for s in stores),
-        *("    " + b for b in loop("kz_ch", f"kz_ch + {CHUNK}", chunk)),
-        *(f"    kz_st_bf16_row({s.dst} + kz_ch, kz_b{s.slot}, {CHUNK});" for s in stores),
-        "}",
-    ]
-    inner = [f"int64_t kz_ch = {lo};", "#if KZ_BF16_ROWS", *chunks, "#endif", *loop("kz_ch", hi, plain)]
+    inner = [f"int64_t kz_ch = {lo};"]
+    if stream:
+        inner += ["if (kz_nt) {", *("    " + b for b in chunks(stores, "kz_stream_row")), "}"]
+    bf16 = [s for s in stores if s.bf16]
+    if bf16 and bf16_chunks:
+        inner += ["#if KZ_BF16_ROWS", *chunks(bf16, "kz_st_bf16_row"), "#endif"]
+    inner += loop("kz_ch", hi, plain)
     return ["{", *("    " + b for b in inner), "}"]  # a block: a tile may hold several such loops
 
 
-__all__ = ["CHUNK", "Bf16Store", "bf16_store", "chunked_loop"]
+__all__ = ["CHUNK", "ChunkStore", "chunk_store", "chunked_loop", "stream_bytes"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernelize.autokernel.kernels import Compute, column_sums
-from kernelize.codegen.cpu_chunks import bf16_store, chunked_loop
+from kernelize.codegen.cpu_chunks import chunked_loop, stream_bytes
 from kernelize.codegen.render import closure, deps
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.ops import NormArgs
@@ -314,7 +314,7 @@ def render_row(w, inv: list[bool]) -> list[str]:
 
     scalars(0)
     # the write pass: full values stored, and the operands of column sums added to this thread's partials
-    full_stores = [(j, s) for j, s in enumerate(k.stores) if not inv[s.value] and s.value not in cols]
+    full_stores = _full_stores(k, inv)
     roots = [s.value for _, s in full_stores] + [k.body[i].src[0] for i in cols]
     written = set(closure(k, roots, inv))
     for p in range(1, last + 1):
@@ -330,20 +330,42 @@ def render_row(w, inv: list[bool]) -> list[str]:
     return [line for line in lines if line]
 
 
+def _full_stores(k, inv: list[bool]) -> list[tuple[int, Any]]:
+    """The stores of full values (not per-row values, not column sums), with their positions."""
+    cols = column_sums(k)
+    return [(j, s) for j, s in enumerate(k.stores) if not inv[s.value] and s.value not in cols]
+
+
+def stream_stores(w, split: int, stores: list[tuple[int, Any]]) -> list:
+    """The full stores the write pass may stream (one row axis, contiguous f32 / bf16, a kernel that may be
+    large enough): [] when it never streams."""
+    chunked = w.chunk_stores(split, stores) if w.k.row_rank == 1 else []
+    return chunked if w.streams(chunked) else []
+
+
+def row_stream_bytes(w, inv: list[bool]) -> str:
+    """The ``STREAM_BYTES`` hole of a row kernel: bytes its streamable stores write per element."""
+    split = w.rank - w.k.row_rank
+    return str(stream_bytes(stream_stores(w, split, _full_stores(w.k, inv))))
+
+
 def _write_pass(w, split: int, values: list[str], stores: list[tuple[int, Any]], sums: list[str]):
     """The write pass: ``values``, the full ``stores`` and the column-sum updates ``sums``. Over one row
-    axis and without column sums, bf16 stores go through float chunks
-    (:func:`~kernelize.codegen.cpu_chunks.chunked_loop`): with a row of column partials to update as well,
-    chunks were slower (add+RMSNorm bf16 backward, 2048 x 2048, 1 thread: 2.10 ms plain, 2.53 ms in chunks
-    of 64, 2.19 ms of 32)."""
+    axis, contiguous f32 / bf16 stores go through float chunks
+    (:func:`~kernelize.codegen.cpu_chunks.chunked_loop`) when the kernel streams its outputs, and bf16 ones
+    also when it does not, unless there are column sums: with a row of column partials to update as well,
+    bf16 chunks were slower (add+RMSNorm bf16 backward, 2048 x 2048, 1 thread: 2.10 ms plain, 2.53 ms in
+    chunks of 64, 2.19 ms of 32)."""
     row_axes = list(range(split, w.rank))
-    chunks = w.k.row_rank == 1 and not sums
-    bf16 = [b for j, s in stores if chunks and (b := bf16_store(w, j, s, split)) is not None]
-    chunked = {b.slot for b in bf16}
-    rest = [w.store(j, s, row_axes) for j, s in stores if j not in chunked] + sums
-    if not bf16:
+    chunked = w.chunk_stores(split, stores) if w.k.row_rank == 1 else []
+    stream = w.streams(chunked)
+    if not stream:
+        chunked = [c for c in chunked if c.bf16 and not sums]
+    slots = {c.slot for c in chunked}
+    rest = [w.store(j, s, row_axes) for j, s in stores if j not in slots] + sums
+    if not chunked:
         return _loop(w, split, True, [], values + rest)
-    return chunked_loop(f"i{split}", "0", w.n(split), values, bf16, rest)
+    return chunked_loop(f"i{split}", "0", w.n(split), values, chunked, rest, not sums, stream)
 
 
 # elementwise ops worth a scratch-row store and load rather than computing them again in a later pass

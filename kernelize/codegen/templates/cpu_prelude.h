@@ -335,6 +335,56 @@ KZ_INLINE void kz_st_bf16_row(kz_bf16* __restrict dst, const float* __restrict s
 #define KZ_BF16_ROWS 0
 #endif
 
+// ---- non-temporal stores of large outputs -----------------------------------------------------------------
+// A kernel whose contiguous f32 / bf16 outputs total at least *kz_nt_min bytes (the loader binds it to
+// kernelize.codegen.cpu.NT_BYTES: half the last-level cache) streams them past the caches: its values go to
+// a 64-value chunk on the stack, written out 64 bytes at a time with non-temporal stores when the address is
+// aligned. Outputs that large, with the inputs the kernel reads, do not stay cached for the next op, and a
+// regular store first reads each line it writes (read for ownership): a third of a copy's traffic. Each
+// thread fences its streamed stores before the region's closing barrier.
+static int64_t kz_nt_local = INT64_MAX;
+static int64_t* kz_nt_min = &kz_nt_local;
+extern "C" void kz_bind_nt_bytes(int64_t* min_bytes) { kz_nt_min = min_bytes; }
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KZ_NT_ROWS 1
+KZ_INLINE void kz_stream_fence() { _mm_sfence(); }
+KZ_INLINE void kz_stream_row(float* __restrict dst, const float* __restrict src, int64_t n) {
+    if ((uintptr_t)dst & 63) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < n; i += 16) _mm512_stream_ps(dst + i, _mm512_load_ps(src + i));
+}
+KZ_INLINE void kz_stream_row(kz_bf16* __restrict dst, const float* __restrict src, int64_t n) {
+#if KZ_BF16_ROWS
+    if ((uintptr_t)dst & 63) {
+        kz_st_bf16_row(dst, src, n);
+        return;
+    }
+    for (int64_t i = 0; i < n; i += 32) {
+        alignas(64) uint16_t bits[32];
+        kz_st_bf16_row((kz_bf16*)bits, src + i, 32);  // the rounding of every bf16 store, denormals included
+        _mm512_stream_si512((__m512i*)((uint16_t*)dst + i), _mm512_load_si512((const void*)bits));
+    }
+#else
+    for (int64_t i = 0; i < n; ++i) ((uint16_t*)dst)[i] = kz_f32_to_bf16_bits(src[i]);
+#endif
+}
+#else
+#define KZ_NT_ROWS 0
+KZ_INLINE void kz_stream_fence() {}
+KZ_INLINE void kz_stream_row(float* dst, const float* src, int64_t n) { memcpy(dst, src, (size_t)n * 4); }
+KZ_INLINE void kz_stream_row(kz_bf16* dst, const float* src, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) ((uint16_t*)dst)[i] = kz_f32_to_bf16_bits(src[i]);
+}
+#endif
+// whether a kernel writing `bytes` of contiguous outputs streams them
+KZ_INLINE bool kz_streams(int64_t bytes) {
+    return KZ_NT_ROWS && bytes > 0 && bytes >= __atomic_load_n(kz_nt_min, __ATOMIC_RELAXED);
+}
+extern "C" int kz_streams_bytes(int64_t bytes) { return kz_streams(bytes); }
+
 // ---- column partial sums of a row kernel (slot 0: float partials, 1: double totals): one block per thread
 // of the team, taken by the calling thread before the region (concurrent callers do not share one); never
 // freed, each grows to the largest seen

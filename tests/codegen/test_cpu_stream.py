@@ -1,0 +1,139 @@
+"""Non-temporal stores of large outputs (``kz_streams`` in cpu_prelude.h, ``kernelize.codegen.cpu.NT_BYTES``):
+pointwise and row kernels from the real planner give the same bits streamed and not, over row lengths
+around the chunk size, f32 and bf16, with column sums, and into an output that is not 64-byte aligned."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kernelize.codegen import cpu
+from kernelize.codegen.cpu_chunks import CHUNK
+from kernelize.ir.dtypes import DType
+from kernelize.ir.graph import Graph
+from kernelize.ir.reference import evaluate
+from kernelize.runtime.compiled import compile_graph
+
+LENGTHS = [7, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
+NEVER = 2**62
+
+
+@pytest.fixture
+def threshold():
+    """Sets ``cpu.NT_BYTES`` (shared by every loaded kernel library) for a test and restores it."""
+    old = cpu.NT_BYTES.value
+
+    def set_to(value: int) -> None:
+        cpu.NT_BYTES.value = value
+
+    yield set_to
+    cpu.NT_BYTES.value = old
+
+
+def _both_ways(cg, inputs, threshold) -> list[torch.Tensor]:
+    threshold(NEVER)
+    plain = cg(*inputs)
+    threshold(1)
+    streamed = cg(*inputs)
+    for a, b in zip(streamed, plain):
+        assert torch.equal(a.view(-1).view(torch.int8), b.view(-1).view(torch.int8))
+    return streamed
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_pointwise_streamed_equals_plain_and_reference(threshold, dtype, n):
+    g = Graph()
+    x = g.input("x", ("rows", n), dtype)
+    g.output(g.mul(g.sigmoid(x), x), g.cast(g.add(x, g.scalar(1.0, dtype)), DType.F32))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    src = cg.kernels[0].source
+    assert "kz_stream_row(" in src and f"kz_streams(kz_outer * kz_inner * {dtype.itemsize + 4})" in src
+    xs = [(torch.randn(5, n) * 3).to(dtype.torch)]
+    for a, b in zip(_both_ways(cg, xs, threshold), evaluate(g, xs)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_row_kernels_streamed_equal_plain_and_reference(threshold, dtype, n):
+    """add + rmsnorm (two full outputs) and layernorm with its statistics (per-row outputs, not streamed)."""
+    g = Graph()
+    x, r = g.input("x", ("rows", n), dtype), g.input("r", ("rows", n), dtype)
+    w = g.input("w", (n,), dtype)
+    h = g.add(x, r)
+    g.output(h, g.rmsnorm(h, w, 1e-6), g.softmax(x))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    assert any("kz_stream_row(" in k.source for k in cg.kernels)
+    ins = [torch.randn(shape).to(dtype.torch) for shape in ((9, n), (9, n), (n,))]
+    for a, b in zip(_both_ways(cg, ins, threshold), evaluate(g, ins)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def _layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], w, b)
+
+
+def test_layernorm_backward_with_column_sums_streams_its_input_gradient(threshold):
+    """The generated backward of a layernorm: dx streamed, dweight / dbias as column sums beside it."""
+    from kernelize import hub
+
+    n = 3 * CHUNK + 5
+    x = torch.randn(33, n, requires_grad=True)
+    w, b = torch.randn(n, requires_grad=True), torch.randn(n, requires_grad=True)
+    seed = torch.randn(33, n)
+
+    def grads():
+        return torch.autograd.grad(hub.run(None, _layer_norm, [x], [w, b]), (x, w, b), seed)
+
+    threshold(NEVER)
+    plain = grads()
+    threshold(1)
+    streamed = grads()
+    want = torch.autograd.grad(_layer_norm(x, w, b), (x, w, b), seed)
+    for s, p, e in zip(streamed, plain, want):
+        assert torch.equal(s, p)
+        torch.testing.assert_close(s, e, rtol=1e-4, atol=1e-4)
+
+
+def test_an_output_off_64_byte_alignment_is_stored_plainly(threshold):
+    g = Graph()
+    x = g.input("x", ("rows", 4 * CHUNK), DType.F32)
+    g.output(g.mul(x, g.scalar(2.0, DType.F32)))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    xs = torch.randn(6, 4 * CHUNK)
+    out = torch.zeros(6 * 4 * CHUNK + 1)[1:].view(6, 4 * CHUNK)  # 4 bytes past an aligned start
+    threshold(1)
+    (got,) = cg.run_into([xs], [out])
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, xs * 2)
+
+
+def test_one_threshold_for_every_loaded_library(threshold):
+    """``NT_BYTES`` is bound into each library: changing it changes what every kernel decides."""
+    g = Graph()
+    g.output(g.neg(g.input("x", ("rows", 16), DType.F32)))
+    compile_graph(g, backend="cpu", cache=False)(torch.randn(2, 16))
+    libs = list(cpu._LOADED.values())
+    asked = [lib.kz_streams_bytes for lib in libs if hasattr(lib, "kz_streams_bytes")]
+    assert asked
+    for fn in asked:
+        fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_int
+    threshold(1000)
+    assert [fn(999) for fn in asked] == [0] * len(asked) and [fn(1000) for fn in asked] == [1] * len(asked)
+    threshold(NEVER)
+    assert [fn(1 << 40) for fn in asked] == [0] * len(asked)
+    assert [fn(0) for fn in asked] == [0] * len(asked)
+
+
+def test_threshold_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KERNELIZE_CPU_NT_BYTES", "off")
+    assert cpu.stream_threshold() == 2**63 - 1
+    monkeypatch.setenv("KERNELIZE_CPU_NT_BYTES", "4096")
+    assert cpu.stream_threshold() == 4096
+    monkeypatch.setenv("KERNELIZE_CPU_NT_BYTES", "lots")
+    with pytest.raises(ValueError, match="KERNELIZE_CPU_NT_BYTES='lots'"):
+        cpu.stream_threshold()
+    monkeypatch.delenv("KERNELIZE_CPU_NT_BYTES")
+    assert cpu.stream_threshold() == cpu._last_level_cache() // 2 > 0
