@@ -312,6 +312,8 @@ class _Writer:
         outer = self.outer_index(last, "kz_o", ind) + self.bases(last, ind)
         static_inner = isinstance(k.domain[last], int) and k.domain[last] <= BLOCK
         roots = [s.value for s in k.stores]
+        chunked, stream = self.chunk_plan(last)
+        streamed = chunked if stream else []
         pieces = inner_pieces(k)
         if pieces is not None:
             loops = [self.simd_loop(str(p[0]), str(p[1]), piece_closure(k, roots, p), p) for p in pieces]
@@ -328,7 +330,7 @@ class _Writer:
             INNER=self.n(last),
             OUTER=self.r.dim(numel(k.domain[:last])),
             PARALLEL_MIN=str(PARALLEL_MIN),
-            STREAM_BYTES=str(stream_bytes(c) if self.streams(c := self.chunk_stores(last)) else 0),
+            STREAM_BYTES=str(stream_bytes(streamed)),
             OUTER_INDEX="\n".join(outer),
             LOOPS="\n".join(loops),
         )
@@ -337,26 +339,32 @@ class _Writer:
         """The ``#pragma omp simd`` loop over the inner axis from ``j0`` to ``j1``: ``values``, the stores."""
         last, ind = self.rank - 1, " " * 12
         body = [self.value(i, [last], {}, piece) for i in values]
-        chunked = self.chunk_stores(last)
         short = j0.isdigit() and j1.isdigit() and int(j1) - int(j0) < CHUNK  # no whole chunk to stream
-        stream = self.streams(chunked) and not short
-        chunked = chunked if stream else [c for c in chunked if c.bf16]
+        chunked, stream = self.chunk_plan(last, short=short)
         slots = {c.slot for c in chunked}
         rest = [self.store(n, s, [last]) for n, s in enumerate(self.k.stores) if n not in slots]
         lines = chunked_loop(f"i{last}", j0, j1, body, chunked, rest, stream=stream)
         return "\n".join(line if line.startswith("#") else ind + line for line in lines)
 
-    def chunk_stores(self, axis: int, stores: Sequence[tuple[int, Store]] | None = None) -> list[ChunkStore]:
-        """The stores (all of the kernel's by default) a simd loop over ``axis`` writes contiguously in f32
-        or bf16: chunked, and streamed when the kernel streams its outputs (see :meth:`streams`)."""
+    def chunk_plan(
+        self,
+        axis: int,
+        stores: Sequence[tuple[int, Store]] | None = None,
+        short: bool = False,
+        bf16_chunks: bool = True,
+    ) -> tuple[list[ChunkStore], bool]:
+        """The stores (of ``stores``, else all of the kernel's) a simd loop over ``axis`` writes through float
+        chunks, and whether it has a streamed loop for them (taken when the kernel streams its outputs).
+        Streamed: every contiguous f32 / bf16 store, unless the loop is ``short`` (no whole chunk) or the
+        kernel's static size keeps them under :data:`STREAM_MIN` bytes. Else the bf16 ones if
+        ``bf16_chunks`` (their conversion is faster in chunks)."""
         pairs = enumerate(self.k.stores) if stores is None else stores
-        return [c for n, s in pairs if (c := chunk_store(self, n, s, axis)) is not None]
-
-    def streams(self, chunked: Sequence[ChunkStore]) -> bool:
-        """Whether the kernel gets a streamed loop for ``chunked``: not when its static size keeps them
-        under :data:`STREAM_MIN` bytes."""
+        chunked = [c for n, s in pairs if (c := chunk_store(self, n, s, axis)) is not None]
         size = numel(self.k.domain)
-        return bool(chunked) and not (isinstance(size, int) and size * stream_bytes(chunked) < STREAM_MIN)
+        small = isinstance(size, int) and size * stream_bytes(chunked) < STREAM_MIN
+        if chunked and not short and not small:
+            return chunked, True
+        return [c for c in chunked if c.bf16 and bf16_chunks], False
 
     def matmul(self) -> str:
         from kernelize.codegen.cpu_gemv import render_gemv

@@ -73,9 +73,10 @@ def chunked_loop(
     stream: bool = True,
 ) -> list[str]:
     """The simd loop ``for var in [lo, hi)`` computing ``body``, doing ``rest`` (the other stores and
-    updates) and the contiguous ``stores``: when ``stream`` and the kernel streams its outputs (``kz_nt``),
-    every one of them through float chunks written with non-temporal stores; else the bf16 ones in float
-    chunks where AVX512-BF16 is there (and ``bf16_chunks``); plainly for the rest of the range."""
+    updates) and the contiguous ``stores``: when ``stream`` and the kernel streams its outputs
+    (``kz_stream``), every one of them through float chunks written with non-temporal stores; else the bf16
+    ones in float chunks where AVX512-BF16 is there (and ``bf16_chunks``); plainly for the rest of the
+    range."""
 
     def loop(start: str, end: str, lines: Sequence[str]) -> list[str]:
         head = f"for (int64_t {var} = {start}; {var} < {end}; ++{var}) {{"
@@ -94,11 +95,11 @@ def chunked_loop(
         ]
 
     plain = [*body, *(s.line for s in stores), *rest]
-    if not stores or not (stream or bf16_chunks and any(s.bf16 for s in stores)):
+    if not stores:
         return loop(lo, hi, plain)
     inner = [f"int64_t kz_ch = {lo};"]
     if stream:
-        inner += ["if (kz_nt) {", *("    " + b for b in chunks(stores, "kz_stream_row")), "}"]
+        inner += ["if (kz_stream) {", *("    " + b for b in chunks(stores, "kz_stream_row")), "}"]
     bf16 = [s for s in stores if s.bf16]
     if bf16 and bf16_chunks:
         inner += ["#if KZ_BF16_ROWS", *chunks(bf16, "kz_st_bf16_row"), "#endif"]

@@ -336,17 +336,12 @@ def _full_stores(k, inv: list[bool]) -> list[tuple[int, Any]]:
     return [(j, s) for j, s in enumerate(k.stores) if not inv[s.value] and s.value not in cols]
 
 
-def stream_stores(w, split: int, stores: list[tuple[int, Any]]) -> list:
-    """The full stores the write pass may stream (one row axis, contiguous f32 / bf16, a kernel that may be
-    large enough): [] when it never streams."""
-    chunked = w.chunk_stores(split, stores) if w.k.row_rank == 1 else []
-    return chunked if w.streams(chunked) else []
-
-
 def row_stream_bytes(w, inv: list[bool]) -> str:
-    """The ``STREAM_BYTES`` hole of a row kernel: bytes its streamable stores write per element."""
-    split = w.rank - w.k.row_rank
-    return str(stream_bytes(stream_stores(w, split, _full_stores(w.k, inv))))
+    """The ``STREAM_BYTES`` hole of a row kernel: bytes per element its write pass streams (0: none)."""
+    if w.k.row_rank != 1:
+        return "0"
+    chunked, stream = w.chunk_plan(w.rank - 1, _full_stores(w.k, inv))
+    return str(stream_bytes(chunked) if stream else 0)
 
 
 def _write_pass(w, split: int, values: list[str], stores: list[tuple[int, Any]], sums: list[str]):
@@ -357,10 +352,7 @@ def _write_pass(w, split: int, values: list[str], stores: list[tuple[int, Any]],
     bf16 chunks were slower (add+RMSNorm bf16 backward, 2048 x 2048, 1 thread: 2.10 ms plain, 2.53 ms in
     chunks of 64, 2.19 ms of 32)."""
     row_axes = list(range(split, w.rank))
-    chunked = w.chunk_stores(split, stores) if w.k.row_rank == 1 else []
-    stream = w.streams(chunked)
-    if not stream:
-        chunked = [c for c in chunked if c.bf16 and not sums]
+    chunked, stream = w.chunk_plan(split, stores, bf16_chunks=not sums) if w.k.row_rank == 1 else ([], False)
     slots = {c.slot for c in chunked}
     rest = [w.store(j, s, row_axes) for j, s in stores if j not in slots] + sums
     if not chunked:

@@ -11,7 +11,7 @@ extern "C" int $NAME$($PARAMS$int kz_nthreads) {
     const int64_t kz_tiles = kz_outer * kz_nblk;
     int kz_err = 0;
     KZ_TEAM_OPEN(kz_nthreads, kz_outer * kz_inner >= $PARALLEL_MIN$)
-    const bool kz_nt = kz_streams(kz_outer * kz_inner * $STREAM_BYTES$);
+    const bool kz_stream = kz_streams(kz_outer * kz_inner * $STREAM_BYTES$);
 #pragma omp parallel num_threads(kz_team_n) reduction(|: kz_err) reduction(max: kz_lag) if (kz_team_n > 1)
     {
         KZ_TEAM_STARTED();
@@ -23,7 +23,7 @@ extern "C" int $NAME$($PARAMS$int kz_nthreads) {
 $OUTER_INDEX$
 $LOOPS$
         }
-        if (kz_nt) kz_stream_fence();
+        if (kz_stream) kz_stream_fence();
     }
     kz_team_done(kz_team_n, kz_lag);
     return kz_err;

@@ -8,7 +8,7 @@ extern "C" int $NAME$($PARAMS$int kz_nthreads) {
     const int64_t kz_rowlen = $ROWLEN$;
     int kz_err = 0;
     KZ_TEAM_OPEN(kz_nthreads, kz_outer * kz_rowlen >= $PARALLEL_MIN$)
-    const bool kz_nt = kz_streams(kz_outer * kz_rowlen * $STREAM_BYTES$);
+    const bool kz_stream = kz_streams(kz_outer * kz_rowlen * $STREAM_BYTES$);
 $COL_ALLOC$
 #pragma omp parallel num_threads(kz_team_n) reduction(|: kz_err) reduction(max: kz_lag) if (kz_team_n > 1)
     {
@@ -19,7 +19,7 @@ $COL_SETUP$
 $OUTER_INDEX$
 $ROW$
         }
-        if (kz_nt) kz_stream_fence();
+        if (kz_stream) kz_stream_fence();
 $COL_FINISH$
     }
     kz_team_done(kz_team_n, kz_lag);
