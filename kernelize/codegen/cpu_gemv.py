@@ -15,10 +15,10 @@ flattened):
   into a temporary, and a generated pointwise kernel (the same epilogue) reads it. An f32 matmul over a
   constant weight runs in oneDNN with the weight packed once into its blocked layout (see
   :func:`onednn_gemm`); others run ``torch.matmul`` (MKL). When the epilogue is only a bias, an exact or
-  tanh GELU, or a residual add (:func:`direct_gemm`), oneDNN applies it as post-ops and its result is the
-  kernel's output: no temporary, no epilogue pass. A weight that is an input (a hub layer's parameter,
-  which an optimizer may change between calls) takes that path unpacked when it is laid out like
-  ``nn.Linear``'s (N, K). The demo decoder's marked projections, 1024 rows x 256 -> 768, 2 threads: MKL
+  tanh GELU, a residual add or a multiply (:func:`direct_gemm`), oneDNN applies it as post-ops and its
+  result is the kernel's output: no temporary, no epilogue pass. A weight that is an input (a hub layer's
+  parameter, which an optimizer may change between calls) takes that path unpacked when it is laid out
+  like ``nn.Linear``'s (N, K). The demo decoder's marked projections, 1024 rows x 256 -> 768, 2 threads: MKL
   and the epilogue's copy 2.7-3.1 ms -> 2.5 ms (``nn.Linear`` 2.5-2.9 ms).
   bf16 / f16 operands on a CPU without 16-bit dot-product instructions (x86 without AVX512-BF16 / AMX,
   see :func:`lowp_gemm_in_f32`) are widened to f32 for the GEMM and the product rounded back: torch's
@@ -297,8 +297,9 @@ def _packed(bv: torch.Tensor, packs: dict, mi: int) -> torch.Tensor:
 
 
 class DirectGemm(NamedTuple):
-    """A MATMUL kernel that one packed oneDNN call computes whole, writing its output: ``act(x @ W + bias)``
-    or ``x @ W + bias + residual`` (``bias`` / ``residual``: body positions of their loads, or None)."""
+    """A MATMUL kernel that one oneDNN call computes whole, writing its output: ``act(x @ W + bias)`` or
+    ``(x @ W + bias) op residual`` with ``op`` (``binary``) an add or a multiply (the residual add; a gated
+    MLP's ``act(gate) * up``); ``bias`` / ``residual``: body positions of their loads, or None."""
 
     bias: int | None
     residual: int | None
@@ -306,6 +307,7 @@ class DirectGemm(NamedTuple):
     algorithm: str  # gelu's "none" (erf) or "tanh"
     nhwc: bool = False  # the output is an NCHW buffer laid out NHWC over a domain (N, H, W, C)
     packed: bool = True  # the weight is a constant, packed once; else an input (a layer's parameter) as it is
+    binary: str = "add"  # oneDNN binary post-op with the residual: "add" or "mul"
 
 
 def direct_gemm(k: Kernel) -> DirectGemm | None:
@@ -327,7 +329,7 @@ def direct_gemm(k: Kernel) -> DirectGemm | None:
     if not (weights_shared(k) or rank == 2):
         return None
     bias = residual = None
-    attr, algorithm, cur = "none", "", mi
+    attr, algorithm, binary, cur = "none", "", "add", mi
     for i, e in enumerate(k.body):
         if i in parts.operands or i == mi or isinstance(e, Load):
             continue
@@ -335,14 +337,14 @@ def direct_gemm(k: Kernel) -> DirectGemm | None:
             return None
         if e.op is Op.GELU and e.arg in ("none", "tanh"):
             attr, algorithm = "gelu", e.arg
-        elif e.op is Op.ADD and len(e.src) == 2:
+        elif e.op in (Op.ADD, Op.MUL) and len(e.src) == 2:
             other = k.body[e.src[0] if e.src[1] == cur else e.src[1]]
             if not isinstance(other, Load) or other.mask or other.indirect or other.offset != 0:
                 return None
             at = k.body.index(other)
             if _row_major(other.strides, k.domain) and other.buffer.dtype is DType.F32:
-                residual = at
-            elif bias is None and _is_bias(other, k.domain):
+                residual, binary = at, "add" if e.op is Op.ADD else "mul"
+            elif e.op is Op.ADD and bias is None and _is_bias(other, k.domain):
                 bias = at
             else:
                 return None
@@ -352,7 +354,7 @@ def direct_gemm(k: Kernel) -> DirectGemm | None:
     loads = {i for i, e in enumerate(k.body) if isinstance(e, Load)}
     if store.value != cur or loads - parts.operands - {bias, residual}:
         return None
-    return DirectGemm(bias, residual, attr, algorithm, nhwc, weight.op is Op.CONST)
+    return DirectGemm(bias, residual, attr, algorithm, nhwc, weight.op is Op.CONST, binary)
 
 
 def _row_major(strides: Sequence[Dim], domain: Sequence[Dim]) -> bool:
@@ -402,7 +404,7 @@ def run_direct(
     else:
         r = k.body[plan.residual]
         rv = _operand_view(reads[index[r.buffer]], r, dom, range(rank), sizes).reshape(a2.shape[0], dom[-1])
-        y = torch.ops.mkldnn._linear_pointwise.binary(a2.contiguous(), rv.contiguous(), pw, bias, "add")
+        y = torch.ops.mkldnn._linear_pointwise.binary(a2.contiguous(), rv.contiguous(), pw, bias, plan.binary)
     y = y.view(tuple(dom))
     return [y.permute(0, 3, 1, 2) if plan.nhwc else y]
 

@@ -220,6 +220,8 @@ def const_linear_graph(rows, w: torch.Tensor, epilogue: str, bias: torch.Tensor 
         y = g.gelu(y)
     if epilogue == "residual":
         y = g.add(y, g.input("r", (*rows, w.shape[0]), DType.F32))
+    if epilogue == "gate":  # a gated MLP's act(gate) * up, act(gate) computed by an earlier kernel
+        y = g.mul(g.input("r", (*rows, w.shape[0]), DType.F32), y)
     g.output(y)
     return g
 
@@ -296,6 +298,7 @@ def _matmul_kernel_of(g: Graph):
         ("gelu", False, DirectGemm(None, None, "gelu", "none")),
         ("residual", True, "residual"),
         ("residual", False, "residual"),
+        ("gate", False, "gate"),
     ],
 )
 def test_direct_gemm_recognises_bias_gelu_and_residual(epilogue, bias, want):
@@ -304,8 +307,9 @@ def test_direct_gemm_recognises_bias_gelu_and_residual(epilogue, bias, want):
     g = const_linear_graph(("m",), w, epilogue, torch.randn(24, generator=gen) if bias else None)
     got = direct_gemm(_matmul_kernel_of(g))
     assert got is not None
-    if want == "residual":
+    if want in ("residual", "gate"):
         assert got.residual is not None and (got.bias is not None) == bias and got.attr == "none"
+        assert got.binary == ("add" if want == "residual" else "mul")
     else:
         assert got._replace(bias=got.bias is not None) == want._replace(bias=want.bias is not None)
 
@@ -328,6 +332,10 @@ def test_direct_gemm_declines_what_onednn_cannot_fuse():
     x = g.input("x", ("m", 16), DType.F32)
     y = g.add(g.matmul(x, g.transpose(g.const(w))), g.input("r", ("m", 24), DType.F32))
     g.output(g.gelu(y))
+    assert direct_gemm(_matmul_kernel_of(g)) is None
+    g = Graph()  # a multiply by a per-column vector is not a bias
+    x = g.input("x", ("m", 16), DType.F32)
+    g.output(g.mul(g.matmul(x, g.transpose(g.const(w))), g.const(torch.randn(24, generator=gen))))
     assert direct_gemm(_matmul_kernel_of(g)) is None
     g = Graph()  # sigmoid is not a post-op here
     x = g.input("x", ("m", 16), DType.F32)
@@ -387,18 +395,19 @@ def direct_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("epilogue", ["none", "gelu", "residual"])
+@pytest.mark.parametrize("epilogue", ["none", "gelu", "residual", "gate"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_direct_gemm_matches_the_reference(direct_calls, epilogue, bias):
-    """Bias, exact GELU and the residual add as oneDNN post-ops, the output written by the GEMM itself,
-    over two row axes; a non-contiguous residual; few-row calls still take the generated kernel."""
+    """Bias, exact GELU, the residual add and a multiplying gate as oneDNN post-ops, the output written by
+    the GEMM itself, over two row axes; a non-contiguous residual; few-row calls still take the generated
+    kernel."""
     gen = torch.Generator().manual_seed(10)
     w = torch.randn(70, 45, generator=gen) / 7
     g = const_linear_graph(("b", "s"), w, epilogue, torch.randn(70, generator=gen) if bias else None)
     cg = compile_graph(g, backend="cpu", cache=False)
     for sizes in ({"b": 1, "s": 40}, {"b": 3, "s": 17}, {"b": 1, "s": 3}):
         inputs = inputs_for(g, sizes, gen)
-        if epilogue == "residual":
+        if epilogue in ("residual", "gate"):
             r = inputs[1]
             inputs[1] = torch.randn(r.shape[-1], *r.shape[:-1], generator=gen).movedim(0, -1)
         (got,) = cg(*inputs)
