@@ -70,7 +70,7 @@ def chunked_loop(
     stores: Sequence[ChunkStore],
     rest: Sequence[str],
     bf16_chunks: bool = True,
-    stream: bool = True,
+    stream: bool = False,
 ) -> list[str]:
     """The simd loop ``for var in [lo, hi)`` computing ``body``, doing ``rest`` (the other stores and
     updates) and the contiguous ``stores``: when ``stream`` and the kernel streams its outputs
