@@ -482,8 +482,8 @@ def stream_threshold() -> int:
     """Bytes of contiguous output from which a pointwise or row kernel writes it with non-temporal stores
     (see "non-temporal stores" in cpu_prelude.h): ``$KERNELIZE_CPU_NT_BYTES`` (a byte count, or ``off``),
     else half the last-level cache (from sysfs; 16 MiB when unreadable). Measured on LayerNorm's forward,
-    2048 x 2048 f32 (16 MiB out; 32 MiB L3), 2 threads: 1.0 -> 0.8 ms; a smaller output, which the cache keeps
-    it for the next op, streamed was slower (2 MiB: 0.25 -> 0.31 ms)."""
+    2048 x 2048 f32 (16 MiB out; 32 MiB L3), 2 threads: 1.0 -> 0.8 ms; a smaller output, which the cache
+    keeps for the next op, was slower streamed (2 MiB: 0.25 -> 0.31 ms)."""
     env = os.environ.get("KERNELIZE_CPU_NT_BYTES", "").strip().lower()
     if env == "off":
         return 2**63 - 1
