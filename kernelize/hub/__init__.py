@@ -35,6 +35,7 @@ import torch
 
 from kernelize import hub_autograd
 
+from .embedding import train_embedding
 from .names import HUB_LAYERS, MAPPED_DEVICES, default_mapping
 from .policy import DEVICE_BACKENDS, backend_for, require_float, use_backend
 from .project import project, train_linear
@@ -58,6 +59,7 @@ __all__ = [
     "require_float",
     "run",
     "run_into",
+    "train_embedding",
     "train_linear",
     "use_backend",
 ]

@@ -40,6 +40,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
         "LinearReLU": "LinearReLU",
         "LinearGELU": "LinearGELU",
         "LinearSiLU": "LinearSiLU",
+        "Embedding": "Embedding",
     },
 }
 MAPPED_DEVICES = ("cpu", "cuda", "rocm")

@@ -13,6 +13,7 @@ with transformers, switches the model to it, and calls `kernelize` with the bund
 | q/k/v/o or qkv/o linears + rotary (probed: neox or interleaved) | `CausalSelfAttention` | `kernelize/llm` |
 | norm, attn, `residual +`, norm, mlp, `residual +` (source order) | `PreNormDecoderLayer` | `kernelize/llm` |
 | the model's `lm_head`, a plain `nn.Linear` (its class becomes `LMHead`) | `Linear` | `kernelize/linear` |
+| training: input embeddings, an `nn.Embedding` (class: `TokenEmbedding`) | `Embedding` | `kernelize/linear` |
 | `model` + `lm_head` + transformers' `ForCausalLMLoss` | `CausalLMWithLoss` | `kernelize/llm` |
 
 A module that looks like one of these but does not match is left eager, and `kernelize.inspect(model)`
@@ -42,7 +43,15 @@ from kernelize.layer.record import FallbackReason, record_choice, recorded_choic
 
 from .hf_attention import KERNEL_UNAVAILABLE, attention_forward, attention_kernel
 
-__all__ = ["ATTENTION_NAME", "RULES", "LMHead", "Recognition", "kernelize_model", "register_attention"]
+__all__ = [
+    "ATTENTION_NAME",
+    "RULES",
+    "LMHead",
+    "Recognition",
+    "TokenEmbedding",
+    "kernelize_model",
+    "register_attention",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +64,7 @@ _CLASS_DECISION_ATTR = "_kernelize_class_recognition"  # on a marked class: the 
 class Recognition:
     """What the table made of one module: the hub layer to use (None: left eager) and why."""
 
-    kind: str  # "norm", "mlp", "attention", "decoder", "lm_head"
+    kind: str  # "norm", "mlp", "attention", "decoder", "lm_head", "token_embedding", "causal_lm"
     layer_name: str | None
     reason: str
     setup: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # instance attributes the layer reads
@@ -308,6 +317,33 @@ def _lm_head(module: nn.Module) -> Recognition | None:
     return Recognition("lm_head", "Linear", "x @ W.T (+ b): the few-row matmul kernel for up to 16 rows")
 
 
+# ---- the token embedding -------------------------------------------------------------------------------
+class TokenEmbedding(nn.Embedding):
+    """A model's input embeddings: `kernelize_model` gives a plain `nn.Embedding` this subclass, so only it is
+    marked. In training its weight gradient is written on the previous step's gradient memory (no page
+    faults of a fresh [vocab, hidden] tensor); without gradients it is the generated gather kernel."""
+
+
+def _adopt_token_embedding(model: nn.Module) -> None:
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return
+    if type(embedding) is nn.Embedding:
+        embedding.__class__ = TokenEmbedding
+
+
+def _token_embedding(module: nn.Module) -> Recognition | None:
+    if type(module) is not TokenEmbedding:
+        return None
+    if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        return _eager("token_embedding", "max_norm, scale_grad_by_freq or sparse: torch's embedding")
+    return Recognition(
+        "token_embedding", "Embedding", "weight[ids]; training: the gradient on recycled memory"
+    )
+
+
 # ---- the causal LM's loss ------------------------------------------------------------------------------
 # the forward computes the logits of the base model's hidden states and hands them to the loss function
 _CAUSAL_LM_STEPS = ("self.model(", "self.lm_head(", "self.loss_function(")
@@ -352,6 +388,7 @@ RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (
     _attention,
     _decoder,
     _lm_head,
+    _token_embedding,
     _causal_lm,
 )
 # The class mark of a kind whose modules are left eager: a name no mapping has, so nothing replaces them.
@@ -473,6 +510,8 @@ def kernelize_model(
 
         mapping = default_mapping()
     _adopt_lm_head(model)
+    if Mode.TRAINING in mode:  # inference: torch's embedding is a row copy; a kernel call adds ~20 us
+        _adopt_token_embedding(model)
     found = _mark(model)
     with use_kernel_mapping(dict(mapping)):
         kernelize(model, mode=mode, device=device)

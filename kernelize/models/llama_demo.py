@@ -1,4 +1,4 @@
-"""A small Llama-style decoder whose norms, MLP activation, rotary, attention and projections are marked.
+"""A small Llama-style decoder whose norms, activation, rotary, attention, projections, embedding are marked.
 
 The model is ordinary eager PyTorch, written the way model code usually is (norms computed in f32 with
 several ops, `rotate_half` with a concat, scores, softmax after a scale and an additive causal mask, and
@@ -15,6 +15,7 @@ module                        marked as                     hub repository
 ``RotaryEmbedding``           ``RotaryEmbedding``     kernelize/rotary
 ``ScaledDotProductAttention`` ``ScaledDotProductAttention`` kernelize/attention
 ``Linear`` (the projections)  ``Linear``                    kernelize/linear
+``Embedding`` (the tokens)    ``Embedding``                 kernelize/linear
 ============================  ============================  =================
 
 ``ScaledMaskedSoftmax`` (kernelize/softmax) is kept for models that only mark their softmax.
@@ -41,6 +42,7 @@ __all__ = [
     "MARKED_LAYERS",
     "Attention",
     "DecoderLayer",
+    "Embedding",
     "LlamaDemo",
     "LlamaDemoConfig",
     "MLP",
@@ -147,6 +149,12 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
 
+@use_kernel_forward_from_hub("Embedding")
+class Embedding(nn.Embedding):
+    """The token embedding, ``weight[ids]``: ``nn.Embedding`` marked (in training the hub's layer writes the
+    weight gradient on the previous step's gradient memory)."""
+
+
 @use_kernel_forward_from_hub("ScaledMaskedSoftmax")
 class ScaledMaskedSoftmax(nn.Module):
     """``softmax(scores * scale + mask)`` over the last axis, in f32."""
@@ -234,7 +242,7 @@ class LlamaDemo(nn.Module):
         gen = torch.random.fork_rng()
         with gen:
             torch.manual_seed(seed)
-            self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+            self.embed = Embedding(cfg.vocab, cfg.hidden)
             self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
             self.norm = RMSNorm(cfg.hidden, cfg.eps)
             self.lm_head = Linear(cfg.hidden, cfg.vocab)
@@ -264,5 +272,13 @@ class LlamaDemo(nn.Module):
 # module class -> the name it is marked with (what default_mapping() must cover for the demo)
 MARKED_LAYERS = {
     cls.__name__: cls.kernel_layer_name
-    for cls in (RMSNorm, ResidualRMSNorm, SiluAndMul, RotaryEmbedding, ScaledDotProductAttention, Linear)
+    for cls in (
+        RMSNorm,
+        ResidualRMSNorm,
+        SiluAndMul,
+        RotaryEmbedding,
+        ScaledDotProductAttention,
+        Linear,
+        Embedding,
+    )
 }

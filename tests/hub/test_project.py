@@ -73,3 +73,24 @@ def test_double_backward_and_autocast_match_the_module() -> None:
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert hub.project(proj, x).dtype == torch.bfloat16
+
+
+def test_weight_gradients_reuse_the_memory_of_dropped_ones() -> None:
+    """The weight gradient goes out on the previous step's memory once it is dropped (no page faults of a
+    fresh tensor per step); a gradient still held, or one under create_graph, gets its own."""
+    proj = torch.nn.Linear(512, 1024, bias=False)  # a 2 MiB gradient: large enough for the pool
+    x = torch.randn(16, 512, requires_grad=True)
+    hub.project(proj, x).sum().backward()
+    kept, ptr = proj.weight.grad, proj.weight.grad.data_ptr()
+    proj.weight.grad = None
+    hub.project(proj, x).sum().backward()
+    assert proj.weight.grad.data_ptr() != ptr
+    torch.testing.assert_close(proj.weight.grad, kept)
+    ptr = proj.weight.grad.data_ptr()
+    del kept
+    proj.weight.grad = None
+    hub.project(proj, x).sum().backward()
+    assert proj.weight.grad.data_ptr() == ptr
+    torch.testing.assert_close(proj.weight.grad, torch.ones(1024, 16) @ x.detach())
+    (dw,) = torch.autograd.grad(hub.project(proj, x).square().sum(), [proj.weight], create_graph=True)
+    assert dw.requires_grad and dw.data_ptr() != ptr  # differentiable: torch's product, its own memory

@@ -302,12 +302,15 @@ def test_training_with_labels_uses_the_fused_loss_without_logits(family: str) ->
 
 def test_the_fused_loss_step_trains_the_projections_through_onednn() -> None:
     """With labels, the attention and MLP projections train through `kernelize.hub.project` (forward and
-    input gradient in oneDNN); gradients equal eager's."""
+    input gradient in oneDNN), the token embedding through `kernelize.hub.train_embedding`; gradients equal
+    eager's."""
     eager = tiny_model("llama").train()
     ids = torch.randint(1, TINY["vocab_size"], (2, 9))
     with kernelized(eager, mode=kernelize.Mode.TRAINING) as fast:
         want, got = eager(input_ids=ids, labels=ids), fast(input_ids=ids, labels=ids)
-        assert "_LinearBackward" in _autograd_nodes(got.loss)
+        assert {"_LinearBackward", "_EmbeddingBackward"} <= _autograd_nodes(got.loss)
+        assert type(fast.model.embed_tokens).__name__ == "TokenEmbedding"
+        assert layers_used(fast)["model.embed_tokens"] == "Embedding"
         want.loss.backward(), got.loss.backward()
         for (name, p), q in zip(eager.named_parameters(), fast.parameters(), strict=True):
             torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)

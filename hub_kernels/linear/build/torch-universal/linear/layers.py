@@ -6,6 +6,9 @@ module: `weight` (out_features, in_features) and `bias` (may be None), as in `to
 With gradients, `Linear` on f32 CPU tensors runs `kernelize.hub.train_linear` (oneDNN forward and input
 gradient, MKL weight gradient: faster than the generated graphs' GEMMs); otherwise training runs the
 generated backward graphs (`kernelize.hub.run`).
+
+`Embedding` is the one-hot special case, `weight[input]`: a generated gather kernel; with gradients on the
+CPU, `kernelize.hub.train_embedding` (the dense weight gradient on the previous step's gradient memory).
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return hub.run(None, _ACT[activation], [x], [weight, bias])
 
 
+def embedding_math(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, weight)
+
+
+EMBEDDING_NEGATIVE = (
+    "Embedding: an input id is negative (ids index the weight's rows: 0 <= id < num_embeddings)"
+)
 _ACT = {"none": linear_math, "relu": linear_relu_math, "gelu": linear_gelu_math, "silu": linear_silu_math}
 
 
@@ -95,3 +105,28 @@ class LinearSiLU(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return hub.run(self, linear_silu_math, [input], [self.weight, self.bias])
+
+
+class Embedding(nn.Module):
+    """`weight[input]` (replaces `torch.nn.Embedding`): `weight` (num_embeddings, embedding_dim), and
+    `padding_idx` (its row gets no gradient), `max_norm`, `scale_grad_by_freq`, `sparse` when present.
+
+    Without gradients: the generated gather kernel. With gradients on the CPU: `hub.train_embedding`.
+    Elsewhere, and with `max_norm` (it renormalises the weight in place), `scale_grad_by_freq` or `sparse`:
+    `F.embedding` (the IR has no gradient rule for a gather: that is a scatter-add).
+    """
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        padding_idx = getattr(self, "padding_idx", None)
+        options = (getattr(self, "max_norm", None), getattr(self, "norm_type", 2.0))
+        options += (getattr(self, "scale_grad_by_freq", False), getattr(self, "sparse", False))
+        plain = options[0] is None and not options[2] and not options[3]
+        if plain and not (torch.is_grad_enabled() and self.weight.requires_grad):
+            # the IR's gather wraps a negative index (ONNX); torch's embedding rejects it (async on a GPU)
+            torch._assert_async(input.min() >= 0 if input.numel() else torch.tensor(True), EMBEDDING_NEGATIVE)
+            return hub.run(self, embedding_math, [input], [self.weight])
+        trained = hub.train_embedding(input, self.weight, padding_idx) if plain else None
+        return trained if trained is not None else F.embedding(input, self.weight, padding_idx, *options)
