@@ -1,10 +1,10 @@
-"""Token embeddings while training on the CPU: the weight gradient on recycled memory.
+"""Token embeddings while training on the CPU: the weight gradient without 4 KiB page faults.
 
 ``train_embedding(ids, weight, padding_idx)`` is ``F.embedding(ids, weight, padding_idx)`` with gradients.
-Its backward writes the dense ``[vocab, hidden]`` weight gradient into memory the previous step's gradient
-left (:meth:`kernelize.runtime.memory.OutputPool.fresh`) instead of a fresh zero-filled tensor: torch's
-backward page-faults the whole 32000 x 512 f32 gradient (16,000 pages, ~16 ms of a ~450 ms step here)
-before adding a few hundred rows into it. The result is the same tensor autograd would make: zeros, the
+Its backward makes the dense ``[vocab, hidden]`` weight gradient as a tensor that asks for transparent huge
+pages before it is zeroed (:func:`kernelize.runtime.memory.empty_huge`): torch's backward zero-fills a
+fresh one page by page (16,000 faults for 32000 x 512 f32, ~16 ms of a ~450 ms step here) before adding a
+few hundred rows into it. The result is the same tensor autograd would make: zeros, the
 upstream rows added at their ids (``index_add_``), the padding row left zero. Returns None where it does
 not apply (no gradient needed, not the cpu backend, a ``torch.compile`` trace, a DTensor weight): the
 caller runs ``F.embedding``.
@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernelize.runtime.memory import pool_of
+from kernelize.runtime.memory import empty_huge
 
 from .policy import backend_for
 
 
 class _Embedding(torch.autograd.Function):
-    """``weight[ids]``; backward: the dense weight gradient on the weight's recycled gradient memory."""
+    """``weight[ids]``; backward: the dense weight gradient in huge pages."""
 
     @staticmethod
     def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None) -> torch.Tensor:  # type: ignore[override]
@@ -39,7 +39,7 @@ class _Embedding(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         (ids,) = ctx.saved_tensors
         weight = ctx.weight
-        grad = pool_of(weight).fresh("embedding_grad", tuple(weight.shape), weight.dtype)
+        grad = empty_huge(weight.shape, weight.dtype)
         grad.zero_()
         grad.index_add_(0, ids.reshape(-1), dy.reshape(-1, weight.shape[1]).to(weight.dtype))
         if ctx.padding_idx is not None:

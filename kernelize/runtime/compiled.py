@@ -42,7 +42,7 @@ from kernelize.runtime.backend import Backend, CompiledKernel
 from kernelize.runtime.cache import GRAPHS, graph_fingerprint
 from kernelize.runtime.conv import ConvRunner
 from kernelize.runtime.library import materialize, view_bases
-from kernelize.runtime.memory import Arena, OutputPool
+from kernelize.runtime.memory import Arena, OutputPool, empty_huge
 from kernelize.runtime.replay import Batch, batch_of, step_call
 
 logger = logging.getLogger(__name__)
@@ -111,8 +111,8 @@ def compile_graph(
         cache: reuse the CompiledGraph of an identical graph, backend and device compiled before.
         pool_outputs: False: the graph's outputs are always new tensors nothing else references
             (gradients: autograd adopts a gradient nothing else references and copies any other one,
-            which costs more than the kernel that computed it); on the CPU they take memory an earlier
-            output of the same graph left once every tensor on it is gone (``OutputPool.fresh``).
+            which costs more than the kernel that computed it); on the CPU they ask for transparent huge
+            pages before their first touch (``memory.empty_huge``) and keep no memory between calls.
 
     Raises:
         ValueError: unknown backend, or a device the backend cannot run on (the message says what to do).
@@ -586,8 +586,8 @@ class CompiledGraph:
         if nhwc:
             n, c, h, w = shape
             shape = (n, h, w, c)
-        if b in self.fresh:  # new tensors (gradients autograd adopts), on memory dropped since
-            t = self._pool.fresh(b, shape, b.dtype.torch)
+        if b in self.fresh:  # new tensors (gradients autograd adopts), huge pages asked for
+            t = empty_huge(shape, b.dtype.torch)
         else:
             t = self._pool.empty(b, shape, b.dtype.torch)
         return t.permute(0, 3, 1, 2) if nhwc else t

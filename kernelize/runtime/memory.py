@@ -19,6 +19,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -57,6 +58,48 @@ def hint_hugepages(t: torch.Tensor) -> None:
         _madvise(lo, hi - lo, _MADV_HUGEPAGE)
 
 
+def hugepages_advised(t: torch.Tensor) -> bool:
+    """Whether the mapping at ``t``'s first 2 MiB boundary has ``MADV_HUGEPAGE`` (``hg`` in
+    ``/proc/self/smaps``: :func:`hint_hugepages` advises the aligned span), i.e. its pages fault in 2 MiB at
+    a time where the kernel has them. False off Linux.
+
+    Example:
+        >>> hugepages_advised(empty_huge((4096, 1024), torch.float32))  # doctest: +SKIP
+        True
+    """
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return False
+    addr, inside = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1), False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:  # a mapping's address range starts its block
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return "hg" in line.split()[1:]
+    return False
+
+
+def empty_huge(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.empty`` with transparent huge pages asked for before the first touch (CPU tensors).
+
+    For large tensors made anew every step, such as weight gradients: a fresh 32000 x 512 f32 gradient
+    page-faults 16,000 4 KiB pages when first written (``torch.zeros``: 28-32 ms here); in 2 MiB pages it
+    took 8-12 ms, as long as zeroing memory kept from the previous step, without keeping any: the tensor goes
+    back to the OS when it is dropped (kept gradient memory counts against a training step's peak, which
+    eager torch lowers by freeing the old gradients at ``zero_grad()``).
+
+    Example:
+        >>> g = empty_huge((32000, 512), torch.float32)  # a new tensor: autograd adopts it as .grad
+    """
+    t = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if t.device.type == "cpu":
+        hint_hugepages(t)
+    return t
+
+
 class OutputPool:
     """Recycles large CPU buffers of one compiled graph once nothing but the pool holds them.
 
@@ -77,7 +120,6 @@ class OutputPool:
 
     def __init__(self) -> None:
         self._slots: dict = {}
-        self._storages: dict = {}
         self._lock = threading.Lock()
         _HOLDERS.add(self)
 
@@ -85,8 +127,7 @@ class OutputPool:
         """Bytes of the buffers the pool keeps that no tensor outside it uses (memory a caller would
         otherwise have had back between calls)."""
         with self._lock:
-            n = sum(t.numel() * t.element_size() for t in self._slots.values() if _slot_idle(t))
-            return n + sum(s.nbytes() for s in self._storages.values() if _storage_idle(s))
+            return sum(t.numel() * t.element_size() for t in self._slots.values() if _slot_idle(t))
 
     def empty(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if math.prod(shape) * dtype.itemsize < self.MIN_BYTES or _storage_use_count is None:
@@ -100,25 +141,6 @@ class OutputPool:
             self._slots[key] = t
             return t
 
-    def fresh(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A new tensor that nothing else references (so autograd adopts it as ``.grad`` without a copy) on
-        the memory of the one handed out under ``key`` before, once no tensor holds that memory any more.
-
-        A training step's gradients are dropped by ``zero_grad()`` and made again by the next step: recycled
-        memory saves their page faults (a 32000 x 512 f32 LM-head gradient: ~15 ms of a ~500 ms step here).
-        """
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < self.MIN_BYTES or _storage_use_count is None:
-            return torch.empty(shape, dtype=dtype)
-        with self._lock:
-            s = self._storages.get(key)
-            if s is not None and s.nbytes() == nbytes and _storage_idle(s):
-                return torch.empty(0, dtype=dtype).set_(s, 0, shape)
-            t = torch.empty(shape, dtype=dtype)
-            hint_hugepages(t)
-            self._storages[key] = t.untyped_storage()
-            return t
-
 
 def _slot_idle(t: torch.Tensor) -> bool:
     """Nothing outside the pool uses slot tensor ``t``. Refs: the slot, the caller's name, this parameter and
@@ -128,11 +150,6 @@ def _slot_idle(t: torch.Tensor) -> bool:
         and t._use_count() == 1
         and _storage_use_count(t.untyped_storage()._cdata) == 2
     )
-
-
-def _storage_idle(s: torch.UntypedStorage) -> bool:
-    """No tensor or view is left on pooled storage ``s`` (its only reference is the pool's object)."""
-    return _storage_use_count(s._cdata) == 1
 
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -153,13 +170,13 @@ _POOLS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def pool_of(owner: torch.Tensor) -> OutputPool:
-    """The :class:`OutputPool` of buffers made for ``owner`` (e.g. a weight's gradient step after step),
-    dropped with it.
+    """The :class:`OutputPool` of buffers made for ``owner`` (e.g. an LM head's logits chunk, call after
+    call), dropped with it.
 
     Example:
         >>> w = torch.zeros(1024, 512)
-        >>> g = pool_of(w).fresh("grad", (1024, 512), torch.float32); p = g.data_ptr(); del g
-        >>> pool_of(w).fresh("grad", (1024, 512), torch.float32).data_ptr() == p
+        >>> z = pool_of(w).empty("logits", (256, 1024), torch.float32); p = z.data_ptr(); del z
+        >>> pool_of(w).empty("logits", (256, 1024), torch.float32).data_ptr() == p
         True
     """
     pool = _POOLS.get(owner)
@@ -301,7 +318,9 @@ __all__ = [
     "HUGEPAGE_MIN",
     "Arena",
     "OutputPool",
+    "empty_huge",
     "held_bytes",
+    "hugepages_advised",
     "hint_hugepages",
     "plan_offsets",
     "pool_of",

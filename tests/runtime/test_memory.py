@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -93,60 +96,49 @@ def test_a_buffer_written_in_place_takes_the_block_of_one_dying_at_its_step():
                 assert offsets[i] + n <= offsets[j] or offsets[j] + m <= offsets[i], (i, j)
 
 
-def test_output_pool_fresh_tensors_reuse_memory_only_once_nothing_holds_it():
-    """``fresh`` hands out a new tensor each time (autograd adopts it as ``.grad`` without a copy), on the
-    memory of the previous one once no tensor or view is left on it."""
-    pool = OutputPool()
-    shape = (1024, 512)
-    a = pool.fresh("g", shape, torch.float32)
-    b = pool.fresh("g", shape, torch.float32)  # `a` alive: other memory
-    assert b.data_ptr() != a.data_ptr()
-    view, ptr_b = b[3], b.data_ptr()
-    del b
-    c = pool.fresh("g", shape, torch.float32)  # a view of `b` is left: other memory again
-    assert c.data_ptr() != ptr_b and view.data_ptr() == ptr_b + 3 * 512 * 4
-    ptr_c = c.data_ptr()
-    del c
-    d = pool.fresh("g", shape, torch.float32)
-    assert d.data_ptr() == ptr_c and d.shape == shape and d.is_contiguous() and d._use_count() == 1
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_HUGEPAGE is Linux's")
+def test_empty_huge_asks_for_huge_pages_and_autograd_adopts_it():
+    """A large ``empty_huge`` tensor's mapping carries MADV_HUGEPAGE; it is a new tensor nothing else
+    references, so a backward returning it makes it the ``.grad`` without a copy, and nothing is kept."""
+    from kernelize.runtime.memory import empty_huge, held_bytes, hugepages_advised
 
-    w = torch.nn.Parameter(torch.zeros(shape))
+    big = empty_huge((2048, 1024), torch.float32)  # 8 MiB: its whole 2 MiB-aligned span advised
+    assert hugepages_advised(big) and big._use_count() == 1
+    assert not hugepages_advised(torch.empty(64))  # a small tensor is left alone
+    w = torch.nn.Parameter(torch.zeros(2048, 1024))
+    made = []
 
-    class Grad(torch.autograd.Function):  # backward hands out a pooled gradient
+    class Grad(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
             return x.sum()
 
         @staticmethod
         def backward(ctx, g):
-            return pool.fresh("w", shape, torch.float32).fill_(g.item())
+            grad = empty_huge((2048, 1024), torch.float32).fill_(g.item())
+            made.append(grad.data_ptr())  # the address only: a reference would make autograd copy it
+            return grad
 
+    before = held_bytes()
     Grad.apply(w).backward()
-    first = w.grad.data_ptr()
-    Grad.apply(w).backward()  # accumulates: the `.grad` holds the first block, the second is new
-    assert w.grad.data_ptr() == first and bool((w.grad == 2).all())
+    assert w.grad.data_ptr() == made[0] and bool((w.grad == 1).all())
     w.grad = None
-    Grad.apply(w).backward(torch.tensor(3.0))
-    again = w.grad.data_ptr()
-    w.grad = None
-    Grad.apply(w).backward(torch.tensor(4.0))  # dropped: the same memory, adopted as `.grad`
-    assert w.grad.data_ptr() == again and bool((w.grad == 4).all())
+    assert held_bytes() == before
 
 
 def test_held_bytes_counts_idle_pool_buffers_and_arena_blocks():
     """What the runtime keeps between calls that no outside tensor uses: a dropped pool buffer (not one a
-    view still holds), a dropped fresh tensor's memory, and arena blocks; the module total covers them."""
+    view still holds) and arena blocks; the module total covers them."""
     from kernelize.runtime.memory import held_bytes
 
     pool = OutputPool()
     a = pool.empty("y", (1024, 512), torch.float32)
-    g = pool.fresh("g", (1024, 256), torch.float32)
     assert pool.held_bytes() == 0
     view = a[1]
     del a
     assert pool.held_bytes() == 0  # the view still uses the buffer
-    del view, g
-    assert pool.held_bytes() == 1024 * 512 * 4 + 1024 * 256 * 4
+    del view
+    assert pool.held_bytes() == 1024 * 512 * 4
     arena = Arena({"t": ((64, 64), torch.float32, 0, 1)}, {})
     assert arena.held_bytes() == arena.block.numel() >= 64 * 64 * 4
     assert held_bytes() >= pool.held_bytes() + arena.held_bytes()

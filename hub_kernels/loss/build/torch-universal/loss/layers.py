@@ -10,9 +10,11 @@ instead of two ``[tokens, vocab]`` matrices.
 
 On the CPU in f32, the logits and hidden-state-gradient products are oneDNN matmuls
 (:func:`kernelize.codegen.cpu_gemv.onednn_linear`: 256 x 512 x 32000, 2 threads, 158 -> 209 and 180 -> 208
-GFLOP/s against MKL's ``torch.mm``), the weight gradient stays in MKL (faster there), and the gradients go
-out on the memory the previous step's gradients left once those are dropped
-(:meth:`kernelize.runtime.memory.OutputPool.fresh`: no page faults of a fresh [vocab, hidden] tensor).
+GFLOP/s against MKL's ``torch.mm``), the weight gradient stays in MKL (faster there), and the gradients are
+new tensors that ask for transparent huge pages before their first touch
+(:func:`kernelize.runtime.memory.empty_huge`: ~30 faults of 2 MiB for a [32000, 512] f32 gradient, not
+16,000 of 4 KiB). Each chunk's logits are dropped before the next chunk's are made, so the next takes
+the same heap memory.
 
 Formula per row ``i`` with logits ``z``, ``p = softmax(z)``, label ``y``, smoothing ``e``, vocab ``V``:
 ``loss_i = lse(z) - (1 - e) z_y - e mean(z)``; ``dz = p - (1 - e) onehot(y) - e / V``; rows whose label is
@@ -33,7 +35,7 @@ from torch import nn
 
 from kernelize import hub
 from kernelize.codegen.cpu_gemv import onednn_gemm, onednn_linear
-from kernelize.runtime.memory import OutputPool, pool_of
+from kernelize.runtime.memory import OutputPool, empty_huge, pool_of
 
 REDUCTIONS = ("mean", "sum")
 
@@ -93,16 +95,15 @@ def _launch(
     valid = labels != ignore_index
     count = int(valid.sum()) if reduction == "mean" else 1
     row_scale = torch.where(valid, 1.0 / max(count, 1), 0.0).unsqueeze(1)
-    pool = _pool_of(weight)
-    grad_h = pool.fresh("grad_hidden", tuple(hidden.shape), hidden.dtype)
-    grad_w = pool.fresh("grad_weight", tuple(weight.shape), torch.float32) if need_weight_grad else None
+    grad_h = empty_huge(hidden.shape, hidden.dtype, hidden.device)  # new tensors: autograd adopts them
+    grad_w = empty_huge(weight.shape, torch.float32, weight.device) if need_weight_grad else None
     grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if bias is not None else None
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     keep = 1.0 - label_smoothing
     logits = (
         None
         if onednn_gemm(hidden, weight)
-        else pool.empty("logits", (min(chunk, tokens), vocab), hidden.dtype)
+        else _pool_of(weight).empty("logits", (min(chunk, tokens), vocab), hidden.dtype)
     )
     for start in range(0, tokens, chunk):
         h = hidden[start : start + chunk]
@@ -144,9 +145,8 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
 
 
 def _pool_of(weight: torch.Tensor) -> OutputPool | _PlainBuffers:
-    """The buffers of the loss over ``weight``: the logits chunk is reused and the gradients go out on
-    memory the previous step's gradients left (page faults of a fresh 32000 x 512 f32 gradient: ~15 ms of
-    a ~500 ms step here). CPU only; elsewhere plain allocations."""
+    """The buffers of the loss over ``weight``: the logits chunk is reused call after call. CPU only;
+    elsewhere plain allocations."""
     return pool_of(weight) if weight.device.type == "cpu" else _PlainBuffers(weight.device)
 
 
@@ -158,8 +158,6 @@ class _PlainBuffers:
 
     def empty(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
-
-    fresh = empty
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
