@@ -395,7 +395,7 @@ def main() -> None:
         result = json.loads((args.out / "train.json").read_text())
         layers, steps = result["layers"], result["steps"]
     else:
-        steps = [bench_step(case, args.quick, 3 if args.quick else 5) for case in cases]
+        steps = [bench_step(case, args.quick, 3 if args.quick else 11) for case in cases]
     mem = peak_memory_mib(cases, args.quick)
     for r in steps:
         r["peak_mib"] = mem[r["case"]]

@@ -47,7 +47,14 @@ from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Stor
 from kernelize.codegen import cpu_conv
 from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
 from kernelize.codegen.cpu_attention import attention_launcher, render_attention
-from kernelize.codegen.cpu_chunks import CHUNK, ChunkStore, chunk_store, chunked_loop, stream_bytes
+from kernelize.codegen.cpu_chunks import (
+    CHUNK,
+    ChunkStore,
+    chunk_store,
+    chunked_loop,
+    moved_bytes,
+    stream_bytes,
+)
 from kernelize.codegen.render import Renderer, c_name, closure, deps
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -217,6 +224,7 @@ class _Writer:
         params += [f"int64_t {renderer.sym(s)}" for s in kernel.symbols]
         self.params = "".join(p + ", " for p in params)
         self.fn_name = c_name(kernel.name)
+        self.widened: dict[int, str] = {}  # row kernels: loads read from a per-thread float row
 
     # -- indexing -------------------------------------------------------------------------------------
     def n(self, axis: int) -> str:
@@ -264,6 +272,8 @@ class _Writer:
 
     # -- values -----------------------------------------------------------------------------------------
     def load(self, i: int, e: Load, loop_axes: Sequence[int], piece: Piece | None = None) -> str:
+        if i in self.widened and list(loop_axes) == [self.rank - 1]:  # a row kernel's per-thread float row
+            return f"{self.widened[i]}[i{self.rank - 1}]"
         expr = f"kz_ld({self.ptr[e.buffer]}, {self.index(f'kz_l{i}', e, loop_axes)})"
         mask = e.mask
         if piece is not None:  # inside a piece every inner-axis test has one answer
@@ -330,7 +340,7 @@ class _Writer:
             INNER=self.n(last),
             OUTER=self.r.dim(numel(k.domain[:last])),
             PARALLEL_MIN=str(PARALLEL_MIN),
-            STREAM_BYTES=str(stream_bytes(streamed)),
+            STREAM_BYTES=str(moved_bytes(k, streamed)),
             OUTER_INDEX="\n".join(outer),
             LOOPS="\n".join(loops),
         )
@@ -372,9 +382,10 @@ class _Writer:
         return render_gemv(self)
 
     def row(self) -> str:
-        from kernelize.codegen.cpu_row import render_columns, render_row, row_stream_bytes
+        from kernelize.codegen.cpu_row import render_columns, render_row, row_stream_bytes, widened_loads
 
         k = self.k
+        self.widened = widened_loads(self)
         split = self.rank - k.row_rank
         inv = row_invariant(k)
         ind = " " * 8
@@ -479,11 +490,12 @@ STREAM_MIN = 1 << 20  # a kernel whose static size keeps its outputs smaller nev
 
 
 def stream_threshold() -> int:
-    """Bytes of contiguous output from which a pointwise or row kernel writes it with non-temporal stores
-    (see "non-temporal stores" in cpu_prelude.h): ``$KERNELIZE_CPU_NT_BYTES`` (a byte count, or ``off``),
-    else half the last-level cache (from sysfs; 16 MiB when unreadable). Measured on LayerNorm's forward,
-    2048 x 2048 f32 (16 MiB out; 32 MiB L3), 2 threads: 1.0 -> 0.8 ms; a smaller output, which the cache
-    keeps for the next op, was slower streamed (2 MiB: 0.25 -> 0.31 ms)."""
+    """Bytes moved (outputs written plus inputs read at full size, :func:`cpu_chunks.moved_bytes`) from which
+    a pointwise or row kernel writes its contiguous outputs with non-temporal stores (see "non-temporal
+    stores" in cpu_prelude.h): ``$KERNELIZE_CPU_NT_BYTES`` (a byte count, or ``off``), else half the
+    last-level cache (from sysfs; 16 MiB when unreadable). Measured on LayerNorm's forward, 2048 x 2048 f32
+    (16 MiB out; 32 MiB L3), 2 threads: 1.0 -> 0.8 ms; a small output, which the cache keeps for the next op,
+    was slower streamed (2 MiB: 0.25 -> 0.31 ms)."""
     env = os.environ.get("KERNELIZE_CPU_NT_BYTES", "").strip().lower()
     if env == "off":
         return 2**63 - 1

@@ -50,7 +50,8 @@ def test_pointwise_streamed_equals_plain_and_reference(threshold, dtype, n):
     g.output(g.mul(g.sigmoid(x), x), g.cast(g.add(x, g.scalar(1.0, dtype)), DType.F32))
     cg = compile_graph(g, backend="cpu", cache=False)
     src = cg.kernels[0].source
-    assert "kz_stream_row(" in src and f"kz_streams(kz_outer * kz_inner * {dtype.itemsize + 4})" in src
+    moved = dtype.itemsize + 4 + dtype.itemsize  # bytes per element: the two outputs and the input read
+    assert "kz_stream_row(" in src and f"kz_streams(kz_outer * kz_inner * {moved})" in src
     xs = [(torch.randn(5, n) * 3).to(dtype.torch)]
     for a, b in zip(_both_ways(cg, xs, threshold), evaluate(g, xs)):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
@@ -137,3 +138,15 @@ def test_threshold_from_the_environment(monkeypatch):
         cpu.stream_threshold()
     monkeypatch.delenv("KERNELIZE_CPU_NT_BYTES")
     assert cpu.stream_threshold() == cpu._last_level_cache() // 2 > 0
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+def test_a_row_kernel_is_asked_about_the_bytes_it_moves_and_widens_16_bit_weights(dtype):
+    """rmsnorm(x, w): the threshold is compared with the output written plus x read (w, the same for every
+    row, is not counted); a bf16 w is widened to a float row once per thread, an f32 one read as it is."""
+    g = Graph()
+    x, w = g.input("x", ("rows", 2048), dtype), g.input("w", (2048,), dtype)
+    g.output(g.rmsnorm(x, w, 1e-6))
+    (kernel,) = compile_graph(g, backend="cpu", cache=False).kernels
+    assert f"kz_streams(kz_outer * kz_rowlen * {2 * dtype.itemsize})" in kernel.source
+    assert ("alignas(64) float kz_h" in kernel.source) == (dtype is DType.BF16)

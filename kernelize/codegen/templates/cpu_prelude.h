@@ -336,12 +336,13 @@ KZ_INLINE void kz_st_bf16_row(kz_bf16* __restrict dst, const float* __restrict s
 #endif
 
 // ---- non-temporal stores of large outputs -----------------------------------------------------------------
-// A kernel whose contiguous f32 / bf16 outputs total at least *kz_nt_min bytes (the loader binds it to
-// kernelize.codegen.cpu.NT_BYTES: half the last-level cache) streams them past the caches: its values go to
-// a 64-value chunk on the stack, written out 64 bytes at a time with non-temporal stores when the address is
-// aligned. Outputs that large, with the inputs the kernel reads, do not stay cached for the next op, and a
-// regular store first reads each line it writes (read for ownership): a third of a copy's traffic. Each
-// thread fences its streamed stores before the region's closing barrier.
+// A kernel with contiguous f32 / bf16 outputs that moves at least *kz_nt_min bytes (its outputs plus the
+// inputs it reads at full size; the loader binds it to kernelize.codegen.cpu.NT_BYTES: half the last-level
+// cache) streams those outputs past the caches: its values go to a 64-value chunk on the stack, written out
+// 64 bytes at a time with non-temporal stores when the address is aligned. With that much traffic the output
+// does not stay cached for the next op, and a regular store first reads each line it writes (read for
+// ownership): a third of a copy's traffic. Each thread fences its streamed stores before the region's
+// closing barrier.
 static int64_t kz_nt_local = INT64_MAX;
 static int64_t* kz_nt_min = &kz_nt_local;
 extern "C" void kz_bind_nt_bytes(int64_t* min_bytes) { kz_nt_min = min_bytes; }
