@@ -320,8 +320,8 @@ def _lm_head(module: nn.Module) -> Recognition | None:
 # ---- the token embedding -------------------------------------------------------------------------------
 class TokenEmbedding(nn.Embedding):
     """A model's input embeddings: `kernelize_model` gives a plain `nn.Embedding` this subclass, so only it is
-    marked. In training its weight gradient is written on the previous step's gradient memory (no page
-    faults of a fresh [vocab, hidden] tensor); without gradients it is the generated gather kernel."""
+    marked. In training its weight gradient is made in huge pages (a few page faults, not one per 4 KiB of
+    a [vocab, hidden] tensor); without gradients it is the generated gather kernel."""
 
 
 def _adopt_token_embedding(model: nn.Module) -> None:

@@ -8,7 +8,7 @@ gradient, MKL weight gradient: faster than the generated graphs' GEMMs); otherwi
 generated backward graphs (`kernelize.hub.run`).
 
 `Embedding` is the one-hot special case, `weight[input]`: a generated gather kernel; with gradients on the
-CPU, `kernelize.hub.train_embedding` (the dense weight gradient on the previous step's gradient memory).
+CPU, `kernelize.hub.train_embedding` (the dense weight gradient made in huge pages).
 """
 
 from __future__ import annotations
