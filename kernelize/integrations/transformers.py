@@ -340,7 +340,7 @@ def _token_embedding(module: nn.Module) -> Recognition | None:
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         return _eager("token_embedding", "max_norm, scale_grad_by_freq or sparse: torch's embedding")
     return Recognition(
-        "token_embedding", "Embedding", "weight[ids]; training: the gradient on recycled memory"
+        "token_embedding", "Embedding", "weight[ids]; training: the weight gradient in huge pages"
     )
 
 
