@@ -380,7 +380,7 @@ KZ_INLINE void kz_stream_row(kz_bf16* dst, const float* src, int64_t n) {
     for (int64_t i = 0; i < n; ++i) ((uint16_t*)dst)[i] = kz_f32_to_bf16_bits(src[i]);
 }
 #endif
-// whether a kernel writing `bytes` of contiguous outputs streams them
+// whether a kernel moving `bytes` (its streamable outputs plus the inputs it reads at full size) streams
 KZ_INLINE bool kz_streams(int64_t bytes) {
     return KZ_NT_ROWS && bytes > 0 && bytes >= __atomic_load_n(kz_nt_min, __ATOMIC_RELAXED);
 }
