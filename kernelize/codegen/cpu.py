@@ -6,7 +6,8 @@ The source comes from the shared render table (:class:`~kernelize.codegen.render
 * pointwise kernels run tiles of (one outer index, up to ``BLOCK`` inner elements) across OpenMP threads,
   the inner axis a ``#pragma omp simd`` loop (unit stride when the layout allows; adjacent axes whose
   strides chain are merged first, so a contiguous elementwise kernel is one flat loop; a static inner axis
-  whose masks or concat choices change at static bounds is one loop per sub-range, see :func:`inner_pieces`);
+  whose masks or concat choices change at static bounds is one loop per sub-range, see :func:`inner_pieces`;
+  a long sum over a small axis, unrolled into adds, is one loop per term, see :mod:`.cpu_fission`);
 * row kernels give each thread whole rows and read a row in passes that stay in cache: the statistics of
   the row's reductions and row ops (simd reductions; independent ones share a pass), then one write pass;
 * matmul kernels: a few-row kernel (decode) or torch's GEMM plus the fused epilogue, chosen per call by
@@ -55,6 +56,8 @@ from kernelize.codegen.cpu_chunks import (
     moved_bytes,
     stream_bytes,
 )
+from kernelize.codegen.cpu_fission import MAX_ROW as FISSION_MAX_ROW
+from kernelize.codegen.cpu_fission import Chain, render_fissioned, sum_chains
 from kernelize.codegen.render import Renderer, c_name, closure, deps
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -188,10 +191,22 @@ def concat_pick(e: Compute, piece: Piece) -> int:
     return next((s for s, end in zip(e.src[:-1], e.arg.ends) if piece[0] < end), e.src[-1])
 
 
+def piece_operands(k: Kernel, piece: Piece) -> Callable[[Load | Compute], Sequence[int]]:
+    """The operands an entry reads within ``piece``: a concat on the inner axis reads only the one it
+    selects there, anything else :func:`~kernelize.codegen.render.deps`."""
+    last = len(k.domain) - 1
+
+    def operands(e: Load | Compute) -> Sequence[int]:
+        cut = isinstance(e, Compute) and e.op is Op.CONCAT and e.arg.axis == last
+        return [concat_pick(e, piece)] if cut else deps(e)
+
+    return operands
+
+
 def piece_closure(k: Kernel, roots: Sequence[int], piece: Piece) -> list[int]:
     """:func:`~kernelize.codegen.render.closure` for one piece: a concat on the inner axis needs only the
     operand it selects there, so the loads of the others are not rendered at all."""
-    last = len(k.domain) - 1
+    operands = piece_operands(k, piece)
     need: set[int] = set()
     stack = list(roots)
     while stack:
@@ -199,9 +214,7 @@ def piece_closure(k: Kernel, roots: Sequence[int], piece: Piece) -> list[int]:
         if i in need:
             continue
         need.add(i)
-        e = k.body[i]
-        cut = isinstance(e, Compute) and e.op is Op.CONCAT and e.arg.axis == last
-        stack += [concat_pick(e, piece)] if cut else deps(e)
+        stack += operands(k.body[i])
     return sorted(need)
 
 
@@ -225,6 +238,8 @@ class _Writer:
         self.params = "".join(p + ", " for p in params)
         self.fn_name = c_name(kernel.name)
         self.widened: dict[int, str] = {}  # row kernels: loads read from a per-thread float row
+        self.alias: dict[str, str] = {}  # access name -> another access's base plus a constant (bases())
+        self.chains: list[Chain] = []  # pointwise kernels: the long sums rendered a loop per term
 
     # -- indexing -------------------------------------------------------------------------------------
     def n(self, axis: int) -> str:
@@ -244,9 +259,24 @@ class _Writer:
         return lines
 
     def bases(self, outer_axes: int, indent: str) -> list[str]:
-        """Per access, the offset contributed by the outer axes (computed once per tile or row)."""
+        """Per access, the offset contributed by the outer axes (computed once per tile or row).
+
+        Loads of one buffer with the same outer strides and static offsets share one base, the others
+        adding their constant difference (``kz_l0 + 128 + i2``): gcc then addresses them from one register
+        with a displacement. As separate variables, the 32 loads of rotary's cos / sin gradient (16 heads
+        summed, two products) kept 64 offsets, spilled to the stack, and ran at ~1.6x the memory time."""
         lines = []
+        shared: dict[tuple, tuple[str, int]] = {}
         for name, a in self.named_accesses():
+            key = (a.buffer, tuple(a.strides[:outer_axes]))
+            static = isinstance(a, Load) and isinstance(a.offset, int)  # stores keep their names (cpu_row)
+            if static and key in shared:
+                first, offset = shared[key]
+                delta = a.offset - offset
+                self.alias[name] = first if delta == 0 else f"{first} {'+-'[delta < 0]} {abs(delta)}"
+                continue
+            if static:
+                shared[key] = (name, a.offset)
             terms = [self.r.dim(a.offset)] + [
                 f"i{d} * {self.r.dim(a.strides[d])}" for d in range(outer_axes) if a.strides[d] != 0
             ]
@@ -258,7 +288,7 @@ class _Writer:
         return out + [(f"kz_s{i}", s) for i, s in enumerate(self.k.stores)]
 
     def index(self, base: str, a: Load | Store, loop_axes: Sequence[int]) -> str:
-        terms = [base]
+        terms = [self.alias.get(base, base)]
         for d in loop_axes:
             s = a.strides[d]
             if s == 0:
@@ -322,13 +352,20 @@ class _Writer:
         outer = self.outer_index(last, "kz_o", ind) + self.bases(last, ind)
         static_inner = isinstance(k.domain[last], int) and k.domain[last] <= BLOCK
         roots = [s.value for s in k.stores]
-        chunked, stream = self.chunk_plan(last)
-        streamed = chunked if stream else []
         pieces = inner_pieces(k)
-        if pieces is not None:
+        self.chains = sum_chains(k)
+        if pieces is not None and len(self.chains) * k.domain[last] > FISSION_MAX_ROW:
+            self.chains = []  # the accumulators of a whole row would not fit the stack
+        chunked, stream = self.chunk_plan(last)
+        streamed = chunked if stream and not self.chains else []
+        j0, j1 = ("0", str(k.domain[last])) if static_inner else ("kz_j0", "kz_j1")
+        if self.chains:  # long sums: a loop per term (cpu_fission)
+            cuts = [(str(p[0]), str(p[1]), p, piece_operands(k, p)) for p in pieces or ()]
+            lines = render_fissioned(self, cuts or [(j0, j1, None, None)], self.chains)
+            loops = ["\n".join(x if x.startswith("#") else " " * 12 + x for x in lines)]
+        elif pieces is not None:
             loops = [self.simd_loop(str(p[0]), str(p[1]), piece_closure(k, roots, p), p) for p in pieces]
         else:
-            j0, j1 = ("0", str(k.domain[last])) if static_inner else ("kz_j0", "kz_j1")
             loops = [self.simd_loop(j0, j1, closure(k, roots, [False] * len(k.body)))]
         return fill(
             load_template("cpu_pointwise.cpp"),
