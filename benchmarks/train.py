@@ -87,10 +87,18 @@ def interleaved_ms(impls: dict, reps: int) -> dict[str, float]:
 
 
 # ---- 1. per layer ------------------------------------------------------------------------------------------
-def bench_layer(name: str, rows: int, cols: int, dtype: torch.dtype, reps: int) -> dict:
+# rows beyond the cpu_layers list: (label, layer, the inputs that get gradients)
+EXTRA_ROWS = [("rotary, cos/sin constant", "rotary", (0,))]  # models make cos / sin under no_grad
+
+
+def bench_layer(
+    name: str, rows: int, cols: int, dtype: torch.dtype, reps: int, trained=None, label=None
+) -> dict:
+    """One layer's forward + backward; ``trained``: the indices of the inputs that get gradients (all)."""
     fn, _ = LAYERS[name]
     n_act = ACTIVATIONS[name]
-    inputs = [t.requires_grad_() for t in _inputs(name, rows, cols, dtype)]
+    inputs = _inputs(name, rows, cols, dtype)
+    inputs = [t.requires_grad_(trained is None or i in trained) for i, t in enumerate(inputs)]
     acts, weights = inputs[:n_act], inputs[n_act:]
     seeds = None
     compiled = torch.compile(fn, dynamic=False)
@@ -113,16 +121,18 @@ def bench_layer(name: str, rows: int, cols: int, dtype: torch.dtype, reps: int) 
         "torch.compile": fwd_bwd(lambda: compiled(*inputs)),
         "kernelize": fwd_bwd(lambda: hub.run(None, fn, acts, weights)),
     }
-    err = grad_error(fn, acts, weights, inputs, seeds)
+    err = grad_error(fn, acts, weights, seeds)
     for f in impls.values():  # warm up: compiles
         f()
         f()
     row = interleaved_ms(impls, reps)
-    row.update(layer=name, shape=f"{rows}x{cols}", dtype=str(dtype).removeprefix("torch."), grad_rel_err=err)
+    dtype_name = str(dtype).removeprefix("torch.")
+    row.update(layer=label or name, shape=f"{rows}x{cols}", dtype=dtype_name, grad_rel_err=err)
     # the memory floor: forward reads every input and writes every output, backward reads the upstream
-    # gradients and the inputs and writes one gradient per input, each byte once, at the copy rate
+    # gradients and the inputs and writes one gradient per trained input, each byte once, at the copy rate
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    forward, backward = nbytes(inputs) + nbytes(seeds), nbytes(seeds) + 2 * nbytes(inputs)
+    trained_bytes = nbytes([t for t in inputs if t.requires_grad])
+    forward, backward = nbytes(inputs) + nbytes(seeds), nbytes(seeds) + nbytes(inputs) + trained_bytes
     row["floor"] = (forward + backward) / copy_rate() * 1e3
     return row
 
@@ -144,12 +154,14 @@ def copy_rate() -> float:
     return _COPY_RATE[0]
 
 
-def grad_error(fn, acts, weights, inputs, seeds) -> float:
-    """Largest relative gradient difference (max |a - b| / max |b|) of kernelize against eager autograd."""
+def grad_error(fn, acts, weights, seeds) -> float:
+    """Largest relative gradient difference (max |a - b| / max |b|) of kernelize against eager autograd,
+    over the inputs that require gradients."""
+    trained = [t for t in [*acts, *weights] if t.requires_grad]
     outs = hub.run(None, fn, acts, weights)
-    got = torch.autograd.grad(outs if isinstance(outs, tuple) else (outs,), inputs, seeds)
-    outs = fn(*inputs)
-    want = torch.autograd.grad(outs if isinstance(outs, tuple) else (outs,), inputs, seeds)
+    got = torch.autograd.grad(outs if isinstance(outs, tuple) else (outs,), trained, seeds)
+    outs = fn(*acts, *weights)
+    want = torch.autograd.grad(outs if isinstance(outs, tuple) else (outs,), trained, seeds)
     return max(
         ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(got, want)
     )
@@ -387,12 +399,15 @@ def main() -> None:
         memory_child(*args.memory_child, args.quick)
         return
     torch.set_num_threads(2)
-    rows, cols, reps = (256, 512, 3) if args.quick else (2048, 2048, 11)
+    rows, cols, reps = (256, 512, 3) if args.quick else (2048, 2048, 21)
     layers = []
     if not args.skip_layers and not args.memory_only:
         for dtype in (torch.float32, torch.bfloat16):
             for name in LAYERS:
                 layers.append(bench_layer(name, rows, cols, dtype, reps))
+                print(layers[-1], file=sys.stderr)
+            for label, name, trained in EXTRA_ROWS:
+                layers.append(bench_layer(name, rows, cols, dtype, reps, trained, label))
                 print(layers[-1], file=sys.stderr)
     if args.layers_only:
         print(layer_table(layers))
