@@ -320,8 +320,8 @@ def _lm_head(module: nn.Module) -> Recognition | None:
 # ---- the token embedding -------------------------------------------------------------------------------
 class TokenEmbedding(nn.Embedding):
     """A model's input embeddings: `kernelize_model` gives a plain `nn.Embedding` this subclass, so only it is
-    marked. In training its weight gradient is made in huge pages (a few page faults, not one per 4 KiB of
-    a [vocab, hidden] tensor); without gradients it is the generated gather kernel."""
+    marked. In training its weight gradient is lazily zeroed memory (the pages of the rows written, not a
+    zero fill of the whole [vocab, hidden] tensor); without gradients it is the generated gather kernel."""
 
 
 def _adopt_token_embedding(model: nn.Module) -> None:
@@ -340,7 +340,7 @@ def _token_embedding(module: nn.Module) -> Recognition | None:
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         return _eager("token_embedding", "max_norm, scale_grad_by_freq or sparse: torch's embedding")
     return Recognition(
-        "token_embedding", "Embedding", "weight[ids]; training: the weight gradient in huge pages"
+        "token_embedding", "Embedding", "weight[ids]; training: the weight gradient lazily zeroed"
     )
 
 

@@ -69,17 +69,32 @@ def test_max_norm_and_sparse_keep_torch_semantics(layer_cls) -> None:
     assert sparse.weight.grad.is_sparse
 
 
-def test_the_gradient_is_a_huge_page_tensor_and_accumulates() -> None:
-    """The weight gradient asks for huge pages before it is zeroed; a second backward adds into it."""
-    from kernelize.runtime.memory import hugepages_advised
+def _resident_kib(address: int) -> int | None:
+    """Rss of the mapping holding ``address`` (``/proc/self/smaps``), None when no mapping holds it."""
+    inside = False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    return None
 
+
+def test_the_gradient_is_lazily_zeroed_accumulates_and_is_unmapped_when_dropped() -> None:
+    """The weight gradient lives on a fresh mapping: only the pages of the rows written become resident;
+    a second backward adds into it; dropping it unmaps it."""
     w = torch.randn(32768, 64, requires_grad=True)  # 8 MiB
     ids = torch.randint(0, 32768, (2, 33))
     hub.train_embedding(ids, w).sum().backward()
-    assert hugepages_advised(w.grad)
+    address = w.grad.data_ptr()
+    assert _resident_kib(address) <= 66 * 4 + 8  # 66 ids: at most one 4 KiB page each, of 8192 KiB
     hub.train_embedding(ids, w).sum().backward()
     want = torch.zeros_like(w).index_add_(0, ids.reshape(-1), torch.ones(66, 64))
     torch.testing.assert_close(w.grad, 2 * want)
+    w.grad = None
+    assert _resident_kib(address) is None
 
 
 def test_declines_where_it_does_not_apply() -> None:
