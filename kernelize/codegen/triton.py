@@ -101,7 +101,11 @@ class KernelSource:
         extra, ind_vec = [], False
         for ind in e.indirect:
             v, size = f"v{ind.value}", self.r.dim(ind.size)
-            extra.append(f"tl.where({v} < 0, {v} + {size}, {v}) * {self.r.dim(ind.stride)}")
+            # a negative index wraps once; out of range reads element 0, never outside the table (as
+            # kz_wrap in the CUDA prelude: a GPU kernel cannot raise, the hub's Embedding checks its ids)
+            wrapped = f"tl.where({v} < 0, {v} + {size}, {v})"
+            inside = f"({v} >= -{size}) & ({v} < {size})"
+            extra.append(f"tl.where({inside}, {wrapped}, 0) * {self.r.dim(ind.stride)}")
             ind_vec |= self.vec[ind.value]
         off, used = self.offset(ctx, e.strides, e.offset, extra)
         full = ind_vec or ctx.is_full(used)

@@ -620,7 +620,7 @@ def test_matmul_tiles_and_batch(m, k, n):
     torch.testing.assert_close(got, evaluate(g, ins)[0], rtol=1e-4, atol=1e-4)
 
 
-def test_gather_indirect_load_wraps_negative_indices():
+def test_gather_indirect_load_wraps_negative_indices_and_reads_element_0_out_of_range():
     g = Graph()
     table, idx = g.input("table", (10, 4), "bf16"), g.input("idx", ("n",), "i64")
     y = g.gather(table, idx, 0)
@@ -635,6 +635,9 @@ def test_gather_indirect_load_wraps_negative_indices():
     ins = [torch.randn(10, 4).bfloat16(), torch.tensor([0, 9, -1, -10, 3])]
     (got,) = run_kernels(g, [k], ins)
     assert torch.equal(got, evaluate(g, ins)[0])
+    # out of range (past either end): element 0, never a read outside the table
+    (got,) = run_kernels(g, [k], [ins[0], torch.tensor([10, -11, 3, 1 << 40, -(1 << 40)])])
+    assert torch.equal(got, ins[0][[0, 0, 3, 0, 0]])
 
 
 # -- source shape and template discipline -------------------------------------------------------------------

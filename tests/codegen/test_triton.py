@@ -30,6 +30,7 @@ from kernelize.ir.ops import ClampArgs, ConcatArgs, NormArgs
 from kernelize.ir.shapes import Sym
 from kernelize.runtime import diskcache
 from kernelize.runtime.cache import KERNELS
+from kernelize.runtime.compiled import compile_graph
 
 B, S = Sym.of("batch"), Sym.of("seq")
 FLOATS = [DType.F32, DType.F16, DType.BF16]
@@ -254,6 +255,11 @@ def test_indirect_gather_load():
         (Store(1, y, (4, 1)),),
     )
     check(g, [k], [torch.randn(10, 4), torch.tensor([0, 9, -1, 3, -10])])
+    # out of range (past either end): element 0, never a read outside the table
+    cg = compile_graph(g, backend="triton", device="cpu", plan=[k])
+    table_in = torch.randn(10, 4)
+    (got,) = cg(table_in, torch.tensor([10, -11, 3, 1 << 40, -(1 << 40)]))
+    torch.testing.assert_close(got, table_in[[0, 0, 3, 0, 0]])
 
 
 # -- rows ----------------------------------------------------------------------------------------------

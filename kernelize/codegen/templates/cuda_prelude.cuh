@@ -85,8 +85,12 @@ template <class T> KZ T kz_pow(T a, T b) {  // integers: exact repeated squaring
     if (b & 1) r *= a;
   return r;
 }
-// gather: a negative index wraps once
-template <class T> KZ long long kz_wrap(T i, long long size) { return i < 0 ? (long long)i + size : (long long)i; }
+// gather: a negative index wraps once; out of range reads element 0 (never outside the table: the CPU
+// kernels read element 0 too and raise, a GPU kernel cannot raise, so the hub's Embedding checks its ids)
+template <class T> KZ long long kz_wrap(T i, long long size) {
+  const long long j = i < 0 ? (long long)i + size : (long long)i;
+  return j >= 0 && j < size ? j : 0;
+}
 
 // -- row accumulators: init / add / combine / shfl, reduced across a block by kz_block_reduce ---------------
 // All are plain aggregates so they can live in __shared__ memory; shfl(o) is the state of lane (lane ^ o).
