@@ -14,11 +14,14 @@ Three parts, every implementation timed in interleaved repetitions (median repor
 
 Peak memory of a step: each (model, variant) runs in a fresh child process (glibc's mmap threshold fixed,
 so freed large blocks leave the resident set) that does two warm-up steps, resets the kernel's
-resident-set high-water mark (``/proc/self/clear_refs``), runs one step and reports
-``VmHWM - VmRSS(before the step) + held``: everything the step allocated on top of what the previous step
-left (model, inputs, gradients, caches), plus ``held``, what kernelize's runtime keeps resident between
-steps that no tensor outside it uses (``kernelize.runtime.memory.held_bytes``: idle output-pool buffers,
-arena blocks), which the resident size before the step would otherwise hide.
+resident-set high-water mark (``/proc/self/clear_refs``) after dropping the gradients (``zero_grad``), runs
+one step and reports ``VmHWM - VmRSS(before the step) + held``: everything the step allocated, its
+gradients included, on top of the model, inputs and caches, plus ``held``, what kernelize's runtime keeps
+resident between steps that no tensor outside it uses (``kernelize.runtime.memory.held_bytes``: idle
+output-pool buffers, arena blocks), which the resident size before the step would otherwise hide. (Until
+2026-11-26 evening the baseline kept the previous step's gradients, which the step frees first: their
+pages were headroom, so a variant whose gradients were not all resident, such as kernelize's lazily
+zeroed embedding gradient, measured more.)
 
 Usage:
     python benchmarks/train.py            # full sizes (~15 min on 2 shared cores)
@@ -314,9 +317,12 @@ def _status_kib(field: str) -> int:
 
 def memory_child(case: str, variant: str, quick: bool) -> None:
     torch.set_num_threads(2)
-    _, step = build_variant(case, variant, quick)
+    model, step = build_variant(case, variant, quick)
     step()
     step()
+    # the previous step's gradients go before the baseline: the step makes its own (counted), and a variant
+    # whose old gradients were resident would otherwise get their freed pages as headroom below `before`
+    model.zero_grad(set_to_none=True)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     before = _status_kib("VmRSS")
     # what kernelize's runtime keeps resident between steps that no tensor outside it uses (idle pool
