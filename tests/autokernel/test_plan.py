@@ -18,6 +18,7 @@ from spec_interpreter import run
 
 from kernelize.autokernel import Compute, KernelKind, Load, Plan, PlanSettings, plan, row_invariant
 from kernelize.ir import Graph, Op, Sym, evaluate, optimize
+from kernelize.ir.dtypes import DType
 from kernelize.ir.torch_frontend import trace
 
 K = KernelKind
@@ -628,12 +629,20 @@ SETTINGS = [
 ]
 
 
+def random_graph_tol(g: Graph) -> float:
+    """1e-4, or a 16-bit ulp where the graph casts to a 16-bit float: a value summed in another order by
+    the plan than by the reference can round to the neighbouring f16 value (one ulp: 2^-10 at 1.0, seen
+    after a layernorm), and everything computed from it differs by that much."""
+    narrow = {n.dtype for n in g.nodes if n.op is Op.CAST} & {DType.F16, DType.BF16}
+    return 1e-2 if DType.BF16 in narrow else 2e-3 if narrow else 1e-4
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graphs(), st.sampled_from(SETTINGS))
 def test_random_graphs_match_the_reference(case, settings_):
     g, inputs = case
     note(str(g))
-    check(g, inputs, settings_, tol=1e-4)
+    check(g, inputs, settings_, tol=random_graph_tol(g))
 
 
 @pytest.mark.slow
@@ -643,7 +652,7 @@ def test_random_graphs_match_the_reference_exhaustive(case, settings_):
     """`make test-slow`: the same property as above, over 100x the examples."""
     g, inputs = case
     note(str(g))
-    check(g, inputs, settings_, tol=1e-4)
+    check(g, inputs, settings_, tol=random_graph_tol(g))
 
 
 # -- concats stored as slices ---------------------------------------------------------------------------

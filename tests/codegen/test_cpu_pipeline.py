@@ -110,6 +110,14 @@ def graphs(draw):
         elif step == "reduce":
             op = draw(st.sampled_from([Op.SUM, Op.MEAN, Op.REDUCE_MAX]))
         steps.append((step, op))
+    if dtype is not DType.F32:
+        # x - sum(x) grows with the row (64 columns: ~8); stored in 16 bits where the plan materialises it
+        # (before a flip or a double permute), its rounding (~0.03 in bf16) survives a later norm's mean
+        # subtraction, which the once-rounded f32 oracle cannot model: such a sum becomes a mean
+        for i, (step, op) in enumerate(steps):
+            later = {s for s, _ in steps[i + 1 :]}
+            if op is Op.SUM and later & {"flip", "permute2"}:
+                steps[i] = (step, Op.MEAN)
     return steps, dtype, rows, cols, draw(st.integers(0, 2**16))
 
 
