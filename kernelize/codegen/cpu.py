@@ -57,7 +57,7 @@ from kernelize.codegen.cpu_chunks import (
     stream_bytes,
 )
 from kernelize.codegen.cpu_fission import MAX_ROW as FISSION_MAX_ROW
-from kernelize.codegen.cpu_fission import Chain, render_fissioned, sum_chains
+from kernelize.codegen.cpu_fission import Chain, needed, render_fissioned, sum_chains
 from kernelize.codegen.render import Renderer, c_name, closure, deps
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -206,16 +206,7 @@ def piece_operands(k: Kernel, piece: Piece) -> Callable[[Load | Compute], Sequen
 def piece_closure(k: Kernel, roots: Sequence[int], piece: Piece) -> list[int]:
     """:func:`~kernelize.codegen.render.closure` for one piece: a concat on the inner axis needs only the
     operand it selects there, so the loads of the others are not rendered at all."""
-    operands = piece_operands(k, piece)
-    need: set[int] = set()
-    stack = list(roots)
-    while stack:
-        i = stack.pop()
-        if i in need:
-            continue
-        need.add(i)
-        stack += operands(k.body[i])
-    return sorted(need)
+    return sorted(needed(k, roots, set(), piece_operands(k, piece)))
 
 
 # ---- source generation ----------------------------------------------------------------------------------

@@ -83,12 +83,13 @@ def sum_chains(k: Kernel) -> list[Chain]:
         if len(terms) >= MIN_TERMS:
             chains.append(Chain(tuple(links), terms))
     every = {i for c in chains for i in c.links}
-    return [c for c in chains if not every & _needed(k, c.terms, set())]
+    return [c for c in chains if not every & needed(k, c.terms, set())]
 
 
-def _needed(k: Kernel, roots: Sequence[int], stop: set[int], pick: Callable | None = None) -> set[int]:
+def needed(k: Kernel, roots: Sequence[int], stop: set[int], pick: Callable | None = None) -> set[int]:
     """Body entries computing ``roots``, not descending below ``stop`` (kept themselves); ``pick(e)``: the
-    operands of an entry to follow (a concat within an inner piece follows one)."""
+    operands of an entry to follow (default :func:`~kernelize.codegen.render.deps`; within an inner piece
+    a concat follows one, see ``cpu.piece_operands``)."""
     need: set[int] = set()
     stack = list(roots)
     while stack:
@@ -114,7 +115,7 @@ def render_fissioned(w, segments: Sequence[tuple], chains: Sequence[Chain]) -> l
     def loop(roots: Sequence[int], tail: Sequence[str], stop: dict | None = None) -> list[str]:
         out = []
         for lo, hi, piece, pick in segments:
-            values = sorted(_needed(k, roots, set(stop or {}), pick))
+            values = sorted(needed(k, roots, set(stop or {}), pick))
             body = [w.value(i, [last], stop or {}, piece) for i in values]
             bounds = (lo, hi) if pieces else ("kz_f", "kz_fe")
             head = f"for (int64_t {var} = {bounds[0]}; {var} < {bounds[1]}; ++{var}) {{"
