@@ -13,12 +13,13 @@ the cos / sin gradient kernel went from 2.4x the time of the input-gradient kern
 bytes) to 1.0x (``perf``, 3000 steps).
 
 A sum qualifies as a left-deep chain of adds (``((t0 + t1) + t2) + ...``) of at least
-:data:`MIN_TERMS` terms, each link read only by the next; the values after the chain (a cast, a mean's
-scale) and the stores run in a last loop reading the chunks.
+:data:`MIN_TERMS` terms, each link read only by the next, at least that many of whose terms load the
+same buffer (a sum of as many different tensors reads each in order and stays one loop); the values
+after the chain (a cast, a mean's scale) and the stores run in a last loop reading the chunks.
 
 Example (two sums of 16 terms, inner pieces of 64)::
 
-    alignas(64) float kz_acc0[64], kz_acc1[64];
+    alignas(64) float kz_acc0[128], kz_acc1[128];
     for (i2 ...) { ... kz_acc0[i2 - kz_f] = v3; kz_acc1[i2 - kz_f] = v5; }        // term 0
     for (i2 ...) { ... kz_acc0[i2 - kz_f] = (kz_acc0[i2 - kz_f] + v9); ... }      // terms 1 .. 15
     for (i2 ...) { const float v110 = kz_acc0[i2 - kz_f]; ... kz_st(...); }      // the stores
@@ -29,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kernelize.autokernel.kernels import Compute, Kernel
+from kernelize.autokernel.kernels import Compute, Kernel, Load
 from kernelize.codegen.render import deps
 from kernelize.ir.graph import Op
 
@@ -80,10 +81,21 @@ def sum_chains(k: Kernel) -> list[Chain]:
         links.reverse()
         first = k.body[links[0]]
         terms = (first.src[0], first.src[1], *(k.body[i].src[1] for i in links[1:]))
-        if len(terms) >= MIN_TERMS:
+        if len(terms) >= MIN_TERMS and _strided_terms(k, terms):
             chains.append(Chain(tuple(links), terms))
     every = {i for c in chains for i in c.links}
     return [c for c in chains if not every & needed(k, c.terms, set())]
+
+
+def _strided_terms(k: Kernel, terms: Sequence[int]) -> bool:
+    """Whether one buffer is loaded by at least :data:`MIN_TERMS` of the terms: slices of one tensor (an
+    unrolled sum), whose lines one loop body reads far apart. A sum of as many different tensors reads
+    each in order and stays one loop."""
+    count: dict = {}
+    for t in terms:
+        for b in {k.body[i].buffer for i in needed(k, [t], set()) if isinstance(k.body[i], Load)}:
+            count[b] = count.get(b, 0) + 1
+    return max(count.values(), default=0) >= MIN_TERMS
 
 
 def needed(k: Kernel, roots: Sequence[int], stop: set[int], pick: Callable | None = None) -> set[int]:

@@ -70,3 +70,14 @@ def test_short_sums_keep_one_loop():
     x = g.input("x", ("n", MIN_TERMS - 1, 40), DType.F32)
     g.output(g.reduce(Op.SUM, x, 1))
     _check(g, [torch.randn(4, MIN_TERMS - 1, 40)], DType.F32, fissioned=False)
+
+
+def test_a_sum_of_different_tensors_keeps_one_loop():
+    """Each term reads its own tensor in order: nothing for fission to fix."""
+    g = Graph()
+    xs = [g.input(f"x{i}", ("n", 40), DType.F32) for i in range(MIN_TERMS + 1)]
+    total = xs[0]
+    for x in xs[1:]:
+        total = g.add(total, x)
+    g.output(total)
+    _check(g, [torch.randn(4, 40) for _ in xs], DType.F32, fissioned=False)
