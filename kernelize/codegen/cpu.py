@@ -585,15 +585,26 @@ def _launcher(fn, kernel: Kernel):
             get_threads(),
         )
         if rc:
-            raise IndexError(f"cpu kernel {kernel.name}: a gather index is out of range")
+            raise IndexError(_gather_error(kernel))
 
     return launch
+
+
+def _gather_error(kernel: Kernel) -> str:
+    """What a kernel's nonzero return means: a gather index out of range, with the sizes it must respect."""
+    sizes = sorted({str(ind.size) for e in kernel.body if isinstance(e, Load) for ind in e.indirect})
+    n = " or ".join(sizes) or "n"
+    return (
+        f"cpu kernel {kernel.name}: a gather index is out of range: the gathered axis has {n} entries, so "
+        f"an index must be in [-{n}, {n}) (negative ones count from the end); check the indices fed to "
+        "the gather (e.g. token ids against the vocabulary size)"
+    )
 
 
 def _c_caller(fn, kernel: Kernel) -> Callable[..., CCall]:
     """``c_call`` of a kernel launched by :func:`_launcher`: the same arguments, for ``kz_replay``."""
     address = ctypes.cast(fn, ctypes.c_void_p).value
-    symbols, error = kernel.symbols, f"cpu kernel {kernel.name}: a gather index is out of range"
+    symbols, error = kernel.symbols, _gather_error(kernel)
 
     def c_call(reads, writes, sizes: Mapping[str, int]) -> CCall:
         ptrs = tuple(0 if t is None else t.data_ptr() for t in (*reads, *writes))
