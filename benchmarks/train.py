@@ -370,22 +370,22 @@ def plot(layers: list[dict], steps: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.5))
-    labels = [f"{r['layer']}\n{r['dtype']}" for r in layers]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [2, 1]})
+    labels = [f"{r['layer']} {r['dtype'].replace('float', 'f')}" for r in layers]
     xs = range(len(layers))
     for i, (impl, color) in enumerate((("torch.compile", "tab:orange"), ("kernelize", "tab:green"))):
         a.bar([x + 0.4 * i for x in xs], [r["eager"] / r[impl] for r in layers], 0.4, label=impl, color=color)
     a.axhline(1.0, color="gray", lw=0.8)
-    a.set_xticks([x + 0.2 for x in xs], labels, fontsize=7)
+    a.set_xticks([x + 0.2 for x in xs], labels, fontsize=7, rotation=40, ha="right")
     a.set_ylabel("speedup vs eager (fwd+bwd)")
     a.legend()
     a.set_title("per layer, forward + backward (CPU, 2 threads)")
-    names = [f"{r['case']}\n{v}" for r in steps for v in STEP_VARIANTS]
+    names = [f"{r['case']}: {v}" for r in steps for v in STEP_VARIANTS]
     b.bar(
         range(len(names)), [r["times_ms"]["eager"] / r["times_ms"][v] for r in steps for v in STEP_VARIANTS]
     )
     b.axhline(1.0, color="gray", lw=0.8)
-    b.set_xticks(range(len(names)), names, fontsize=6)
+    b.set_xticks(range(len(names)), names, fontsize=7, rotation=40, ha="right")
     b.set_ylabel("speedup vs eager (training step)")
     b.set_title("training step")
     fig.tight_layout()
