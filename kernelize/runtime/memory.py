@@ -116,7 +116,7 @@ def zeros_lazy(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         >>> float(g.abs().sum())
         0.0
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGEPAGE_MIN or platform.system() != "Linux":
         return torch.zeros(tuple(shape), dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
