@@ -56,8 +56,7 @@ from kernelize.codegen.cpu_chunks import (
     moved_bytes,
     stream_bytes,
 )
-from kernelize.codegen.cpu_fission import MAX_ROW as FISSION_MAX_ROW
-from kernelize.codegen.cpu_fission import Chain, needed, render_fissioned, sum_chains
+from kernelize.codegen.cpu_fission import needed, render_fissioned, sum_chains
 from kernelize.codegen.render import Renderer, c_name, closure, deps
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -230,7 +229,6 @@ class _Writer:
         self.fn_name = c_name(kernel.name)
         self.widened: dict[int, str] = {}  # row kernels: loads read from a per-thread float row
         self.alias: dict[str, str] = {}  # access name -> another access's base plus a constant (bases())
-        self.chains: list[Chain] = []  # pointwise kernels: the long sums rendered a loop per term
 
     # -- indexing -------------------------------------------------------------------------------------
     def n(self, axis: int) -> str:
@@ -345,15 +343,13 @@ class _Writer:
         static_inner = isinstance(k.domain[last], int) and k.domain[last] <= BLOCK
         roots = [s.value for s in k.stores]
         pieces = inner_pieces(k)
-        self.chains = sum_chains(k)
-        if pieces is not None and len(self.chains) * k.domain[last] > FISSION_MAX_ROW:
-            self.chains = []  # the accumulators of a whole row would not fit the stack
+        chains = sum_chains(k, whole_row=pieces is not None)
         chunked, stream = self.chunk_plan(last)
-        streamed = chunked if stream and not self.chains else []
+        streamed = chunked if stream and not chains else []
         j0, j1 = ("0", str(k.domain[last])) if static_inner else ("kz_j0", "kz_j1")
-        if self.chains:  # long sums: a loop per term (cpu_fission)
+        if chains:  # long sums: a loop per term (cpu_fission)
             cuts = [(str(p[0]), str(p[1]), p, piece_operands(k, p)) for p in pieces or ()]
-            lines = render_fissioned(self, cuts or [(j0, j1, None, None)], self.chains)
+            lines = render_fissioned(self, cuts or [(j0, j1, None, None)], chains)
             loops = ["\n".join(x if x.startswith("#") else " " * 12 + x for x in lines)]
         elif pieces is not None:
             loops = [self.simd_loop(str(p[0]), str(p[1]), piece_closure(k, roots, p), p) for p in pieces]

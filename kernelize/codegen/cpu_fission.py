@@ -63,9 +63,10 @@ def _is_add(k: Kernel, i: int) -> bool:
     return isinstance(e, Compute) and e.op is Op.ADD and e.dtype.is_float
 
 
-def sum_chains(k: Kernel) -> list[Chain]:
+def sum_chains(k: Kernel, whole_row: bool = False) -> list[Chain]:
     """The kernel's left-deep sums of at least :data:`MIN_TERMS` terms, none of whose terms reads a link
-    of any of them."""
+    of any of them; ``whole_row`` (inner pieces: the accumulators hold the whole static row): none when
+    those would exceed :data:`MAX_ROW` elements (the stack)."""
     readers = _readers(k)
     below = {  # links with a next link: the first operand of a float add, read by it alone
         k.body[i].src[0] for i in range(len(k.body)) if _is_add(k, i) and _is_add(k, k.body[i].src[0])
@@ -84,7 +85,8 @@ def sum_chains(k: Kernel) -> list[Chain]:
         if len(terms) >= MIN_TERMS and _strided_terms(k, terms):
             chains.append(Chain(tuple(links), terms))
     every = {i for c in chains for i in c.links}
-    return [c for c in chains if not every & needed(k, c.terms, set())]
+    chains = [c for c in chains if not every & needed(k, c.terms, set())]
+    return [] if whole_row and len(chains) * k.domain[-1] > MAX_ROW else chains
 
 
 def _strided_terms(k: Kernel, terms: Sequence[int]) -> bool:

@@ -8,7 +8,7 @@ gradient, MKL weight gradient: faster than the generated graphs' GEMMs); otherwi
 generated backward graphs (`kernelize.hub.run`).
 
 `Embedding` is the one-hot special case, `weight[input]`: a generated gather kernel; with gradients on the
-CPU, `kernelize.hub.train_embedding` (the dense weight gradient made in huge pages).
+CPU, `kernelize.hub.train_embedding` (the dense weight gradient on lazily zeroed memory).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class Embedding(nn.Module):
         plain = options[0] is None and not options[2] and not options[3]
         if plain and not (torch.is_grad_enabled() and self.weight.requires_grad):
             # torch's embedding rejects an id outside [0, rows); the IR's gather wraps a negative one (ONNX)
-            # and the GPU kernels do not check bounds: one check here (asynchronous on a GPU, as torch's)
+            # and the GPU kernels read row 0 for one out of range: one check here (async on a GPU, as torch's)
             ok = (
                 (input.min() >= 0) & (input.max() < self.weight.shape[0])
                 if input.numel()
