@@ -90,23 +90,25 @@ def chunked_loop(
     rest: Sequence[str],
     bf16_chunks: bool = True,
     stream: bool = False,
+    prefetch: Sequence[str] = (),
 ) -> list[str]:
     """The simd loop ``for var in [lo, hi)`` computing ``body``, doing ``rest`` (the other stores and
     updates) and the contiguous ``stores``: when ``stream`` and the kernel streams its outputs
     (``kz_stream``), every one of them through float chunks written with non-temporal stores; else the bf16
     ones in float chunks where AVX512-BF16 is there (and ``bf16_chunks``); plainly for the rest of the
-    range."""
+    range. ``prefetch``: lines each streamed chunk starts with (a row kernel's prefetch of the next row)."""
 
     def loop(start: str, end: str, lines: Sequence[str]) -> list[str]:
         head = f"for (int64_t {var} = {start}; {var} < {end}; ++{var}) {{"
         return ["#pragma omp simd", head, *("    " + b for b in lines), "}"]
 
-    def chunks(chunked: Sequence[ChunkStore], write: str) -> list[str]:
+    def chunks(chunked: Sequence[ChunkStore], write: str, first: Sequence[str] = ()) -> list[str]:
         kept = {s.slot for s in chunked}
         lines = [s.line for s in stores if s.slot not in kept]
         chunk = [*body, *(f"kz_b{s.slot}[{var} - kz_ch] = {s.value};" for s in chunked), *lines, *rest]
         return [
             f"for (; kz_ch + {CHUNK} <= {hi}; kz_ch += {CHUNK}) {{",
+            *("    " + b for b in first),
             *(f"    alignas(64) float kz_b{s.slot}[{CHUNK}];" for s in chunked),
             *("    " + b for b in loop("kz_ch", f"kz_ch + {CHUNK}", chunk)),
             *(f"    {write}({s.dst} + kz_ch, kz_b{s.slot}, {CHUNK});" for s in chunked),
@@ -118,7 +120,7 @@ def chunked_loop(
         return loop(lo, hi, plain)
     inner = [f"int64_t kz_ch = {lo};"]
     if stream:
-        inner += ["if (kz_stream) {", *("    " + b for b in chunks(stores, "kz_stream_row")), "}"]
+        inner += ["if (kz_stream) {", *("    " + b for b in chunks(stores, "kz_stream_row", prefetch)), "}"]
     bf16 = [s for s in stores if s.bf16]
     if bf16 and bf16_chunks:
         inner += ["#if KZ_BF16_ROWS", *chunks(bf16, "kz_st_bf16_row"), "#endif"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernelize.autokernel.kernels import Compute, Load, column_sums
-from kernelize.codegen.cpu_chunks import chunked_loop, moved_bytes
+from kernelize.codegen.cpu_chunks import CHUNK, chunked_loop, moved_bytes
 from kernelize.codegen.render import closure, deps
 from kernelize.ir.dtypes import HALF
 from kernelize.ir.graph import REDUCE, ROW, Op
@@ -359,7 +359,32 @@ def _write_pass(w, split: int, values: list[str], stores: list[tuple[int, Any]],
     rest = [w.store(j, s, row_axes) for j, s in stores if j not in slots] + sums
     if not chunked:
         return _loop(w, split, True, [], values + rest)
-    return chunked_loop(f"i{split}", "0", w.n(split), values, chunked, rest, not sums, stream)
+    prefetch = _next_row_prefetch(w, split) if stream else []
+    loop = chunked_loop(f"i{split}", "0", w.n(split), values, chunked, rest, not sums, stream, prefetch)
+    return ["const int64_t kz_nx = kz_o + 1 < kz_outer;"] + loop if prefetch else loop
+
+
+def _next_row_prefetch(w, split: int) -> list[str]:
+    """Prefetches, per chunk of a streamed write pass, of the same chunk of the next row of every input the
+    row reads contiguously (``kz_nx``: 1 unless this is the last row). A streamed kernel reads its rows from
+    memory, and the hardware prefetcher, which starts over at each 4 KiB page (a bf16 row of 2048), leaves
+    the first pass of every row waiting on memory while the write pass, reading the row from cache, moves
+    few bytes. Cold caches, 2048 x 2048 bf16, 2 threads, medians of 120 (three runs): RMSNorm backward
+    0.96-1.36 -> 0.79-0.96 ms, LayerNorm forward 0.66-0.78 -> 0.54-0.64 ms; the f32 norms' rows span two
+    pages and gained less (0-16%)."""
+    if split == 0:
+        return []
+    lines: dict[str, None] = {}
+    for i, e in enumerate(w.k.body):
+        if not isinstance(e, Load) or e.indirect or i in w.widened or e.strides[split] != 1:
+            continue
+        step = e.strides[split - 1]
+        if step == 0:
+            continue
+        per_line = max(1, 64 // e.buffer.dtype.itemsize)
+        base = f"{w.ptr[e.buffer]} + {w.index(f'kz_l{i}', e, [])} + kz_nx * {w.r.dim(step)} + kz_ch"
+        lines.update((f"__builtin_prefetch({base} + {j}, 0, 3);", None) for j in range(0, CHUNK, per_line))
+    return list(lines)
 
 
 # elementwise ops worth a scratch-row store and load rather than computing them again in a later pass

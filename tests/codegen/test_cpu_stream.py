@@ -67,7 +67,14 @@ def test_row_kernels_streamed_equal_plain_and_reference(threshold, dtype, n):
     h = g.add(x, r)
     g.output(h, g.rmsnorm(h, w, 1e-6), g.softmax(x))
     cg = compile_graph(g, backend="cpu", cache=False)
-    assert any("kz_stream_row(" in k.source for k in cg.kernels)
+    streamed = [k.source for k in cg.kernels if "kz_stream_row(" in k.source]
+    assert streamed
+    # each streamed chunk prefetches the same chunk of the next row of x and r (not of w: every row reads it)
+    for src in streamed:
+        per_line = 64 // dtype.itemsize
+        want = {f"kz_nx * {n} + kz_ch + {j}, 0, 3);" for j in range(0, CHUNK, per_line)}
+        lines = [line.strip() for line in src.splitlines() if "__builtin_prefetch(" in line]
+        assert len(lines) == 2 * len(want) and {line.split(" + ", 2)[2] for line in lines} == want, lines
     ins = [torch.randn(shape).to(dtype.torch) for shape in ((9, n), (9, n), (n,))]
     for a, b in zip(_both_ways(cg, ins, threshold), evaluate(g, ins)):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
