@@ -110,6 +110,8 @@ def can_absorb(
     _, leaf_bytes = cost
     # a reader that reads a part of the value (a slice) recomputes only that part: weigh it by the part
     size = nbytes(node)
+    if size == 0:  # an empty value (a zero-length axis): nothing to recompute
+        return True
     part = [
         max((read_bytes(s, stop) for s in u.src if base(s, stop) is node), default=size) / size
         for u in outside

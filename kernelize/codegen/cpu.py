@@ -604,7 +604,7 @@ def _c_caller(fn, kernel: Kernel) -> Callable[..., CCall]:
 
     def c_call(reads, writes, sizes: Mapping[str, int]) -> CCall:
         ptrs = tuple(0 if t is None else t.data_ptr() for t in (*reads, *writes))
-        return CCall(address, ptrs + tuple(sizes[s] for s in symbols), error)
+        return CCall(address, ptrs + tuple(sizes[s] for s in symbols), error, raises=IndexError)
 
     return c_call
 

@@ -156,10 +156,14 @@ def _run_eager(
     entry = entry_for(fn, tensors, len(inputs), params, backend_for(tensors[0].device))
     if owner is not None:
         note_ran(owner, entry)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        outs = hub_autograd.apply(entry.compiled, tensors)
-    else:  # not tracing and no gradients: the checks of `CompiledGraph.__call__` are done
-        outs = entry.compiled.run(tensors)
+    try:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            outs = hub_autograd.apply(entry.compiled, tensors)
+        else:  # not tracing and no gradients: the checks of `CompiledGraph.__call__` are done
+            outs = entry.compiled.run(tensors)
+    except IndexError as e:  # a gather index out of range: say which layer's math read it
+        where = fn.__qualname__ if owner is None else f"{type(owner).__name__} ({fn.__qualname__})"
+        raise IndexError(f"{where}: {e}") from e
     return outs[0] if entry.n_outputs == 1 else tuple(outs)
 
 

@@ -205,14 +205,23 @@ def _repeat(t, x, repeats):
     return t.g.view(y, tuple(d * r for r, d in zip(repeats, x.shape)))
 
 
+def _no_wrap(t, index: Node) -> Node:
+    """``index`` for a gather that must not wrap negatives. torch's embedding and index_select raise on a
+    negative index, where the graph's gather (``numpy.take``) counts it from the end: a negative becomes the
+    dtype's lowest value, still out of range after the gather adds the axis size, so the CPU kernel and the
+    reference raise an IndexError (GPU kernels read element 0, as for any index out of range)."""
+    lowest = -(1 << (8 * index.dtype.itemsize - 1))
+    return t.g.where(t.g.binary(Op.LT, index, 0), lowest, index)
+
+
 @handles(aten.index_select.default)
 def _index_select(t, x, dim, index):
-    return t.g.gather(x, index, dim)
+    return t.g.gather(x, _no_wrap(t, index), dim)
 
 
 @handles(aten.embedding.default)
 def _embedding(t, weight, index, *args):
-    return t.g.gather(weight, index, 0)
+    return t.g.gather(weight, _no_wrap(t, index), 0)
 
 
 @handles(aten.index.Tensor)

@@ -55,12 +55,13 @@ class CCall(NamedTuple):
     its address and its integer arguments but the thread count, which goes last. ``error`` says what a
     non-zero return means; ``slots`` gives, for each of the kernel's reads then writes, the argument holding
     its data pointer (None: an argument derived from it, such as a packed weight), when that is not the
-    identity."""
+    identity; ``raises``: the exception type of that error (a gather index out of range: IndexError)."""
 
     fn: int
     args: tuple[int, ...]
     error: str
     slots: tuple[int | None, ...] | None = None
+    raises: type[Exception] = RuntimeError
 
 
 @dataclass(frozen=True)

@@ -58,14 +58,14 @@ class Batch:
         calls: their calls (the thread count and ``patches`` filled in per run).
         patches: ``(call, argument, buffer)``: the buffer's data pointer goes there on every run.
         fresh: steps whose writes are allocated per run (graph outputs): their writes are patched.
-        errors: per call, what a non-zero return means.
+        errors: per call, what a non-zero return means, and the exception type it raises.
     """
 
     steps: tuple[int, ...]
     calls: ctypes.Array
     patches: tuple[tuple[int, int, Node], ...]
     fresh: tuple[int, ...]
-    errors: tuple[str, ...]
+    errors: tuple[tuple[type[Exception], str], ...]
     nargs: tuple[int, ...]  # per call, the index of its thread-count argument
 
     def run(self, tensor: Callable[[Node], torch.Tensor], allocate: Callable[[int], None]) -> None:
@@ -81,7 +81,8 @@ class Batch:
             calls[c].args[a] = threads
         rc = _replay_fn()(calls, len(self.nargs))
         if rc:
-            raise RuntimeError(self.errors[rc - 1])
+            kind, message = self.errors[rc - 1]
+            raise kind(message)
 
 
 def batch_of(
@@ -100,7 +101,7 @@ def batch_of(
         calls=calls,
         patches=tuple(patches),
         fresh=tuple(e[0] for e in entries if e[3]),
-        errors=tuple(e[1].error for e in entries),
+        errors=tuple((e[1].raises, e[1].error) for e in entries),
         nargs=tuple(len(e[1].args) for e in entries),
     )
 

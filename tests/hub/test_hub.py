@@ -116,6 +116,26 @@ def test_run_compiles_once_per_signature() -> None:
     assert hub.compiled_count() == n + 2
 
 
+def _pick_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return table.index_select(0, ids) * 2.0
+
+
+class _Picker(nn.Module):
+    pass
+
+
+def test_an_index_out_of_range_names_the_layer_and_its_math() -> None:
+    table = torch.randn(6, 8)
+    torch.testing.assert_close(
+        hub.run(_Picker(), _pick_rows, [torch.tensor([5, 0])], [table]), table[[5, 0]] * 2
+    )
+    for bad in ([6, 0], [0, -1]):  # past the end; negative (torch's index_select raises on it too)
+        with pytest.raises(IndexError, match=r"^_Picker \(_pick_rows\): .*out of range.*\[-6, 6\)"):
+            hub.run(_Picker(), _pick_rows, [torch.tensor(bad)], [table])
+    with pytest.raises(IndexError, match=r"^_pick_rows: "):
+        hub.run(None, _pick_rows, [torch.tensor([7])], [table])
+
+
 def test_inspect_lists_backend_and_kernels() -> None:
     @kernelize.use_kernel_forward_from_hub("RMSNorm")
     class Norm(nn.Module):

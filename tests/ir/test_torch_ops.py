@@ -352,3 +352,22 @@ def test_lazy_results_build_only_when_read():
 def test_secondary_outputs_that_are_not_supported_say_so():
     with pytest.raises(ir.UnsupportedOpError, match="max pool indices"):
         ir.trace(lambda x: F.max_pool2d(x, 2, return_indices=True)[1], torch.randn(1, 1, 4, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_embedding_and_index_select_raise_on_negative_indices_like_torch(backend, dtype):
+    """torch's embedding / index_select raise on a negative index; the graph's gather would count it from
+    the end (as ``x[i]`` does, which keeps wrapping)."""
+    from kernelize.runtime.compiled import compile_graph
+
+    x, ok, neg = f32(5, 4), torch.tensor([0, 4, 2], dtype=dtype), torch.tensor([0, -1, 2], dtype=dtype)
+    for fn in (lambda x, i: F.embedding(i, x), lambda x, i: x.index_select(0, i)):
+        with pytest.raises(IndexError):
+            fn(x, neg)
+        cg = compile_graph(ir.trace(fn, x, ok), backend=backend, cache=False)
+        torch.testing.assert_close(cg(x, ok)[0], fn(x, ok))
+        with pytest.raises(IndexError, match="out of range"):
+            cg(x, neg)
+    wraps = compile_graph(ir.trace(lambda x, i: x[i], x, ok), backend=backend, cache=False)
+    torch.testing.assert_close(wraps(x, neg)[0], x[neg])
