@@ -38,7 +38,7 @@ import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
 from kernelize.autokernel.matmul import weights_shared
-from kernelize.codegen.render import Renderer, c_name, closure, contraction
+from kernelize.codegen.render import GATHER_ERROR, Renderer, c_name, closure, contraction, gathers
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
@@ -173,6 +173,8 @@ class _Gen:
             self.params.append((f"{r.storage(b.dtype)}*{restrict}", f"o{i}"))
         for s in kernel.symbols:
             self.params.append(("const int64_t", r.sym(s)))
+        if gathers(kernel):
+            self.params.append(("int*", "kz_err"))
         extents = [numel(kernel.domain), *(numel(b.shape) for b in (*reads, *writes))]
         self.idx = "int" if _fits_i32(extents) else "long long"
         self.rank = len(kernel.domain)
@@ -204,7 +206,9 @@ class _Gen:
             if s != 0:
                 terms.append(ix if s == 1 else f"{ix} * {self.r.dim(s)}")
         for ind in getattr(e, "indirect", ()):
-            terms.append(f"(idx_t)kz_wrap(v{ind.value}, {self.r.dim(ind.size)}) * {self.r.dim(ind.stride)}")
+            terms.append(
+                f"(idx_t)kz_wrap(v{ind.value}, {self.r.dim(ind.size)}, kz_err) * {self.r.dim(ind.stride)}"
+            )
         return " + ".join(terms) or "0"
 
     def load(self, e: Load, idx: Sequence[str]) -> str:
@@ -472,6 +476,7 @@ class CudaBackend(Backend):
         )
         module = CubinModule(cubin, src.name)
         arg_types = [ctypes.c_void_p if "*" in t else ctypes.c_int64 for t, _ in src.params]
+        flagged = gathers(kernel)
 
         def launch(
             reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]
@@ -489,7 +494,15 @@ class CudaBackend(Backend):
             grid = src.grid(sizes, sm_count(dev) * max(1, 2048 // src.block))
             if grid[0] * grid[1] * grid[2] == 0:
                 return
-            module.launch(grid, (src.block, 1, 1), list(zip(values, arg_types)), dev)
+            err = torch.zeros(1, dtype=torch.int32, device=tensors[0].device) if flagged else None
+            module.launch(
+                grid,
+                (src.block, 1, 1),
+                list(zip(values + ([] if err is None else [err.data_ptr()]), arg_types)),
+                dev,
+            )
+            if err is not None:
+                torch._assert_async(err == 0, f"cuda kernel {kernel.name}: {GATHER_ERROR}")
 
         return CompiledKernel(kernel.name, self.name, src.source, launch, kernel)
 

@@ -167,6 +167,19 @@ def c_name(kernel_name: str) -> str:
     return "kz_" + re.sub(r"\W", "_", kernel_name)
 
 
+GATHER_ERROR = (
+    "a gather index is out of range (after counting a negative one from the end); the kernel read element 0 "
+    "for it: check the indices fed to the gather (e.g. token ids against the vocabulary size)"
+)
+
+
+def gathers(kernel: Kernel) -> bool:
+    """Whether ``kernel`` has an indirect (gather) load: its GPU spellings then take an error flag
+    (``kz_err``, one int32 the kernel sets for an index out of range) and the launcher asserts it is 0
+    afterwards (``torch._assert_async``: asynchronous on a GPU, as torch's own index checks)."""
+    return any(isinstance(e, Load) and e.indirect for e in kernel.body)
+
+
 def deps(e: Load | Compute) -> Sequence[int]:
     """The body entries ``e`` reads: a compute's operands, a load's gather indices."""
     return [ind.value for ind in e.indirect] if isinstance(e, Load) else e.src

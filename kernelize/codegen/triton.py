@@ -37,7 +37,7 @@ import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
 from kernelize.autokernel.matmul import weights_shared
-from kernelize.codegen.render import contraction
+from kernelize.codegen.render import GATHER_ERROR, contraction, gathers
 from kernelize.codegen.template import fill, load_template
 from kernelize.codegen.triton_base import (
     TL,
@@ -76,6 +76,8 @@ class KernelSource:
             self.ptr[("w", b)] = f"out{i}_ptr"
         self.args = [self.ptr[b] for b in kernel.reads] + [f"out{i}_ptr" for i in range(len(kernel.writes))]
         self.args += [self.r.sym(s) for s in kernel.symbols]
+        if gathers(kernel):
+            self.args.append("kz_err_ptr")
         self.vec: dict[int, bool] = {}
 
     # -- shared pieces ------------------------------------------------------------------------------------
@@ -98,14 +100,14 @@ class KernelSource:
         if const is not None:  # a single-valued constant: inline it (its pointer stays an unused argument)
             self.vec[i] = False
             return f"{indent}v{i} = tl.full([], {self.r.literal(const, e.dtype)}, {self.r.ctype(e.dtype)})"
-        extra, ind_vec = [], False
+        extra, ind_vec, inside = [], False, []
         for ind in e.indirect:
             v, size = f"v{ind.value}", self.r.dim(ind.size)
-            # a negative index wraps once; out of range reads element 0, never outside the table (as
-            # kz_wrap in the CUDA prelude: a GPU kernel cannot raise, the hub's Embedding checks its ids)
+            # a negative index wraps once; one still out of range reads element 0, never outside the table,
+            # and sets the error flag the launcher asserts is 0 (as kz_wrap in the CUDA prelude)
             wrapped = f"tl.where({v} < 0, {v} + {size}, {v})"
-            inside = f"({v} >= -{size}) & ({v} < {size})"
-            extra.append(f"tl.where({inside}, {wrapped}, 0) * {self.r.dim(ind.stride)}")
+            inside.append(f"({v} >= -{size}) & ({v} < {size})")
+            extra.append(f"tl.where({inside[-1]}, {wrapped}, 0) * {self.r.dim(ind.stride)}")
             ind_vec |= self.vec[ind.value]
         off, used = self.offset(ctx, e.strides, e.offset, extra)
         full = ind_vec or ctx.is_full(used)
@@ -127,7 +129,11 @@ class KernelSource:
         if e.dtype in HALF:
             text += ".to(tl.float32)"
         self.vec[i] = vec
-        return f"{indent}v{i} = {text}"
+        flag = ""
+        if inside:  # the flag's pointer takes the load's shape (0 * offset), its mask the load's lanes
+            bad = " & ".join([*masks, f"~({' & '.join(inside)})"])
+            flag = f"{indent}tl.store(kz_err_ptr + 0 * ({off}), 1, mask={bad})\n"
+        return f"{flag}{indent}v{i} = {text}"
 
     def compute(self, i: int, e: Compute, ctx: IndexCtx, indent: str = "    ") -> str:
         args = [f"v{s}" for s in e.src]
@@ -385,13 +391,18 @@ class TritonBackend(Backend):
         except Exception as e:  # a syntax or template error in generated code: show the numbered source
             raise KernelCompileError(kernel.name, key[0], f"{type(e).__name__}: {e}", source, "triton") from e
         fn = getattr(module, kernel.name)
-        symbols = kernel.symbols
+        symbols, flagged = kernel.symbols, gathers(kernel)
 
         def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
             grid, meta = launch_config(kernel, sizes)
             big = max((t.numel() for t in (*reads, *writes)), default=0)
             idx64 = big >= 2**31 - 1 or numel(bind(kernel.domain, sizes)) >= 2**31 - 1 - 65536
-            fn[grid](*reads, *writes, *(int(sizes[s]) for s in symbols), IDX64=idx64, **meta)
+            device = (*reads, *writes)[0].device
+            err = torch.zeros(1, dtype=torch.int32, device=device) if flagged else None
+            flag = () if err is None else (err,)
+            fn[grid](*reads, *writes, *(int(sizes[s]) for s in symbols), *flag, IDX64=idx64, **meta)
+            if err is not None:
+                torch._assert_async(err == 0, f"triton kernel {kernel.name}: {GATHER_ERROR}")
 
         return CompiledKernel(kernel.name, "triton", source, launch, kernel)
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kernelize.autokernel.kernels import Kernel
+from kernelize.codegen.render import gathers
 from kernelize.codegen.triton import KernelSource, launch_config, render
 from kernelize.codegen.triton_base import SIG, interpreting, load_module, module_file
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
@@ -32,6 +33,8 @@ def _aot_job(kernel: Kernel, arch: int, sizes: Mapping[str, int] | None) -> dict
     sig = {KernelSource(kernel).ptr[b]: "*" + SIG[b.dtype] for b in kernel.reads}
     sig.update({f"out{i}_ptr": "*" + SIG[b.dtype] for i, b in enumerate(kernel.writes)})
     sig.update({f"s_{s}": "i32" for s in kernel.symbols})
+    if gathers(kernel):
+        sig["kz_err_ptr"] = "*i32"
     consts = {**meta, "IDX64": False}
     if "UPCAST" in consts:
         consts["UPCAST"] = False  # the GPU path, whatever this process runs

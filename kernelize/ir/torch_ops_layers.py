@@ -209,7 +209,7 @@ def _no_wrap(t, index: Node) -> Node:
     """``index`` for a gather that must not wrap negatives. torch's embedding and index_select raise on a
     negative index, where the graph's gather (``numpy.take``) counts it from the end: a negative becomes the
     dtype's lowest value, still out of range after the gather adds the axis size, so the CPU kernel and the
-    reference raise an IndexError (GPU kernels read element 0, as for any index out of range)."""
+    reference raise an IndexError (the GPU kernels set their error flag, as for any index out of range)."""
     lowest = -(1 << (8 * index.dtype.itemsize - 1))
     return t.g.where(t.g.binary(Op.LT, index, 0), lowest, index)
 

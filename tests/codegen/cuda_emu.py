@@ -21,6 +21,7 @@ import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
 from kernelize.codegen.cuda import CudaSource, render
+from kernelize.codegen.render import GATHER_ERROR
 from kernelize.codegen.template import load_template
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, Graph, Node, Op
 from kernelize.ir.reference import bind_inputs
@@ -86,9 +87,11 @@ def emulate(
     tensors = [*reads, *writes]
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
     ints = [ctypes.c_int64(int(sizes[s])) for s in kernel.symbols]
+    flag = torch.zeros(1, dtype=torch.int32)  # a gather kernel's error flag (its last parameter, kz_err)
     ptrs = [ctypes.c_void_p(t.data_ptr()) for t in tensors]
-    argv = (ctypes.c_void_p * (len(ptrs) + len(ints)))(
-        *[p.value for p in ptrs], *[ctypes.addressof(i) for i in ints]
+    flagged = src.params[-1][1] == "kz_err"
+    argv = (ctypes.c_void_p * (len(ptrs) + len(ints) + flagged))(
+        *[p.value for p in ptrs], *[ctypes.addressof(i) for i in ints], *[flag.data_ptr()][:flagged]
     )
     grid = src.grid(sizes, max_blocks)
     if kernel.kind is KernelKind.MATMUL and 0 in grid:
@@ -97,6 +100,7 @@ def emulate(
     rc = lib.kz_emu_run(argv, *[ctypes.c_uint(g) for g in grid], ctypes.c_uint(src.block), err)
     if rc:
         raise RuntimeError(f"emulated {src.name}: {err.value.decode()}")
+    torch._assert_async(flag == 0, f"emulated {src.name}: {GATHER_ERROR}")  # what the launcher does
 
 
 def emulate_attention(

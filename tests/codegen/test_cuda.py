@@ -620,7 +620,8 @@ def test_matmul_tiles_and_batch(m, k, n):
     torch.testing.assert_close(got, evaluate(g, ins)[0], rtol=1e-4, atol=1e-4)
 
 
-def test_gather_indirect_load_wraps_negative_indices_and_reads_element_0_out_of_range():
+def gather_kernel() -> tuple[Graph, Kernel]:
+    """``table[idx]`` over a bf16 10 x 4 table: one pointwise kernel with an indirect load."""
     g = Graph()
     table, idx = g.input("table", (10, 4), "bf16"), g.input("idx", ("n",), "i64")
     y = g.gather(table, idx, 0)
@@ -632,12 +633,26 @@ def test_gather_indirect_load_wraps_negative_indices_and_reads_element_0_out_of_
         body=(Load(idx, (1, 0)), Load(table, (0, 1), indirect=(Indirect(0, 4, 10),))),
         stores=(Store(1, y, (4, 1)),),
     )
+    return g, k
+
+
+def test_gather_indirect_load_wraps_negative_indices_and_flags_an_index_out_of_range():
+    g, k = gather_kernel()
     ins = [torch.randn(10, 4).bfloat16(), torch.tensor([0, 9, -1, -10, 3])]
     (got,) = run_kernels(g, [k], ins)
     assert torch.equal(got, evaluate(g, ins)[0])
-    # out of range (past either end): element 0, never a read outside the table
-    (got,) = run_kernels(g, [k], [ins[0], torch.tensor([10, -11, 3, 1 << 40, -(1 << 40)])])
+    assert render(k).params[-1] == ("int*", "kz_err")
+    # out of range (past either end): the error flag the launcher asserts on, and element 0, never a read
+    # outside the table
+    bad = torch.tensor([10, -11, 3, 1 << 40, -(1 << 40)])
+    got = torch.empty(5, 4, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="gather index is out of range"):
+        emulate(k, [bad, ins[0]], [got], {"n": 5})
     assert torch.equal(got, ins[0][[0, 0, 3, 0, 0]])
+    for ids in ([3, -1], [9]):  # ids in range (or wrapping once) leave the flag at 0
+        emulate(
+            k, [torch.tensor(ids), ins[0]], [torch.empty(len(ids), 4, dtype=torch.bfloat16)], {"n": len(ids)}
+        )
 
 
 # -- source shape and template discipline -------------------------------------------------------------------

@@ -16,7 +16,16 @@ pytest.importorskip("cuda.bindings.nvrtc", reason="the cuda backend needs cuda-p
 
 from cuda_emu import pointwise_kernel  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
-from test_cuda import LAYERS, PLANNED, SIZES, corpus_inputs, elementwise_case, oracle, planned  # noqa: E402
+from test_cuda import (  # noqa: E402
+    LAYERS,
+    PLANNED,
+    SIZES,
+    corpus_inputs,
+    elementwise_case,
+    gather_kernel,
+    oracle,
+    planned,
+)
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store  # noqa: E402
 from kernelize.codegen import nvrtc  # noqa: E402
@@ -104,6 +113,13 @@ def test_every_row_statistic_compiles(dtype):
     )
     src = render(k)
     assert nvrtc.compile_cubin(src.source, src.name, "sm_90")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_a_gather_kernel_with_its_error_flag_compiles(arch):
+    src = render(gather_kernel()[1])
+    assert "int* kz_err" in src.source and "kz_wrap(v0, 10, kz_err)" in src.source
+    assert nvrtc.compile_cubin(src.source, src.name, arch)[:4] == b"\x7fELF"
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

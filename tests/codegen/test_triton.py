@@ -255,10 +255,18 @@ def test_indirect_gather_load():
         (Store(1, y, (4, 1)),),
     )
     check(g, [k], [torch.randn(10, 4), torch.tensor([0, 9, -1, 3, -10])])
-    # out of range (past either end): element 0, never a read outside the table
+    # out of range (past either end): the kernel sets its error flag, which the launcher asserts is 0
+    # (asynchronously on a GPU; here at once), and reads element 0, never outside the table
     cg = compile_graph(g, backend="triton", device="cpu", plan=[k])
+    assert "kz_err_ptr" in cg.kernels[0].source
     table_in = torch.randn(10, 4)
-    (got,) = cg(table_in, torch.tensor([10, -11, 3, 1 << 40, -(1 << 40)]))
+    for bad in ([10], [-11], [3, 1 << 40], [-(1 << 40), 0]):
+        with pytest.raises(RuntimeError, match="triton kernel emb: a gather index is out of range"):
+            cg(table_in, torch.tensor(bad))
+    got = torch.empty(5, 4)
+    launch = cg.kernels[0].launch
+    with pytest.raises(RuntimeError, match="out of range"):
+        launch([torch.tensor([10, -11, 3, 1 << 40, -(1 << 40)]), table_in], [got], {"batch": 5})
     torch.testing.assert_close(got, table_in[[0, 0, 3, 0, 0]])
 
 

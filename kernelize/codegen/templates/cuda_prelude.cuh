@@ -85,11 +85,13 @@ template <class T> KZ T kz_pow(T a, T b) {  // integers: exact repeated squaring
     if (b & 1) r *= a;
   return r;
 }
-// gather: a negative index wraps once; out of range reads element 0 (never outside the table: the CPU
-// kernels read element 0 too and raise, a GPU kernel cannot raise, so the hub's Embedding checks its ids)
-template <class T> KZ long long kz_wrap(T i, long long size) {
+// gather: a negative index wraps once; one still out of range reads element 0 (never outside the table)
+// and sets the kernel's error flag, which the launcher asserts is 0 afterwards (as the CPU kernels raise)
+template <class T> KZ long long kz_wrap(T i, long long size, int* err) {
   const long long j = i < 0 ? (long long)i + size : (long long)i;
-  return j >= 0 && j < size ? j : 0;
+  if (j >= 0 && j < size) return j;
+  *err = 1;
+  return 0;
 }
 
 // -- row accumulators: init / add / combine / shfl, reduced across a block by kz_block_reduce ---------------

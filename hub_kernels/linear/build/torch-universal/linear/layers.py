@@ -55,9 +55,6 @@ def embedding_math(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, weight)
 
 
-EMBEDDING_RANGE = (
-    "Embedding: an input id is out of range (ids index the weight's rows: 0 <= id < num_embeddings)"
-)
 _ACT = {"none": linear_math, "relu": linear_relu_math, "gelu": linear_gelu_math, "silu": linear_silu_math}
 
 
@@ -111,8 +108,8 @@ class Embedding(nn.Module):
     """`weight[input]` (replaces `torch.nn.Embedding`): `weight` (num_embeddings, embedding_dim), and
     `padding_idx` (its row gets no gradient), `max_norm`, `scale_grad_by_freq`, `sparse` when present.
 
-    Without gradients: the generated gather kernel, after one check that every id is in range (raises as
-    torch does; asynchronously on a GPU). With gradients on the CPU: `hub.train_embedding`.
+    Without gradients: the generated gather kernel, which raises for an id out of range as torch does (an
+    IndexError on the CPU; on a GPU, asynchronously). With gradients on the CPU: `hub.train_embedding`.
     Elsewhere, and with `max_norm` (it renormalises the weight in place), `scale_grad_by_freq` or `sparse`:
     `F.embedding` (the IR has no gradient rule for a gather: that is a scatter-add).
     """
@@ -126,14 +123,9 @@ class Embedding(nn.Module):
         options += (getattr(self, "scale_grad_by_freq", False), getattr(self, "sparse", False))
         plain = options[0] is None and not options[2] and not options[3]
         if plain and not (torch.is_grad_enabled() and self.weight.requires_grad):
-            # torch's embedding rejects an id outside [0, rows); the IR's gather wraps a negative one (ONNX)
-            # and the GPU kernels read row 0 for one out of range: one check here (async on a GPU, as torch's)
-            ok = (
-                (input.min() >= 0) & (input.max() < self.weight.shape[0])
-                if input.numel()
-                else torch.tensor(True)
-            )
-            torch._assert_async(ok, EMBEDDING_RANGE)
+            # an id outside [0, rows) raises, as in torch: the traced F.embedding sends a negative one out
+            # of range, where the CPU kernel raises an IndexError and a GPU kernel sets the flag its
+            # launcher asserts on
             return hub.run(self, embedding_math, [input], [self.weight])
         trained = hub.train_embedding(input, self.weight, padding_idx) if plain else None
         return trained if trained is not None else F.embedding(input, self.weight, padding_idx, *options)
