@@ -5,7 +5,8 @@ exponentials...). Each becomes one or two *passes*: a simd reduction loop over t
 full values it reads (loads hit cache: the row was just read) and a few scalar lines after it. A
 statistic runs in the pass after everything it reads is available, so independent statistics share a pass
 (add + rmsnorm: one statistics pass, one write pass). The last pass writes the full values that are
-stored; per-row values are stored once after it. Which accumulation each op takes, and the element formulas
+stored (and, when the kernel streams, prefetches the next row: :func:`_next_row_prefetch`); per-row values
+are stored once after it. Which accumulation each op takes, and the element formulas
 of row ops, come from :data:`kernelize.ir.stats.STATS` (its ``cpu`` variants: max then sum of exp for
 softmaxes, sum and sum of squares for f32 layernorm); ``_STATS`` writes each accumulation as passes.
 
