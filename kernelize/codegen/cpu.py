@@ -57,7 +57,7 @@ from kernelize.codegen.cpu_chunks import (
     stream_bytes,
 )
 from kernelize.codegen.cpu_fission import needed, render_fissioned, sum_chains
-from kernelize.codegen.render import Renderer, c_name, closure, deps
+from kernelize.codegen.render import Renderer, c_name, closure, deps, gather_error
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, Op
@@ -581,26 +581,15 @@ def _launcher(fn, kernel: Kernel):
             get_threads(),
         )
         if rc:
-            raise IndexError(_gather_error(kernel))
+            raise IndexError(gather_error(kernel, "cpu"))
 
     return launch
-
-
-def _gather_error(kernel: Kernel) -> str:
-    """What a kernel's nonzero return means: a gather index out of range, with the sizes it must respect."""
-    sizes = sorted({str(ind.size) for e in kernel.body if isinstance(e, Load) for ind in e.indirect})
-    n = " or ".join(sizes) or "n"
-    return (
-        f"cpu kernel {kernel.name}: a gather index is out of range: the gathered axis has {n} entries, so "
-        f"an index must be in [-{n}, {n}) (negative ones count from the end); check the indices fed to "
-        "the gather (e.g. token ids against the vocabulary size)"
-    )
 
 
 def _c_caller(fn, kernel: Kernel) -> Callable[..., CCall]:
     """``c_call`` of a kernel launched by :func:`_launcher`: the same arguments, for ``kz_replay``."""
     address = ctypes.cast(fn, ctypes.c_void_p).value
-    symbols, error = kernel.symbols, _gather_error(kernel)
+    symbols, error = kernel.symbols, gather_error(kernel, "cpu")
 
     def c_call(reads, writes, sizes: Mapping[str, int]) -> CCall:
         ptrs = tuple(0 if t is None else t.data_ptr() for t in (*reads, *writes))

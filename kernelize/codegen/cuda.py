@@ -38,7 +38,7 @@ import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
 from kernelize.autokernel.matmul import weights_shared
-from kernelize.codegen.render import GATHER_ERROR, Renderer, c_name, closure, contraction, gathers
+from kernelize.codegen.render import Renderer, c_name, closure, contraction, gather_error, gathers
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
@@ -502,7 +502,7 @@ class CudaBackend(Backend):
                 dev,
             )
             if err is not None:
-                torch._assert_async(err == 0, f"cuda kernel {kernel.name}: {GATHER_ERROR}")
+                torch._assert_async(err == 0, gather_error(kernel, "cuda"))
 
         return CompiledKernel(kernel.name, self.name, src.source, launch, kernel)
 

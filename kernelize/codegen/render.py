@@ -167,10 +167,16 @@ def c_name(kernel_name: str) -> str:
     return "kz_" + re.sub(r"\W", "_", kernel_name)
 
 
-GATHER_ERROR = (
-    "a gather index is out of range (after counting a negative one from the end); the kernel read element 0 "
-    "for it: check the indices fed to the gather (e.g. token ids against the vocabulary size)"
-)
+def gather_error(kernel: Kernel, backend: str) -> str:
+    """What a gather kernel reports for an index out of range (the CPU kernels' nonzero return, the GPU
+    kernels' error flag), with the sizes the indices must respect."""
+    sizes = sorted({str(ind.size) for e in kernel.body if isinstance(e, Load) for ind in e.indirect})
+    n = " or ".join(sizes) or "n"
+    return (
+        f"{backend} kernel {kernel.name}: a gather index is out of range: the gathered axis has {n} entries, "
+        f"so an index must be in [-{n}, {n}) (negative ones count from the end); check the indices fed to "
+        "the gather (e.g. token ids against the vocabulary size)"
+    )
 
 
 def gathers(kernel: Kernel) -> bool:

@@ -37,7 +37,7 @@ import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
 from kernelize.autokernel.matmul import weights_shared
-from kernelize.codegen.render import GATHER_ERROR, contraction, gathers
+from kernelize.codegen.render import contraction, gather_error, gathers
 from kernelize.codegen.template import fill, load_template
 from kernelize.codegen.triton_base import (
     TL,
@@ -402,7 +402,7 @@ class TritonBackend(Backend):
             flag = () if err is None else (err,)
             fn[grid](*reads, *writes, *(int(sizes[s]) for s in symbols), *flag, IDX64=idx64, **meta)
             if err is not None:
-                torch._assert_async(err == 0, f"triton kernel {kernel.name}: {GATHER_ERROR}")
+                torch._assert_async(err == 0, gather_error(kernel, "triton"))
 
         return CompiledKernel(kernel.name, "triton", source, launch, kernel)
 

@@ -21,7 +21,7 @@ import torch
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
 from kernelize.codegen.cuda import CudaSource, render
-from kernelize.codegen.render import GATHER_ERROR
+from kernelize.codegen.render import gather_error
 from kernelize.codegen.template import load_template
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, Graph, Node, Op
 from kernelize.ir.reference import bind_inputs
@@ -100,7 +100,7 @@ def emulate(
     rc = lib.kz_emu_run(argv, *[ctypes.c_uint(g) for g in grid], ctypes.c_uint(src.block), err)
     if rc:
         raise RuntimeError(f"emulated {src.name}: {err.value.decode()}")
-    torch._assert_async(flag == 0, f"emulated {src.name}: {GATHER_ERROR}")  # what the launcher does
+    torch._assert_async(flag == 0, "emulated " + gather_error(kernel, "cuda"))  # what the launcher does
 
 
 def emulate_attention(
