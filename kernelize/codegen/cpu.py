@@ -64,7 +64,6 @@ from kernelize.ir.graph import REDUCE, Op
 from kernelize.ir.shapes import numel
 from kernelize.runtime.backend import Backend, CCall, CompiledKernel, KernelCompileError
 from kernelize.runtime.diskcache import get_or_build
-from kernelize.runtime.memory import hint_hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -572,8 +571,6 @@ def _launcher(fn, kernel: Kernel):
         reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]
     ) -> None:
         assert len(reads) == n_reads and len(writes) == n_writes, "launch arity"
-        for w in writes:
-            hint_hugepages(w)
         rc = fn(
             *[t.data_ptr() for t in reads],
             *[t.data_ptr() for t in writes],

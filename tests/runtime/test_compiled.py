@@ -106,6 +106,28 @@ def test_library_kernel_views_liveness_and_aliasing():
     assert torch.equal(got[1], xs[0]) and got[1].data_ptr() != xs[0].data_ptr()  # copied, not aliased
 
 
+def test_only_graphs_whose_outputs_are_kernel_buffers_skip_the_alias_check():
+    """Outputs that generated kernels write (or views of them) are fresh: no copy, no check. An output that
+    is an input, or two outputs viewing one buffer, still come back as separate memory."""
+    own = compile_graph(optimize(_norm_graph()), backend="cpu")
+    assert own._own_outputs
+    xs = [torch.randn(5, 32), torch.randn(32)]
+    got = own(*xs)
+    assert len({t.data_ptr() for t in (*got, *xs)}) == 4
+
+    g = Graph()
+    x = g.input("x", (B, 32), "f32")
+    y = g.exp(x)
+    g.output(y, g.view(y, (B, 2, 16)), x)
+    shared = compile_graph(g, backend="cpu")
+    assert not shared._own_outputs
+    xs = [torch.randn(3, 32)]
+    got = shared(*xs)
+    assert len({t.data_ptr() for t in (*got, *xs)}) == 4  # the second view and the input were copied
+    torch.testing.assert_close(got[1], torch.exp(xs[0]).view(3, 2, 16))
+    assert torch.equal(got[2], xs[0])
+
+
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_an_output_viewing_a_buffer_a_later_kernel_reads_outlives_that_kernel(backend):
     """`v` is a slice of the matmul's buffer, which the sigmoid kernel also reads last: the buffer must
