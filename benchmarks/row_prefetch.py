@@ -61,12 +61,18 @@ def bench_kernel(kernel, reps: int) -> dict[str, float]:
     writes = [torch.empty(bind(b.shape, env), dtype=b.dtype.torch) for b in kernel.writes]
     nbytes = sum(t.numel() * t.element_size() for t in (*reads, *writes))
     src, dst = torch.empty(nbytes // 2, dtype=torch.uint8), torch.empty(nbytes // 2, dtype=torch.uint8)
-    evict = torch.ones(16 << 20)  # 64 MiB, twice the last-level cache here
     runs = {
         "prefetch": lambda: with_pf.launch(reads, writes, env),
         "no prefetch": lambda: without.launch(reads, writes, env),
         "copy": lambda: dst.copy_(src),
     }
+    return cold_medians(runs, reps)
+
+
+def cold_medians(runs: dict, reps: int) -> dict[str, float]:
+    """Median ms of each callable in ``runs``, called in alternation, each call after a 64 MiB write (twice
+    the last-level cache here: every call starts with cold caches)."""
+    evict = torch.ones(16 << 20)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(reps):
         for k, f in runs.items():

@@ -27,16 +27,15 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_layers import LAYERS, _inputs  # noqa: E402
+from row_prefetch import cold_medians  # noqa: E402
 
 from kernelize import hub, hub_autograd  # noqa: E402
 from kernelize.codegen.cpu import compiler  # noqa: E402
@@ -154,19 +153,11 @@ def variants(name: str, dtype: torch.dtype, cpp, rows: int = ROWS) -> dict:
 
 
 def bench(impls: dict, reps: int) -> dict[str, float]:
-    """Median ms per implementation, each call after a 64 MiB write, implementations in alternation."""
-    evict = torch.ones(16 << 20)
+    """Median ms per implementation after two warm-up calls each (builds, first allocations)."""
     for f in impls.values():
         f()
         f()
-    times: dict[str, list[float]] = {k: [] for k in impls}
-    for _ in range(reps):
-        for k, f in impls.items():
-            evict.add_(1.0)
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return cold_medians(impls, reps)
 
 
 def main() -> None:
