@@ -13,7 +13,8 @@ between; medians):
   the gradients) through the same backward call, plus ``kernels``: what any glue over torch autograd costs;
 - with ``--cpp``: the same empty function as a C++ ``torch::autograd::Function`` behind a ``TORCH_LIBRARY``
   op (built once with the C++ compiler against torch's headers, ~15 s): what the Python of an
-  autograd.Function costs over C++.
+  autograd.Function costs over C++;
+- with ``--compile``: the layer under ``torch.compile`` (its forward + backward, same cold caches).
 
 ``kernelize`` minus ``autograd floor`` is the glue that is ours (the signature lookup, the compiled graphs'
 buffer bookkeeping, the Function's two methods); ``torch.compile`` pays the autograd floor too.
@@ -22,6 +23,7 @@ Usage:
     python benchmarks/train_glue.py                    # RMSNorm, add+RMSNorm, LayerNorm, softmax; f32, bf16
     python benchmarks/train_glue.py --layers RMSNorm --dtypes bfloat16 --reps 60 --cpp
     python benchmarks/train_glue.py --rows 4 --cpp     # tiny rows: the glue alone
+    python benchmarks/train_glue.py --layers softmax --cpp --compile   # what a perfect C++ path could reach
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def load_cpp_empty():
     return torch.ops.kz_glue.empty_fn
 
 
-def variants(name: str, dtype: torch.dtype, cpp, rows: int = ROWS) -> dict:
+def variants(name: str, dtype: torch.dtype, cpp, rows: int = ROWS, with_compile: bool = False) -> dict:
     """The callables timed for one layer (each one forward + backward)."""
     fn, _ = LAYERS[name]
     n_act = ACTIVATIONS[name]
@@ -146,6 +148,9 @@ def variants(name: str, dtype: torch.dtype, cpp, rows: int = ROWS) -> dict:
         "kernels": kernels,
         "autograd floor": lambda: (backward(Empty.apply(*inputs)), kernels()),
     }
+    if with_compile:
+        compiled = torch.compile(fn, dynamic=False)
+        out["torch.compile"] = lambda: backward(compiled(*inputs))
     if cpp is not None:
         templates = [torch.empty_like(r) for r in refs]
         out["C++ autograd floor"] = lambda: (backward(cpp([*inputs, *templates], len(inputs))), kernels())
@@ -167,15 +172,17 @@ def main() -> None:
     ap.add_argument("--layers", nargs="+", default=list(ACTIVATIONS))
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--cpp", action="store_true", help="also time the empty function as C++ autograd")
+    ap.add_argument("--compile", action="store_true", help="also time the layer under torch.compile")
     args = ap.parse_args()
     torch.set_num_threads(2)
     cpp = load_cpp_empty() if args.cpp else None
     cols = ["kernelize", "graphs", "kernels", "autograd floor"] + (["C++ autograd floor"] if cpp else [])
+    cols += ["torch.compile"] if args.compile else []
     print("| layer | dtype | " + " | ".join(f"{c} ms" for c in cols) + " | ours over the floor ms |")
     print("|---|---|" + "---|" * (len(cols) + 1))
     for name in args.layers:
         for dtype_name in args.dtypes:
-            m = bench(variants(name, getattr(torch, dtype_name), cpp, args.rows), args.reps)
+            m = bench(variants(name, getattr(torch, dtype_name), cpp, args.rows, args.compile), args.reps)
             cells = " | ".join(f"{m[c]:.3f}" for c in cols)
             over = m["kernelize"] - m["autograd floor"]
             print(f"| {name} | {dtype_name} | {cells} | {over:.3f} |", flush=True)
