@@ -81,7 +81,7 @@ def load_cpp_empty():
     """Build (once, into benchmarks/results/) and load the C++ empty autograd function."""
     from torch.utils.cpp_extension import include_paths
 
-    so = RESULTS / "kz_glue_empty.so"
+    so = RESULTS / f"kz_glue_empty-torch{torch.__version__}.so"  # built against this torch's headers
     if not so.exists():
         RESULTS.mkdir(exist_ok=True)
         src = RESULTS / "kz_glue_empty.cpp"
