@@ -57,14 +57,16 @@ class TrainingGraphs:
     wrt: tuple[int, ...]
     function: type[torch.autograd.Function]
     saved_index: tuple[int, ...] = ()  # per saved value, its position in the forward's outputs
+    label: str = "?"  # the layer's signature, for error messages
 
 
 _LOCK = threading.RLock()
 _TRAINING: dict[tuple[Any, tuple[int, ...]], TrainingGraphs] = {}
 
 
-def training_graphs(compiled: Any, wrt: Sequence[int]) -> TrainingGraphs:
-    """The forward/backward pair for the inference CompiledGraph `compiled`, differentiated for `wrt`.
+def training_graphs(compiled: Any, wrt: Sequence[int], label: str = "?") -> TrainingGraphs:
+    """The forward/backward pair for the inference CompiledGraph `compiled`, differentiated for `wrt`;
+    `label` names the layer in errors (its signature).
 
     Built once per (forward graph, backend, device, `wrt`), then cached in memory.
     """
@@ -75,11 +77,11 @@ def training_graphs(compiled: Any, wrt: Sequence[int]) -> TrainingGraphs:
     with _LOCK:
         found = _TRAINING.get(key)
         if found is None:
-            found = _TRAINING[key] = _build(compiled, tuple(wrt))
+            found = _TRAINING[key] = _build(compiled, tuple(wrt), label)
     return found
 
 
-def _build(compiled: Any, wrt: tuple[int, ...]) -> TrainingGraphs:
+def _build(compiled: Any, wrt: tuple[int, ...], label: str) -> TrainingGraphs:
     from kernelize.runtime.compiled import compile_graph
 
     graph = compiled.graph
@@ -107,6 +109,7 @@ def _build(compiled: Any, wrt: tuple[int, ...]) -> TrainingGraphs:
         wrt,
         torch.autograd.Function,
         cut.saved_index,
+        label,
     )
     pair.function = _function(pair, len(graph.inputs))
     return pair
@@ -130,7 +133,13 @@ def _function(pair: TrainingGraphs, n_tensors: int) -> type[torch.autograd.Funct
         return tuple(outs[:n_out])
 
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
-        got = pair.backward(*ctx.saved_tensors, *grads)
+        if torch.is_grad_enabled():  # create_graph=True
+            saved = ctx.saved_tensors
+            with torch.no_grad():
+                got = pair.backward(*saved, *grads)
+            got = _no_derivative(got, [*saved, *grads], pair.label)
+        else:
+            got = pair.backward(*ctx.saved_tensors, *grads)
         if wrt_all:
             return tuple(got)
         out = list(holes)
@@ -148,13 +157,33 @@ def _function(pair: TrainingGraphs, n_tensors: int) -> type[torch.autograd.Funct
     )
 
 
-def apply(compiled: Any, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _no_derivative(
+    grads: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], label: str
+) -> list[torch.Tensor]:
+    """``grads`` as tensors whose derivative raises: kernels made them, and without this node a second
+    derivative through them (``create_graph=True``, ``torch.func.hessian``) would silently be zero. The
+    node also takes the ``sources`` that require grad (the inputs and upstream gradients the kernels read),
+    so differentiating a gradient with respect to them reaches it (``once_differentiable`` links only the
+    upstream gradients, and then ``autograd.grad`` reports the input unused)."""
+    message = (
+        f"kernelize: the gradient of hub layer {label} comes from generated backward kernels, which have "
+        "no derivative, so it cannot be differentiated again (create_graph=True / double backward). For "
+        "higher-order gradients run that layer's own forward: leave it out of the kernel mapping, or use "
+        "the model without kernelize."
+    )
+    linked = [t for t in sources if t.requires_grad]
+    err = torch._C._functions.DelayedError(message, len(grads) + len(linked))
+    return list(err(*[g.detach() for g in grads], *linked)[: len(grads)])
+
+
+def apply(compiled: Any, tensors: Sequence[torch.Tensor], label: str = "?") -> list[torch.Tensor]:
     """Run `compiled` (a hub layer's inference graph) on `tensors` with generated backward kernels.
 
     Gradients flow to the tensors that require grad; the others are constants of the backward graph.
+    `label` names the layer in errors.
     """
     wrt = tuple(i for i, t in enumerate(tensors) if t.requires_grad)
-    pair = training_graphs(compiled, wrt)
+    pair = training_graphs(compiled, wrt, label)
     return list(pair.function.apply(*tensors))
 
 

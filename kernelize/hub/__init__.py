@@ -158,7 +158,7 @@ def _run_eager(
         note_ran(owner, entry)
     try:
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            outs = hub_autograd.apply(entry.compiled, tensors)
+            outs = hub_autograd.apply(entry.compiled, tensors, entry.record.signature)
         else:  # not tracing and no gradients: the checks of `CompiledGraph.__call__` are done
             outs = entry.compiled.run(tensors)
     except IndexError as e:  # a gather index out of range: say which layer's math read it

@@ -109,6 +109,24 @@ def test_frozen_weight_gets_no_gradient_and_none_cotangents_work(hub_pkg) -> Non
     assert res.requires_grad
 
 
+def test_create_graph_gives_first_order_gradients_and_refuses_a_second_derivative(hub_pkg) -> None:
+    """Generated backward kernels have no derivative: with create_graph=True the first-order gradient is
+    right, and differentiating it again raises an error naming the layer (not a silent zero)."""
+    norm = hub_pkg["layer_norm"]
+    x = torch.randn(6, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    y = hub.run(None, norm.rms_norm_math, [x], [w], eps=1e-6)
+    (gx,) = torch.autograd.grad((y * y).sum(), [x], create_graph=True)
+    xr = x.detach().requires_grad_()
+    (want,) = torch.autograd.grad((norm.rms_norm_math(xr, w, eps=1e-6) ** 2).sum(), [xr])
+    torch.testing.assert_close(gx, want)
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match=r"rms_norm_math\(.*cannot be differentiated again"):
+        torch.autograd.grad(gx.square().sum(), [x])
+    (plain,) = torch.autograd.grad(hub.run(None, norm.rms_norm_math, [x], [w], eps=1e-6).sum(), [x])
+    assert not plain.requires_grad  # without create_graph: a plain tensor, no extra node
+
+
 def test_torch_compile_traces_forward_and_backward_without_graph_break(hub_pkg) -> None:
     norm = hub_pkg["layer_norm"]
     x = torch.randn(6, 32, requires_grad=True)
