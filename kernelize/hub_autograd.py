@@ -133,13 +133,13 @@ def _function(pair: TrainingGraphs, n_tensors: int) -> type[torch.autograd.Funct
         return tuple(outs[:n_out])
 
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[no-untyped-def]
+        saved = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True
-            saved = ctx.saved_tensors
             with torch.no_grad():
                 got = pair.backward(*saved, *grads)
             got = _no_derivative(got, [*saved, *grads], pair.label)
         else:
-            got = pair.backward(*ctx.saved_tensors, *grads)
+            got = pair.backward(*saved, *grads)
         if wrt_all:
             return tuple(got)
         out = list(holes)
@@ -161,7 +161,7 @@ def _no_derivative(
     grads: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], label: str
 ) -> list[torch.Tensor]:
     """``grads`` as tensors whose derivative raises: kernels made them, and without this node a second
-    derivative through them (``create_graph=True``, ``torch.func.hessian``) would silently be zero. The
+    derivative through them (``create_graph=True`` and a second ``autograd.grad``) would silently be zero. The
     node also takes the ``sources`` that require grad (the inputs and upstream gradients the kernels read),
     so differentiating a gradient with respect to them reaches it (``once_differentiable`` links only the
     upstream gradients, and then ``autograd.grad`` reports the input unused)."""
