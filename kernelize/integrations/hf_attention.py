@@ -15,11 +15,13 @@ kernel at import time.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ __all__ = [
     "attention_kernel",
     "call_fallback_reason",
     "note_fallback",
+    "reference_attention",
 ]
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,18 @@ _IGNORED_KWARGS = frozenset(
     {"position_ids", "use_cache", "cache_position", "return_dict", "output_hidden_states"}
 )
 _KNOWN_KWARGS = _HANDLED_KWARGS | _IGNORED_KWARGS
+# set while a module's own forward runs as the reference of a probe (`kernelize.integrations.verify`)
+_REFERENCE = contextvars.ContextVar("kernelize_reference_attention", default=False)
+
+
+@contextlib.contextmanager
+def reference_attention() -> Iterator[None]:
+    """Within: `attention_forward` runs the module's eager attention (the probe's reference), no notes."""
+    token = _REFERENCE.set(True)
+    try:
+        yield
+    finally:
+        _REFERENCE.reset(token)
 
 
 @functools.cache
@@ -105,6 +120,8 @@ def attention_forward(
         >>> from transformers import AttentionInterface  # doctest: +SKIP
         >>> AttentionInterface.register("kernelize", attention_forward)  # doctest: +SKIP
     """
+    if _REFERENCE.get():
+        return eager_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return attention_with_grad(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
@@ -126,7 +143,7 @@ def attention_forward(
         except unsupported as exc:
             reason = f"the attention kernel declined the call: {exc}"
         else:
-            return out.transpose(1, 2), None
+            return out.transpose(1, 2).contiguous(), None  # as transformers' SDPA path returns it
     note_fallback(module, reason)
     return eager_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
@@ -162,7 +179,7 @@ def attention_with_grad(
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
     )
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _kernel_mask(

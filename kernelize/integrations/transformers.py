@@ -36,12 +36,13 @@ import torch
 from torch import nn
 
 from kernelize.layer.decorators import replace_kernel_forward_from_hub
-from kernelize.layer.kernelize import kernelize
+from kernelize.layer.kernelize import KernelizeFallback, keep_original_forward, kernelize
 from kernelize.layer.mapping import use_kernel_mapping
 from kernelize.layer.mode import Mode
 from kernelize.layer.record import FallbackReason, record_choice, recorded_choice
 
 from .hf_attention import KERNEL_UNAVAILABLE, attention_forward, attention_kernel
+from .verify import difference, verify_replacements
 
 __all__ = [
     "ATTENTION_NAME",
@@ -396,9 +397,18 @@ _UNRECOGNISED = "{kind} (not recognised by kernelize_model)"
 
 
 def recognise(module: nn.Module) -> Recognition | None:
-    """The first rule's verdict on `module`, or None if no rule applies."""
+    """The first rule's verdict on `module`, or None if no rule applies.
+
+    A rule that raises on a module (its probe call, an attribute it reads) leaves the module eager with the
+    error as the reason: a module the table cannot judge is not one it may replace.
+    """
     for rule in RULES:
-        found = rule(module)
+        try:
+            found = rule(module)
+        except Exception as exc:
+            kind = rule.__name__.strip("_")
+            reason = f"recognition failed: {type(exc).__name__}: {exc}"
+            return Recognition(kind, None, reason, per_instance=True)
         if found is not None:
             return found
     return None
@@ -478,13 +488,132 @@ def _use_attention_function(model: nn.Module, mode: Mode) -> str:
     return f"attention implementation set to `{ATTENTION_NAME}`"
 
 
+# a kernel layer whose forward cannot take the module's arguments leaves that class eager (not an error)
+_FALLBACKS = KernelizeFallback.DEFAULT | KernelizeFallback.INCOMPATIBLE
+# No padding: a left pad's queries see no key, and what attention returns for such rows (which the model
+# never reads) differs between implementations.
+_PROBE_BATCH, _PROBE_SEQ = 2, 8
+
+
+def _probe_call(model: nn.Module) -> Callable[[], Any] | str:
+    """One forward of `model` on a batch of random token ids (or why there is none)."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        embedding = None
+    if not isinstance(embedding, nn.Embedding):
+        return "the model has no token embedding (get_input_embeddings) to feed a probe"
+    if embedding.weight.is_meta:
+        return "weights on the meta device"
+    params = pyinspect.signature(model.forward).parameters
+    if "input_ids" not in params:
+        return "the model's forward takes no input_ids"
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, embedding.num_embeddings, (_PROBE_BATCH, _PROBE_SEQ), generator=gen)
+    mask = torch.ones_like(ids)
+    kwargs: dict[str, Any] = {"input_ids": ids.to(embedding.weight.device)}
+    if "attention_mask" in params:
+        kwargs["attention_mask"] = mask.to(embedding.weight.device)
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return lambda: model(**kwargs)
+
+
+_PROBE_ROUNDS = 4  # a refused forward exposes the submodules its kernel bypassed: probe again, this deep
+
+
+def _model_output(model: nn.Module, call: Callable[[], Any] | str) -> Any:
+    """The model's output on the probe (eval mode, no gradients), or None when there is no probe."""
+    if isinstance(call, str):
+        return None
+    training = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            return call()
+    except Exception as exc:  # the model's own forward fails on the probe: nothing can be judged by it
+        logger.warning("kernelize_model: the probe forward raised %s: %s", type(exc).__name__, exc)
+        return None
+    finally:
+        for module, mode in training.items():
+            module.training = mode
+
+
+def _verify(model: nn.Module, call: Callable[[], Any] | str, want: Any, attention: str | None) -> str:
+    """Probe the replaced modules (see `kernelize.integrations.verify`); put refused ones back to eager.
+
+    A kernel forward that bypasses its submodules (a decoder layer's fused block) is judged as a whole; when
+    it is refused, its submodules run again, so the next round probes them. Rounds stop when one refuses
+    nothing. Then the whole model's output is compared with `want` (its output before `kernelize_model`):
+    on a difference the model's own attention implementation (`attention`, if it was switched) comes back,
+    and if the difference stays, every module runs its own forward. Returns what the last step did.
+    """
+    ran: set[str] = set()
+    targets = _replaced(model)
+    for _ in range(_PROBE_ROUNDS):
+        if not targets or want is None:
+            break
+        try:
+            refused, ran_now = verify_replacements(model, targets, call)
+        except Exception as exc:  # the probe failed outside every checked forward: nothing was judged
+            logger.warning("kernelize_model: the probe forward raised %s: %s", type(exc).__name__, exc)
+            break
+        ran |= ran_now
+        for path, why in refused.items():
+            detail = f"{why} (probed); its own forward runs"
+            keep_original_forward(targets[path], FallbackReason.VERIFY, detail)
+        targets = _replaced(model)
+        if not refused:
+            break
+    if want is None:
+        why = call if isinstance(call, str) else "the model's own forward raised on the probe"
+        _note_all(targets, f"not verified: {why}")
+        return "not verified"
+    # a module inside a verified kernel forward (a decoder layer's fused norm) need not run on its own
+    unjudged = {p: m for p, m in targets.items() if not any(r == p or p.startswith(f"{r}.") for r in ran)}
+    _note_all(unjudged, "not verified: the probe did not call it")
+    why = difference(_model_output(model, call), want, "the model's output")
+    if why and attention is not None:
+        model.set_attn_implementation(attention)
+        logger.warning(
+            "kernelize_model: %s with the `%s` attention; back to `%s`", why, ATTENTION_NAME, attention
+        )
+        why = difference(_model_output(model, call), want, "the model's output")
+        if not why:
+            return f"attention implementation back to `{attention}`: `{ATTENTION_NAME}` changed the output"
+    if why:
+        for module in _replaced(model).values():
+            detail = f"{why} with every module probed alone; every module runs its own forward"
+            keep_original_forward(module, FallbackReason.VERIFY, detail)
+        return f"kernels withdrawn: {why}"
+    return "verified"
+
+
+def _replaced(model: nn.Module) -> dict[str, nn.Module]:
+    """path -> module, for every module whose forward is a kernel layer's now."""
+    return {
+        path: module
+        for path, module in model.named_modules()
+        if (choice := recorded_choice(module)) is not None and choice.uses_kernel
+    }
+
+
+def _note_all(modules: Mapping[str, nn.Module], note: str) -> None:
+    for module in modules.values():
+        choice = recorded_choice(module)
+        if choice is not None and note not in choice.notes:
+            record_choice(module, dataclasses.replace(choice, notes=(*choice.notes, note)))
+
+
 def kernelize_model(
     model: nn.Module,
     mode: Mode = Mode.INFERENCE,
     mapping: Mapping[str, Any] | None = None,
     device: str | torch.device | None = None,
+    verify: bool = True,
 ) -> nn.Module:
-    """Kernelize a transformers model in one call: recognise its layers, mark them, and `kernelize`.
+    """Kernelize a transformers model in one call: recognise its layers, mark them, `kernelize`, verify.
 
     Args:
         model: An unmodified transformers model (Llama, Qwen2, Mistral, Gemma, Phi-3 and look-alikes).
@@ -492,10 +621,14 @@ def kernelize_model(
         mapping: A kernel mapping (layer name -> repositories) used instead of the bundled
             `default_mapping()`.
         device: Device type to select kernels for; default: the device of the model's parameters.
+        verify: Probe every replaced module on one small forward of the model (a batch of random token
+            ids, no cache): a kernel forward that raises or whose output differs from the
+            module's own (`kernelize.integrations.verify`) is put back to the module's forward, with the
+            reason in `inspect`. This also compiles the kernels the probe's shapes need.
 
     Returns:
         `model`, kernelized in place. `kernelize.inspect(model)` lists every replaced module and every
-        recognised module left eager, with the reason.
+        recognised module left eager, with the reason. It never raises for a module it cannot serve.
 
     Example:
         >>> import transformers  # doctest: +SKIP
@@ -509,12 +642,15 @@ def kernelize_model(
         from kernelize.hub import default_mapping
 
         mapping = default_mapping()
+    call = _probe_call(model) if verify else "verify=False"
+    want = _model_output(model, call) if verify else None
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     _adopt_lm_head(model)
     if Mode.TRAINING in mode:  # inference: torch's embedding is a row copy; a kernel call adds ~20 us
         _adopt_token_embedding(model)
     found = _mark(model)
     with use_kernel_mapping(dict(mapping)):
-        kernelize(model, mode=mode, device=device)
+        kernelize(model, mode=mode, device=device, use_fallback=_FALLBACKS)
     for path, verdict in found.items():
         module = model.get_submodule(path)
         choice = recorded_choice(module)
@@ -526,6 +662,9 @@ def kernelize_model(
             choice = dataclasses.replace(choice, notes=(verdict.reason, *choice.notes))
         record_choice(module, choice)
     status = _use_attention_function(model, mode)
+    switched = attention if status.startswith("attention implementation set") else None
+    if verify:
+        status = f"{status}; {_verify(model, call, want, switched)}"
     replaced = sum(1 for p in found if (c := recorded_choice(model.get_submodule(p))) and c.uses_kernel)
     logger.info("kernelize_model: %d of %d recognised modules replaced; %s", replaced, len(found), status)
     return model

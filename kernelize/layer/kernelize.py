@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Flag, auto
 from types import MappingProxyType, MethodType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kernelize._compat import add_note
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from .repos import RepositoryProtocol
 
-__all__ = ["KernelizeFallback", "kernelize"]
+__all__ = ["KernelizeFallback", "keep_original_forward", "kernelize", "original_forward"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +61,10 @@ class KernelizeFallback(Flag):
     NO_COMPATIBLE_PROPERTIES = auto()  # no capability range contains the device's capability
     NO_COMPATIBLE_MODE = auto()  # nothing registered for the mode chain, or the kernel lacks backward/compile
     CANNOT_LOAD = auto()  # resolving, downloading or importing the repository failed
+    INCOMPATIBLE = auto()  # the kernel layer cannot replace the class (its forward's signature differs)
 
     DEFAULT = NO_LAYER | NO_DEVICE | NO_COMPATIBLE_PROPERTIES | NO_COMPATIBLE_MODE
-    ALL = DEFAULT | CANNOT_LOAD
+    ALL = DEFAULT | CANNOT_LOAD | INCOMPATIBLE
 
 
 # Policy: the flag that permits each fallback, and what to do instead. CONDITION and DISABLED are absent:
@@ -101,8 +102,9 @@ class _Context:
     registry: Registry
     permitted: KernelizeFallback
     disabled: bool
-    # (id(repo), kernel layer, replaced class) validated in this call; instances of one class share the check.
-    checked: set[tuple[int, type, type]] = field(default_factory=set, compare=False)
+    # (id(repo), kernel layer, replaced class) validated in this call -> why the layer cannot replace the
+    # class ("" when it can); instances of one class share the check.
+    checked: dict[tuple[int, type, type], str] = field(default_factory=dict, compare=False)
 
     @property
     def device_text(self) -> str:
@@ -182,8 +184,10 @@ def _decide(path: str, module: nn.Module, ctx: _Context) -> tuple[KernelChoice, 
         return keep(FallbackReason.CANNOT_LOAD, f"{type(exc).__name__}: {exc}")
     first_of_class = (id(repo), layer, cls) not in ctx.checked
     if first_of_class:
-        validate_kernel_layer(layer, cls, repo)
-        ctx.checked.add((id(repo), layer, cls))
+        ctx.checked[(id(repo), layer, cls)] = _incompatibility(layer, cls, repo, ctx)
+    incompatible = ctx.checked[(id(repo), layer, cls)]
+    if incompatible:
+        return keep(FallbackReason.INCOMPATIBLE, incompatible)
     lacks = _lacking(layer, ctx.mode)
     if lacks:
         return keep(FallbackReason.NO_COMPATIBLE_MODE, f"kernel layer `{layer.__qualname__}` {lacks}")
@@ -193,6 +197,17 @@ def _decide(path: str, module: nn.Module, ctx: _Context) -> tuple[KernelChoice, 
             "The mapping registers %s for %s, but that kernel layer %s.", repo, repo_mode, mislabelled
         )
     return dataclasses.replace(choice, kernel_layer=layer.__qualname__), layer
+
+
+def _incompatibility(layer: type, cls: type, repo: RepositoryProtocol, ctx: _Context) -> str:
+    """Why `layer` cannot replace `cls` ("" if it can); raises unless `use_fallback` permits INCOMPATIBLE."""
+    try:
+        validate_kernel_layer(layer, cls, repo)
+    except TypeError as exc:
+        if KernelizeFallback.INCOMPATIBLE not in ctx.permitted:
+            raise
+        return str(exc)
+    return ""
 
 
 def _find_repository(
@@ -260,6 +275,27 @@ def _apply(module: nn.Module, choice: KernelChoice, layer: type | None) -> None:
     record_choice(module, choice)
 
 
+def original_forward(module: nn.Module) -> Callable[..., Any]:
+    """The forward `module` had before `kernelize` replaced it (bound to the module)."""
+    had_forward, original = module.__dict__.get(_ORIGINAL_ATTR, (False, None))
+    return original if had_forward else MethodType(type(module).forward, module)
+
+
+def keep_original_forward(module: nn.Module, reason: FallbackReason, detail: str) -> None:
+    """Put back the forward `module` had before `kernelize` and record why (a later check refused the kernel).
+
+    Example:
+        >>> keep_original_forward(module, FallbackReason.VERIFY, "output differs")  # doctest: +SKIP
+    """
+    from .record import recorded_choice
+
+    choice = recorded_choice(module)
+    assert choice is not None, "keep_original_forward: kernelize has not visited this module"
+    choice = dataclasses.replace(choice, kernel_layer=None, fallback=reason, reason=detail)
+    _apply(module, choice, None)
+    logger.info("%s", choice)
+
+
 def _context(
     model: nn.Module, mode: Mode, device: str | torch.device | None, use_fallback: bool | KernelizeFallback
 ) -> _Context:
@@ -291,7 +327,9 @@ def kernelize(
         device: Device type to select kernels for (`"cuda"`, `"rocm"`, `"mps"`/`"metal"`, `"cpu"`, ...).
             Default: the device of the first parameter (a CUDA device on a HIP build is `rocm`).
         use_fallback: Which cases keep the original forward instead of raising: `True` (=
-            `KernelizeFallback.DEFAULT`), `False` (= `NONE`) or `KernelizeFallback` flags.
+            `KernelizeFallback.DEFAULT`), `False` (= `NONE`) or `KernelizeFallback` flags
+            (`INCOMPATIBLE`: a kernel layer whose forward cannot replace the class's is skipped, with the
+            reason, instead of raising `TypeError`).
 
     Returns:
         `model`, for convenience.

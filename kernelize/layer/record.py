@@ -34,6 +34,8 @@ class FallbackReason(StrEnum):
     CONDITION = "condition"  # the layer's condition returned False for this instance
     DISABLED = "disabled"  # DISABLE_KERNEL_MAPPING=1
     NOT_KERNELIZED = "not_kernelized"  # kernelize has not visited this module yet
+    INCOMPATIBLE = "incompatible"  # the kernel layer's forward cannot stand in for this class's (signature)
+    VERIFY = "verify"  # on a probe, the kernel forward raised or its output differed from the module's own
 
 
 @dataclass(frozen=True)

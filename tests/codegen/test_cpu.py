@@ -801,6 +801,24 @@ def test_exp_sigmoid_erf_are_within_a_few_ulp_everywhere():
         assert sig[x == -math.inf].eq(0).all() and sig[x == math.inf].eq(1).all()
 
 
+def test_tanh_saturates_to_exactly_one_as_torch_does():
+    """From |x| = 9.01084 the f32 tanh is exactly +-1 (torch's is); a comparison with -1 takes torch's branch
+    (`where(tanh(x * 1e5) > -1, ...)` once took the other branch for 8 of 119 elements)."""
+    g = Graph()
+    a = g.input("a", ("n",), DType.F32)
+    w = g.input("w", (1,), DType.F32)
+    t = g.tanh(a)
+    g.output(t, g.where(g.gt(g.tanh(g.mul(a, g.const(1e5, DType.F32))), w), a, w))
+    x = torch.cat([torch.linspace(-12.0, 12.0, 4097), torch.tensor([9.01, -9.01, 1e4, -1e4, -math.inf])])
+    got = run(kernel_of(g, KernelKind.POINTWISE, (Sym.of("n"),)), g, [x, torch.tensor([-1.0])])
+    tanh, picked = (got[o] for o in g.outputs)
+    want = torch.tanh(x)
+    big = x.abs() >= 9.01084
+    assert torch.equal(tanh[big], want[big]) and tanh[big].abs().eq(1).all()
+    torch.testing.assert_close(tanh, want, rtol=0, atol=3e-7)
+    assert torch.equal(picked, torch.where(torch.tanh(x * 1e5) > -1.0, x, torch.tensor(-1.0)))
+
+
 @pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
 def test_masked_softmax_matches_reference(dtype):
     """softmax(x * scale + mask) with a causal -inf mask, very negative (finite) scores and whole masked

@@ -86,3 +86,26 @@ def test_validation_runs_for_every_replaced_class() -> None:
         ):
             kernelize(model, mode=Mode.INFERENCE)
         assert "forward" not in model[1].__dict__  # Gate, fine on its own, is untouched: kernelize is atomic
+
+
+def test_incompatible_fallback_keeps_the_class_eager_with_the_reason() -> None:
+    """`KernelizeFallback.INCOMPATIBLE` (the one call passes it): the class the layer cannot replace keeps
+    its forward, the reason in `inspect`; the class it fits is replaced."""
+    from kernelize import KernelizeFallback, inspect
+    from kernelize.layer.record import FallbackReason
+
+    repo = LocalLayerRepository(ACTIVATION, layer_name="SiluAndMul")
+    model = nn.Sequential(nn.Linear(2, 2), Gate(), Add())
+    with use_kernel_mapping({"Gate": {"cpu": repo}, "Add": {"cpu": repo}}):
+        kernelize(
+            model,
+            mode=Mode.INFERENCE,
+            use_fallback=KernelizeFallback.DEFAULT | KernelizeFallback.INCOMPATIBLE,
+        )
+    choices = inspect(model)
+    assert (
+        choices["2"].fallback == FallbackReason.INCOMPATIBLE
+        and "forward takes 2 parameters" in choices["2"].reason
+    )
+    assert "forward" not in model[2].__dict__
+    assert choices["1"].uses_kernel and "forward" in model[1].__dict__

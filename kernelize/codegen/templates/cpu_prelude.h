@@ -234,7 +234,9 @@ KZ_INLINE float kz_exp_neg(float x) { return x < -87.3f ? 0.0f : kz_exp_normal(x
 KZ_INLINE double kz_exp_neg(double x) { return exp(x); }
 
 KZ_INLINE float kz_tanh(float x) {
-    // Eigen's rational 13/6 approximation on [-7.9, 7.9] (|error| < 3e-7, no exp, one division)
+    // Eigen's rational 13/6 approximation on [-7.9, 7.9] (|error| < 3e-7, no exp, one division). From
+    // 9.01084 on, the f32 tanh is exactly +-1, as torch's is: the clamped approximation stops at
+    // 0.99999976, and a comparison with -1 or 1 would take the other branch.
     const float c = 7.90531110763549805f;
     float xc = x < -c ? -c : (x > c ? c : x);  // NaN passes through
     float x2 = xc * xc;
@@ -248,6 +250,7 @@ KZ_INLINE float kz_tanh(float x) {
     q = fmaf(q, x2, 2.26843463243900e-03f);
     q = fmaf(q, x2, 4.89352518554385e-03f);
     float r = p * xc / q;
+    r = fabsf(x) >= 9.01084f ? (x > 0.0f ? 1.0f : -1.0f) : r;
     return fabsf(x) < 0.0004f ? x : r;
 }
 KZ_INLINE double kz_tanh(double x) { return tanh(x); }

@@ -1,0 +1,152 @@
+"""Recognition verifies, then swaps: the probe refuses a kernel forward that raises, returns another structure
+or differs, and the one call never raises for a module it cannot serve."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernelize
+from kernelize.integrations import transformers as integration
+from kernelize.integrations.verify import difference
+from kernelize.layer.record import FallbackReason
+from kernelize.models import zoo
+
+from .test_transformers import kernelized, tiny_model
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama import modeling_llama as llama  # noqa: E402
+from transformers.models.llama.modeling_llama import (  # noqa: E402  (the recogniser reads them from here)
+    ALL_ATTENTION_FUNCTIONS,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+
+def assert_same_logits(eager, fast, ids, mask) -> None:
+    real = mask.bool()  # a left pad's logits are whatever attention makes of a row with no key
+    torch.testing.assert_close(zoo.logits(fast, ids, mask)[real], zoo.logits(eager, ids, mask)[real])
+
+
+def test_difference_compares_structure_dtype_tolerance_and_nan() -> None:
+    x = torch.randn(3, 4)
+    assert difference((x, None), (x.clone(), None)) is None
+    assert difference((x, None), (x, x)) is None  # an optional output the kernel does not compute
+    assert "returns" in difference(x, (x, x)) or "is a" in difference(x, (x, x))
+    assert "is a (3, 4) float64" in difference(x.double(), x)
+    assert difference(x + 1e-6 * x.abs().max(), x) is None
+    assert "differs by" in difference(x + 1e-3 * x.abs().max(), x)
+    assert difference(x.bfloat16() + 0.01 * x.abs().max().bfloat16(), x.bfloat16()) is None  # 16-bit slack
+    nan = x.clone()
+    nan[0, 0] = math.nan
+    assert "NaN" in difference(nan, x)
+    assert difference(nan, nan.clone()) is None
+    assert "output[1]" in difference([x, x + 1], [x, x])
+    assert difference({"a": x}, {"a": x.clone()}) is None
+
+
+def test_cohere2_full_attention_layers_without_rotary_are_refused_and_logits_match() -> None:
+    """Cohere2 applies rotary only in its sliding-window layers: the full-attention layers' kernel (which
+    rotates) is refused by the probe, the sliding ones keep it."""
+    eager = zoo.tiny_causal_lm("cohere2")
+    kinds = eager.config.layer_types
+    ids, mask = zoo.padded_batch()
+    with kernelized(eager) as fast:
+        for i, kind in enumerate(kinds):
+            choice = kernelize.inspect(fast)[f"model.layers.{i}.self_attn"]
+            if kind == "full_attention":
+                assert choice.fallback == FallbackReason.VERIFY and "(probed)" in choice.reason, choice
+            else:
+                assert choice.uses_kernel, choice
+        torch.testing.assert_close(
+            zoo.logits(fast, ids, mask)[mask.bool()], zoo.logits(eager, ids, mask)[mask.bool()]
+        )
+
+
+def norm_layer():
+    from kernelize.layer.hub import get_kernel
+
+    return get_kernel("kernelize/layer_norm", version=1).layers.RMSNorm
+
+
+def test_a_wrong_kernel_is_refused_and_the_model_stays_right(monkeypatch) -> None:
+    """A kernel layer whose output is wrong (here: the final norm's, scaled) never reaches the user."""
+    layer = norm_layer()
+    right = layer.forward
+    monkeypatch.setattr(layer, "forward", lambda self, hidden_states: right(self, hidden_states) * 1.01)
+    eager = tiny_model("mistral")
+    ids, mask = zoo.padded_batch()
+    with kernelized(eager) as fast:
+        choice = kernelize.inspect(fast)["model.norm"]
+        assert choice.fallback == FallbackReason.VERIFY and "differs by" in choice.reason, choice
+        assert kernelize.inspect(fast)["model.layers.0.mlp"].uses_kernel
+        assert_same_logits(eager, fast, ids, mask)
+
+
+def test_a_kernel_that_raises_is_refused(monkeypatch) -> None:
+    def broken(self, hidden_states):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(norm_layer(), "forward", broken)
+    eager = tiny_model("llama")
+    with kernelized(eager) as fast:
+        choice = kernelize.inspect(fast)["model.norm"]
+        assert (
+            choice.fallback == FallbackReason.VERIFY
+            and "raised RuntimeError: no kernel today" in choice.reason
+        )
+
+
+class ExtraPositionIds(llama.LlamaAttention):
+    """A Llama attention whose forward takes `position_ids` too (a newer Mistral-family, StableLM)."""
+
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask, position_ids=None, cache=None, **kw
+    ):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (
+            p(hidden_states).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, weights = attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kw)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
+
+
+def test_a_forward_with_another_signature_stays_eager_with_the_reason() -> None:
+    eager = tiny_model("llama")
+    for layer in eager.model.layers:
+        layer.self_attn.__class__ = ExtraPositionIds
+    ids, mask = zoo.padded_batch()
+    with kernelized(eager) as fast:
+        choice = kernelize.inspect(fast)["model.layers.0.self_attn"]
+        assert choice.fallback == FallbackReason.INCOMPATIBLE and "forward takes" in choice.reason, choice
+        assert_same_logits(eager, fast, ids, mask)
+
+
+def test_a_rule_that_raises_leaves_the_module_eager() -> None:
+    class GatedNorm(torch.nn.Module):  # forward(x, gate): a plain RMSNorm probe cannot call it
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+            self.eps = 1e-6
+
+        def forward(self, x, gate):
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * gate
+
+    verdict = integration.recognise(GatedNorm())
+    assert verdict.layer_name is None and verdict.reason.startswith("recognition failed: TypeError"), verdict
+
+
+def test_without_verify_the_kernels_are_installed_unprobed(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(integration, "verify_replacements", lambda *a: calls.append(a) or ({}, set()))
+    with kernelized(tiny_model("llama"), verify=False) as fast:
+        assert kernelize.inspect(fast)["model.norm"].uses_kernel
+    assert calls == []
