@@ -19,6 +19,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
         "GatedMLP": "GatedMLP",
         "LlamaMLP": "GatedMLP",
         "FusedGatedMLP": "FusedGatedMLP",
+        "DenseMLP": "DenseMLP",
     },
     "layer_norm": {
         "RMSNorm": "RMSNorm",

@@ -8,8 +8,10 @@ with transformers, switches the model to it, and calls `kernelize` with the bund
 |---|---|---|
 | 1-D `weight` + epsilon; forward == `w * rmsnorm(x)` (probed) | `RMSNorm` | `kernelize/layer_norm` |
 | same; forward == `(1 + w) * rmsnorm(x)` (Gemma, probed) | `GemmaRMSNorm` | `kernelize/layer_norm` |
+| same, with or without a bias; forward == `layer_norm(x)` (probed) | `LayerNorm` | `kernelize/layer_norm` |
 | `gate_proj`, `up_proj`, `down_proj`, gated activation (probed) | `GatedMLP` | `kernelize/activation` |
 | `gate_up_proj`, `down_proj` (Phi-3), gated activation (probed) | `FusedGatedMLP` | `kernelize/activation` |
+| `fc1`/`fc2`, `c_fc`/`c_proj`, `dense_h_to_4h`/`dense_4h_to_h`...; activation probed | `DenseMLP` | (same) |
 | q/k/v/o or qkv/o linears + rotary (probed: neox or interleaved) | `CausalSelfAttention` | `kernelize/llm` |
 | norm, attn, `residual +`, norm, mlp, `residual +` (source order) | `PreNormDecoderLayer` | `kernelize/llm` |
 | the model's `lm_head`, a plain `nn.Linear` (its class becomes `LMHead`) | `Linear` | `kernelize/linear` |
@@ -18,7 +20,12 @@ with transformers, switches the model to it, and calls `kernelize` with the bund
 
 A module that looks like one of these but does not match is left eager, and `kernelize.inspect(model)`
 says why; so does a replaced attention module whose calls took the eager path (see
-`kernelize.integrations.hf_attention`).
+`kernelize.integrations.hf_attention`). A rule's match is a hypothesis: after `kernelize`, one probe forward
+of the model checks every replaced module's kernel forward against the module's own forward
+(`kernelize.integrations.verify`), and the model's output against its output before the call; what raises or
+differs runs its own forward again, with the reason in `inspect`. A kernel layer whose forward takes other
+parameters than the module's leaves that class eager (`KernelizeFallback.INCOMPATIBLE`). The call never
+raises for a module it cannot serve.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from kernelize.layer.kernelize import KernelizeFallback, keep_original_forward, 
 from kernelize.layer.mapping import use_kernel_mapping
 from kernelize.layer.mode import Mode
 from kernelize.layer.record import FallbackReason, record_choice, recorded_choice
+from kernelize.runtime.memory import trim_heap
 
 from .hf_attention import KERNEL_UNAVAILABLE, attention_forward, attention_kernel
 from .verify import difference, verify_replacements
@@ -96,25 +104,35 @@ def _norm(module: nn.Module) -> Recognition | None:
     weight = getattr(module, "weight", None)
     if "Norm" not in type(module).__name__ or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
         return None
-    if getattr(module, "bias", None) is not None or any(True for _ in module.children()):
-        return _eager("norm", "has a bias or submodules: not an RMSNorm")
+    if any(True for _ in module.children()):
+        return _eager("norm", "has submodules: not a plain norm")
     eps = _eps_of(module)
     if eps is None:
         return _eager("norm", f"no float epsilon attribute ({', '.join(_EPS_NAMES)})")
     if weight.is_meta:
-        return _eager("norm", "weights on the meta device: cannot probe which RMSNorm this is")
+        return _eager("norm", "weights on the meta device: cannot probe which norm this is")
+    bias = getattr(module, "bias", None)
+    if bias is not None and not (isinstance(bias, nn.Parameter) and bias.shape == weight.shape):
+        return _eager("norm", f"a bias of another shape than the weight ({type(bias).__name__})")
     probe = copy.deepcopy(module).float().cpu()
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        probe.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
-        x = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(1))
+        for p in probe.parameters():
+            p.normal_(0.0, 1.0, generator=gen)
+        x = 3 * torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(1)) + 1
         got = type(module).forward(probe, x)
-        for name, want in (
-            ("RMSNorm", probe.weight * _rms(x, eps)),
-            ("GemmaRMSNorm", (1 + probe.weight) * _rms(x, eps)),
-        ):
+        w, b = probe.weight, getattr(probe, "bias", None)
+        candidates = {"LayerNorm": torch.nn.functional.layer_norm(x, w.shape, w, b, eps)}
+        if b is None:
+            candidates |= {"RMSNorm": w * _rms(x, eps), "GemmaRMSNorm": (1 + w) * _rms(x, eps)}
+        for name, want in candidates.items():
             if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5):
-                return Recognition("norm", name, f"forward equals the `{name}` math (probed)")
-    return _eager("norm", "forward matches neither w * rmsnorm(x) nor (1 + w) * rmsnorm(x) (probed)")
+                # torch's own classes (nn.LayerNorm) are everyone's: only the instances seen here
+                shared = type(module).__module__.startswith("torch.")
+                reason = f"forward equals the `{name}` math (probed)"
+                return Recognition("norm", name, reason, per_instance=shared)
+    known = "layer_norm(x), w * rmsnorm(x) or (1 + w) * rmsnorm(x)"
+    return _eager("norm", f"forward matches none of {known} (probed)")
 
 
 # ---- gated MLPs -------------------------------------------------------------------------------------------
@@ -130,9 +148,12 @@ def _mlp(module: nn.Module) -> Recognition | None:
         isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")
     )
     if not (fused or split):
+        dense = _dense_mlp(module)
+        if dense is not None:
+            return dense
         looks_like = type(module).__name__.endswith("MLP")
         return (
-            _eager("mlp", "no gate_proj/up_proj/down_proj or gate_up_proj/down_proj linears")
+            _eager("mlp", "no gate_proj/up_proj/down_proj, gate_up_proj/down_proj or up/down projections")
             if looks_like
             else None
         )
@@ -160,10 +181,60 @@ def _mlp(module: nn.Module) -> Recognition | None:
     return _eager("mlp", f"{detail} (probed)")
 
 
+# (up, down) projection names of non-gated MLPs: OPT/Phi, GPT-2/StarCoder2, GPT-NeoX/Falcon/BLOOM, GPT-J,
+# Nemotron
+_DENSE_PAIRS = (
+    ("fc1", "fc2"),
+    ("c_fc", "c_proj"),
+    ("dense_h_to_4h", "dense_4h_to_h"),
+    ("fc_in", "fc_out"),
+    ("up_proj", "down_proj"),
+)
+
+
+def _projection(module: nn.Module) -> bool:
+    """An `nn.Linear`, or transformers' `Conv1D` (weight stored `(in, out)`)."""
+    return isinstance(module, nn.Linear) or (
+        type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), nn.Parameter)
+    )
+
+
+def _dense_mlp(module: nn.Module) -> Recognition | None:
+    """`down(act(up(x)))` with one known pair of projections and nothing else holding parameters."""
+    pair = next((p for p in _DENSE_PAIRS if all(_projection(getattr(module, n, None)) for n in p)), None)
+    if pair is None:
+        return None
+    others = [
+        n for n, child in module.named_children() if n not in pair and any(True for _ in child.parameters())
+    ]
+    if others:  # a decoder layer holding its MLP's projections itself (OPT): not an MLP module
+        return None
+    up, down = (getattr(module, n) for n in pair)
+    if up.weight.is_meta:
+        return _eager("mlp", "weights on the meta device: cannot probe the MLP")
+    table = _activation_layers().ACT_MATH
+    width = up.weight.shape[0] if type(up).__name__ == "Conv1D" else up.in_features
+    with torch.no_grad():
+        x = torch.randn(2, width, generator=torch.Generator().manual_seed(2)).to(
+            up.weight.device, up.weight.dtype
+        )
+        got = type(module).forward(module, x).float()
+        for act in _activation_candidates(module, table):
+            want = down(table[act](up(x))).float()
+            if got.shape == want.shape and torch.allclose(got, want, rtol=1e-3, atol=1e-4):
+                setup = {"kernelize_dense_mlp": (*pair, act)}
+                return Recognition("mlp", "DenseMLP", f"{pair[1]}({act}({pair[0]}(x))) (probed)", setup, True)
+    return _eager(
+        "mlp", f"no activation ({', '.join(table)}) reproduces {pair[1]}(act({pair[0]}(x))) (probed)"
+    )
+
+
 def _activation_candidates(module: nn.Module, table: Mapping[str, Any]) -> list[str]:
-    """The config's activation names first (`hidden_act`, Gemma-2's `hidden_activation`), then the rest."""
+    """The config's activation names first (`hidden_act`, Gemma-2's `hidden_activation`, GPT-2's
+    `activation_function`), then the rest."""
     config = getattr(module, "config", None)
-    named = [getattr(config, n, None) for n in ("hidden_activation", "hidden_act")]
+    names = ("hidden_activation", "hidden_act", "activation_function")
+    named = [getattr(config, n, None) for n in names]
     return list(dict.fromkeys([n for n in named if n in table] + list(table)))
 
 
@@ -291,7 +362,7 @@ def _decoder(module: nn.Module) -> Recognition | None:
     if params[: len(_DECODER_PARAMS)] != _DECODER_PARAMS:
         return _eager("decoder", f"forward parameters {params} differ from the pre-norm decoder layer's")
     norm = _norm(module.post_attention_layernorm)
-    if norm is None or norm.layer_name is None:
+    if norm is None or norm.layer_name not in ("RMSNorm", "GemmaRMSNorm"):
         return _eager("decoder", "post_attention_layernorm is not a recognised RMSNorm")
     style = norm.layer_name
     return Recognition(
@@ -606,6 +677,20 @@ def _note_all(modules: Mapping[str, nn.Module], note: str) -> None:
             record_choice(module, dataclasses.replace(choice, notes=(*choice.notes, note)))
 
 
+def _record_verdicts(model: nn.Module, found: Mapping[str, Recognition]) -> None:
+    """Put the recognition's reason on modules left eager, and its detail on replaced attention modules."""
+    for path, verdict in found.items():
+        module = model.get_submodule(path)
+        choice = recorded_choice(module)
+        if choice is None:
+            continue
+        if choice.fallback == FallbackReason.CONDITION and verdict.layer_name is None:
+            choice = dataclasses.replace(choice, reason=verdict.reason)
+        elif choice.uses_kernel and verdict.kind == "attention" and verdict.reason not in choice.notes:
+            choice = dataclasses.replace(choice, notes=(verdict.reason, *choice.notes))
+        record_choice(module, choice)
+
+
 def kernelize_model(
     model: nn.Module,
     mode: Mode = Mode.INFERENCE,
@@ -651,20 +736,12 @@ def kernelize_model(
     found = _mark(model)
     with use_kernel_mapping(dict(mapping)):
         kernelize(model, mode=mode, device=device, use_fallback=_FALLBACKS)
-    for path, verdict in found.items():
-        module = model.get_submodule(path)
-        choice = recorded_choice(module)
-        if choice is None:
-            continue
-        if choice.fallback == FallbackReason.CONDITION and verdict.layer_name is None:
-            choice = dataclasses.replace(choice, reason=verdict.reason)
-        elif choice.uses_kernel and verdict.kind == "attention" and verdict.reason not in choice.notes:
-            choice = dataclasses.replace(choice, notes=(verdict.reason, *choice.notes))
-        record_choice(module, choice)
+    _record_verdicts(model, found)
     status = _use_attention_function(model, mode)
     switched = attention if status.startswith("attention implementation set") else None
     if verify:
         status = f"{status}; {_verify(model, call, want, switched)}"
+    trim_heap()  # what the probe's merges freed (the old q/k/v, gate/up storages) goes back to the system
     replaced = sum(1 for p in found if (c := recorded_choice(model.get_submodule(p))) and c.uses_kernel)
     logger.info("kernelize_model: %d of %d recognised modules replaced; %s", replaced, len(found), status)
     return model

@@ -141,6 +141,7 @@ class SystemInfo:
     cpu: str
     os: str
     tvm_ffi_version: tuple[int, int] | None = None
+    note: str = ""  # why the backend is not the one torch was built for (a CUDA build with no usable GPU)
 
     @staticmethod
     def detect(backend: str | None = None) -> SystemInfo:
@@ -164,18 +165,33 @@ class SystemInfo:
             major, minor = (int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
             torch_version = (major, minor)
             abi = bool(torch.compiled_with_cxx11_abi()) if os_name == "linux" else None
-            system_backend = _torch_backend(torch)
+            system_backend, note = _usable_backend(torch)
+        else:
+            note = ""
         if backend is not None and backend not in ("cpu", system_backend.name):
             raise ValueError(
                 f"Backend {backend!r} is not available; "
                 f"this system supports 'cpu' and {system_backend.name!r}."
             )
         chosen = Backend("cpu") if backend == "cpu" else system_backend
-        return SystemInfo(torch_version, abi, chosen, cpu, os_name)
+        return SystemInfo(torch_version, abi, chosen, cpu, os_name, note=note if backend != "cpu" else "")
 
     def __str__(self) -> str:
         torch_text = "no torch" if self.torch_version is None else "torch {}.{}".format(*self.torch_version)
-        return f"{torch_text}, {self.backend.variant_str}, {self.cpu}-{self.os}"
+        note = f" ({self.note})" if self.note else ""
+        return f"{torch_text}, {self.backend.variant_str}{note}, {self.cpu}-{self.os}"
+
+
+def _usable_backend(torch: Any) -> tuple[Backend, str]:
+    """The backend torch was built for, if a device of it is usable here; else CPU, and why.
+
+    Laptops, CI runners and containers often have a CUDA (or ROCm) wheel and no GPU: a build for the GPU
+    would import and fail there, so the CPU and universal variants are the ones that fit.
+    """
+    built = _torch_backend(torch)
+    if built.name in ("cuda", "rocm") and not torch.cuda.is_available():
+        return Backend("cpu"), f"torch is a {built.variant_str} build, but no GPU is usable: CPU variants"
+    return built, ""
 
 
 def _torch_backend(torch: Any) -> Backend:

@@ -50,6 +50,21 @@ def _madvise_fn():
 _madvise = _madvise_fn()
 
 
+def trim_heap() -> bool:
+    """Hand the C heap's free memory back to the system (glibc's `malloc_trim(0)`); False where there is none.
+
+    After a large free (the old gate / up weights a merge replaced), glibc raises its mmap threshold and
+    keeps later freed blocks in its heap: the process would hold them as resident memory (about 18 MB a
+    layer of a 0.5 B model). Called once at the end of `kernelize_model`.
+    """
+    if platform.system() != "Linux":
+        return False
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return False
+
+
 def hint_hugepages(t: torch.Tensor) -> None:
     """Ask for transparent huge pages under ``t``'s memory (a no-op for small tensors or off Linux)."""
     nbytes = t.numel() * t.element_size()
@@ -349,4 +364,5 @@ __all__ = [
     "hint_hugepages",
     "plan_offsets",
     "pool_of",
+    "trim_heap",
 ]

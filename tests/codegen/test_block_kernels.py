@@ -45,7 +45,23 @@ CASES = {
     "mlp": ("mlp_math", [HIDDEN, HIDDEN, (2 * INTER, HIDDEN), (HIDDEN, INTER)], 2, dict(act="silu")),
     "mlp_gelu_tanh": ("mlp_math", [HIDDEN, HIDDEN, (2 * INTER, HIDDEN), (HIDDEN, INTER)], 2,
                       dict(act="gelu_pytorch_tanh")),
+    # the non-gated MLP's two matmuls (the activation hub's DenseMLP): Linear and Conv1D weights
+    "dense_up_gelu_new": ("activation.dense_up_math", [HIDDEN, (INTER, HIDDEN), (INTER,)], 1,
+                          dict(act="gelu_new", transposed=False)),
+    "dense_up_relu2_conv1d": ("activation.dense_up_nobias_math", [HIDDEN, (HIDDEN, INTER)], 1,
+                              dict(act="relu2", transposed=True)),
+    "dense_up_gelu_erf": ("activation.dense_up_math", [HIDDEN, (HIDDEN, INTER), (INTER,)], 1,
+                          dict(act="gelu", transposed=True)),
+    "dense_down": ("activation.dense_down_math", [INTER, (HIDDEN, INTER), (HIDDEN,)], 1,
+                   dict(transposed=False)),
 }  # fmt: skip
+
+
+def math_of(fn_name: str):
+    """A block math function, or `activation.<name>` from the activation hub's layers."""
+    if fn_name.startswith("activation."):
+        return getattr(get_kernel("kernelize/activation", version=1).layers, fn_name.split(".", 1)[1])
+    return getattr(block(), fn_name)
 
 
 def _inputs(name: str, batch: int, seq: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
@@ -61,7 +77,7 @@ def _inputs(name: str, batch: int, seq: int, dtype: torch.dtype, seed: int = 0) 
 @functools.cache
 def graph(name: str, dtype: torch.dtype = torch.float32):
     fn_name, _, n_act, params = CASES[name]
-    fn = functools.partial(getattr(block(), fn_name), **params)
+    fn = functools.partial(math_of(fn_name), **params)
     xs = _inputs(name, 2, 3, dtype)
     dyn = [{0: "batch", 1: "seq"}] * n_act + [None] * (len(xs) - n_act)
     return optimize(trace(fn, *xs, dynamic_dims=dyn))
@@ -86,7 +102,7 @@ def test_the_graphs_are_the_math() -> None:
     """The traced graph (reference executor) equals the block math run by torch, before any backend."""
     for name, (fn_name, _, _, params) in CASES.items():
         xs = _inputs(name, 2, 5, torch.float32)
-        want = getattr(block(), fn_name)(*xs, **params)
+        want = math_of(fn_name)(*xs, **params)
         want = want if isinstance(want, tuple) else (want,)
         for a, b in zip(evaluate(graph(name), xs), want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -5,6 +5,7 @@ around the chunk size, f32 and bf16, with column sums, and into an output that i
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,7 +130,10 @@ def test_one_threshold_for_every_loaded_library(threshold):
     for fn in asked:
         fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_int
     threshold(1000)
-    assert [fn(999) for fn in asked] == [0] * len(asked) and [fn(1000) for fn in asked] == [1] * len(asked)
+    # non-temporal row stores exist in AVX-512 builds only (KZ_NT_ROWS); elsewhere nothing ever streams
+    streams = int("avx512f" in Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").exists() else 0
+    assert [fn(999) for fn in asked] == [0] * len(asked)
+    assert [fn(1000) for fn in asked] == [streams] * len(asked)
     threshold(NEVER)
     assert [fn(1 << 40) for fn in asked] == [0] * len(asked)
     assert [fn(0) for fn in asked] == [0] * len(asked)

@@ -163,3 +163,21 @@ def test_detect_this_system() -> None:
 def test_detect_rejects_a_backend_torch_was_not_built_for() -> None:
     with pytest.raises(ValueError, match="Backend 'cuda' is not available; this system supports 'cpu'"):
         SystemInfo.detect("cuda")
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_cuda_build_without_a_usable_gpu_selects_cpu_variants(monkeypatch, gpu: bool) -> None:
+    """A CUDA wheel on a machine without a GPU (laptops, CI runners, containers): CPU and universal variants,
+    with the reason in the report; with a GPU, the CUDA variants."""
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    system = SystemInfo.detect()
+    if gpu:
+        assert system.backend == Backend("cuda", (12, 8)) and system.note == ""
+    else:
+        assert system.backend == Backend("cpu")
+        assert "cu128 build, but no GPU is usable" in str(system), str(system)
+        ranked, _ = rank_variants(["torch-cuda", "torch-cpu", "torch-universal"], system)
+        assert ranked == ["torch-cpu", "torch-universal"]
+        with pytest.raises(ValueError, match="Backend 'cuda' is not available"):
+            SystemInfo.detect("cuda")

@@ -120,6 +120,36 @@ GATE_UP_MATH = {
 }
 
 
+# hidden_act -> the activation of a non-gated MLP (GPT-2, GPT-NeoX, Phi, Falcon, OPT, StarCoder2, Nemotron)
+ACT_MATH = {
+    "gelu": F.gelu,
+    "gelu_new": new_gelu_math,
+    "gelu_pytorch_tanh": new_gelu_math,
+    "gelu_fast": fast_gelu_math,
+    "quick_gelu": quick_gelu_math,
+    "relu": torch.relu,
+    "relu2": lambda x: torch.square(torch.relu(x)),
+    "silu": F.silu,
+}
+
+
+def dense_up_math(x, weight, bias, *, act: str, transposed: bool) -> torch.Tensor:
+    """`act(x @ W.T + b)`; `transposed`: W is stored `(in, out)` (transformers' `Conv1D`)."""
+    return ACT_MATH[act](x @ (weight if transposed else weight.t()) + bias)
+
+
+def dense_up_nobias_math(x, weight, *, act: str, transposed: bool) -> torch.Tensor:
+    return ACT_MATH[act](x @ (weight if transposed else weight.t()))
+
+
+def dense_down_math(h, weight, bias, *, transposed: bool) -> torch.Tensor:
+    return h @ (weight if transposed else weight.t()) + bias
+
+
+def dense_down_nobias_math(h, weight, *, transposed: bool) -> torch.Tensor:
+    return h @ (weight if transposed else weight.t())
+
+
 # ---- functional API (as in kernels-community/activation) --------------------------------------------------
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     hub.require_float("silu_and_mul", x)
@@ -285,3 +315,36 @@ class FusedGatedMLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             return hub.project(down_proj, up * self.activation_fn(gate))
         return hub.project(down_proj, hub.run(self, math_fn, [gate_up]))
+
+
+class DenseMLP(nn.Module):
+    """`down(act(up(x)))`, the non-gated MLP: two matmul kernels, the bias and activation fused into the first
+    one's epilogue, the second's bias into its own.
+
+    State read from the replaced module: `kernelize_dense_mlp = (up name, down name, activation name)` (set
+    by `kernelize_model`'s probe), the two projections (`nn.Linear`, or transformers' `Conv1D`, whose weight
+    is stored `(in, out)`), each with or without a bias. With gradients the projections run as torch's; the
+    module's dropout, if any, is not applied: the layer serves inference (`has_backward = False`).
+    """
+
+    has_backward = False
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        up_name, down_name, act = self.kernelize_dense_mlp
+        up, down = getattr(self, up_name), getattr(self, down_name)
+        if _training(hidden_states, up, down):
+            return down(ACT_MATH[act](up(hidden_states)))
+        transposed = type(up).__name__ == "Conv1D"
+        if up.bias is None:
+            h = hub.run(
+                self, dense_up_nobias_math, [hidden_states], [up.weight], act=act, transposed=transposed
+            )
+        else:
+            h = hub.run(
+                self, dense_up_math, [hidden_states], [up.weight, up.bias], act=act, transposed=transposed
+            )
+        transposed = type(down).__name__ == "Conv1D"
+        if down.bias is None:
+            return hub.run(self, dense_down_nobias_math, [h], [down.weight], transposed=transposed)
+        return hub.run(self, dense_down_math, [h], [down.weight, down.bias], transposed=transposed)

@@ -1,0 +1,338 @@
+"""The one call on every causal-LM family transformers ships, and decode / prefill speed on one per group.
+
+1. The sweep (`--sweep`): each family's tiny random model (`kernelize.models.zoo`: its default config at
+   tiny widths, 2 layers or one per layer kind), eager vs `kernelize_model` on a left-padded batch:
+   served or eager (with the reasons), how many of its decoder layers run at least one generated kernel,
+   the kernel layers used, and the max logit difference relative to the largest logit.
+2. Speed (`--speed`): decode (greedy `generate`, batch 1) and prefill (one forward over the prompt) of one
+   family per group (Qwen2: gated MLP + RMSNorm; GPT-NeoX and GPT-2: LayerNorm + GELU MLP), at a realistic
+   size, f32, 2 threads: eager, the one call and `torch.compile`, medians of interleaved repetitions.
+
+Writes `<out>/models.json` (and prints the tables). Compare ratios within one run only.
+
+Usage:
+    python benchmarks/models.py --sweep            # a few minutes
+    python benchmarks/models.py --speed [--quick]  # --quick: small models, few repetitions
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+# a family counts as served when every decoder layer runs at least one generated kernel
+_LAYER_LISTS = ("layers", "h", "blocks", "layer")
+
+
+def decoder_layers(model: torch.nn.Module) -> list[str]:
+    """Paths of the decoder layers: the longest ModuleList named like a layer stack."""
+    best: list[str] = []
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and path.rsplit(".", 1)[-1] in _LAYER_LISTS:
+            if len(module) > len(best):
+                best = [f"{path}.{i}" for i in range(len(module))]
+    return best
+
+
+def sweep_one(model_type: str, class_name: str) -> dict:
+    import kernelize
+    from kernelize.integrations.transformers import kernelize_model
+    from kernelize.models import zoo
+
+    record: dict = {"family": model_type, "class": class_name}
+    try:
+        eager = zoo.tiny_causal_lm(model_type, class_name)
+        embedding = eager.get_input_embeddings()
+        ids, mask = zoo.padded_batch(embedding.num_embeddings)
+        want = zoo.logits(eager, ids, mask)
+    except Exception as exc:
+        return record | {"status": "skipped", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+    start = time.perf_counter()
+    try:
+        fast = kernelize_model(copy.deepcopy(eager))
+        got = zoo.logits(fast, ids, mask)
+    except Exception as exc:  # what the sweep test forbids: recorded, never hidden
+        return record | {"status": "crash", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+    real = mask.bool()
+    diff = ((got[real] - want[real]).abs().max() / want[real].abs().max()).item()
+    choices = kernelize.inspect(fast)
+    used = {p: c.layer_name for p, c in choices.items() if c.uses_kernel}
+    layers = decoder_layers(fast)
+    served = [any(p == layer or p.startswith(f"{layer}.") for p in used) for layer in layers]
+    eager_reasons = sorted({c.reason for c in choices.values() if not c.uses_kernel and c.reason})
+    return record | {
+        "status": "wrong" if not diff <= 1e-4 else "ok",
+        "max_logit_diff": diff,
+        "decoder_layers": len(layers),
+        "layers_with_kernels": sum(served),
+        "kernel_layers": sorted(set(used.values())),
+        "eager_reasons": eager_reasons[:6],
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def sweep(families: list[str] | None) -> list[dict]:
+    from kernelize.models import zoo
+
+    records = []
+    for model_type, class_name in zoo.causal_lm_families():
+        if families and model_type not in families:
+            continue
+        record = sweep_one(model_type, class_name)
+        print(json.dumps({k: record.get(k) for k in ("family", "status", "layers_with_kernels")}), flush=True)
+        records.append(record)
+    return records
+
+
+def sweep_table(records: list[dict]) -> str:
+    rows = ["| family | class | result | layers with kernels | kernel layers | max logit diff |"]
+    rows.append("|---|---|---|---|---|---|")
+    for r in records:
+        if r["status"] == "skipped":
+            rows.append(f"| {r['family']} | {r['class']} | skipped: {r['reason'][:80]} | | | |")
+            continue
+        served = f"{r.get('layers_with_kernels', 0)}/{r.get('decoder_layers', 0)}"
+        kernels = ", ".join(r.get("kernel_layers", []))
+        diff = f"{r['max_logit_diff']:.1e}" if "max_logit_diff" in r else ""
+        rows.append(f"| {r['family']} | {r['class']} | {r['status']} | {served} | {kernels} | {diff} |")
+    return "\n".join(rows)
+
+
+# The decoder families the coverage target counts (model types): at least one generated kernel in every
+# decoder layer for >= 90% of them.
+TARGET_FAMILIES = (
+    *("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "gemma", "gemma2", "gemma3_text", "phi", "phi3"),
+    *("gpt2", "gpt_neox", "falcon", "opt", "bloom", "stablelm", "cohere", "cohere2", "olmo", "olmo2"),
+    *("olmo3", "granite", "smollm3", "starcoder2", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"),
+    *("deepseek_v2", "deepseek_v3", "glm", "glm4", "gptj", "codegen", "gpt_bigcode", "exaone4", "helium"),
+    *("ministral3", "seed_oss", "phimoe", "granitemoe", "persimmon", "nemotron_h", "xglm", "mpt"),
+)
+
+
+def coverage(records: list[dict]) -> tuple[list[str], list[str]]:
+    """(target families with a kernel in every decoder layer, the others)."""
+    by_family = {r["family"]: r for r in records}
+    served, not_served = [], []
+    for family in TARGET_FAMILIES:
+        r = by_family.get(family, {})
+        full = r.get("status") == "ok" and 0 < r.get("decoder_layers", 0) == r.get("layers_with_kernels")
+        (served if full else not_served).append(family)
+    return served, not_served
+
+
+# ---- speed ------------------------------------------------------------------------------------------------
+SPEED = {  # family -> config overrides at the realistic size (quick: a small one)
+    "qwen2": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "gpt_neox": dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        vocab_size=50304,
+    ),
+    "gpt2": dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257),
+}
+QUICK = {
+    "qwen2": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+    ),
+    "gpt_neox": dict(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4, vocab_size=4096
+    ),
+    "gpt2": dict(n_embd=256, n_layer=2, n_head=4, vocab_size=4096),
+}
+
+
+def speed_model(family: str, quick: bool) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **(QUICK if quick else SPEED)[family])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def medians(fns: dict, repeat: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def speed(families: list[str], quick: bool, repeat: int, seq: int, new_tokens: int) -> list[dict]:
+    from kernelize.integrations.transformers import kernelize_model
+
+    records = []
+    for family in families:
+        eager = speed_model(family, quick)
+        params = sum(p.numel() for p in eager.parameters())
+        fast = kernelize_model(copy.deepcopy(eager))
+        compiled = torch.compile(copy.deepcopy(eager))
+        vocab = eager.get_input_embeddings().num_embeddings
+        prompt = torch.randint(1, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+        short = prompt[:, :16]
+        models = {"eager": eager, "kernelize": fast, "torch.compile": compiled}
+
+        def prefill(m, prompt=prompt):
+            return lambda: m(prompt, logits_to_keep=1)
+
+        def decode(m, short=short):
+            kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            return lambda: m.generate(short, **kw)
+
+        with torch.no_grad():
+            for m in models.values():  # warm up: compile kernels and graphs
+                prefill(m)()
+                decode(m)()
+            same = torch.equal(decode(eager)(), decode(fast)())
+            pre = medians({n: prefill(m) for n, m in models.items()}, repeat)
+            dec = medians(
+                {n: decode(m) for n, m in models.items() if n != "torch.compile"}, max(repeat // 2, 2)
+            )
+        record = {
+            "family": family,
+            "parameters": params,
+            "prefill_seq": seq,
+            "prefill_s": pre,
+            "decode_tokens": new_tokens,
+            "decode_s": dec,
+            "prefill_vs_eager": pre["eager"] / pre["kernelize"],
+            "prefill_vs_compile": pre["torch.compile"] / pre["kernelize"],
+            "decode_vs_eager": dec["eager"] / dec["kernelize"],
+            "same_tokens": same,
+        }
+        print(json.dumps(record), flush=True)
+        records.append(record)
+    return records
+
+
+def speed_table(records: list[dict]) -> str:
+    rows = [
+        "| family | parameters | prefill vs eager | prefill vs compile | decode vs eager | same tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        rows.append(
+            f"| {r['family']} | {r['parameters'] / 1e6:.0f} M | {r['prefill_vs_eager']:.2f}x "
+            f"| {r['prefill_vs_compile']:.2f}x | {r['decode_vs_eager']:.2f}x | {r['same_tokens']} |"
+        )
+    return "\n".join(rows)
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+
+
+def docs_page(result: dict) -> str:
+    """docs/models.md, generated from models.json (never typed by hand; a test compares the two)."""
+    records = result.get("sweep", [])
+    served, not_served = coverage(records)
+    counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "wrong", "crash", "skipped")}
+    versions = result.get("versions", {})
+    lines = [
+        "# Models: the one call on every causal-LM family",
+        "",
+        "<!-- generated by `python benchmarks/models.py --docs` from benchmarks/results/models.json -->",
+        "",
+        "`kernelize_model(model)` recognises a model's layers by structure, swaps in kernel layers, and then",
+        "verifies each swap on a probe forward (the module's own forward against the kernel's, and the whole",
+        "model's output before and after): a kernel that raises or differs is withdrawn, with the reason in",
+        "`kernelize.inspect(model)`. The sweep below runs it on a tiny random model of every `*ForCausalLM`",
+        "class transformers ships (`kernelize.models.zoo`; `tests/integrations/test_sweep.py` runs the same",
+        "in `make test`), on a left-padded batch, f32.",
+        "",
+        f"- Measured with: `{result.get('command', '')}` (transformers {versions.get('transformers', '?')}, "
+        f"torch {versions.get('torch', '?')}).",
+        f"- {len(records)} classes: {counts['ok']} equal logits (max difference <= 1e-4 of the largest "
+        "logit), "
+        f"{counts['wrong']} changed, {counts['crash']} crashed, {counts['skipped']} skipped (transformers "
+        "cannot build or run their tiny config, or they take no token ids).",
+        f"- Decoder families of the coverage list with a generated kernel in every decoder layer: "
+        f"{len(served)} of {len(TARGET_FAMILIES)} ({100 * len(served) / len(TARGET_FAMILIES):.0f}%).",
+        f"  Served: {', '.join(served)}.",
+        f"  Not (yet): {', '.join(not_served) or 'none'}.",
+        "",
+        "## Every family",
+        "",
+        sweep_table(records),
+        "",
+    ]
+    if result.get("speed"):
+        lines += ["## Speed (CPU, f32, 2 threads)", "", speed_table(result["speed"]), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="the one call on every causal-LM family")
+    parser.add_argument("--speed", action="store_true", help="decode / prefill of one family per group")
+    parser.add_argument("--families", default="", help="comma-separated model types (default: all)")
+    parser.add_argument("--quick", action="store_true", help="speed: small models, few repetitions")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--docs", action="store_true", help="write docs/models.md from the JSON")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    families = [f for f in args.families.split(",") if f]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "models.json"
+    result = json.loads(path.read_text()) if path.exists() else {}
+    if not (args.sweep or args.speed):
+        if args.docs:
+            DOCS.parent.mkdir(exist_ok=True)
+            DOCS.write_text(docs_page(result))
+            print(f"wrote {DOCS}")
+        return 0
+    result["machine"] = {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "threads": args.threads,
+    }
+    result["versions"] = {"torch": torch.__version__, "transformers": __import__("transformers").__version__}
+    result["command"] = " ".join(["python", *sys.argv])
+    result["date"] = time.strftime("%Y-%m-%d")
+    if args.sweep:
+        result["sweep"] = sweep(families)
+        print(sweep_table(result["sweep"]))
+    if args.speed:
+        result["speed"] = speed(families or list(SPEED), args.quick, args.repeat, args.seq, args.new_tokens)
+        print(speed_table(result["speed"]))
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+    if args.docs:
+        DOCS.parent.mkdir(exist_ok=True)
+        DOCS.write_text(docs_page(result))
+        print(f"wrote {DOCS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
