@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_FLAGS ?= -n 2 -q
 
-.PHONY: demo test test-slow lint bench clean
+.PHONY: demo test test-slow lint bench clean gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[cuda,test]'
 	command -v dot >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq graphviz >/dev/null)
+	command -v aarch64-linux-gnu-g++ >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null)
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -33,6 +34,10 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/cpu_layers.py
 	$(PY) benchmarks/model.py
+
+# on a GPU machine: the CUDA tests and benchmarks/gpu_check.py with the torch installed there; elsewhere a no-op
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -69,18 +69,45 @@ logger = logging.getLogger(__name__)
 
 BLOCK = 8192  # inner elements per pointwise tile
 PARALLEL_MIN = 32768  # below this many elements one thread beats waking the team
-DEFAULT_FLAGS = (
-    "-O3",
-    "-march=native",
-    "-mprefer-vector-width=512",
-    "-fopenmp",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-std=c++17",
-    "-shared",
-    "-fPIC",
-    "-w",
-)
+# The flags naming this CPU's instructions, by ``platform.machine()``: ``-march=native`` on x86 (with zmm
+# registers for gcc's vector loops), ``-mcpu=native`` on Arm (Linux says aarch64, macOS arm64); an unknown
+# machine gets neither (baseline instructions). Arm compilers reject the x86 flags.
+NATIVE_FLAGS = {
+    "x86_64": ("-march=native", "-mprefer-vector-width=512"),
+    "AMD64": ("-march=native", "-mprefer-vector-width=512"),
+    "aarch64": ("-mcpu=native",),
+    "arm64": ("-mcpu=native",),
+}
+
+
+def platform_flags(
+    machine: str | None = None, system: str | None = None, compiler_version: str = ""
+) -> tuple[str, ...]:
+    """The compiler flags for a host (``platform.machine()`` / ``platform.system()`` unless given) and a
+    compiler (its ``--version`` line): :data:`NATIVE_FLAGS`, and ``-fopenmp`` except for Apple clang on
+    macOS, which has no OpenMP (kernels then run on the calling thread; cpu_prelude.h stubs the calls).
+
+    Example:
+        >>> platform_flags("aarch64", "Linux")[:3]
+        ('-O3', '-mcpu=native', '-fopenmp')
+    """
+    machine = platform.machine() if machine is None else machine
+    system = platform.system() if system is None else system
+    apple_clang = system == "Darwin" and "Apple clang" in compiler_version
+    return (
+        "-O3",
+        *NATIVE_FLAGS.get(machine, ()),
+        *(() if apple_clang else ("-fopenmp",)),
+        "-fno-math-errno",
+        "-fno-trapping-math",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-w",
+    )
+
+
+DEFAULT_FLAGS = platform_flags()  # this host's, for a compiler with OpenMP
 
 
 class CompilerNotFoundError(RuntimeError):
@@ -466,13 +493,14 @@ def compiler() -> tuple[str, str]:
 
 @functools.cache
 def _host_id() -> str:
-    """What -march=native depends on: machine and CPU flags (a cache shared by different hosts stays safe)."""
+    """What -march / -mcpu=native depends on: machine and CPU flags (x86: model name and flags; Arm: Features
+    and the CPU's implementer and part), so a cache shared by different hosts stays safe."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name")):
+            if line.startswith(("flags", "model name", "Features", "CPU implementer", "CPU part")):
                 flags += line
-                if line.startswith("flags"):
+                if line.startswith(("flags", "CPU part")):
                     break
     except OSError:
         flags = platform.processor()
@@ -480,9 +508,10 @@ def _host_id() -> str:
 
 
 def flags() -> tuple[str, ...]:
-    """Compiler flags: ``$KERNELIZE_CPU_FLAGS`` (shell syntax) or :data:`DEFAULT_FLAGS`."""
+    """Compiler flags: ``$KERNELIZE_CPU_FLAGS`` (shell syntax) or :func:`platform_flags` for this host and
+    :func:`compiler`."""
     env = os.environ.get("KERNELIZE_CPU_FLAGS")
-    return tuple(shlex.split(env)) if env else DEFAULT_FLAGS
+    return tuple(shlex.split(env)) if env else platform_flags(compiler_version=compiler()[1])
 
 
 _LOADED: dict[str, ctypes.CDLL] = {}
@@ -891,5 +920,6 @@ __all__ = [
     "CpuRenderer",
     "build_shared_object",
     "compiler",
+    "platform_flags",
     "render",
 ]

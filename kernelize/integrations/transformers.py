@@ -743,5 +743,9 @@ def kernelize_model(
         status = f"{status}; {_verify(model, call, want, switched)}"
     trim_heap()  # what the probe's merges freed (the old q/k/v, gate/up storages) goes back to the system
     replaced = sum(1 for p in found if (c := recorded_choice(model.get_submodule(p))) and c.uses_kernel)
+    if replaced == 0:  # a family the table does not know: one clear line, never an exception
+        logger.info(
+            "kernelize_model: no layer of %s is served: it runs its own forward", type(model).__name__
+        )
     logger.info("kernelize_model: %d of %d recognised modules replaced; %s", replaced, len(found), status)
     return model

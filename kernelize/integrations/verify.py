@@ -47,14 +47,12 @@ def difference(got: Any, want: Any, where: str = "output") -> str | None:
     not compute (attention weights, as transformers' SDPA path returns them); a caller that reads it fails
     in its own probe.
     """
-    if isinstance(want, tuple | list) and type(got) is type(want) and len(got) == len(want):
-        for i, (g, w) in enumerate(zip(got, want)):
-            why = difference(g, w, f"{where}[{i}]")
-            if why:
-                return why
-        return None
-    if isinstance(want, dict) and isinstance(got, dict) and got.keys() == want.keys():
-        return next((why for k in want if (why := difference(got[k], want[k], f"{where}[{k!r}]"))), None)
+    if isinstance(want, tuple | list | dict):
+        same = type(got) is type(want) and len(got) == len(want)
+        if not same or (isinstance(want, dict) and got.keys() != want.keys()):
+            return f"{where} is {_shape_of(got)}, the module's own is {_shape_of(want)}"
+        keys = want.keys() if isinstance(want, dict) else range(len(want))
+        return next((why for k in keys if (why := difference(got[k], want[k], f"{where}[{k!r}]"))), None)
     if isinstance(want, torch.Tensor):
         if got is None:
             return None
@@ -91,6 +89,8 @@ def _tensor_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
 def _shape_of(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')} tensor"
+    if isinstance(value, dict):
+        return f"a {type(value).__name__} of {', '.join(map(str, value))}"
     if isinstance(value, tuple | list):
         return f"a {type(value).__name__} of {len(value)}"
     return f"a {type(value).__name__}"

@@ -45,6 +45,8 @@ def test_difference_compares_structure_dtype_tolerance_and_nan() -> None:
     assert difference(nan, nan.clone()) is None
     assert "output[1]" in difference([x, x + 1], [x, x])
     assert difference({"a": x}, {"a": x.clone()}) is None
+    assert "a dict of a, b" in difference({"a": x, "b": x}, {"a": x, "c": x})
+    assert "a tuple of 1" in difference((x,), (x, x))
 
 
 def test_cohere2_full_attention_layers_without_rotary_are_refused_and_logits_match() -> None:

@@ -9,7 +9,9 @@
 //                      pixels of a row at a time.
 // Weights come packed (cpu_conv.py pack_weight): dense [g][panel][kh][kw][cig][KZ_NR] with each group's
 // output channels zero-padded to whole panels; depthwise [kh][kw][c padded to a multiple of KZ_NR].
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the AVX-512 / AVX2 forms below; elsewhere (aarch64) the GCC vector form
+#endif
 
 #define KZ_NR 32  // output channels per panel (cpu_conv.PANEL, the packer's width)
 #if defined(__AVX512F__)

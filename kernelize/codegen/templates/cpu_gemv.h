@@ -6,7 +6,9 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-#include <omp.h>
+#ifdef _OPENMP
+#include <omp.h>  // else cpu_prelude.h's one-thread stand-ins
+#endif
 
 #if defined(__AVX512F__)
 #define KZ_VL 16

@@ -5,10 +5,15 @@
 // Storage types: f32 float, f64 double, bf16 kz_bf16 and f16 kz_f16 (16-bit patterns), ints as <stdint.h>,
 // bool as bool. 16-bit floats are widened to float on load and rounded to nearest even on store.
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else  // built without OpenMP (Apple clang): the pragmas are ignored and every region is the calling thread
+static inline int omp_get_thread_num() { return 0; }
+static inline int omp_get_num_threads() { return 1; }
+#endif
 
 #define KZ_INLINE static inline __attribute__((always_inline))
 
