@@ -303,8 +303,6 @@ def _attention_blocker(module: nn.Module) -> str | None:
         return f"missing {', '.join(missing) or 'config.num_key_value_heads'}: not a Llama-style attention"
     if not getattr(module, "is_causal", True):
         return "not causal attention"
-    if hasattr(module, "q_norm") or hasattr(module, "k_norm"):
-        return "query/key norms (q_norm, k_norm) before rotary are not in the attention layer"
     softcap = getattr(module, "attn_logit_softcapping", None) or getattr(
         config, "attn_logit_softcapping", None
     )

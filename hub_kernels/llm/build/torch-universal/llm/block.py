@@ -106,6 +106,8 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     norms, activation, _ = _hubs()
     if _installed(layer.self_attn) is not attention_layer.forward:
         return "self_attn does not run the CausalSelfAttention kernel layer"
+    if hasattr(layer.self_attn, "q_norm") or hasattr(layer.self_attn, "k_norm"):
+        return "the attention's query/key norms are not in the block's math"
     q_k_v = [getattr(layer.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if len({getattr(p, "bias", None) is None for p in q_k_v if p is not None}) > 1:
         return "some but not all of q_proj, k_proj, v_proj have a bias: they cannot be merged"

@@ -9,8 +9,9 @@ Phi-3...). State comes from the replaced module: `q_proj`/`k_proj`/`v_proj` or a
 1. `project_qkv`: in inference, q|k|v merged once into one weight (`kernelize.merge`: the projections'
    parameters become views of it) and projected by one generated matmul kernel (up to 16 rows, as in
    decode: the few-row kernel reading each weight byte once); with gradients, torch matmuls;
-2. rotary on the query and key heads in one generated kernel that also writes the `(batch, heads, seq,
-   head_dim)` layout (`kernelize/rotary`'s `apply_rotary_qk`);
+2. query / key norms when the module has them (`norm_qk`: Qwen3, Gemma3 per head, OLMo2 over the
+   projection), then rotary on the query and key heads in one generated kernel that also writes the
+   `(batch, heads, seq, head_dim)` layout (`kernelize/rotary`'s `apply_rotary_qk`);
 3. `cache.update(...)` (transformers' `DynamicCache`, as the model's own forward calls it; the argument is
    `cache` since transformers 5.24, `past_key_values` before, and both names are taken);
 4. `kernelize.integrations.hf_attention.attention_forward`: the generated attention kernel, or the module's
@@ -105,6 +106,27 @@ def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.T
     return qkv[..., :n_qk], qkv[..., n_qk:]
 
 
+def norm_qk(module: nn.Module, qk: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Query / key norms before rotary, when the module has them: per head (Qwen3, Gemma3: a `head_dim`
+    weight) or over the whole projection (OLMo2), each by the norm module's own (possibly kernelized)
+    forward."""
+    q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    if q_norm is None and k_norm is None:
+        return qk
+    n_q = heads * head_dim
+    q, k = qk[..., :n_q], qk[..., n_q:]
+    q = q if q_norm is None else _norm_heads(q_norm, q, head_dim)
+    k = k if k_norm is None else _norm_heads(k_norm, k, head_dim)
+    return torch.cat([q, k], dim=-1)
+
+
+def _norm_heads(norm: nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    weight = getattr(norm, "weight", None)
+    if weight is not None and weight.numel() != head_dim:  # over the whole projection
+        return norm(x)
+    return norm(x.unflatten(-1, (-1, head_dim))).flatten(-2)
+
+
 def project_out(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
     """`o_proj(out)`: a generated matmul kernel in inference."""
     proj = module.o_proj
@@ -142,6 +164,7 @@ class CausalSelfAttention(nn.Module):
             self.head_dim,
         )
         qk, value = project_qkv(self, hidden_states)
+        qk = norm_qk(self, qk, heads, head_dim)
         cos, sin = position_embeddings
         rotated = _rotary().apply_rotary_qk(
             qk, cos, sin, heads + kv_heads, head_dim, bool(getattr(self, "is_neox_style", True)), owner=self
