@@ -12,13 +12,20 @@ Example:
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["TINY", "Unbuildable", "causal_lm_families", "padded_batch", "tiny_causal_lm", "tiny_config"]
+__all__ = [
+    "TINY",
+    "Unbuildable",
+    "causal_lm_families",
+    "logits",
+    "padded_batch",
+    "tiny_causal_lm",
+    "tiny_config",
+]
 
 # Widths every family shares, so that the generated kernels of one family serve the next (disk cache hits).
 TINY: dict[str, Any] = dict(
@@ -206,7 +213,3 @@ def logits(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     """The model's logits on `ids`, no cache, no gradients."""
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-
-def clone(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model)
