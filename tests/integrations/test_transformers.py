@@ -348,3 +348,23 @@ def test_a_cache_passed_by_its_old_keyword_reaches_the_model() -> None:
             model(ids[:, :8], past_key_values=cache, use_cache=True)
             logits.append(model(ids[:, 8:], past_key_values=cache, use_cache=True).logits)
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+             original_max_position_embeddings=16),
+        dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16),
+        dict(rope_type="linear", rope_theta=1e4, factor=2.0),
+    ],
+    ids=lambda rope: rope["rope_type"],
+)  # fmt: skip
+def test_scaled_rotary_tables_from_the_model_feed_the_kernel(rope: dict) -> None:
+    """YaRN, llama3 and linear scaling: the model computes cos / sin, the rotary kernel consumes them."""
+    eager = tiny_model("llama", rope_parameters=rope)
+    ids, mask = padded_batch(seq=40)  # past original_max_position_embeddings, where the scalings differ
+    with kernelized(eager) as fast:
+        assert kernelize.inspect(fast)["model.layers.0.self_attn"].uses_kernel
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
