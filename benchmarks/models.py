@@ -298,6 +298,12 @@ def docs_page(result: dict) -> str:
     return "\n".join(lines)
 
 
+def write_docs(result: dict) -> None:
+    DOCS.parent.mkdir(exist_ok=True)
+    DOCS.write_text(docs_page(result))
+    print(f"wrote {DOCS}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="the one call on every causal-LM family")
@@ -320,9 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     result = json.loads(path.read_text()) if path.exists() else {}
     if not (args.sweep or args.speed):
         if args.docs:
-            DOCS.parent.mkdir(exist_ok=True)
-            DOCS.write_text(docs_page(result))
-            print(f"wrote {DOCS}")
+            write_docs(result)
         return 0
     result["machine"] = {
         "platform": platform.platform(),
@@ -343,9 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
     if args.docs:
-        DOCS.parent.mkdir(exist_ok=True)
-        DOCS.write_text(docs_page(result))
-        print(f"wrote {DOCS}")
+        write_docs(result)
     return 0
 
 

@@ -50,7 +50,7 @@ from kernelize.layer.record import FallbackReason, record_choice, recorded_choic
 from kernelize.runtime.memory import trim_heap
 
 from .hf_attention import KERNEL_UNAVAILABLE, attention_forward, attention_kernel
-from .verify import difference, verify_replacements
+from .verify import difference, evaluating, verify_replacements
 
 __all__ = [
     "ATTENTION_NAME",
@@ -596,17 +596,12 @@ def _model_output(model: nn.Module, call: Callable[[], Any] | str) -> Any:
     """The model's output on the probe (eval mode, no gradients), or None when there is no probe."""
     if isinstance(call, str):
         return None
-    training = {m: m.training for m in model.modules()}
     try:
-        model.eval()
-        with torch.no_grad():
+        with evaluating(model):
             return call()
     except Exception as exc:  # the model's own forward fails on the probe: nothing can be judged by it
         logger.warning("kernelize_model: the probe forward raised %s: %s", type(exc).__name__, exc)
         return None
-    finally:
-        for module, mode in training.items():
-            module.training = mode
 
 
 def _verify(model: nn.Module, call: Callable[[], Any] | str, want: Any, attention: str | None) -> str:

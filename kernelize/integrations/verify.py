@@ -29,7 +29,7 @@ from kernelize.layer.kernelize import original_forward
 
 from .hf_attention import reference_attention
 
-__all__ = ["TOLERANCE", "difference", "verify_replacements"]
+__all__ = ["TOLERANCE", "difference", "evaluating", "verify_replacements"]
 
 # max |kernel - reference| allowed, relative to max |reference|, per output dtype
 TOLERANCE: Mapping[torch.dtype, float] = {
@@ -158,16 +158,25 @@ def verify_replacements(
     """
     probe = _Probe()
     installed = {path: module.__dict__["forward"] for path, module in targets.items()}
-    training = {m: m.training for m in model.modules()}
     try:
         for path, module in targets.items():
             module.__dict__["forward"] = _Checked(probe, path, module)
-        model.eval()
-        with torch.no_grad():
+        with evaluating(model):
             call()
     finally:
         for path, module in targets.items():
             module.__dict__["forward"] = installed[path]
+    return probe.refused, probe.ran
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Within: `model` in eval mode and no gradients; every module's train/eval flag is restored after."""
+    training = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            yield
+    finally:
         for module, mode in training.items():
             module.training = mode
-    return probe.refused, probe.ran

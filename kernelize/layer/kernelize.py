@@ -31,7 +31,7 @@ from .device import (
 )
 from .mapping import Registry, current_mapping
 from .mode import MODE_FALLBACK_ORDER, Mode, check_kernelize_mode, select_repository
-from .record import FallbackReason, KernelChoice, marked_modules, record_choice
+from .record import FallbackReason, KernelChoice, marked_modules, record_choice, recorded_choice
 from .validate import validate_kernel_layer
 
 if TYPE_CHECKING:
@@ -287,8 +287,6 @@ def keep_original_forward(module: nn.Module, reason: FallbackReason, detail: str
     Example:
         >>> keep_original_forward(module, FallbackReason.VERIFY, "output differs")  # doctest: +SKIP
     """
-    from .record import recorded_choice
-
     choice = recorded_choice(module)
     assert choice is not None, "keep_original_forward: kernelize has not visited this module"
     choice = dataclasses.replace(choice, kernel_layer=None, fallback=reason, reason=detail)

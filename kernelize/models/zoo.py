@@ -160,10 +160,10 @@ def tiny_config(model_type: str, class_name: str | None = None) -> Any:
     text = config.get_text_config()
     if getattr(text, "pad_token_id", None) is None or text.pad_token_id >= TINY["vocab_size"]:
         text.pad_token_id = 0
-    for name in ("bos_token_id", "eos_token_id"):
-        value = getattr(text, name, None)
+    for key in ("bos_token_id", "eos_token_id"):
+        value = getattr(text, key, None)
         if isinstance(value, int) and value >= TINY["vocab_size"]:
-            setattr(text, name, 1)
+            setattr(text, key, 1)
     config._attn_implementation = "eager"
     return config
 
