@@ -37,7 +37,7 @@ bench: $(STAMP)
 
 # on a GPU machine: the CUDA tests and benchmarks/gpu_check.py with the torch installed there; elsewhere a no-op
 gpu-check:
-	bash benchmarks/gpu_check.sh
+	bash benchmarks/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -54,6 +54,25 @@ def timed(fns: dict[str, Callable[[], object]], device: str, repeat: int) -> dic
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def profiled(fn: Callable[[], object], device: str, top: int = 8) -> dict[str, list[dict]]:
+    """Where the time of one call goes: the ops with the most device time and the most host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    fn()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+
+    def ranked(key: str) -> list[dict]:
+        best = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
+        return [{"op": e.key[:90], "calls": e.count, "ms": round(getattr(e, key) / 1e3, 3)} for e in best]
+
+    return {"device": ranked("self_device_time_total") if cuda else [], "host": ranked("self_cpu_time_total")}
+
+
 def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
 
@@ -107,7 +126,9 @@ def section_layers(device: str, quick: bool, repeat: int) -> dict:
                 if compiled is not None:
                     fns["torch.compile"] = lambda: compiled(ids)
                 ms = timed(fns, device, repeat)
-            result["backends"][backend or "cpu"] = {"max_rel_diff": diff, "ms": ms}
+            result["backends"][backend or "cpu"] = {
+                "max_rel_diff": diff, "ms": ms, "profile": profiled(lambda fast=fast: fast(ids), device)
+            }  # fmt: skip
             assert diff <= 1e-2, f"{backend}: logits differ by {diff:.3g} of the largest"
     return result
 
@@ -160,6 +181,9 @@ def section_llm(device: str, quick: bool, repeat: int) -> dict:
     kw["min_new_tokens"] = kw["max_new_tokens"]
     with torch.no_grad():
         same = torch.equal(eager.generate(short, **kw), fast.generate(short, **kw))
+        # random weights give near-flat logits: greedy tokens may part on a near-tie in bf16, so the
+        # prefill logits' difference is the measure of correctness, the tokens a second opinion
+        diff = _max_rel(fast(prompt).logits, eager(prompt).logits)
         prefill = timed(
             {
                 "eager": lambda: eager(prompt, logits_to_keep=1),
@@ -173,8 +197,12 @@ def section_llm(device: str, quick: bool, repeat: int) -> dict:
             device,
             max(2, repeat // 3),
         )
-    return {"parameters": params, "dtype": str(dtype), "same_tokens": same, "prefill_ms": prefill,
-            "decode_ms": decode, "new_tokens": kw["max_new_tokens"]}  # fmt: skip
+        step = dict(kw, max_new_tokens=4, min_new_tokens=4)
+        where = {"prefill": profiled(lambda: fast(prompt, logits_to_keep=1), device),
+                 "decode_4_tokens": profiled(lambda: fast.generate(short, **step), device)}  # fmt: skip
+    return {"parameters": params, "dtype": str(dtype), "same_tokens": same, "max_rel_logit_diff": diff,
+            "prefill_ms": prefill, "decode_ms": decode, "new_tokens": kw["max_new_tokens"],
+            "profile": where}  # fmt: skip
 
 
 def section_training(device: str, quick: bool, repeat: int) -> dict:
@@ -247,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                    "command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"),
                    "device": args.device}  # fmt: skip
         (out / f"{name}.json").write_text(json.dumps(record, indent=1))
-        summary = {k: v for k, v in record.items() if k not in ("machine", "traceback", "command")}
+        summary = {k: v for k, v in record.items() if k not in ("machine", "traceback", "command", "profile")}
         print(f"gpu_check {name}: {json.dumps(summary)}", flush=True)
     return 1 if failed else 0
 
