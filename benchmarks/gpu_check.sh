@@ -16,7 +16,8 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! has_gpu "$PY"; then
   exit 0
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-unset TRITON_INTERPRET
+# compiled Triton: the test conftests default to the interpreter (for the CPU-tensor tests) unless it is set
+export TRITON_INTERPRET=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 rc=0

@@ -45,7 +45,7 @@ from kernelize.ir.graph import REDUCE, ROW, Node, Op
 from kernelize.ir.ops import NormArgs
 from kernelize.ir.shapes import Dim, bind, numel
 from kernelize.ir.stats import STATS, Acc, spell, spell_elem
-from kernelize.runtime.backend import Backend, CompiledKernel
+from kernelize.runtime.backend import Backend, CompiledKernel, gpu_plan_settings
 
 logger = logging.getLogger(__name__)
 
@@ -426,6 +426,10 @@ class CudaBackend(Backend):
 
     name = "cuda"
     DEFAULT_ARCH = "sm_80"
+
+    @property
+    def plan_settings(self):
+        return gpu_plan_settings()
 
     def __init__(self, arch: str | None = None) -> None:
         from kernelize.codegen.nvrtc import device_arch

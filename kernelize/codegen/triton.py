@@ -52,7 +52,7 @@ from kernelize.codegen.triton_rows import RowRenderer, row_block
 from kernelize.ir.dtypes import HALF, DType, compute_dtype
 from kernelize.ir.graph import REDUCE, ROW, Op
 from kernelize.ir.shapes import Dim, bind, numel
-from kernelize.runtime.backend import Backend, CompiledKernel, KernelCompileError
+from kernelize.runtime.backend import Backend, CompiledKernel, KernelCompileError, gpu_plan_settings
 from kernelize.runtime.cache import KERNELS
 
 logger = logging.getLogger(__name__)
@@ -363,6 +363,10 @@ class TritonBackend(Backend):
     """
 
     name = "triton"
+
+    @property
+    def plan_settings(self):
+        return gpu_plan_settings(interpreting())
 
     def render(self, kernel: Kernel) -> str:
         return render(kernel)

@@ -65,6 +65,24 @@ def test_unknown_backend_and_unusable_device(monkeypatch):
     assert set(BACKENDS) == {"triton", "cuda", "cpu"}
 
 
+def test_gpu_generators_leave_matmuls_to_cublas_on_a_real_gpu_only(monkeypatch):
+    from kernelize.autokernel.plan import plan
+    from kernelize.codegen.cuda import CudaBackend
+    from kernelize.codegen.triton import TritonBackend
+
+    g = Graph()
+    x, w = g.input("x", (B, 64), "f32"), g.input("w", (64, 32), "f32")
+    g.output(g.sigmoid(g.matmul(x, w)))
+    kinds = lambda backend: [str(k.kind) for k in plan(g, backend.plan_settings).kernels]  # noqa: E731
+    assert kinds(TritonBackend()) == ["matmul"]  # no GPU here: the generated matmul is what tests check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kinds(CudaBackend(arch="sm_90")) == ["library", "pointwise"]  # cuBLAS, then the epilogue
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kinds(TritonBackend()) == ["library", "pointwise"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kinds(TritonBackend()) == ["matmul"]
+
+
 def test_triton_plan_end_to_end_with_symbolic_batch():
     g = _norm_graph()
     cg = compile_graph(g, backend="triton", device="cpu")
