@@ -35,6 +35,7 @@ from kernelize.ir.attention import reference_attention
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph
 from kernelize.ir.ops import AttentionArgs
+from kernelize.ir.score_mod import ScoreMod
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.bool, *FLOATS)
@@ -54,10 +55,14 @@ def scaled_dot_product_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
+    score_mod: ScoreMod | None = None,
     owner: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` as a generated fused kernel (``owner``: a hub
     layer whose ``kernelize.inspect`` record then lists the kernel).
+
+    ``score_mod`` (:mod:`kernelize.ir.score_mod`: soft-capping, a sliding window, ...) modifies the scaled
+    scores before the causal cut and the mask; it is compiled into the kernel.
 
     Raises:
         AttentionUnsupported: inputs the kernels do not handle (see the module docstring), with the reason.
@@ -85,6 +90,7 @@ def scaled_dot_product_attention(
             causal=bool(is_causal),
             mask="none" if mask is None else ("bool" if mask.dtype == torch.bool else "add"),
             groups=hq // hkv,
+            score_mod=score_mod,
         )
         launch, record = _launcher(query, key, value, mask, args)
         if owner is not None:
@@ -93,7 +99,10 @@ def scaled_dot_product_attention(
             note_kernels(owner, record)
         operands = [query, key, value] if mask is None else [query, key, value, mask]
         if torch.autograd.profiler._is_profiler_enabled:
-            with torch.profiler.record_function(f"kernelize::attention[{args.mask}, causal={args.causal}]"):
+            mod = f", {score_mod.name}" if score_mod is not None else ""
+            with torch.profiler.record_function(
+                f"kernelize::attention[{args.mask}, causal={args.causal}{mod}]"
+            ):
                 launch(operands, [out], None)
         else:
             launch(operands, [out], None)
@@ -187,7 +196,8 @@ def _build(backend: str, q, k, v, mask, args: AttentionArgs):
 
     sig = (
         f"attention({str(q.dtype).removeprefix('torch.')}[b, {q.shape[1]}, q_len, {q.shape[3]}], "
-        f"kv heads {k.shape[1]}, dv {v.shape[3]}, causal={args.causal}, mask={args.mask})"
+        f"kv heads {k.shape[1]}, dv {v.shape[3]}, causal={args.causal}, mask={args.mask}"
+        + (f", {args.score_mod.name})" if args.score_mod is not None else ")")
     )
     if backend == "reference":
 
@@ -214,7 +224,18 @@ def _build(backend: str, q, k, v, mask, args: AttentionArgs):
         if mask is None
         else g.input("mask", ("batch", q.shape[1], "q_len", "k_len"), DType.from_torch(mask.dtype))
     )
-    g.output(g.attention(qn, kn, vn, mn, scale=args.scale, causal=args.causal, gqa=args.groups > 1))
+    g.output(
+        g.attention(
+            qn,
+            kn,
+            vn,
+            mn,
+            scale=args.scale,
+            causal=args.causal,
+            gqa=args.groups > 1,
+            score_mod=args.score_mod,
+        )
+    )
     (kernel,) = plan(g, impl.plan_settings).kernels
     assert kernel.kind is KernelKind.ATTENTION, kernel
     compiled = impl.compile(kernel)

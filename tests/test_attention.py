@@ -194,3 +194,46 @@ def test_decode_shape_with_causal_mask(lq, lk, hq, hkv):
             _close(out, _oracle(q, k, v, causal=True, gqa=True), torch.float32)
     finally:
         torch.set_num_threads(threads)
+
+
+def _eager_variant(q, k, v, cap, window, causal, mask=None):
+    """Gemma-style eager attention written out (not through ScoreMod): softcap, then the window and causal
+    cuts as transformers' masks make them (key j kept for the query at position i iff i - window < j)."""
+    g = q.shape[1] // k.shape[1]
+    kf, vf = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
+    s = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    lq, lk = s.shape[-2:]
+    i = torch.arange(lk - lq, lk)[:, None]
+    j = torch.arange(lk)[None, :]
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if window:
+        keep &= j > i - window
+    if causal:
+        keep &= j <= torch.arange(lq)[:, None]
+    s = s.masked_fill(~keep, -math.inf)
+    if mask is not None:
+        s = s + mask.float()
+    return torch.softmax(s, -1).nan_to_num(0.0) @ vf
+
+
+@pytest.mark.parametrize("cap,window", [(5.0, None), (None, 6), (3.0, 100), (2.0, 17)])
+@pytest.mark.parametrize(
+    "lq,lk,causal", [(1, 1, False), (7, 7, True), (129, 129, True), (1, 300, False), (4, 40, False)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_score_mods_softcap_and_sliding_window(cap, window, lq, lk, causal, dtype):
+    from kernelize.ir.score_mod import chain, sliding_window, softcap
+
+    mod = chain(softcap(cap) if cap else None, sliding_window(window) if window else None)
+    q, k, v = _qkv(2, 4, 2, lq, lk, 64, 64, dtype)
+    q = q * 3  # scores past the cap
+    out = scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, score_mod=mod)
+    _close(out, _eager_variant(q, k, v, cap, window, causal).to(dtype), dtype)
+    # with an additive mask too (padding of the first key)
+    mask = torch.zeros(2, 1, lq, lk, dtype=dtype)
+    mask[0, ..., 0] = -math.inf
+    if not causal and lk > 1:
+        out = scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, score_mod=mod)
+        _close(out, _eager_variant(q, k, v, cap, window, False, mask).to(dtype), dtype)

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kernelize.autokernel.kernels import Kernel, KernelKind
-from kernelize.codegen.render import c_name
+from kernelize.codegen.render import Renderer, c_name, score_mod_lines
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.ops import AttentionArgs
@@ -53,6 +53,7 @@ def render_attention(kernel: Kernel, prelude: str) -> tuple[str, str]:
     q, _, v = node.src[:3]
     name = c_name(kernel.name)
     mask_t = C_TYPES[node.src[3].dtype] if args.mask != "none" else "float"
+    lines, result = score_mod_lines(Renderer(), args.score_mod, ("sm0", "sm1", "sm2", "sm3"))
     source = fill(
         load_template("cpu_attention.cpp"),
         PRELUDE=prelude,
@@ -63,6 +64,8 @@ def render_attention(kernel: Kernel, prelude: str) -> tuple[str, str]:
         DV=str(v.shape[-1]),
         CAUSAL=str(int(args.causal)),
         MASK=str(MASK_CODES[args.mask]),
+        HAS_MOD="true" if args.score_mod is not None else "false",
+        SCORE_MOD="\n".join(f"    {line}" for line in [*lines, f"return {result};"]),
         F32="true" if node.dtype is DType.F32 else "false",
         DECODE_ROWS=str(DECODE_ROWS),
         ROW_GROUPS=str(ROW_GROUPS),

@@ -17,7 +17,8 @@ import torch
 
 from kernelize.autokernel.kernels import Kernel
 from kernelize.codegen.cpu_attention import MASK_CODES, check_attention_kernel
-from kernelize.codegen.render import c_name
+from kernelize.codegen.cuda import CudaRenderer
+from kernelize.codegen.render import c_name, score_mod_lines
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.runtime.backend import CompiledKernel
@@ -35,6 +36,7 @@ def render_attention(kernel: Kernel) -> tuple[str, str]:
     node = kernel.node
     q, _, v = node.src[:3]
     name = c_name(kernel.name)
+    lines, result = score_mod_lines(CudaRenderer(), args.score_mod, ("sm0", "sm1", "sm2", "sm3"))
     source = fill(
         load_template("cuda_attention.cu"),
         KERNEL=kernel.name,
@@ -44,6 +46,8 @@ def render_attention(kernel: Kernel) -> tuple[str, str]:
         DV=str(v.shape[-1]),
         CAUSAL=str(int(args.causal)),
         MASK=str(MASK_CODES[args.mask]),
+        HAS_MOD=str(int(args.score_mod is not None)),
+        SCORE_MOD="\n".join(f"  {line}" for line in [*lines, f"return {result};"]),
         T=C_TYPES[node.dtype],
         TM=C_TYPES[node.src[3].dtype] if args.mask != "none" else "float",
         SCALE=f"(float){args.scale.hex()}",  # exact: a hex literal rounds to f32 as the CPU kernel's does

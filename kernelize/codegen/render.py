@@ -18,12 +18,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kernelize.autokernel.kernels import Compute, Kernel, Load
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import Op
 from kernelize.ir.shapes import Dim, Sym
+
+if TYPE_CHECKING:
+    from kernelize.ir.score_mod import ScoreMod
 
 RenderFn = Callable[["Renderer", Compute, Sequence[str]], str]
 
@@ -160,6 +163,25 @@ class Renderer:
             parts = ([str(d.coef)] if d.coef != 1 else []) + [self.sym(n) for n in d.names]
             return "(" + " * ".join(parts) + ")"
         return str(d)
+
+
+def score_mod_lines(
+    r: Renderer, mod: ScoreMod | None, inputs: Sequence[str], typed: bool = True
+) -> tuple[list[str], str]:
+    """Statements computing an attention score modification from its four inputs' expressions (score,
+    query position, key position, head), and the name of the result. ``typed``: C declarations
+    (``float sm4 = ...;``), else Python assignments (Triton). No modification: no lines, the score."""
+    names = list(inputs)
+    lines: list[str] = []
+    for st in mod.steps if mod is not None else ():
+        name = f"sm{len(names)}"
+        if st.op is Op.CONST:
+            expr = r.literal(st.arg, st.dtype)
+        else:
+            expr = r.expr(Compute(st.op, st.dtype, st.src, st.arg), [names[i] for i in st.src])
+        lines.append(f"const {r.ctype(st.dtype)} {name} = {expr};" if typed else f"{name} = {expr}")
+        names.append(name)
+    return lines, names[-1] if len(names) > len(inputs) else names[0]
 
 
 def c_name(kernel_name: str) -> str:

@@ -19,7 +19,9 @@ import torch
 
 from kernelize.autokernel.kernels import Kernel
 from kernelize.codegen.cpu_attention import MASK_CODES, check_attention_kernel
+from kernelize.codegen.render import score_mod_lines
 from kernelize.codegen.template import fill, load_template
+from kernelize.codegen.triton_base import TritonRenderer
 from kernelize.ir.dtypes import DType
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
 
@@ -37,6 +39,12 @@ def render_attention(kernel: Kernel) -> str:
     args = check_attention_kernel(kernel)
     q, _, v = kernel.node.src[:3]
     d, dv = int(q.shape[-1]), int(v.shape[-1])
+    # the score modification on the tile: query positions counted among the keys, key positions, the head
+    inputs = ("s", "(rm[:, None] + (LK - LQ))", "rn[None, :]", "h")
+    lines, result = score_mod_lines(TritonRenderer(), args.score_mod, inputs, typed=False)
+    if lines:
+        lines.append(f"s = {result}")
+    prelude = fill(load_template("triton_prelude.py.tmpl"), KERNEL=kernel.name) if lines else ""
     return fill(
         load_template("triton_attention.py.tmpl"),
         KERNEL=kernel.name,
@@ -48,6 +56,8 @@ def render_attention(kernel: Kernel) -> str:
         CAUSAL=str(args.causal),
         MASK=str(MASK_CODES[args.mask]),
         PRECISION=', input_precision="ieee"' if kernel.node.dtype is DType.F32 else "",
+        PRELUDE=prelude,
+        SCORE_MOD="".join(f"        {line}\n" for line in lines),
     )
 
 

@@ -13,7 +13,7 @@ Example:
     >>> q = g.input("q", (1, 8, "seq", 64), "f32"); k = g.input("k", (1, 2, "seq", 64), "f32")
     >>> o = g.attention(q, k, k, causal=True, gqa=True)
     >>> o.arg
-    AttentionArgs(scale=0.125, causal=True, mask='none', groups=4)
+    AttentionArgs(scale=0.125, causal=True, mask='none', groups=4, score_mod=None)
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kernelize.ir.shapes import ShapeError, Sym, broadcast_shapes, shape_str
 
 if TYPE_CHECKING:
     from kernelize.ir.graph import Graph, Node
+    from kernelize.ir.score_mod import ScoreMod
 
 
 def build_attention(
@@ -42,6 +43,7 @@ def build_attention(
     scale: float | None = None,
     causal: bool = False,
     gqa: bool = False,
+    score_mod: ScoreMod | None = None,
 ) -> Node:
     """Append an ``ATTENTION`` node (see the module docstring); checks shapes and dtypes as it builds."""
 
@@ -88,7 +90,7 @@ def build_attention(
             raise DTypeError(f"{where()}: mask must be bool or float, got {mask.dtype}")
         src.append(g.broadcast(mask, full))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    args = AttentionArgs(scale=scale, causal=bool(causal), mask=kind, groups=groups)
+    args = AttentionArgs(scale=scale, causal=bool(causal), mask=kind, groups=groups, score_mod=score_mod)
     return g.push(Op.ATTENTION, q.dtype, (b, hq, lq, dv), tuple(src), args)
 
 
@@ -102,6 +104,8 @@ def reference_attention(
         kf = kf.repeat_interleave(args.groups, dim=1)
         vf = vf.repeat_interleave(args.groups, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * args.scale
+    if args.score_mod is not None:
+        s = args.score_mod.apply(s).to(acc)
     lq, lk = s.shape[-2], s.shape[-1]
     if args.causal:
         s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(), -math.inf)

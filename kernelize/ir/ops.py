@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kernelize._compat import StrEnum
+
+if TYPE_CHECKING:
+    from kernelize.ir.score_mod import ScoreMod
 
 
 class Op(StrEnum):
@@ -138,12 +142,15 @@ class AttentionArgs:
         mask: ``"none"``, ``"bool"`` (the 4th operand keeps a score where True) or ``"add"`` (the 4th
             operand is added to the scores).
         groups: query heads per key/value head (grouped-query attention; 1 = one key head per query head).
+        score_mod: a :class:`~kernelize.ir.score_mod.ScoreMod` applied to the scaled scores before the causal
+            cut and the mask (soft-capping, a sliding window, ...); None: none.
     """
 
     scale: float
     causal: bool = False
     mask: str = "none"
     groups: int = 1
+    score_mod: ScoreMod | None = None
 
     def __post_init__(self) -> None:
         if self.mask not in ATTENTION_MASKS:

@@ -18,17 +18,18 @@ from kernelize.codegen.triton import TritonBackend
 from kernelize.ir.attention import reference_attention
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph
+from kernelize.ir.score_mod import chain, sliding_window, softcap
 
 TOL = {DType.F32: 2e-5, DType.F16: 3e-3, DType.BF16: 2e-2}
 
 
-def _kernel(hq, hkv, d, dv, dtype, causal=False, mask=None) -> Kernel:
+def _kernel(hq, hkv, d, dv, dtype, causal=False, mask=None, score_mod=None) -> Kernel:
     g = Graph()
     q = g.input("q", ("b", hq, "s", d), dtype)
     k = g.input("k", ("b", hkv, "t", d), dtype)
     v = g.input("v", ("b", hkv, "t", dv), dtype)
     m = g.input("m", ("b", 1, "s", "t"), mask) if mask else None
-    g.output(g.attention(q, k, v, m, causal=causal, gqa=hq != hkv))
+    g.output(g.attention(q, k, v, m, causal=causal, gqa=hq != hkv, score_mod=score_mod))
     (kernel,) = plan(g).kernels
     assert kernel.kind is KernelKind.ATTENTION
     return kernel
@@ -124,6 +125,37 @@ def test_triton_lowers_to_ptx_and_cubin_for_sm80_and_sm90():
     assert "mma" in results[0]["ptx"]  # q @ k^T and p @ v run on tensor cores
 
 
+# score modifications (attention variants as subgraphs), spliced into each backend's template
+MODS = {
+    "softcap": softcap(3.0),
+    "window": sliding_window(5),
+    "softcap+window": chain(softcap(2.0), sliding_window(9)),
+}
+# (heads q, heads kv, head dim, dtype, causal, mask, batch, q len, k len)
+MOD_CASES = [
+    (4, 2, 32, DType.F32, True, None, 1, 13, 13),
+    (2, 1, 64, DType.BF16, False, "bool", 1, 3, 24),
+    (2, 2, 32, DType.F32, False, None, 1, 1, 40),
+]
+
+
+@pytest.mark.parametrize("mod", list(MODS))
+@pytest.mark.parametrize("case", MOD_CASES, ids=lambda c: f"{c[3]}-{c[7]}x{c[8]}")
+def test_score_mods_match_reference_in_triton_and_cuda_emulation(case, mod):
+    hq, hkv, d, dtype, causal, mask, b, lq, lk = case
+    kernel = _kernel(hq, hkv, d, d, dtype, causal, mask, MODS[mod])
+    ins = _inputs(kernel, b, lq, lk)
+    ins[0] = ins[0] * 4  # scores past the cap
+    ref = _oracle(kernel, ins)
+    out = torch.empty(b, hq, lq, d, dtype=dtype.torch)
+    TritonBackend().compile(kernel).launch(ins, [out], None)
+    _check(kernel, out, ref)
+    if shutil.which("g++"):
+        out.zero_()
+        emulate_attention(kernel, ins, out)
+        _check(kernel, out, ref)
+
+
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="host emulation needs g++")
 
 
@@ -154,8 +186,12 @@ def test_cuda_nvrtc_cubins_for_sm80_and_sm90(tmp_path, monkeypatch):
     from kernelize.codegen.cuda_attention import render_attention
 
     monkeypatch.setenv("KERNELIZE_CACHE_DIR", str(tmp_path))
-    for dtype, mask in ((DType.F32, None), (DType.BF16, "bool"), (DType.F16, "f16")):
-        source, name = render_attention(_kernel(8, 2, 80, 64, dtype, mask is None, mask))
+    for dtype, mask, mod in (
+        (DType.F32, None, None),
+        (DType.BF16, "bool", MODS["softcap+window"]),
+        (DType.F16, "f16", None),
+    ):
+        source, name = render_attention(_kernel(8, 2, 80, 64, dtype, mask is None, mask, mod))
         for arch in ("sm_80", "sm_90"):
             cubin = nvrtc.compile_cubin(source, name, arch, cache=False)
             assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000

@@ -25,6 +25,7 @@ typedef $T$ kz_t;    // q, k, v and out storage
 typedef $TM$ kz_tm;  // mask storage
 constexpr int D = $D$, DV = $DV$;
 constexpr int CAUSAL = $CAUSAL$, MASK = $MASK$;  // MASK: 0 none, 1 bool (keep where true), 2 additive
+constexpr bool MOD = $HAS_MOD$;                  // a score modification (kz_score_mod) is applied
 constexpr bool F32 = $F32$;                      // k and v are read in place when they are f32
 constexpr int VL = 8, RV = 2, RG = $ROW_GROUPS$;  // a micro tile has RV vectors of VL rows; a block RG tiles
 constexpr int BQ = RG * RV * VL;                 // rows per block: k and v blocks are reused by all of them
@@ -61,8 +62,17 @@ KZ_INLINE void row_pos(const Args& a, int64_t hkv, int64_t r, int64_t* h, int64_
     *i = r % a.LQ;
 }
 
-// scores of rows [r0, r0 + n) against keys [j0, j0 + nb) get the mask and the causal cut
-KZ_INLINE float mask_score(const Args& a, const kz_tm* mrow, int64_t i, int64_t j, float s) {
+// the score modification (kernelize.ir.score_mod) of a scaled score: query position q (counted among the
+// keys: i + LK - LQ), key position k, query head h
+KZ_INLINE float kz_score_mod(float sm0, int64_t sm1, int64_t sm2, int64_t sm3) {
+    (void)sm1, (void)sm2, (void)sm3;
+$SCORE_MOD$
+}
+
+// the score of query row (head h, position i) against key j after the modification, the causal cut and
+// the mask
+KZ_INLINE float mask_score(const Args& a, const kz_tm* mrow, int64_t h, int64_t i, int64_t j, float s) {
+    if (MOD) s = kz_score_mod(s, i + a.LK - a.LQ, j, h);
     if (CAUSAL && j > i) return NEG_INF;
     if (MASK == 1) return kz_ld(mrow, j * a.sm[3]) ? s : NEG_INF;
     if (MASK == 2) return s + (float)kz_ld(mrow, j * a.sm[3]);
@@ -200,10 +210,10 @@ void prefill_block(const Args& a, Block& w, int64_t b, int64_t hkv, int64_t r0, 
             }
         }
         block_scores(w, krow, nb);
-        if (MASK || (CAUSAL && j0 + nb - 1 > imin)) {
+        if (MASK || MOD || (CAUSAL && j0 + nb - 1 > imin)) {
             for (int r = 0; r < nr; ++r) {
                 const kz_tm* mrow = MASK ? a.m + b * a.sm[0] + w.head[r] * a.sm[1] + w.pos[r] * a.sm[2] : 0;
-                for (int j = 0; j < nb; ++j) w.st[j][r] = mask_score(a, mrow, w.pos[r], j0 + j, w.st[j][r]);
+                for (int j = 0; j < nb; ++j) w.st[j][r] = mask_score(a, mrow, w.head[r], w.pos[r], j0 + j, w.st[j][r]);
             }
         }
         block_softmax(w, nb);
@@ -323,7 +333,7 @@ void decode_split(const Args& a, int64_t b, int64_t hkv, int64_t nrows, int64_t 
             float mx = NEG_INF;
             decode_scores(qs[r], krow, nb, s);
             for (int j = 0; j < nb; ++j) {
-                s[j] = mask_score(a, mrow, pos[r], k0 + j, s[j]);
+                s[j] = mask_score(a, mrow, head[r], pos[r], k0 + j, s[j]);
                 mx = s[j] > mx ? s[j] : mx;
             }
             float* pr = part + r * (DV + 2);

@@ -9,10 +9,16 @@ $PRELUDE$
 #define KZ_DV $DV$
 #define KZ_CAUSAL $CAUSAL$
 #define KZ_MASK $MASK$
+#define KZ_MOD $HAS_MOD$
 #define KZ_COLS ((KZ_DV + 31) / 32)
 typedef $T$ kz_t;
 typedef $TM$ kz_tm;
 
+// the score modification (kernelize.ir.score_mod) of a scaled score: query position (counted among the
+// keys), key position, query head
+KZ float kz_score_mod(float sm0, int64_t sm1, int64_t sm2, int64_t sm3) {
+$SCORE_MOD$
+}
 KZ float kz_warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
@@ -50,6 +56,7 @@ extern "C" __global__ void __launch_bounds__(32) $NAME$(
       float dot = 0.0f;
       for (int d = 0; d < KZ_D; ++d) dot += qs[d] * kz_ld(kr[d * skd]);
       s = dot;
+      if (KZ_MOD) s = kz_score_mod(s, i + LK - LQ, j, h);
       if (KZ_MASK == 1 && kz_ld(m[b * smb + h * smh + i * sml + j * smk]) == 0) s = -INFINITY;
       if (KZ_MASK == 2) s += kz_ld(m[b * smb + h * smh + i * sml + j * smk]);
     }
