@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kernelize.ir.score_mod import ScoreMod, chain, sliding_window, softcap
 from kernelize.layer.record import record_choice, recorded_choice
 
 __all__ = [
@@ -76,17 +77,12 @@ def call_fallback_reason(
     """Why this call must take the eager path (`None`: the kernel runs it); cheap, checked per call."""
     if attention_kernel() is None:
         return KERNEL_UNAVAILABLE
-    if kwargs.get("softcap") is not None:
-        return f"attention logit softcapping ({kwargs['softcap']}) is not in the kernel"
     if kwargs.get("s_aux") is not None:
         return "attention sinks (s_aux) are not in the kernel"
     if kwargs.get("output_attentions"):
         return "output_attentions=True needs the attention weights, which the kernel never materialises"
     if dropout and module.training:
         return f"attention dropout ({dropout}) in training is not in the kernel"
-    window = kwargs.get("sliding_window")
-    if window is not None and key.shape[-2] > window:
-        return f"sliding-window attention over {key.shape[-2]} keys (window {window}) is not in the kernel"
     extra = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_KWARGS)
     if extra:
         return f"attention arguments the kernel does not know: {', '.join(extra)}"
@@ -139,6 +135,7 @@ def attention_forward(
                 is_causal=causal,
                 scale=scaling,
                 enable_gqa=query.shape[1] != key.shape[1],
+                score_mod=_score_mod(kwargs, mask is None, key.shape[-2]),
             )
         except unsupported as exc:
             reason = f"the attention kernel declined the call: {exc}"
@@ -162,13 +159,22 @@ def attention_with_grad(
     """A call that needs gradients: torch's `scaled_dot_product_attention`, which has a backward (on the CPU
     its flash kernel; the generated kernel has none), or the module's eager attention when the call needs
     what SDPA lacks (soft-capping, sinks, the attention weights, unknown arguments)."""
-    reason = call_fallback_reason(module, query, key, 0.0, {**kwargs, "sliding_window": None})
+    reason = call_fallback_reason(module, query, key, 0.0, kwargs)
+    if kwargs.get("softcap") is not None:  # torch's SDPA has no soft-capping
+        reason = f"attention logit softcapping ({kwargs['softcap']}) is not in torch's SDPA"
     if reason is not None and reason != KERNEL_UNAVAILABLE:
         note_fallback(module, reason, "eager attention (with gradients)")
         return eager_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     mask, causal = _kernel_mask(module, query, key, attention_mask, is_causal)
     if mask is not None and mask.dim() == 4:  # an eager-style mask may be longer than the keys
         mask = mask[..., : key.shape[-2]]
+    window = _score_mod({"sliding_window": kwargs.get("sliding_window")}, mask is None, key.shape[-2])
+    if window is not None:  # SDPA has no window: the mask the modification stands for, written out
+        q_len, kv_len = query.shape[-2], key.shape[-2]
+        keep = window.apply(torch.zeros(1, 1, q_len, kv_len, device=query.device)) > -torch.inf
+        if causal:
+            keep &= _bottom_right_causal(q_len, kv_len, query.device)
+        mask, causal = keep, False
     out = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
@@ -180,6 +186,20 @@ def attention_with_grad(
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=64)
+def _mods(cap: float | None, window: int | None) -> ScoreMod | None:
+    return chain(softcap(cap) if cap else None, sliding_window(window) if window else None)
+
+
+def _score_mod(kwargs: dict[str, Any], unmasked: bool, keys: int) -> ScoreMod | None:
+    """The call's score modification: transformers' soft-capping, and its sliding window where no mask
+    carries it (transformers' masks of sliding layers already cut the window; without a mask the keys are
+    the cache's contiguous last positions, which is what the window modification assumes)."""
+    window = kwargs.get("sliding_window")
+    window = window if unmasked and window is not None and keys > window else None
+    return _mods(kwargs.get("softcap"), window)
 
 
 def _kernel_mask(

@@ -291,7 +291,10 @@ def _attention(module: nn.Module) -> Recognition | None:
     window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
     detail = f"{style} rotary, {module.config.num_attention_heads}/{module.config.num_key_value_heads} heads"
     if window is not None:
-        detail += f"; calls with more than {window} keys (the sliding window) run eager attention"
+        detail += f"; sliding window {window}"
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    if softcap:
+        detail += f"; logit soft-capping {softcap}"
     return Recognition("attention", "CausalSelfAttention", detail, {"is_neox_style": neox}, per_instance=True)
 
 
@@ -303,11 +306,6 @@ def _attention_blocker(module: nn.Module) -> str | None:
         return f"missing {', '.join(missing) or 'config.num_key_value_heads'}: not a Llama-style attention"
     if not getattr(module, "is_causal", True):
         return "not causal attention"
-    softcap = getattr(module, "attn_logit_softcapping", None) or getattr(
-        config, "attn_logit_softcapping", None
-    )
-    if softcap:
-        return f"attention logit softcapping ({softcap}) is not in the attention kernel"
     if getattr(config, "alibi", False) or "alibi" in str(getattr(config, "position_embedding_type", "")):
         return "ALiBi position bias is not in the attention kernel"
     try:
