@@ -211,3 +211,20 @@ def test_gpu_matches_sdpa(backend, monkeypatch):
         out = scaled_dot_product_attention(q[:, :, :lq], k, v, is_causal=lq > 1)
         ref = F.scaled_dot_product_attention(q[:, :, :lq], k, v, is_causal=lq > 1)
         torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("mod", list(MODS))
+def test_gpu_score_mods_match_reference(backend, mod, monkeypatch):
+    from kernelize.attention import scaled_dot_product_attention
+    from kernelize.ir.ops import AttentionArgs
+
+    monkeypatch.setenv("KERNELIZE_CUDA_BACKEND", backend)
+    q, k, v = (torch.randn(2, 8, 700, 64, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(3))
+    for lq in (1, 700):  # decode (key splits) and prefill
+        args = AttentionArgs(scale=0.125, causal=lq > 1, score_mod=MODS[mod])
+        out = scaled_dot_product_attention(q[:, :, :lq], k, v, is_causal=lq > 1, score_mod=MODS[mod])
+        ref = reference_attention(q[:, :, :lq], k, v, None, args)
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
