@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_FLAGS ?= -n 2 -q
 
-.PHONY: demo test test-slow lint bench clean gpu-check
+.PHONY: demo test test-compat test-slow lint bench docs clean gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -24,6 +24,24 @@ test: $(STAMP)
 	.venv/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_FLAGS)
 
+# The suite against the newest torch and transformers the package index serves, in a venv of its own (a CUDA
+# torch wheel, several GB). The first install lifts any site-wide pip constraint so that nothing caps the
+# newest; the pins it writes are the constraint after it, so nothing downgrades them. The test extra goes in
+# without its transformers bound: that bound states the range this target and `make test` prove.
+COMPAT  := .venv-compat
+COMPAT_TEST_REQS := import importlib.metadata as m; print(*(r.split(";")[0].replace(" ", "") \
+	for r in m.requires("kernelize") if r.endswith("extra == \"test\"") and not r.startswith("transformers")))
+
+test-compat:
+	python3 -m venv $(COMPAT)
+	PIP_CONSTRAINT=/dev/null $(COMPAT)/bin/pip install -q -U torch transformers
+	$(COMPAT)/bin/pip freeze | grep -E '^(torch|transformers)==' > $(COMPAT)/pins.txt
+	PIP_CONSTRAINT=$(COMPAT)/pins.txt $(COMPAT)/bin/pip install -q -e '.[cuda]'
+	PIP_CONSTRAINT=$(COMPAT)/pins.txt $(COMPAT)/bin/pip install -q $$($(COMPAT)/bin/python -c '$(COMPAT_TEST_REQS)')
+	$(COMPAT)/bin/python -c 'import sys, torch, transformers; print("python", sys.version.split()[0], \
+		"torch", torch.__version__, "transformers", transformers.__version__)'
+	$(COMPAT)/bin/python -m pytest $(PYTEST_FLAGS)
+
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
@@ -33,7 +51,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/cpu_layers.py
-	$(PY) benchmarks/model.py
+	$(PY) benchmarks/model.py --out benchmarks/results
+	$(PY) benchmarks/report.py
+
+# the performance tables of README.md and docs/, rendered from benchmarks/results/*.json
+docs: $(STAMP)
+	$(PY) benchmarks/report.py
 
 # on a GPU machine: the CUDA tests and benchmarks/gpu_check.py with the torch installed there; elsewhere a no-op
 gpu-check:

@@ -97,16 +97,18 @@ def scaled_dot_product_attention(
             from kernelize.hub import note_kernels
 
             note_kernels(owner, record)
-        operands = [query, key, value] if mask is None else [query, key, value, mask]
-        if torch.autograd.profiler._is_profiler_enabled:
-            mod = f", {score_mod.name}" if score_mod is not None else ""
-            with torch.profiler.record_function(
-                f"kernelize::attention[{args.mask}, causal={args.causal}{mod}]"
-            ):
-                launch(operands, [out], None)
-        else:
-            launch(operands, [out], None)
+        _launch(launch, [query, key, value] if mask is None else [query, key, value, mask], out, args)
     return out.squeeze(0) if squeeze else out
+
+
+def _launch(launch, operands: list[torch.Tensor], out: torch.Tensor, args: AttentionArgs) -> None:
+    """Run the kernel, named in the profiler's trace when one records."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        launch(operands, [out], None)
+        return
+    mod = f", {args.score_mod.name}" if args.score_mod is not None else ""
+    with torch.profiler.record_function(f"kernelize::attention[{args.mask}, causal={args.causal}{mod}]"):
+        launch(operands, [out], None)
 
 
 def _expanded(mask: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -17,8 +17,7 @@ import torch
 
 from kernelize.autokernel.kernels import Kernel
 from kernelize.codegen.cpu_attention import MASK_CODES, check_attention_kernel
-from kernelize.codegen.cuda import CudaRenderer
-from kernelize.codegen.render import c_name, score_mod_lines
+from kernelize.codegen.render import Renderer, c_name, score_mod_lines
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.runtime.backend import CompiledKernel
@@ -36,7 +35,7 @@ def render_attention(kernel: Kernel) -> tuple[str, str]:
     node = kernel.node
     q, _, v = node.src[:3]
     name = c_name(kernel.name)
-    lines, result = score_mod_lines(CudaRenderer(), args.score_mod, ("sm0", "sm1", "sm2", "sm3"))
+    lines, result = score_mod_lines(Renderer(), args.score_mod, ("sm0", "sm1", "sm2", "sm3"))
     source = fill(
         load_template("cuda_attention.cu"),
         KERNEL=kernel.name,
