@@ -27,8 +27,9 @@ def format_arg(arg: object) -> str:
     not ``9.999999974752427e-07``), containers recursively, everything else by ``repr``."""
     if isinstance(arg, float):
         return f"{arg:.7g}"
-    if isinstance(arg, TYPED_ARGS):
-        fields = ", ".join(f"{f.name}={format_arg(getattr(arg, f.name))}" for f in dataclasses.fields(arg))
+    if isinstance(arg, TYPED_ARGS):  # an optional field left at None is not printed
+        shown = [f for f in dataclasses.fields(arg) if f.default is not None or getattr(arg, f.name) is not None]
+        fields = ", ".join(f"{f.name}={format_arg(getattr(arg, f.name))}" for f in shown)
         return f"{type(arg).__name__}({fields})"
     if isinstance(arg, tuple):
         inner = ", ".join(format_arg(a) for a in arg)

@@ -53,6 +53,9 @@ class ScoreMod:
     name: str
     steps: tuple[Step, ...]
 
+    def __repr__(self) -> str:
+        return f"ScoreMod({self.name})"
+
     @staticmethod
     def trace(name: str, fn: Callable[[Graph, Node, Node, Node, Node], Node]) -> ScoreMod:
         """Build ``fn(graph, score, q_pos, k_pos, head)`` on scalar nodes and keep its steps."""

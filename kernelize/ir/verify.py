@@ -289,7 +289,9 @@ def _attention(g: Graph, s: list[Node], n: Node) -> Any:
     mask = s[3] if len(s) > 3 else None
     if mask is not None and mask.shape != (*s[0].shape[:3], s[1].shape[2]):
         return f"mask {shape_str(mask.shape)} is not broadcast to [batch, heads, q_len, k_len]"
-    out = g.attention(s[0], s[1], s[2], mask, scale=a.scale, causal=a.causal, gqa=a.groups > 1)
+    out = g.attention(
+        s[0], s[1], s[2], mask, scale=a.scale, causal=a.causal, gqa=a.groups > 1, score_mod=a.score_mod
+    )
     if out.arg != a:
         return f"arg {a} disagrees with the operands ({out.arg})"
     return out

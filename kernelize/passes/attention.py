@@ -3,15 +3,18 @@
 The template, as model code writes it and the torch front end traces it (batched matmuls over flattened
 ``[B*H, L, D]`` views of ``[B, H, L, D]`` values)::
 
-    s = view(matmul(view(q), view(permute(k, (0, 1, 3, 2)))))   # [B, H, Lq, Lk]
-    x = s | s * c | s / c | s * c + mask | s + mask | where(keep, s * c, -inf)
+    s = view(matmul(view(q), view(kt)))          # [B, H, Lq, Lk]; kt = permute(k, (0, 1, 3, 2)), or any
+                                                 # permute whose last two axes are head dim and keys
+    t = s | s * c | s / c | cap * tanh(s * c)    # the last: soft-capping (Gemma 2)
+    x = t | t + mask | where(keep, t, -inf)
     out = view(matmul(view(softmax(x, axis=3)), view(v)))      # [B, H, Lq, Dv]
 
-becomes ``attention(q, k, v, mask, scale=c)``. Only exact rewrites: q, k, v and the softmax share one
-float dtype (no casts between), the softmax is over the key axis and nothing else reads the
-probabilities, the mask is additive (same float dtype) or a boolean keep-mask. One difference: a query
-row whose every key is masked gives NaN in the template (softmax of all -inf) and zeros after the rewrite,
-as torch's own attention kernels give.
+becomes ``attention(q, k, v, mask, scale=c)`` with ``k = transpose(kt)`` (a layout view the kernel reads
+in place) and, for soft-capping, the score modification ``softcap(cap)`` (:mod:`kernelize.ir.score_mod`).
+Only exact rewrites: q, k, v and the softmax share one float dtype (no casts between), the softmax is over
+the key axis and nothing else reads the probabilities, the mask is additive (same float dtype) or a boolean
+keep-mask. One difference: a query row whose every key is masked gives NaN in the template (softmax of all
+-inf) and zeros after the rewrite, as torch's own attention kernels give.
 
 Example:
     before                                               after
@@ -25,6 +28,7 @@ import math
 
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Node, Op, scalar_value
+from kernelize.ir.score_mod import softcap
 from kernelize.ir.shapes import ShapeError
 from kernelize.passes.rewrite import Context, P, Rule, strip_broadcast
 
@@ -39,30 +43,42 @@ def _rank4(node: Node) -> Node:
 
 
 def _scores(s: Node) -> tuple[Node, Node] | None:
-    """(q, k) when ``s`` is ``q @ k^T`` over ``[B, H, L, D]`` operands."""
+    """(q, k^T) when ``s`` is ``q @ k^T`` over ``[B, H, L, D]`` operands, k^T a permute (a layout view)."""
     mm = s.src[0] if s.op is Op.VIEW and s.rank == 4 else s
     if mm.op is not Op.MATMUL:
         return None
     q, kt = _rank4(mm.src[0]), _rank4(mm.src[1])
-    if q.rank != 4 or kt.op is not Op.PERMUTE or kt.arg != (0, 1, 3, 2):
+    if q.rank != 4 or kt.rank != 4 or kt.op is not Op.PERMUTE:
         return None
-    return q, kt.src[0]
+    return q, kt
 
 
-def _logits(x: Node) -> tuple[Node, float, Node | None] | None:
-    """(scores, scale, mask) of the softmax operand ``x``."""
+def _logits(x: Node) -> tuple[Node, float, float | None, Node | None] | None:
+    """(scores, scale, soft-cap, mask) of the softmax operand ``x``."""
     mask = None
     if x.op is Op.ADD:
         for a, b in ((0, 1), (1, 0)):
-            if _scores(_strip_scale(x.src[a])[0]) is not None and x.src[b].dtype == x.dtype:
+            if _scores(_scaled(x.src[a])[0]) is not None and x.src[b].dtype == x.dtype:
                 x, mask = x.src[a], x.src[b]
                 break
         else:
             return None
     elif x.op is Op.WHERE and scalar_value(x.src[2]) == -math.inf and x.src[0].dtype is DType.BOOL:
         x, mask = x.src[1], x.src[0]
-    s, scale = _strip_scale(x)
-    return (s, scale, mask) if scale is not None else None
+    s, scale, cap = _scaled(x)
+    return (s, scale, cap, mask) if scale is not None else None
+
+
+def _scaled(x: Node) -> tuple[Node, float | None, float | None]:
+    """(scores, scale, soft-cap) of ``x``: ``s * scale``, or ``cap * tanh(s * a)`` (scale ``a * cap``)."""
+    if x.op is Op.MUL and x.dtype.is_float:
+        for a, b in ((0, 1), (1, 0)):
+            cap, t = scalar_value(x.src[b]), x.src[a]
+            if cap is not None and cap > 0 and t.op is Op.TANH:
+                s, inner = _strip_scale(t.src[0])
+                if _scores(s) is not None:
+                    return s, inner * cap, cap
+    return (*_strip_scale(x), None)
 
 
 def _strip_scale(x: Node) -> tuple[Node, float | None]:
@@ -74,8 +90,15 @@ def _strip_scale(x: Node) -> tuple[Node, float | None]:
             c, s = scalar_value(op.src[b]), op.src[a]
             if op is not x and s.op is Op.CAST and s.src[0].dtype == x.dtype:
                 s = s.src[0]
-            if c is not None and c != 0 and _scores(s) is not None:
-                return s, c if op.op is Op.MUL else 1.0 / c
+            if c is None or c == 0:
+                continue
+            c = c if op.op is Op.MUL else 1.0 / c
+            if _scores(s) is not None:
+                return s, c
+            if op is x and s.dtype == x.dtype:  # a chain of scalings: (s * a) / b
+                inner, scale = _strip_scale(s)
+                if inner is not s:
+                    return inner, scale * c
     return x, 1.0
 
 
@@ -89,15 +112,16 @@ def _attention(ctx: Context, root: Node) -> Node | None:
     parts = _logits(probs.src[0])
     if parts is None:
         return None
-    s, scale, mask = parts
+    s, scale, cap, mask = parts
     qk = _scores(s)
     if qk is None:
         return None
-    q, k = qk
+    q, k = qk[0], ctx.g.transpose(qk[1])
     if len({q.dtype, k.dtype, v.dtype, probs.dtype, root.dtype}) != 1:
         return None
+    mask = strip_broadcast(mask) if mask is not None else None
     try:
-        out = ctx.g.attention(q, k, v, strip_broadcast(mask) if mask is not None else None, scale=scale)
+        out = ctx.g.attention(q, k, v, mask, scale=scale, score_mod=softcap(cap) if cap else None)
     except (ShapeError, TypeError):  # a shape or dtype the op does not take: leave the template alone
         return None
     return out if out.shape == root.shape else None

@@ -97,3 +97,38 @@ def test_16_bit_scores_times_an_inexact_scale_are_recognised():
     (att,) = [n for n in g.nodes if n.op is Op.ATTENTION]
     assert abs(att.arg.scale - 0.1) < 1e-7
     torch.testing.assert_close(evaluate(g, [q, k, v])[0], f(q, k, v), atol=2e-3, rtol=2e-3)
+
+
+def test_keys_transposed_in_one_permute_and_soft_capping():
+    """Keys laid out `[B, S, H, D]` transposed by one permute (ONNX exports), and Gemma 2's soft-capping
+    after a chain of scalings: one attention op with the `softcap` score modification."""
+
+    def f(q, k, v, m):
+        s = q @ k.permute(0, 2, 3, 1) * 0.5 / 2.0
+        return torch.softmax(torch.tanh(s / 3.0) * 3.0 + m, dim=-1) @ v
+
+    q, k, v = _qkv(8, 11)
+    g = _check(f, q * 4, k.permute(0, 2, 1, 3).contiguous() * 4, v, torch.randn(8, 11))
+    (att,) = [n for n in g.nodes if n.op is Op.ATTENTION]
+    assert att.arg.scale == 0.25 and att.arg.score_mod.name == "softcap(3.0)", att.arg
+    assert [k.kind for k in plan(g).kernels] == [KernelKind.ATTENTION]
+
+
+def test_onnx_exported_attention_with_soft_capping_is_one_kernel(tmp_path):
+    from kernelize.ir import load_onnx
+    from kernelize.runtime.compiled import compile_graph
+
+    class Capped(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            s = torch.tanh(q @ k.permute(0, 2, 3, 1) * 0.25 / 20.0) * 20.0 + mask
+            return torch.softmax(s, -1) @ v
+
+    q, k, v = _qkv(7, 7)
+    k = k.permute(0, 2, 1, 3).contiguous()
+    mask = torch.zeros(2, 1, 7, 7)
+    mask[0, ..., 0] = -1e9
+    torch.onnx.export(Capped(), (q, k, v, mask), tmp_path / "m.onnx", dynamo=False)
+    g = optimize(load_onnx(str(tmp_path / "m.onnx")))
+    assert [n.op for n in g.nodes if n.op not in (Op.INPUT, Op.BROADCAST, Op.PERMUTE)] == [Op.ATTENTION]
+    (got,) = compile_graph(g, backend="cpu")(q, k, v, mask)
+    torch.testing.assert_close(got, Capped()(q, k, v, mask), atol=1e-5, rtol=1e-5)
