@@ -28,7 +28,7 @@ def format_arg(arg: object) -> str:
     if isinstance(arg, float):
         return f"{arg:.7g}"
     if isinstance(arg, TYPED_ARGS):  # an optional field left at None is not printed
-        shown = [f for f in dataclasses.fields(arg) if f.default is not None or getattr(arg, f.name) is not None]
+        shown = [f for f in dataclasses.fields(arg) if not (f.default is None is getattr(arg, f.name))]
         fields = ", ".join(f"{f.name}={format_arg(getattr(arg, f.name))}" for f in shown)
         return f"{type(arg).__name__}({fields})"
     if isinstance(arg, tuple):
