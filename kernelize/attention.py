@@ -31,7 +31,7 @@ import threading
 
 import torch
 
-from kernelize.ir.attention import reference_attention
+from kernelize.ir.attention import reference_attention, split_operands
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph
 from kernelize.ir.ops import AttentionArgs
@@ -56,13 +56,15 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     score_mod: ScoreMod | None = None,
+    sinks: torch.Tensor | None = None,
     owner: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` as a generated fused kernel (``owner``: a hub
     layer whose ``kernelize.inspect`` record then lists the kernel).
 
     ``score_mod`` (:mod:`kernelize.ir.score_mod`: soft-capping, a sliding window, ...) modifies the scaled
-    scores before the causal cut and the mask; it is compiled into the kernel.
+    scores before the causal cut and the mask; it is compiled into the kernel. ``sinks`` (``[Hq]``, one
+    logit per query head, gpt-oss) joins every row's softmax as a key whose value is zero.
 
     Raises:
         AttentionUnsupported: inputs the kernels do not handle (see the module docstring), with the reason.
@@ -80,6 +82,8 @@ def scaled_dot_product_attention(
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     b, hq, lq, d = query.shape
+    if sinks is not None and (sinks.shape != (hq,) or not sinks.is_floating_point() or sinks.requires_grad):
+        raise AttentionUnsupported(f"sinks must be one float logit per query head, [{hq}], without gradients")
     hkv, lk, dv = key.shape[1], key.shape[2], value.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     mask = None if attn_mask is None else _expanded(attn_mask, (b, hq, lq, lk))
@@ -91,13 +95,15 @@ def scaled_dot_product_attention(
             mask="none" if mask is None else ("bool" if mask.dtype == torch.bool else "add"),
             groups=hq // hkv,
             score_mod=score_mod,
+            sinks=sinks is not None,
         )
         launch, record = _launcher(query, key, value, mask, args)
         if owner is not None:
             from kernelize.hub import note_kernels
 
             note_kernels(owner, record)
-        _launch(launch, [query, key, value] if mask is None else [query, key, value, mask], out, args)
+        operands = [t for t in (query, key, value, mask, sinks) if t is not None]
+        _launch(launch, operands, out, args)
     return out.squeeze(0) if squeeze else out
 
 
@@ -204,9 +210,8 @@ def _build(backend: str, q, k, v, mask, args: AttentionArgs):
     if backend == "reference":
 
         def launch(operands, writes, sizes):
-            writes[0].copy_(
-                reference_attention(*operands[:3], operands[3] if mask is not None else None, args)
-            )
+            q, k, v, m, sinks = split_operands(operands, args)
+            writes[0].copy_(reference_attention(q, k, v, m, args, sinks))
 
         return launch, KernelRecord("reference", (), sig)
     from kernelize.autokernel.kernels import KernelKind
@@ -226,18 +231,9 @@ def _build(backend: str, q, k, v, mask, args: AttentionArgs):
         if mask is None
         else g.input("mask", ("batch", q.shape[1], "q_len", "k_len"), DType.from_torch(mask.dtype))
     )
-    g.output(
-        g.attention(
-            qn,
-            kn,
-            vn,
-            mn,
-            scale=args.scale,
-            causal=args.causal,
-            gqa=args.groups > 1,
-            score_mod=args.score_mod,
-        )
-    )
+    sn = g.input("sinks", (q.shape[1],), DType.F32) if args.sinks else None
+    kw = dict(scale=args.scale, causal=args.causal, gqa=args.groups > 1, score_mod=args.score_mod, sinks=sn)
+    g.output(g.attention(qn, kn, vn, mn, **kw))
     (kernel,) = plan(g, impl.plan_settings).kernels
     assert kernel.kind is KernelKind.ATTENTION, kernel
     compiled = impl.compile(kernel)

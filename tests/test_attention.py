@@ -237,3 +237,36 @@ def test_score_mods_softcap_and_sliding_window(cap, window, lq, lk, causal, dtyp
     if not causal and lk > 1:
         out = scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, score_mod=mod)
         _close(out, _eager_variant(q, k, v, cap, window, False, mask).to(dtype), dtype)
+
+
+def _eager_sinks(q, k, v, sinks, causal=False, window=None):
+    """gpt-oss's eager attention written out: the sink logit joins the softmax, its column is dropped."""
+    g = q.shape[1] // k.shape[1]
+    kf, vf = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
+    s = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    lq, lk = s.shape[-2:]
+    i, j = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if window:
+        keep &= j > i - window
+    if causal:
+        keep &= j <= torch.arange(lq)[:, None]
+    s = s.masked_fill(~keep, -math.inf)
+    logits = torch.cat([s, sinks.float().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+    probs = torch.softmax(logits - logits.max(-1, keepdim=True).values, -1)[..., :-1]
+    return probs @ vf
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("lq,lk,causal", [(1, 1, False), (9, 9, True), (129, 129, True), (1, 300, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks(window, lq, lk, causal, dtype):
+    from kernelize.ir.score_mod import sliding_window
+
+    q, k, v = _qkv(2, 4, 2, lq, lk, 64, 64, dtype)
+    sinks = torch.tensor([-1.0, 0.0, 2.0, 5.0])
+    mod = sliding_window(window) if window else None
+    out = scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, score_mod=mod, sinks=sinks)
+    _close(out, _eager_sinks(q, k, v, sinks, causal, window).to(dtype), dtype)
+    with pytest.raises(AttentionUnsupported, match="one float logit per query head"):
+        scaled_dot_product_attention(q, k, v, enable_gqa=True, sinks=sinks[:2])

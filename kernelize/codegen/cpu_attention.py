@@ -19,6 +19,7 @@ import torch
 from kernelize.autokernel.kernels import Kernel, KernelKind
 from kernelize.codegen.render import Renderer, c_name, score_mod_lines
 from kernelize.codegen.template import fill, load_template
+from kernelize.ir.attention import split_operands
 from kernelize.ir.dtypes import DType
 from kernelize.ir.ops import AttentionArgs
 
@@ -41,8 +42,9 @@ def check_attention_kernel(kernel: Kernel) -> AttentionArgs:
             "(f32, f16, bf16); cast the operands or run the reference backend"
         )
     args: AttentionArgs = node.arg
-    if args.mask != "none" and node.src[3].dtype not in C_TYPES:
-        raise ValueError(f"attention kernel {kernel.name}: mask dtype {node.src[3].dtype} is not supported")
+    mask = split_operands(node.src, args)[3]
+    if mask is not None and mask.dtype not in C_TYPES:
+        raise ValueError(f"attention kernel {kernel.name}: mask dtype {mask.dtype} is not supported")
     return args
 
 
@@ -52,7 +54,8 @@ def render_attention(kernel: Kernel, prelude: str) -> tuple[str, str]:
     node = kernel.node
     q, _, v = node.src[:3]
     name = c_name(kernel.name)
-    mask_t = C_TYPES[node.src[3].dtype] if args.mask != "none" else "float"
+    mask = split_operands(node.src, args)[3]
+    mask_t = C_TYPES[mask.dtype] if mask is not None else "float"
     lines, result = score_mod_lines(Renderer(), args.score_mod, ("sm0", "sm1", "sm2", "sm3"))
     source = fill(
         load_template("cpu_attention.cpp"),
@@ -65,6 +68,7 @@ def render_attention(kernel: Kernel, prelude: str) -> tuple[str, str]:
         CAUSAL=str(int(args.causal)),
         MASK=str(MASK_CODES[args.mask]),
         HAS_MOD="true" if args.score_mod is not None else "false",
+        SINKS="true" if args.sinks else "false",
         SCORE_MOD="\n".join(f"    {line}" for line in [*lines, f"return {result};"]),
         F32="true" if node.dtype is DType.F32 else "false",
         DECODE_ROWS=str(DECODE_ROWS),
@@ -74,7 +78,7 @@ def render_attention(kernel: Kernel, prelude: str) -> tuple[str, str]:
     return source, name
 
 
-ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_float, ctypes.c_int]
+ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_float, ctypes.c_int]
 
 
 def unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -89,16 +93,17 @@ def attention_launcher(fn, kernel: Kernel, scale: float | None = None):
     """
     args: AttentionArgs = kernel.node.arg
     scale = args.scale if scale is None else scale
-    has_mask = args.mask != "none"
     get_threads = torch.get_num_threads
 
     def launch(
         reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int] | None = None
     ) -> None:
-        q, k, v = reads[0], unit_last(reads[1]), unit_last(reads[2])
+        q, k, v, m, sinks = split_operands(reads, args)
+        k, v = unit_last(k), unit_last(v)
         (out,) = writes
         assert out.is_contiguous(), "attention output must be contiguous"
-        m = reads[3] if has_mask else None
+        if sinks is not None:
+            sinks = sinks.float().contiguous()
         shape = (ctypes.c_int64 * 5)(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
         st = (*q.stride(), *k.stride(), *v.stride(), *(m.stride() if m is not None else (0, 0, 0, 0)))
         rc = fn(
@@ -106,6 +111,7 @@ def attention_launcher(fn, kernel: Kernel, scale: float | None = None):
             k.data_ptr(),
             v.data_ptr(),
             m.data_ptr() if m is not None else None,
+            sinks.data_ptr() if sinks is not None else None,
             out.data_ptr(),
             shape,
             (ctypes.c_int64 * 16)(*st),

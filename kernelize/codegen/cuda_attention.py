@@ -19,14 +19,16 @@ from kernelize.autokernel.kernels import Kernel
 from kernelize.codegen.cpu_attention import MASK_CODES, check_attention_kernel
 from kernelize.codegen.render import Renderer, c_name, score_mod_lines
 from kernelize.codegen.template import fill, load_template
+from kernelize.ir.attention import split_operands
 from kernelize.ir.dtypes import DType
+from kernelize.ir.ops import AttentionArgs
 from kernelize.runtime.backend import CompiledKernel
 
 C_TYPES = {DType.F32: "float", DType.F16: "__half", DType.BF16: "__nv_bfloat16", DType.BOOL: "bool"}
 WARP = 32
 MIN_SPLIT = 256  # keys per split, at least
 # pointers, then int64 sizes and strides (kernel); pointers, then int64 sizes (combine)
-N_PTRS, N_INTS, COMBINE_PTRS, COMBINE_INTS = 6, 21, 2, 2
+N_PTRS, N_INTS, COMBINE_PTRS, COMBINE_INTS = 7, 21, 2, 2
 
 
 def render_attention(kernel: Kernel) -> tuple[str, str]:
@@ -35,6 +37,7 @@ def render_attention(kernel: Kernel) -> tuple[str, str]:
     node = kernel.node
     q, _, v = node.src[:3]
     name = c_name(kernel.name)
+    mask = split_operands(node.src, args)[3]
     lines, result = score_mod_lines(Renderer(), args.score_mod, ("sm0", "sm1", "sm2", "sm3"))
     source = fill(
         load_template("cuda_attention.cu"),
@@ -46,9 +49,10 @@ def render_attention(kernel: Kernel) -> tuple[str, str]:
         CAUSAL=str(int(args.causal)),
         MASK=str(MASK_CODES[args.mask]),
         HAS_MOD=str(int(args.score_mod is not None)),
+        SINKS=str(int(args.sinks)),
         SCORE_MOD="\n".join(f"  {line}" for line in [*lines, f"return {result};"]),
         T=C_TYPES[node.dtype],
-        TM=C_TYPES[node.src[3].dtype] if args.mask != "none" else "float",
+        TM=C_TYPES[mask.dtype] if mask is not None else "float",
         SCALE=f"(float){args.scale.hex()}",  # exact: a hex literal rounds to f32 as the CPU kernel's does
     )
     return source, name
@@ -62,11 +66,11 @@ def plan_splits(rows: int, lk: int, processors: int) -> int:
 
 
 def launch_args(
-    reads: Sequence[torch.Tensor], out: torch.Tensor, part: torch.Tensor, nsplit: int
+    reads: Sequence[torch.Tensor], out: torch.Tensor, part: torch.Tensor, nsplit: int, args: AttentionArgs
 ) -> tuple[list[int], list[int], tuple[int, int, int]]:
-    """Pointer values, int64 values and the grid of the attention kernel for one call."""
-    q, k, v = reads[:3]
-    m = reads[3] if len(reads) > 3 else None
+    """Pointer values, int64 values and the grid of the attention kernel for one call (f32 sinks: the
+    caller keeps them alive)."""
+    q, k, v, m, sinks = split_operands(reads, args)
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     split_len = -(-lk // nsplit)
@@ -77,6 +81,7 @@ def launch_args(
         m.data_ptr() if m is not None else 0,
         out.data_ptr(),
         part.data_ptr(),
+        sinks.data_ptr() if sinks is not None else 0,
     ]
     mst = m.stride() if m is not None else (0, 0, 0, 0)
     ints = [hq, lq, lk, hq // hkv, split_len, *q.stride(), *k.stride(), *v.stride(), *mst]
@@ -108,7 +113,8 @@ def compile_attention(kernel: Kernel, arch: str) -> CompiledKernel:
             if nsplit == 1
             else torch.empty(b * hq * nsplit * lq * (out.shape[-1] + 2), dtype=torch.float32, device=q.device)
         )
-        ptrs, ints, grid = launch_args(reads, out, part, nsplit)
+        reads = [*reads[:-1], reads[-1].float().contiguous()] if kernel.node.arg.sinks else reads
+        ptrs, ints, grid = launch_args(reads, out, part, nsplit, kernel.node.arg)
         main.launch(grid, (WARP, 1, 1), [(x, p) for x in ptrs] + [(x, i64) for x in ints], dev)
         if nsplit > 1:
             args = [(part.data_ptr(), p), (out.data_ptr(), p), (lq, i64), (nsplit, i64)]

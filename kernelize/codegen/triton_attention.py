@@ -22,6 +22,7 @@ from kernelize.codegen.cpu_attention import MASK_CODES, check_attention_kernel
 from kernelize.codegen.render import score_mod_lines
 from kernelize.codegen.template import fill, load_template
 from kernelize.codegen.triton_base import TritonRenderer
+from kernelize.ir.attention import split_operands
 from kernelize.ir.dtypes import DType
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
 
@@ -55,6 +56,7 @@ def render_attention(kernel: Kernel) -> str:
         BDV=str(max(16, next_power_of_2(dv))),
         CAUSAL=str(args.causal),
         MASK=str(MASK_CODES[args.mask]),
+        SINKS=str(args.sinks),
         PRECISION=', input_precision="ieee"' if kernel.node.dtype is DType.F32 else "",
         PRELUDE=prelude,
         SCORE_MOD="".join(f"        {line}\n" for line in lines),
@@ -96,8 +98,8 @@ def compile_attention(kernel: Kernel, interpret: bool) -> CompiledKernel:
     def launch(
         reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int] | None
     ):
-        q, k, v = reads[:3]
-        m = reads[3] if len(reads) > 3 else None
+        q, k, v, m, sinks = split_operands(reads, args)
+        sinks = sinks.float().contiguous() if sinks is not None else None
         (out,) = writes
         b, hq, lq, _ = q.shape
         hkv, lk = k.shape[1], k.shape[2]
@@ -114,6 +116,7 @@ def compile_attention(kernel: Kernel, interpret: bool) -> CompiledKernel:
             k,
             v,
             m if m is not None else q,
+            sinks if sinks is not None else q,
             out,
             part,
             hq,
@@ -145,12 +148,14 @@ def aot_jobs(kernel: Kernel, arch: int, path: str, nsplit: int = 1) -> list[dict
 
     node = kernel.node
     t = "*" + SIG[node.dtype]
-    mask_t = "*" + SIG[node.src[3].dtype] if node.arg.mask != "none" else t
+    mask = split_operands(node.src, node.arg)[3]
+    mask_t = "*" + SIG[mask.dtype] if mask is not None else t
     sig = {
         "q_ptr": t,
         "k_ptr": t,
         "v_ptr": t,
         "m_ptr": mask_t,
+        "sink_ptr": "*fp32" if node.arg.sinks else t,
         "o_ptr": t,
         "part_ptr": "*fp32" if nsplit > 1 else t,
     }

@@ -44,7 +44,14 @@ KERNEL_UNAVAILABLE = "the attention kernel `kernelize.attention` is not in this 
 # Call arguments checked below or meaningless to the kernel; any other non-None argument falls back.
 _HANDLED_KWARGS = frozenset({"output_attentions", "sliding_window", "softcap", "s_aux"})
 _IGNORED_KWARGS = frozenset(
-    {"position_ids", "use_cache", "cache_position", "return_dict", "output_hidden_states"}
+    {
+        "position_ids",
+        "use_cache",
+        "cache_position",
+        "return_dict",
+        "output_hidden_states",
+        "output_router_logits",  # MoE models pass their output flags down to every layer
+    }
 )
 _KNOWN_KWARGS = _HANDLED_KWARGS | _IGNORED_KWARGS
 # set while a module's own forward runs as the reference of a probe (`kernelize.integrations.verify`)
@@ -77,8 +84,6 @@ def call_fallback_reason(
     """Why this call must take the eager path (`None`: the kernel runs it); cheap, checked per call."""
     if attention_kernel() is None:
         return KERNEL_UNAVAILABLE
-    if kwargs.get("s_aux") is not None:
-        return "attention sinks (s_aux) are not in the kernel"
     if kwargs.get("output_attentions"):
         return "output_attentions=True needs the attention weights, which the kernel never materialises"
     if dropout and module.training:
@@ -136,6 +141,7 @@ def attention_forward(
                 scale=scaling,
                 enable_gqa=query.shape[1] != key.shape[1],
                 score_mod=_score_mod(kwargs, mask is None, key.shape[-2]),
+                sinks=_sinks(kwargs.get("s_aux")),
             )
         except unsupported as exc:
             reason = f"the attention kernel declined the call: {exc}"
@@ -162,6 +168,8 @@ def attention_with_grad(
     reason = call_fallback_reason(module, query, key, 0.0, kwargs)
     if kwargs.get("softcap") is not None:  # torch's SDPA has no soft-capping
         reason = f"attention logit softcapping ({kwargs['softcap']}) is not in torch's SDPA"
+    if kwargs.get("s_aux") is not None:
+        reason = "attention sinks (s_aux) are not in torch's SDPA"
     if reason is not None and reason != KERNEL_UNAVAILABLE:
         note_fallback(module, reason, "eager attention (with gradients)")
         return eager_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -200,6 +208,11 @@ def _score_mod(kwargs: dict[str, Any], unmasked: bool, keys: int) -> ScoreMod | 
     window = kwargs.get("sliding_window")
     window = window if unmasked and window is not None and keys > window else None
     return _mods(kwargs.get("softcap"), window)
+
+
+def _sinks(s_aux: torch.Tensor | None) -> torch.Tensor | None:
+    """The attention sinks of a call (gpt-oss's `s_aux`: a logit per query head), detached (no backward)."""
+    return None if s_aux is None else s_aux.detach().reshape(-1)
 
 
 def _kernel_mask(

@@ -13,13 +13,14 @@ Example:
     >>> q = g.input("q", (1, 8, "seq", 64), "f32"); k = g.input("k", (1, 2, "seq", 64), "f32")
     >>> o = g.attention(q, k, k, causal=True, gqa=True)
     >>> o.arg
-    AttentionArgs(scale=0.125, causal=True, mask='none', groups=4, score_mod=None)
+    AttentionArgs(scale=0.125, causal=True, mask='none', groups=4, score_mod=None, sinks=False)
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -27,6 +28,8 @@ from kernelize.ir.dtypes import DType
 from kernelize.ir.errors import DTypeError
 from kernelize.ir.ops import AttentionArgs, Op
 from kernelize.ir.shapes import ShapeError, Sym, broadcast_shapes, shape_str
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from kernelize.ir.graph import Graph, Node
@@ -44,6 +47,7 @@ def build_attention(
     causal: bool = False,
     gqa: bool = False,
     score_mod: ScoreMod | None = None,
+    sinks: Node | None = None,
 ) -> Node:
     """Append an ``ATTENTION`` node (see the module docstring); checks shapes and dtypes as it builds."""
 
@@ -69,33 +73,51 @@ def build_attention(
                 "gqa=True and static head counts with query heads a multiple of key heads"
             )
         groups = hq // hkv
-    kind = "none"
     src = [q, k, v]
+    kind = "none" if mask is None else _mask_kind(mask, (b, hq, lq, lk), where)
     if mask is not None:
-        if mask.rank > 4:
-            raise ShapeError(f"{where()}: mask {shape_str(mask.shape)} has rank > 4")
-        full = (b, hq, lq, lk)
-        try:
-            if broadcast_shapes(mask.shape, full) != full:
-                raise ShapeError("")
-        except ShapeError:
-            raise ShapeError(
-                f"{where()}: mask {shape_str(mask.shape)} does not broadcast to {shape_str(full)}"
-            ) from None
-        if mask.dtype is DType.BOOL:
-            kind = "bool"
-        elif mask.dtype.is_float:
-            kind = "add"
-        else:
-            raise DTypeError(f"{where()}: mask must be bool or float, got {mask.dtype}")
-        src.append(g.broadcast(mask, full))
+        src.append(g.broadcast(mask, (b, hq, lq, lk)))
+    if sinks is not None:
+        if sinks.shape != (hq,) or sinks.dtype is not DType.F32:
+            raise ShapeError(f"{where()}: sinks must be f32[{hq}] (one logit per query head), got {sinks}")
+        src.append(sinks)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    args = AttentionArgs(scale=scale, causal=bool(causal), mask=kind, groups=groups, score_mod=score_mod)
+    args = AttentionArgs(scale, bool(causal), kind, groups, score_mod, sinks is not None)
     return g.push(Op.ATTENTION, q.dtype, (b, hq, lq, dv), tuple(src), args)
 
 
+def _mask_kind(mask: Node, full: tuple, where: Callable[[], str]) -> str:
+    """``"bool"`` or ``"add"`` for a mask that broadcasts to ``full``; raises for any other."""
+    if mask.rank > 4:
+        raise ShapeError(f"{where()}: mask {shape_str(mask.shape)} has rank > 4")
+    try:
+        if broadcast_shapes(mask.shape, full) != full:
+            raise ShapeError("")
+    except ShapeError:
+        raise ShapeError(
+            f"{where()}: mask {shape_str(mask.shape)} does not broadcast to {shape_str(full)}"
+        ) from None
+    if mask.dtype is DType.BOOL:
+        return "bool"
+    if mask.dtype.is_float:
+        return "add"
+    raise DTypeError(f"{where()}: mask must be bool or float, got {mask.dtype}")
+
+
+def split_operands(operands: Sequence[T], args: AttentionArgs) -> tuple[T, T, T, T | None, T | None]:
+    """(q, k, v, mask, sinks) of an attention node's operands (or of the tensors bound to them)."""
+    q, k, v, *rest = operands
+    mask = rest.pop(0) if args.mask != "none" else None
+    return q, k, v, mask, rest[0] if args.sinks else None
+
+
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, args: AttentionArgs
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    args: AttentionArgs,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The oracle: plain torch math in f32 (f64 stays f64), the result in q's dtype."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -113,10 +135,13 @@ def reference_attention(
         s = s.masked_fill(~mask, -math.inf)
     elif args.mask == "add":
         s = s + mask.to(acc)
+    if sinks is not None:  # one more key per head, of logit `sink` and value zero
+        sink = sinks.to(acc).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        return torch.matmul(torch.softmax(torch.cat([s, sink], -1), dim=-1)[..., :-1], vf).to(q.dtype)
     p = torch.softmax(s, dim=-1)
     # a fully masked row: softmax gives NaN, torch's kernels give zeros
     p = torch.where(torch.isneginf(s).all(dim=-1, keepdim=True), torch.zeros_like(p), p)
     return torch.matmul(p, vf).to(q.dtype)
 
 
-__all__ = ["build_attention", "reference_attention"]
+__all__ = ["build_attention", "reference_attention", "split_operands"]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kernelize._compat import StrEnum
 
 if TYPE_CHECKING:
     from kernelize.ir.score_mod import ScoreMod
+
+OPTIONAL = {"optional": True}  # dataclass field metadata: the printer leaves the field out at its default
 
 
 class Op(StrEnum):
@@ -144,13 +146,17 @@ class AttentionArgs:
         groups: query heads per key/value head (grouped-query attention; 1 = one key head per query head).
         score_mod: a :class:`~kernelize.ir.score_mod.ScoreMod` applied to the scaled scores before the causal
             cut and the mask (soft-capping, a sliding window, ...); None: none.
+        sinks: the last operand is an f32 logit per query head ``[Hq]`` that joins every row's softmax as a
+            key whose value is zero (attention sinks, gpt-oss): it takes a share of the weights and adds
+            nothing to the output.
     """
 
     scale: float
     causal: bool = False
     mask: str = "none"
     groups: int = 1
-    score_mod: ScoreMod | None = None
+    score_mod: ScoreMod | None = field(default=None, metadata=OPTIONAL)
+    sinks: bool = field(default=False, metadata=OPTIONAL)
 
     def __post_init__(self) -> None:
         if self.mask not in ATTENTION_MASKS:

@@ -27,8 +27,12 @@ def format_arg(arg: object) -> str:
     not ``9.999999974752427e-07``), containers recursively, everything else by ``repr``."""
     if isinstance(arg, float):
         return f"{arg:.7g}"
-    if isinstance(arg, TYPED_ARGS):  # an optional field left at None is not printed
-        shown = [f for f in dataclasses.fields(arg) if not (f.default is None is getattr(arg, f.name))]
+    if isinstance(arg, TYPED_ARGS):  # an optional field left at its default is not printed
+        shown = [
+            f
+            for f in dataclasses.fields(arg)
+            if not (f.metadata.get("optional") and getattr(arg, f.name) == f.default)
+        ]
         fields = ", ".join(f"{f.name}={format_arg(getattr(arg, f.name))}" for f in shown)
         return f"{type(arg).__name__}({fields})"
     if isinstance(arg, tuple):

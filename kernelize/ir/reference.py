@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernelize.ir.attention import reference_attention
+from kernelize.ir.attention import reference_attention, split_operands
 from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.ops import ConvArgs, NormArgs, PoolArgs
@@ -193,6 +193,10 @@ def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a / b if a.is_floating_point() else torch.div(a, b, rounding_mode="trunc")
 
 
+def _attention(args, q, k, v, mask, sinks) -> torch.Tensor:
+    return reference_attention(q, k, v, mask, args, sinks)
+
+
 EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tensor]] = {
     Op.CONST: lambda n, xs, env: n.arg.tensor,
     Op.VIEW: lambda n, xs, env: xs[0].reshape(bind(n.shape, env)),
@@ -210,7 +214,7 @@ EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tensor
     ),
     Op.CONV: _conv,
     Op.POOL: _pool,
-    Op.ATTENTION: lambda n, xs, env: reference_attention(*xs[:3], xs[3] if len(xs) > 3 else None, n.arg),
+    Op.ATTENTION: lambda n, xs, env: _attention(n.arg, *split_operands(xs, n.arg)),
     Op.ABS: _unary(torch.abs),
     Op.NEG: _unary(torch.neg),
     Op.EXP: _unary(torch.exp),

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from kernelize.ir.attention import split_operands
 from kernelize.ir.graph import BINARY, UNARY, Constant, DTypeError, Graph, Node, Op
 from kernelize.ir.ops import AttentionArgs, ClampArgs, ConvArgs, NormArgs, PadArgs, PoolArgs
 from kernelize.ir.printer import format_node
@@ -285,12 +286,12 @@ def _attention(g: Graph, s: list[Node], n: Node) -> Any:
     a = n.arg
     if not isinstance(a, AttentionArgs):
         return f"arg {a!r} is not AttentionArgs"
-    _nsrc(n, 3 if a.mask == "none" else 4)
-    mask = s[3] if len(s) > 3 else None
-    if mask is not None and mask.shape != (*s[0].shape[:3], s[1].shape[2]):
+    _nsrc(n, 3 + (a.mask != "none") + a.sinks)
+    q, k, v, mask, sinks = split_operands(s, a)
+    if mask is not None and mask.shape != (*q.shape[:3], k.shape[2]):
         return f"mask {shape_str(mask.shape)} is not broadcast to [batch, heads, q_len, k_len]"
     out = g.attention(
-        s[0], s[1], s[2], mask, scale=a.scale, causal=a.causal, gqa=a.groups > 1, score_mod=a.score_mod
+        q, k, v, mask, scale=a.scale, causal=a.causal, gqa=a.groups > 1, score_mod=a.score_mod, sinks=sinks
     )
     if out.arg != a:
         return f"arg {a} disagrees with the operands ({out.arg})"

@@ -112,8 +112,10 @@ def emulate_attention(
     source, name = render_attention(kernel)
     b, hq, lq, dv = out.shape
     part = out if nsplit == 1 else torch.empty(b * hq * nsplit * lq * (dv + 2), dtype=torch.float32)
-    ptrs, ints, grid = launch_args(reads, out, part, nsplit)
-    casts = ["(const kz_t*)", "(const kz_t*)", "(const kz_t*)", "(const kz_tm*)", "(kz_t*)", "(float*)"]
+    if kernel.node.arg.sinks:
+        reads = [*reads[:-1], reads[-1].float().contiguous()]
+    ptrs, ints, grid = launch_args(reads, out, part, nsplit, kernel.node.arg)
+    casts = ["(const kz_t*)"] * 3 + ["(const kz_tm*)", "(kz_t*)", "(float*)", "(const float*)"]
     call = ", ".join([f"{c}p[{i}]" for i, c in enumerate(casts)] + [f"n[{i}]" for i in range(len(ints))])
     tramp = (
         '\nextern "C" int kz_emu_attention(void** p, const int64_t* n, unsigned gx, unsigned gy, unsigned gz,'

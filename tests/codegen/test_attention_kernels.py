@@ -15,7 +15,7 @@ from cuda_emu import emulate_attention
 from kernelize.autokernel.kernels import Kernel, KernelKind
 from kernelize.autokernel.plan import plan
 from kernelize.codegen.triton import TritonBackend
-from kernelize.ir.attention import reference_attention
+from kernelize.ir.attention import reference_attention, split_operands
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph
 from kernelize.ir.score_mod import chain, sliding_window, softcap
@@ -23,13 +23,14 @@ from kernelize.ir.score_mod import chain, sliding_window, softcap
 TOL = {DType.F32: 2e-5, DType.F16: 3e-3, DType.BF16: 2e-2}
 
 
-def _kernel(hq, hkv, d, dv, dtype, causal=False, mask=None, score_mod=None) -> Kernel:
+def _kernel(hq, hkv, d, dv, dtype, causal=False, mask=None, score_mod=None, sinks=False) -> Kernel:
     g = Graph()
     q = g.input("q", ("b", hq, "s", d), dtype)
     k = g.input("k", ("b", hkv, "t", d), dtype)
     v = g.input("v", ("b", hkv, "t", dv), dtype)
     m = g.input("m", ("b", 1, "s", "t"), mask) if mask else None
-    g.output(g.attention(q, k, v, m, causal=causal, gqa=hq != hkv, score_mod=score_mod))
+    sn = g.input("sinks", (hq,), DType.F32) if sinks else None
+    g.output(g.attention(q, k, v, m, causal=causal, gqa=hq != hkv, score_mod=score_mod, sinks=sn))
     (kernel,) = plan(g).kernels
     assert kernel.kind is KernelKind.ATTENTION
     return kernel
@@ -65,7 +66,8 @@ def _inputs(kernel: Kernel, b: int, lq: int, lk: int, seed: int = 0, transposed:
 
 
 def _oracle(kernel: Kernel, ins):
-    return reference_attention(*ins[:3], ins[3] if len(ins) > 3 else None, kernel.node.arg)
+    q, k, v, mask, sinks = split_operands(ins, kernel.node.arg)
+    return reference_attention(q, k, v, mask, kernel.node.arg, sinks)
 
 
 def _check(kernel: Kernel, out, ref):
@@ -156,6 +158,26 @@ def test_score_mods_match_reference_in_triton_and_cuda_emulation(case, mod):
         _check(kernel, out, ref)
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("case", MOD_CASES, ids=lambda c: f"{c[3]}-{c[7]}x{c[8]}")
+def test_sinks_match_reference_in_triton_and_cuda_emulation(case, split):
+    """Attention sinks (gpt-oss): a logit per query head in every softmax; with key splits only the first
+    split carries it."""
+    hq, hkv, d, dtype, causal, mask, b, lq, lk = case
+    lk = 600 if split else lk
+    lq = lq if lq < lk else lk
+    kernel = _kernel(hq, hkv, d, d, dtype, causal and lq == lk, mask, sliding_window(7), sinks=True)
+    ins = [*_inputs(kernel, b, lq, lk), torch.randn(hq) * 2]
+    ref = _oracle(kernel, ins)
+    out = torch.empty(b, hq, lq, d, dtype=dtype.torch)
+    TritonBackend().compile(kernel).launch(ins, [out], None)
+    _check(kernel, out, ref)
+    if shutil.which("g++"):
+        out.zero_()
+        emulate_attention(kernel, ins, out, nsplit=3 if split else 1)
+        _check(kernel, out, ref)
+
+
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="host emulation needs g++")
 
 
@@ -191,7 +213,9 @@ def test_cuda_nvrtc_cubins_for_sm80_and_sm90(tmp_path, monkeypatch):
         (DType.BF16, "bool", MODS["softcap+window"]),
         (DType.F16, "f16", None),
     ):
-        source, name = render_attention(_kernel(8, 2, 80, 64, dtype, mask is None, mask, mod))
+        source, name = render_attention(
+            _kernel(8, 2, 80, 64, dtype, mask is None, mask, mod, sinks=mod is not None)
+        )
         for arch in ("sm_80", "sm_90"):
             cubin = nvrtc.compile_cubin(source, name, arch, cache=False)
             assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000

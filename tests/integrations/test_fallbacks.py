@@ -208,3 +208,30 @@ def test_not_a_module_is_a_type_error() -> None:
 
     with pytest.raises(TypeError, match="kernelize_model: model must be a torch.nn.Module"):
         kernelize_model("llama")
+
+
+@needs_kernel
+def test_attention_sinks_and_alternating_windows_run_in_the_kernel(monkeypatch) -> None:
+    """gpt-oss: sinks (a logit per head, `s_aux`) and sliding-window layers go through the `kernelize`
+    attention function into the kernel, sinks included (no eager-attention note); logits and greedy tokens
+    equal eager's."""
+    sdpa, unsupported = hf_attention.attention_kernel()
+    with_sinks: list[bool] = []
+
+    def counted(*args, **kwargs):
+        with_sinks.append(kwargs.get("sinks") is not None)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(hf_attention, "attention_kernel", lambda: (counted, unsupported))
+    eager = tiny_model(config_name="GptOssConfig", model_name="GptOssForCausalLM", sliding_window=4)
+    for module in eager.modules():
+        if hasattr(module, "sinks"):
+            torch.nn.init.normal_(module.sinks, std=2.0)  # sinks that take a real share of the softmax
+    ids, mask = padded_batch(seq=11)
+    with kernelized(eager) as fast:
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
+        assert_same_logits_and_tokens(eager, fast, ids, torch.ones_like(mask))
+        for layer in (0, 1):
+            notes = attention_choice(fast, layer).notes
+            assert not any(n.startswith("eager attention") for n in notes), notes
+    assert with_sinks and all(with_sinks), with_sinks

@@ -26,6 +26,7 @@ typedef $TM$ kz_tm;  // mask storage
 constexpr int D = $D$, DV = $DV$;
 constexpr int CAUSAL = $CAUSAL$, MASK = $MASK$;  // MASK: 0 none, 1 bool (keep where true), 2 additive
 constexpr bool MOD = $HAS_MOD$;                  // a score modification (kz_score_mod) is applied
+constexpr bool SINKS = $SINKS$;                  // a logit per query head joins every softmax (value zero)
 constexpr bool F32 = $F32$;                      // k and v are read in place when they are f32
 constexpr int VL = 8, RV = 2, RG = $ROW_GROUPS$;  // a micro tile has RV vectors of VL rows; a block RG tiles
 constexpr int BQ = RG * RV * VL;                 // rows per block: k and v blocks are reused by all of them
@@ -39,6 +40,7 @@ typedef float vf __attribute__((vector_size(VL * 4)));
 struct Args {
     const kz_t *q, *k, *v;
     const kz_tm* m;
+    const float* sinks;
     kz_t* o;
     int64_t B, HQ, HKV, LQ, LK, G;
     int64_t sq[4], sk[4], sv[4], sm[4];  // element strides over (batch, head, position, dim / key)
@@ -183,8 +185,8 @@ void prefill_block(const Args& a, Block& w, int64_t b, int64_t hkv, int64_t r0, 
         if (r < nr) imin = i < imin ? i : imin, imax = i > imax ? i : imax;
         const kz_t* qr = a.q + b * a.sq[0] + h * a.sq[1] + i * a.sq[2];
         for (int d = 0; d < D; ++d) w.qt[d][r] = r < nr ? kz_ld(qr, d * a.sq[3]) * a.scale : 0.0f;
-        w.mx[r] = NEG_INF;
-        w.l[r] = 0.0f;
+        w.mx[r] = SINKS ? a.sinks[h] : NEG_INF;  // the sink: a key of value zero, exp(sink - mx) = 1
+        w.l[r] = SINKS ? 1.0f : 0.0f;
         for (int dv = 0; dv < DV; ++dv) w.acc[dv][r] = 0.0f;
     }
     const int64_t kend = CAUSAL ? (imax + 1 < a.LK ? imax + 1 : a.LK) : a.LK;
@@ -358,10 +360,10 @@ void decode_combine(const Args& a, int64_t b, int64_t hkv, int64_t nrows, int64_
     for (int r = 0; r < nrows; ++r) {
         int64_t h, i;
         row_pos(a, hkv, r, &h, &i);
-        float m = NEG_INF;
+        float m = SINKS ? a.sinks[h] : NEG_INF;
         for (int64_t s = 0; s < nsplit; ++s) m = part[s * stride + r * (DV + 2)] > m ? part[s * stride + r * (DV + 2)] : m;
         const float msafe = m == NEG_INF ? 0.0f : m;
-        float l = 0.0f, acc[DV] = {};
+        float l = SINKS ? kz_exp_neg(a.sinks[h] - msafe) : 0.0f, acc[DV] = {};
         for (int64_t s = 0; s < nsplit; ++s) {
             const float* pr = part + s * stride + r * (DV + 2);
             const float f = kz_exp_neg(pr[0] - msafe);
@@ -438,10 +440,10 @@ int prefill(const Args& a, int nthreads) {
 }
 }  // namespace
 
-extern "C" int $NAME$(const kz_t* q, const kz_t* k, const kz_t* v, const kz_tm* m, kz_t* o, const int64_t* sizes,
-                      const int64_t* strides, float scale, int kz_nthreads) {
+extern "C" int $NAME$(const kz_t* q, const kz_t* k, const kz_t* v, const kz_tm* m, const float* sinks, kz_t* o,
+                      const int64_t* sizes, const int64_t* strides, float scale, int kz_nthreads) {
     Args a;
-    a.q = q, a.k = k, a.v = v, a.m = m, a.o = o;
+    a.q = q, a.k = k, a.v = v, a.m = m, a.sinks = sinks, a.o = o;
     a.B = sizes[0], a.HQ = sizes[1], a.HKV = sizes[2], a.LQ = sizes[3], a.LK = sizes[4];
     a.G = a.HQ / a.HKV;
     for (int t = 0; t < 4; ++t) {

@@ -10,6 +10,7 @@ $PRELUDE$
 #define KZ_CAUSAL $CAUSAL$
 #define KZ_MASK $MASK$
 #define KZ_MOD $HAS_MOD$
+#define KZ_SINKS $SINKS$
 #define KZ_COLS ((KZ_DV + 31) / 32)
 typedef $T$ kz_t;
 typedef $TM$ kz_tm;
@@ -30,7 +31,7 @@ KZ float kz_warp_sum(float v) {
 
 extern "C" __global__ void __launch_bounds__(32) $NAME$(
     const kz_t* __restrict__ q, const kz_t* __restrict__ k, const kz_t* __restrict__ v, const kz_tm* __restrict__ m,
-    kz_t* __restrict__ o, float* __restrict__ part, int64_t HQ, int64_t LQ, int64_t LK, int64_t G, int64_t SPLIT_LEN,
+    kz_t* __restrict__ o, float* __restrict__ part, const float* __restrict__ sinks, int64_t HQ, int64_t LQ, int64_t LK, int64_t G, int64_t SPLIT_LEN,
     int64_t sqb, int64_t sqh, int64_t sql, int64_t sqd, int64_t skb, int64_t skh, int64_t skl, int64_t skd,
     int64_t svb, int64_t svh, int64_t svl, int64_t svd, int64_t smb, int64_t smh, int64_t sml, int64_t smk) {
   __shared__ float qs[KZ_D];
@@ -46,7 +47,8 @@ extern "C" __global__ void __launch_bounds__(32) $NAME$(
   if (KZ_CAUSAL) hi = hi < i + 1 ? hi : i + 1;  // top-left aligned: key j <= query i
   const kz_t* kb = k + b * skb + hk * skh;
   const kz_t* vb = v + b * svb + hk * svh;
-  float mx = -INFINITY, l = 0.0f, acc[KZ_COLS];
+  // with sinks, the first key split starts from the sink: a key of value zero, exp(sink - mx) = 1
+  float mx = KZ_SINKS && sp == 0 ? sinks[h] : -INFINITY, l = KZ_SINKS && sp == 0 ? 1.0f : 0.0f, acc[KZ_COLS];
   for (int c = 0; c < KZ_COLS; ++c) acc[c] = 0.0f;
   for (int64_t j0 = lo; j0 < hi; j0 += 32) {
     const int64_t j = j0 + lane;
