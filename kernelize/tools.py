@@ -136,10 +136,13 @@ def _timed(cg, xs: list, repeat: int) -> tuple[list, float]:
 
 def _pinned_dims(path: Path, given: list[str], npz: str | None) -> dict[str, int] | None:
     """A size for every symbolic input dim of the model (``dim_param`` name, or ``input:axis`` for an
-    unnamed one): ``--dim NAME=SIZE``, else the size in the ``--inputs`` arrays, else 2. None after
-    printing the error for a malformed ``--dim``."""
+    unnamed one): ``--dim NAME=SIZE``, else the size in the ``--inputs`` arrays, else 2, the rule
+    ``kernelize.onnx.InferenceSession`` pins with (``pin_dims``). None after printing the error for a
+    malformed ``--dim``."""
     import numpy as np
     import onnx
+
+    from kernelize.onnx import pin_dims, symbolic_dims
 
     pins: dict[str, int] = {}
     for item in given:
@@ -149,17 +152,8 @@ def _pinned_dims(path: Path, given: list[str], npz: str | None) -> dict[str, int
             return None
         pins[name] = int(size)
     arrays = np.load(npz) if npz else {}
-    model = onnx.load(str(path), load_external_data=False)
-    weights = {i.name for i in model.graph.initializer}
-    for vi in model.graph.input:
-        if vi.name in weights:
-            continue
-        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
-            key = d.dim_param or f"{vi.name}:{axis}"
-            if d.HasField("dim_value") or key in pins or f"{vi.name}:{axis}" in pins:
-                continue
-            pins[key] = int(arrays[vi.name].shape[axis]) if vi.name in arrays else 2
-    return pins
+    dims = symbolic_dims(onnx.load(str(path), load_external_data=False))
+    return pin_dims(dims, {n: arrays[n].shape for n in {d.input for d in dims} if n in arrays}, pins)
 
 
 def _kernel_counts(cg) -> str:
