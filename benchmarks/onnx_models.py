@@ -1,7 +1,10 @@
 """Real ONNX models on the CPU: kernelize vs onnxruntime vs eager torch, plus cold and warm compile time.
 
 Models are real architectures built from transformers configs (random weights, no download) and exported
-with ``torch.onnx.export`` into ``benchmarks/.onnx_cache/`` (gitignored; reused across runs). For each model
+with ``torch.onnx.export`` in opset 17, and the classic CNNs of ``cnn_zoo.py`` (AlexNet, VGG, GoogLeNet,
+SqueezeNet, DenseNet, ShuffleNet v1/v2, MobileNet v1, ResNet-18, pre-activation ResNet), exported in
+opset 9 with separate batch norms; all into ``benchmarks/.onnx_cache/`` (gitignored; reused across runs).
+For each model
 and batch size the script loads it the way ``kernelize run model.onnx --backend cpu`` does
 (``load_onnx`` -> ``optimize`` -> ``compile_graph(backend="cpu")``), times kernelize, onnxruntime (same
 thread count, same inputs) and eager torch interleaved (one call of each per round, medians over rounds),
@@ -32,6 +35,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from cnn_zoo import ZOO
+from cnn_zoo import build as build_cnn
+from cnn_zoo import export as export_cnn
 
 CACHE = Path(__file__).resolve().parent / ".onnx_cache"
 THREADS = int(os.environ.get("ONNX_BENCH_THREADS", "2"))
@@ -56,7 +62,12 @@ def _bert() -> torch.nn.Module:
     return transformers.BertModel(cfg, add_pooling_layer=False)
 
 
-# name -> (builder, input kind); vision models take pixel_values [B, 3, 224, 224], BERT token ids [B, 128]
+def _cnn(name: str) -> Callable[[], torch.nn.Module]:
+    return lambda: build_cnn(name, 224)
+
+
+# name -> (builder, input kind); vision models take pixel_values [B, 3, 224, 224], BERT token ids [B, 128];
+# "cnn" models are cnn_zoo's: images too, built with calibrated weights, exported in opset 9
 MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
     "resnet50": (_vision("ResNetForImageClassification", "ResNetConfig"), "image"),
     "mobilenet_v2": (_vision("MobileNetV2ForImageClassification", "MobileNetV2Config"), "image"),
@@ -85,6 +96,7 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
     ),
     "vit_base": (_vision("ViTForImageClassification", "ViTConfig"), "image"),
     "bert_base": (_bert, "text"),
+    **{name: (_cnn(name), "cnn") for name in ZOO},
 }
 QUICK = ("resnet50", "bert_base")
 
@@ -96,12 +108,14 @@ class _Logits(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.model(x)
+        if isinstance(out, torch.Tensor):
+            return out
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
 def example_input(kind: str, batch: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    if kind == "image":
+    if kind in ("image", "cnn"):
         return torch.randn(batch, 3, 224, 224, generator=gen)
     return torch.randint(0, 30522, (batch, 128), generator=gen)
 
@@ -130,11 +144,13 @@ def calibrated(model: torch.nn.Module, kind: str) -> torch.nn.Module:
 
 def export(name: str) -> Path:
     """The model's ONNX file (exported once, with a dynamic batch axis; ``.v2``: calibrated weights)."""
+    build, kind = MODELS[name]
+    if kind == "cnn":  # opset 9, batch norms kept, cached under the digest of cnn_zoo.py
+        return export_cnn(name, 224, CACHE)
     path = CACHE / f"{name}.v2.onnx"
     if path.is_file():
         return path
     CACHE.mkdir(parents=True, exist_ok=True)
-    build, kind = MODELS[name]
     torch.manual_seed(0)
     model = _Logits(calibrated(build(), kind))
     x = example_input(kind, 2)

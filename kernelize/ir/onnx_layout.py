@@ -141,7 +141,7 @@ def _split(ctx: NodeContext) -> tuple[Node, ...]:
 
 def _concat(ctx: NodeContext) -> Node:
     xs = [ctx.x(i) for i in range(len(ctx)) if ctx.has(i)]
-    return ctx.g.concat(xs, ctx.attr("axis"))
+    return ctx.g.concat(xs, ctx.attr("axis", 1 if ctx.opset < 4 else None))  # optional, default 1 in Concat-1
 
 
 # -- gathers -------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """ONNX converters for the network ops: MatMul/Gemm/Einsum, Conv, pooling, normalizations, softmax, Resize.
 
-Decompositions onto the IR: 1-d Conv and pooling go through an extra axis of size 1; BatchNormalization
-becomes an affine elementwise map (coefficients folded at load time when the statistics are constant);
+Decompositions onto the IR: 1-d Conv goes through an extra axis of size 1; pooling over 1, 3 or more
+spatial axes pools one axis at a time (:func:`pool_nd`); BatchNormalization and ImageScaler become affine
+elementwise maps (coefficients folded at load time when the statistics are constant);
 InstanceNormalization uses reductions; LayerNormalization / RMSNormalization over several trailing axes view
 them as one axis; Einsum becomes permute + view + matmul (+ sum for letters used once); Resize applies a
 per-axis gather (nearest) or a weighted sum of per-axis gathers (linear, cubic) with load-time tables that
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 import string
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -132,11 +134,16 @@ def _pads(ctx: NodeContext, sizes, kernel, strides, dilations) -> list[tuple[int
     return [(pads[i], pads[i + n]) for i in range(n)]
 
 
-def _spatial(ctx: NodeContext, x: Node, kernel: list[int] | None) -> tuple[int, list[int], list[int]]:
-    """Spatial rank (1 or 2), strides and dilations; 3-d and more are unsupported."""
+def _spatial(
+    ctx: NodeContext, x: Node, kernel: list[int] | None, max_rank: int = 2
+) -> tuple[int, list[int], list[int]]:
+    """Spatial rank (1 to ``max_rank``), strides and dilations."""
     n = x.rank - 2
-    if n not in (1, 2):
-        raise ctx.unsupported(f"{n}-d {ctx.op_type} (supported: 1-d and 2-d over N, C, spatial...)")
+    if not 1 <= n <= max_rank:
+        limit = "1-d and 2-d" if max_rank == 2 else "1-d or more"
+        raise ctx.unsupported(f"{n}-d {ctx.op_type} (supported: {limit} over N, C, spatial...)")
+    if kernel is not None and len(kernel) != n:
+        raise ValueError(f"kernel_shape {kernel} does not fit the {n} spatial axes of {list(x.shape)}")
     return n, list(ctx.attr("strides") or [1] * n), list(ctx.attr("dilations") or [1] * n)
 
 
@@ -244,7 +251,7 @@ def _pool(kind: str) -> Converter:
         if not x.dtype.is_float:
             raise ctx.unsupported(f"pooling of {x.dtype} (floating types only)")
         kernel = list(ctx.attr("kernel_shape"))
-        n, strides, dilations = _spatial(ctx, x, kernel)
+        _, strides, dilations = _spatial(ctx, x, kernel, max_rank=x.rank)
         pads = _pads(ctx, x.shape[2:], kernel, strides, dilations)
         ceil_mode = bool(ctx.attr("ceil_mode", 0))
         if kind != "max" and any(d != 1 for d in dilations):
@@ -254,19 +261,57 @@ def _pool(kind: str) -> Converter:
             if ceil_mode:
                 raise ctx.unsupported("LpPool with ceil_mode")
             x = g.pow(g.abs(x), float(p))
-        if n == 1:
-            x, kernel, strides, dilations = _as_2d(g, x), [1, *kernel], [1, *strides], [1, *dilations]
-            pads = [(0, 0), *pads]
-        padding = (pads[0][0], pads[1][0], pads[0][1], pads[1][1])
         count_pad = bool(ctx.attr("count_include_pad", 0)) or kind == "lp"
-        y = g.pool(
-            x, "max" if kind == "max" else "avg", kernel, strides, padding, dilations, ceil_mode, count_pad
-        )
+        window = PoolWindow(tuple(kernel), tuple(strides), tuple(pads), tuple(dilations), ceil_mode)
+        y = pool_nd(g, x, "max" if kind == "max" else "avg", window, count_pad)
         if kind == "lp":
-            y = g.pow(g.mul(y, float(kernel[0] * kernel[1])), 1.0 / p)
-        return g.view(y, (*y.shape[:2], y.shape[3])) if n == 1 else y
+            y = g.pow(g.mul(y, float(math.prod(kernel))), 1.0 / p)
+        return y
 
     return run
+
+
+@dataclass(frozen=True)
+class PoolWindow:
+    """Per spatial axis: window size, stride, (begin, end) padding, dilation; and ONNX's ``ceil_mode``."""
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    pads: tuple[tuple[int, int], ...]
+    dilations: tuple[int, ...]
+    ceil_mode: bool = False
+
+
+def pool_nd(g: Graph, x: Node, kind: str, w: PoolWindow, count_include_pad: bool) -> Node:
+    """Max or average pooling of ``x`` [N, C, D1, ..., Dn] over its ``n`` spatial axes.
+
+    2-d is the IR's pool; 1-d, 3-d and more pool one axis at a time, each as a 2-d pool of the view
+    [N, C*D1*...*D(a-1), Da, D(a+1)*...*Dn] with a (k, 1) window. That is exact because every window is
+    a box: its maximum is the maximum of per-axis maxima, its sum the iterated per-axis sums, and the
+    divisor (the box's size, clipped to the input with ``count_include_pad=0`` or to the padded input
+    with ``ceil_mode``) is the product of the per-axis ones.
+    Axes with window 1, stride 1 and no padding are left alone (torch exports LRN as a 3-d average pool
+    with a window over the channels only).
+
+    Example:
+        >>> w = PoolWindow((5, 1, 1), (1, 1, 1), ((0, 0),) * 3, (1, 1, 1))  # doctest: +SKIP
+        >>> y = pool_nd(g, x, "avg", w, count_include_pad=True)  # doctest: +SKIP
+    """
+    n = x.rank - 2
+    if n == 2:
+        (top, bottom), (left, right) = w.pads
+        padding = (top, left, bottom, right)
+        return g.pool(x, kind, w.kernel, w.strides, padding, w.dilations, w.ceil_mode, count_include_pad)
+    for a in range(n):
+        k, s, (lo, hi), d = w.kernel[a], w.strides[a], w.pads[a], w.dilations[a]
+        if k == s == 1 and lo == hi == 0:
+            continue
+        axis = 2 + a
+        shape = x.shape
+        v = g.view(x, (shape[0], numel(shape[1:axis]), shape[axis], numel(shape[axis + 1 :])))
+        y = g.pool(v, kind, (k, 1), (s, 1), (lo, 0, hi, 0), (d, 1), w.ceil_mode, count_include_pad)
+        x = g.view(y, (*shape[:axis], y.shape[2], *shape[axis + 1 :]))
+    return x
 
 
 def _global_pool(op: Op) -> Converter:
@@ -300,6 +345,16 @@ def _batch_norm(ctx: NodeContext) -> Node:
     # parameters are [C] (or [C, D1, ...] with BatchNormalization-7's spatial=0), x is [N, C, D1, ...]
     s, b, m = (_per_channel(g, t, x.rank, x.dtype) if t.rank == 1 and x.rank > 2 else t for t in (s, b, m))
     return g.add(g.mul(g.sub(x, m), s), b)
+
+
+def _image_scaler(ctx: NodeContext) -> Node:
+    """ImageScaler (experimental, opsets 1-9): ``x * scale + bias[c]`` over [N, C, H, W]."""
+    g, x = ctx.g, ctx.x(0)
+    y = g.mul(x, float(ctx.attr("scale", 1.0)))
+    bias = ctx.attr("bias")
+    if not bias:
+        return y
+    return g.add(y, _per_channel(g, g.const(torch.tensor(bias, dtype=x.dtype.torch)), x.rank, x.dtype))
 
 
 def _lrn(ctx: NodeContext) -> Node:
@@ -664,6 +719,7 @@ NN_OPS: dict[str, Converter] = {
     "BatchNormalization": _batch_norm,
     "InstanceNormalization": _instance_norm,
     "LRN": _lrn,
+    "ImageScaler": _image_scaler,
     "LayerNormalization": lambda ctx: _trailing_norm(ctx, rms=False),
     "RMSNormalization": lambda ctx: _trailing_norm(ctx, rms=True),
     "GroupNormalization": _group_norm,
@@ -676,4 +732,4 @@ NN_OPS: dict[str, Converter] = {
     "Upsample": _resize,
 }
 
-__all__ = ["NN_OPS"]
+__all__ = ["NN_OPS", "PoolWindow", "pool_nd"]

@@ -163,8 +163,26 @@ def _dropout(ctx: NodeContext):
 
 
 # -- binary --------------------------------------------------------------------------------------------------
+def second_operand(ctx: NodeContext) -> Node:
+    """Input 1 of a binary op, lined up with input 0 as opsets 1-6 spell it.
+
+    Before opset 7, ``broadcast=1`` with an ``axis`` aligns the second operand's dims with the first's
+    from ``axis`` on (Add-6 with A [N, C, H, W], B [C] and axis=1 adds B per channel); numpy's trailing
+    alignment applies only without ``axis``. So B gets trailing 1s: [C] -> [C, 1, 1].
+    """
+    b = ctx.x(1)
+    axis = ctx.attr("axis") if ctx.opset < 7 and ctx.attr("broadcast", 0) else None
+    if axis is None:
+        return b
+    rank = ctx.rank(0)
+    trailing = rank - normalize_axis(axis, rank) - b.rank
+    if trailing < 0:
+        raise ValueError(f"broadcast axis {axis} leaves no room for operand 1 of shape {list(b.shape)}")
+    return ctx.g.view(b, (*b.shape, *[1] * trailing))
+
+
 def _binary(op: Op) -> Converter:
-    return lambda ctx: ctx.g.binary(op, ctx.x(0), ctx.x(1))
+    return lambda ctx: ctx.g.binary(op, ctx.x(0), second_operand(ctx))
 
 
 def _variadic(op: Op, mean: bool = False) -> Converter:
@@ -178,7 +196,7 @@ def _variadic(op: Op, mean: bool = False) -> Converter:
 
 
 def _pow(ctx: NodeContext) -> Node:
-    g, x, y = ctx.g, ctx.x(0), ctx.x(1)
+    g, x, y = ctx.g, ctx.x(0), second_operand(ctx)
     if x.dtype == y.dtype:
         return g.pow(x, y)
     if x.dtype.is_float:
@@ -202,7 +220,7 @@ def _mod(ctx: NodeContext) -> Node:
 
 
 def _xor(ctx: NodeContext) -> Node:
-    return ctx.g.ne(ctx.x(0), ctx.x(1))
+    return ctx.g.ne(ctx.x(0), second_operand(ctx))
 
 
 def _bitshift(ctx: NodeContext) -> Node:
@@ -568,4 +586,4 @@ SYM_OPS: dict[str, Converter] = {
     "ReduceProd": _sym_prod,
 }
 
-__all__ = ["MATH_OPS", "SYM_OPS", "clamp"]
+__all__ = ["MATH_OPS", "SYM_OPS", "clamp", "second_operand"]

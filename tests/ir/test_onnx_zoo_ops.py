@@ -76,3 +76,130 @@ def test_lrn_without_size_names_the_attribute():
     del model.graph.node[2].attribute[:]
     with pytest.raises(ValueError, match="LRN.*|size"):
         load_onnx(model)
+
+
+# -- opset spellings of the Caffe / early-torch model zoo ---------------------------------------------------
+def _one_node(node, x_shape, y_shape, opset: int, inits=()) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [node],
+        "one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [
+            helper.make_tensor_value_info(
+                "y", TensorProto.FLOAT, y_shape or [f"d{i}" for i in range(len(x_shape))]
+            )
+        ],
+        list(inits),
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 4 if opset < 10 else 7  # initializers need not be graph inputs from IR 4 on
+    onnx.checker.check_model(model)
+    return model
+
+
+def _compiled(model: onnx.ModelProto, x: torch.Tensor) -> np.ndarray:
+    g = load_onnx(model)
+    (ref,) = evaluate(g, [x])
+    (got,) = compile_graph(optimize(g), backend="cpu", cache=False)(x)
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+    return got.numpy()
+
+
+def _ort(model: onnx.ModelProto, x: torch.Tensor) -> np.ndarray:
+    ort = pytest.importorskip("onnxruntime")
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x.numpy()})[0]
+
+
+POOLS_ND = [
+    # torch's LRN export: a window over the (padded) channels only, the other axes untouched
+    (
+        "AveragePool",
+        [2, 1, 9, 3, 5],
+        dict(kernel_shape=[5, 1, 1], pads=[2, 0, 0, 2, 0, 0], count_include_pad=1),
+    ),
+    ("MaxPool", [2, 3, 8, 5, 6], dict(kernel_shape=[3, 2, 3], strides=[2, 2, 1], pads=[1, 0, 1, 1, 0, 0])),
+    (
+        "MaxPool",
+        [1, 2, 9, 7, 6],
+        dict(kernel_shape=[2, 3, 2], strides=[2, 1, 2], dilations=[2, 1, 2], ceil_mode=1),
+    ),
+    (
+        "AveragePool",
+        [2, 3, 8, 5, 6],
+        dict(
+            kernel_shape=[3, 2, 3],
+            strides=[2, 2, 2],
+            pads=[1, 0, 1, 1, 1, 0],
+            ceil_mode=1,
+            count_include_pad=1,
+        ),
+    ),
+    (
+        "AveragePool",
+        [2, 3, 8, 5, 6],
+        dict(kernel_shape=[3, 3, 2], strides=[2, 2, 2], pads=[1] * 6, ceil_mode=1),
+    ),
+    ("AveragePool", [2, 3, 9], dict(kernel_shape=[3], strides=[2], pads=[1, 1], ceil_mode=1)),
+    ("MaxPool", [2, 3, 9], dict(kernel_shape=[3], strides=[2], pads=[1, 0])),
+]
+
+
+@pytest.mark.parametrize(
+    ("op", "shape", "attrs"), POOLS_ND, ids=lambda v: str(v) if isinstance(v, str) else None
+)
+def test_pooling_over_1_and_3_spatial_axes_matches_onnxruntime(op, shape, attrs):
+    """3-d pools (torch exports LRN as one) pool one axis at a time: exact for max, and for averages
+    because a window's divisor, padding counted or not and ceil-mode clipped, is a product over axes."""
+    model = _one_node(
+        helper.make_node(op, ["x"], ["y"], **attrs), shape, None, 10 if "ceil_mode" in attrs else 9
+    )
+    x = torch.randn(*shape)
+    np.testing.assert_allclose(_compiled(model, x), _ort(model, x), rtol=1e-5, atol=1e-6)
+
+
+def test_lrn_style_3d_pool_is_one_pool_over_the_channels():
+    """Axes with window 1, stride 1 and no padding are skipped: torch's LRN costs one 2-d pool."""
+    attrs = dict(kernel_shape=[5, 1, 1], pads=[2, 0, 0, 2, 0, 0], count_include_pad=1)
+    g = load_onnx(_one_node(helper.make_node("AveragePool", ["x"], ["y"], **attrs), [2, 1, 9, 3, 5], None, 9))
+    pools = [n for n in g.nodes if n.op.value == "pool"]
+    assert len(pools) == 1 and pools[0].arg.kernel == (5, 1)
+
+
+def test_legacy_broadcast_with_axis_aligns_from_that_axis():
+    """Add-6 with broadcast=1, axis=1 adds a [C] bias per channel; numpy's trailing alignment would add
+    it along W (equal to C here, so no shape error would catch it)."""
+    b = np.arange(4, dtype=np.float32)
+    node = helper.make_node("Add", ["x", "b"], ["y"], broadcast=1, axis=1)
+    model = _one_node(node, [2, 4, 3, 4], [2, 4, 3, 4], 6, [onnx.numpy_helper.from_array(b, "b")])
+    x = torch.randn(2, 4, 3, 4)
+    np.testing.assert_allclose(_compiled(model, x), x.numpy() + b[None, :, None, None], rtol=1e-6)
+    bc = np.arange(12, dtype=np.float32).reshape(4, 3)
+    node = helper.make_node("Sub", ["x", "b"], ["y"], broadcast=1, axis=-3)
+    model = _one_node(node, [2, 4, 3, 5], [2, 4, 3, 5], 6, [onnx.numpy_helper.from_array(bc, "b")])
+    x = torch.randn(2, 4, 3, 5)
+    np.testing.assert_allclose(_compiled(model, x), x.numpy() - bc[None, :, :, None], rtol=1e-6)
+
+
+def test_legacy_broadcast_without_axis_is_numpy_suffix_matching():
+    b = np.arange(15, dtype=np.float32).reshape(3, 5)
+    node = helper.make_node("Mul", ["x", "b"], ["y"], broadcast=1)
+    model = _one_node(node, [2, 4, 3, 5], [2, 4, 3, 5], 6, [onnx.numpy_helper.from_array(b, "b")])
+    x = torch.randn(2, 4, 3, 5)
+    np.testing.assert_allclose(_compiled(model, x), x.numpy() * b, rtol=1e-6)
+
+
+def test_concat_1_defaults_to_axis_1():
+    model = _one_node(helper.make_node("Concat", ["x", "x"], ["y"]), [2, 3, 4], [2, 6, 4], 3)
+    x = torch.randn(2, 3, 4)
+    np.testing.assert_array_equal(_compiled(model, x), torch.cat([x, x], 1).numpy())
+
+
+def test_image_scaler_matches_definition_and_onnxruntime():
+    node = helper.make_node("ImageScaler", ["x"], ["y"], scale=0.5, bias=[0.1, -0.2, 0.3])
+    model = _one_node(node, [2, 3, 4, 5], [2, 3, 4, 5], 9)
+    x = torch.randn(2, 3, 4, 5)
+    got = _compiled(model, x)
+    want = x.numpy() * 0.5 + np.array([0.1, -0.2, 0.3], np.float32)[None, :, None, None]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got, _ort(model, x), rtol=1e-6, atol=1e-7)
