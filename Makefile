@@ -26,18 +26,22 @@ test: $(STAMP)
 
 # The suite against the newest torch and transformers the package index serves, in a venv of its own (a CUDA
 # torch wheel, several GB). The first install lifts any site-wide pip constraint so that nothing caps the
-# newest; the pins it writes are the constraint after it, so nothing downgrades them. The test extra goes in
-# without its transformers bound: that bound states the range this target and `make test` prove.
+# newest; the pins it writes are the constraint after it, so nothing downgrades them. kernelize's own
+# requirements (runtime, cuda and test extras) go in without its torch and transformers bounds: those state
+# the range this target and `make test` prove, and must not hold back the versions being tried.
 COMPAT  := .venv-compat
-COMPAT_TEST_REQS := import importlib.metadata as m; print(*(r.split(";")[0].replace(" ", "") \
-	for r in m.requires("kernelize") if r.endswith("extra == \"test\"") and not r.startswith("transformers")))
+COMPAT_REQS := import importlib.metadata as m, re; print(*( \
+	r.split(";")[0] if "extra ==" in r else r for r in m.requires("kernelize") \
+	if re.match(r"[\w.-]+", r)[0] not in ("torch", "transformers") \
+	and ("extra ==" not in r or r.endswith(("\"cuda\"", "\"test\"")))), sep="\n")
 
 test-compat:
 	python3 -m venv $(COMPAT)
 	PIP_CONSTRAINT=/dev/null $(COMPAT)/bin/pip install -q -U torch transformers
 	$(COMPAT)/bin/pip freeze | grep -E '^(torch|transformers)==' > $(COMPAT)/pins.txt
-	PIP_CONSTRAINT=$(COMPAT)/pins.txt $(COMPAT)/bin/pip install -q -e '.[cuda]'
-	PIP_CONSTRAINT=$(COMPAT)/pins.txt $(COMPAT)/bin/pip install -q $$($(COMPAT)/bin/python -c '$(COMPAT_TEST_REQS)')
+	PIP_CONSTRAINT=$(COMPAT)/pins.txt $(COMPAT)/bin/pip install -q --no-deps -e .
+	$(COMPAT)/bin/python -c '$(COMPAT_REQS)' > $(COMPAT)/requirements.txt
+	PIP_CONSTRAINT=$(COMPAT)/pins.txt $(COMPAT)/bin/pip install -q -r $(COMPAT)/requirements.txt
 	$(COMPAT)/bin/python -c 'import sys, torch, transformers; print("python", sys.version.split()[0], \
 		"torch", torch.__version__, "transformers", transformers.__version__)'
 	$(COMPAT)/bin/python -m pytest $(PYTEST_FLAGS)

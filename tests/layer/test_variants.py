@@ -159,7 +159,10 @@ def test_detect_this_system() -> None:
     assert str(SystemInfo.detect("cpu")).startswith(f"torch {major}.{minor}, cpu, ")
 
 
-@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch supports the cuda backend")
+@pytest.mark.skipif(
+    torch.version.cuda is not None and torch.cuda.is_available(),
+    reason="a CUDA build of torch with a usable GPU supports the cuda backend",
+)
 def test_detect_rejects_a_backend_torch_was_not_built_for() -> None:
     with pytest.raises(ValueError, match="Backend 'cuda' is not available; this system supports 'cpu'"):
         SystemInfo.detect("cuda")
