@@ -196,23 +196,27 @@ def test_decode_shape_with_causal_mask(lq, lk, hq, hkv):
         torch.set_num_threads(threads)
 
 
-def _eager_variant(q, k, v, cap, window, causal, mask=None):
-    """Gemma-style eager attention written out (not through ScoreMod): softcap, then the window and causal
-    cuts as transformers' masks make them (key j kept for the query at position i iff i - window < j)."""
+def _eager_scores(q, k, v, cap, window, causal):
+    """Gemma / gpt-oss eager attention's scores written out (not through ScoreMod), and the f32 values:
+    softcap, then the window and causal cuts as transformers' masks make them (key j kept for the query at
+    position i iff i - window < j)."""
     g = q.shape[1] // k.shape[1]
     kf, vf = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
     s = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if cap:
         s = cap * torch.tanh(s / cap)
     lq, lk = s.shape[-2:]
-    i = torch.arange(lk - lq, lk)[:, None]
-    j = torch.arange(lk)[None, :]
+    i, j = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
     keep = torch.ones(lq, lk, dtype=torch.bool)
     if window:
         keep &= j > i - window
     if causal:
         keep &= j <= torch.arange(lq)[:, None]
-    s = s.masked_fill(~keep, -math.inf)
+    return s.masked_fill(~keep, -math.inf), vf
+
+
+def _eager_variant(q, k, v, cap, window, causal, mask=None):
+    s, vf = _eager_scores(q, k, v, cap, window, causal)
     if mask is not None:
         s = s + mask.float()
     return torch.softmax(s, -1).nan_to_num(0.0) @ vf
@@ -241,17 +245,7 @@ def test_score_mods_softcap_and_sliding_window(cap, window, lq, lk, causal, dtyp
 
 def _eager_sinks(q, k, v, sinks, causal=False, window=None):
     """gpt-oss's eager attention written out: the sink logit joins the softmax, its column is dropped."""
-    g = q.shape[1] // k.shape[1]
-    kf, vf = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
-    s = q.float() @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    lq, lk = s.shape[-2:]
-    i, j = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
-    keep = torch.ones(lq, lk, dtype=torch.bool)
-    if window:
-        keep &= j > i - window
-    if causal:
-        keep &= j <= torch.arange(lq)[:, None]
-    s = s.masked_fill(~keep, -math.inf)
+    s, vf = _eager_scores(q, k, v, None, window, causal)
     logits = torch.cat([s, sinks.float().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
     probs = torch.softmax(logits - logits.max(-1, keepdim=True).values, -1)[..., :-1]
     return probs @ vf

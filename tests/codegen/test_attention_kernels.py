@@ -148,14 +148,7 @@ def test_score_mods_match_reference_in_triton_and_cuda_emulation(case, mod):
     kernel = _kernel(hq, hkv, d, d, dtype, causal, mask, MODS[mod])
     ins = _inputs(kernel, b, lq, lk)
     ins[0] = ins[0] * 4  # scores past the cap
-    ref = _oracle(kernel, ins)
-    out = torch.empty(b, hq, lq, d, dtype=dtype.torch)
-    TritonBackend().compile(kernel).launch(ins, [out], None)
-    _check(kernel, out, ref)
-    if shutil.which("g++"):
-        out.zero_()
-        emulate_attention(kernel, ins, out)
-        _check(kernel, out, ref)
+    _triton_and_emulation(kernel, ins, torch.empty(b, hq, lq, d, dtype=dtype.torch))
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -168,13 +161,17 @@ def test_sinks_match_reference_in_triton_and_cuda_emulation(case, split):
     lq = lq if lq < lk else lk
     kernel = _kernel(hq, hkv, d, d, dtype, causal and lq == lk, mask, sliding_window(7), sinks=True)
     ins = [*_inputs(kernel, b, lq, lk), torch.randn(hq) * 2]
+    _triton_and_emulation(kernel, ins, torch.empty(b, hq, lq, d, dtype=dtype.torch), nsplit=3 if split else 1)
+
+
+def _triton_and_emulation(kernel: Kernel, ins, out: torch.Tensor, nsplit: int = 1) -> None:
+    """The kernel through the Triton interpreter and (with g++) CUDA host emulation, against the oracle."""
     ref = _oracle(kernel, ins)
-    out = torch.empty(b, hq, lq, d, dtype=dtype.torch)
     TritonBackend().compile(kernel).launch(ins, [out], None)
     _check(kernel, out, ref)
     if shutil.which("g++"):
         out.zero_()
-        emulate_attention(kernel, ins, out, nsplit=3 if split else 1)
+        emulate_attention(kernel, ins, out, nsplit=nsplit)
         _check(kernel, out, ref)
 
 
