@@ -140,7 +140,7 @@ def attention_forward(
                 is_causal=causal,
                 scale=scaling,
                 enable_gqa=query.shape[1] != key.shape[1],
-                score_mod=_score_mod(kwargs, mask is None, key.shape[-2]),
+                score_mod=_mods(kwargs.get("softcap"), _window(kwargs, mask is None, key.shape[-2])),
                 sinks=_sinks(kwargs.get("s_aux")),
             )
         except unsupported as exc:
@@ -176,7 +176,7 @@ def attention_with_grad(
     mask, causal = _kernel_mask(module, query, key, attention_mask, is_causal)
     if mask is not None and mask.dim() == 4:  # an eager-style mask may be longer than the keys
         mask = mask[..., : key.shape[-2]]
-    window = _score_mod({"sliding_window": kwargs.get("sliding_window")}, mask is None, key.shape[-2])
+    window = _mods(None, _window(kwargs, mask is None, key.shape[-2]))
     if window is not None:  # SDPA has no window: the mask the modification stands for, written out
         q_len, kv_len = query.shape[-2], key.shape[-2]
         keep = window.apply(torch.zeros(1, 1, q_len, kv_len, device=query.device)) > -torch.inf
@@ -201,13 +201,12 @@ def _mods(cap: float | None, window: int | None) -> ScoreMod | None:
     return chain(softcap(cap) if cap else None, sliding_window(window) if window else None)
 
 
-def _score_mod(kwargs: dict[str, Any], unmasked: bool, keys: int) -> ScoreMod | None:
-    """The call's score modification: transformers' soft-capping, and its sliding window where no mask
-    carries it (transformers' masks of sliding layers already cut the window; without a mask the keys are
-    the cache's contiguous last positions, which is what the window modification assumes)."""
+def _window(kwargs: dict[str, Any], unmasked: bool, keys: int) -> int | None:
+    """The call's sliding window where no mask carries it and it cuts keys (transformers' masks of sliding
+    layers already cut the window; without a mask the keys are the cache's contiguous last positions, which
+    is what the window modification assumes)."""
     window = kwargs.get("sliding_window")
-    window = window if unmasked and window is not None and keys > window else None
-    return _mods(kwargs.get("softcap"), window)
+    return window if unmasked and window is not None and keys > window else None
 
 
 def _sinks(s_aux: torch.Tensor | None) -> torch.Tensor | None:
