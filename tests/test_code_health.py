@@ -93,3 +93,69 @@ def test_the_checks_see_the_package() -> None:
     assert len(MODULES) > 80 and "kernelize.ir.graph" in MODULES
     path, tree = MODULES["kernelize.runtime.compiled"]
     assert ("kernelize.ir.reference", "EVAL") in set(_imports("kernelize.runtime.compiled", path, tree))
+
+
+def _kernel_kind_tests(tree: ast.Module) -> list[int]:
+    """Lines testing a kernel's kind: `KernelKind.X`, `.kind is / == / in ...`, `isinstance(_, *Kernel)`."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "KernelKind":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare) and any(
+            isinstance(side, ast.Attribute) and side.attr == "kind" for side in (node.left, *node.comparators)
+        ):
+            lines.append(node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", "") == "isinstance"
+            and len(node.args) == 2
+        ):
+            names = [n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)]
+            lines += (
+                [node.lineno] if any(n.endswith("Kernel") and n != "CompiledKernel" for n in names) else []
+            )
+    return lines
+
+
+def test_backends_dispatch_on_kernel_classes_not_kinds() -> None:
+    """codegen/ and runtime/ pick what to do with a kernel through per-kind tables (`kernels.dispatch`), never
+    by testing its kind; kernels have no field typed `Any`."""
+    found = {
+        f"{path.relative_to(PKG).as_posix()}:{line}"
+        for name, (path, tree) in MODULES.items()
+        if name.startswith(("kernelize.codegen", "kernelize.runtime"))
+        for line in _kernel_kind_tests(tree)
+    }
+    assert not found, f"kind tests outside the dispatch tables: {sorted(found)}"
+    from dataclasses import fields
+
+    from kernelize.autokernel import kernels
+
+    classes = [c for c in vars(kernels).values() if isinstance(c, type) and issubclass(c, kernels.Kernel)]
+    assert len(classes) >= 10
+    untyped = [f"{c.__name__}.{f.name}" for c in classes for f in fields(c) if "Any" in str(f.type)]
+    assert not untyped, f"kernel fields typed Any: {untyped}"
+
+
+def test_kind_check_finds_kind_tests() -> None:
+    """The rule above sees each spelling of a kind test."""
+    code = "k.kind is KernelKind.ROW\nx.kind in s\nisinstance(k, RowKernel)\nisinstance(c, CompiledKernel)\n"
+    assert sorted(_kernel_kind_tests(ast.parse(code))) == [1, 1, 2, 3]
+
+
+def test_bundled_layers_do_not_import_the_integrations() -> None:
+    """hub_kernels/ sits below the integrations: its layers import kernelize's core, never
+    `kernelize.integrations` (which imports them)."""
+    hub = PKG.parent / "hub_kernels"
+    offenders = []
+    for path in sorted(hub.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [
+                f"{path.relative_to(hub)}:{node.lineno}"
+                for n in names
+                if n.startswith("kernelize.integrations")
+            ]
+    assert len(list(hub.rglob("*.py"))) > 5
+    assert not offenders, f"hub_kernels importing kernelize.integrations: {offenders}"

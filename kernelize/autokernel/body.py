@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kernelize.autokernel.indexing import Affine, NotAffine
-from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store, loop_kernel
 from kernelize.autokernel.layout import DenseLayout, nhwc_strides
 from kernelize.autokernel.partition import POINTWISE_OPS, Group, column_member, is_axis, operand_sel
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, SOURCE, Node, Op
@@ -347,4 +347,4 @@ class BodyBuilder:
             strides, offset = self._flat(m, buf)
             out.append(Store(idx, buf, tuple(strides[: self.ndom]), offset))
         computes = tuple(sorted(self.computed, key=lambda n: self.order[n]))
-        return Kernel("", g.kind, g.domain, tuple(self.body), tuple(out), g.row_rank, computes=computes)
+        return loop_kernel(g.kind, "", g.domain, tuple(self.body), tuple(out), g.row_rank, computes)

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 
-from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.autokernel.kernels import ConvChainKernel, ConvKernel, Kernel
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Node, Op
 from kernelize.ir.shapes import Dim
@@ -198,7 +198,7 @@ def chain_stage(k: Kernel) -> str | None:
     """``"pointwise"`` (a 1x1 conv of stride 1, no padding, one group), ``"depthwise"`` (one channel per
     group, a square kernel and stride of :data:`CHAIN_DEPTHWISE`, no dilation) or None, for an f32 CONV
     kernel with static channels: the stages a conv chain is made of."""
-    if k.kind is not KernelKind.CONV or k.node.dtype is not DType.F32:
+    if not isinstance(k, ConvKernel) or k.node.dtype is not DType.F32:
         return None
     x, w = k.node.src
     a = k.node.arg
@@ -232,7 +232,7 @@ def conv_chains(
     for k in kernels:
         for b in k.reads:
             readers.setdefault(b, []).append(k)
-    writer = {k.writes[0]: k for k in kernels if k.kind is KernelKind.CONV}
+    writer = {k.writes[0]: k for k in kernels if isinstance(k, ConvKernel)}
 
     def feeds(a: Kernel, b: Kernel) -> bool:
         t = a.epilogue.tail
@@ -278,9 +278,8 @@ def _chain_kernel(stages: Sequence[Kernel]) -> Kernel:
     inner = {s.epilogue.tail for s in stages[:-1]}
     inputs = tuple(dict.fromkeys(b for s in stages for b in s.inputs if b not in inner))
     (node,) = [s.node for s in stages if chain_stage(s) == "depthwise"]
-    return Kernel(
+    return ConvChainKernel(
         "",
-        KernelKind.CONV_CHAIN,
         stages[-1].domain,
         node=node,
         inputs=inputs,

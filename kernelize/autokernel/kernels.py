@@ -1,43 +1,32 @@
 """Kernel specs: the contract between the fusion planner and the three code generators.
 
-A :class:`Kernel` is a loop nest over a ``domain`` (a shape). Its ``body`` is a tiny SSA program of
-:class:`Load` and :class:`Compute` entries, referenced by position (``v0``, ``v1``... in generated code);
-:class:`Store` entries write body values to buffers. Layout ops of the graph never appear here: the
-planner folds them into the ``strides`` / ``offset`` of loads and stores, concat and pad into masked
-loads, gather into an indirect load.
+Each kind of kernel is a class of its own (:class:`Kernel` is the base; ``kind`` names the class) with its
+own fields, reads and writes. Backends pick what to do with a kernel through a table keyed by class
+(:func:`dispatch`), never by comparing kinds. Two families:
 
-Kinds:
+* **Loop kernels** (:class:`LoopKernel`): a loop nest over a ``domain`` (a shape). Its ``body`` is a tiny
+  SSA program of :class:`Load` and :class:`Compute` entries, referenced by position (``v0``, ``v1``... in
+  generated code); :class:`Store` entries write body values to buffers. Layout ops of the graph never
+  appear here: the planner folds them into the ``strides`` / ``offset`` of loads and stores, concat and pad
+  into masked loads, gather into an indirect load.
 
-* ``POINTWISE``: every body value is indexed by the whole domain.
-* ``ROW``: the trailing ``row_rank`` domain axes form a row reduced inside one program. Values are either
-  *full* (vary along the row) or *per-row* (results of a reduction, and elementwise ops on those only);
-  see :func:`row_invariant`. Row ops (softmax, log-softmax, layernorm, rmsnorm) take full operands and
-  give full results; reductions (sum, mean, max, min, prod, argmax, argmin) give per-row results.
-* ``MATMUL``: ``body[0]`` is ``Compute(Op.MATMUL, src=(a, b), arg=K)`` where ``a`` / ``b`` are loads indexed
-  over ``(*batch, M, K)`` / ``(*batch, K, N)`` (their strides have ``len(domain) + 1`` entries); the
-  domain is ``(*batch, M, N)`` and the rest of the body is the elementwise epilogue over it. Precisely
-  (as the planner emits it): ``body[1]`` is ``a`` and ``body[2]`` is ``b`` (the only forward references in
-  a body), both with strides over ``(*batch, M, N, K)`` (``a`` has stride 0 on ``N``, ``b`` on ``M``), and
-  ``arg`` is the contracted size ``K``.
-* ``SPLITK`` (derived by GPU backends from a MATMUL kernel, never planned; see
-  :mod:`kernelize.autokernel.matmul`): ``body`` as a MATMUL kernel's first three entries, no epilogue; the
-  one store is an f32 buffer over the domain that each program *adds* its partial sums over a slice of K to.
-  A MATMUL kernel may hold several matmuls sharing ``body[1]`` (``PlanSettings.merge_matmuls``): each
-  further one is ``Compute(Op.MATMUL, src=(1, j))`` after its right operand's load ``j``.
-* ``ATTENTION``: ``node`` (an ``Op.ATTENTION`` graph node) as one fused kernel over ``domain = node.shape``
-  (``[B, Hq, Lq, Dv]``); ``inputs`` are the buffers under its operands. Generated code reads the operands
-  (q, k, v and the broadcast mask) through the strides of the tensors the runtime hands it, which are the
-  operands seen through their layout views (:func:`kernelize.runtime.library.library_operands`): a
-  transposed or broadcast operand is never copied. No body.
-* ``CONV``: ``node`` is a conv run by the library (oneDNN with prepacked weights on the CPU, cuDNN on a GPU)
-  with ``epilogue`` (:class:`~kernelize.autokernel.conv.ConvEpilogue`: bias, residual, activation) fused as
-  post-ops; ``inputs`` are the activation, weight, bias and residual buffers; it writes ``epilogue.tail``.
-* ``CONV_CHAIN`` (``PlanSettings.conv_chains``): ``stages`` are CONV kernels run as one, the output of
-  each the input of the next and nowhere stored: a 1x1 expansion, a depthwise conv, a 1x1 projection (an
-  inverted-residual block), or two of them around the depthwise one; ``node`` is the depthwise conv,
-  ``inputs`` the buffers the stages read from outside the chain; it writes the last stage's tail.
-* ``LIBRARY``: ``node`` (conv, pool, or a matmul better left to a library) runs as one torch call on
-  ``inputs``; no body.
+  * :class:`PointwiseKernel`: every body value is indexed by the whole domain.
+  * :class:`RowKernel`: the trailing ``row_rank`` domain axes form a row reduced inside one program. Values
+    are either *full* (vary along the row) or *per-row* (results of a reduction, and elementwise ops on
+    those only); see :func:`row_invariant`. Row ops (softmax, log-softmax, layernorm, rmsnorm) take full
+    operands and give full results; reductions (sum, mean, max, min, prod, argmax, argmin) give per-row
+    results.
+  * :class:`MatmulKernel`: matmuls sharing their left operand (:attr:`MatmulKernel.a`; several with
+    ``PlanSettings.merge_matmuls``), each ``Compute(Op.MATMUL, src=(a, b), arg=K)`` over loads whose
+    strides run over ``(*batch, M, N, K)``; the domain is ``(*batch, M, N)`` and the rest of the body is
+    the elementwise epilogue over it. Operands and the contraction size are named properties.
+  * :class:`SplitKKernel` (derived by GPU backends from a MATMUL kernel, never planned; see
+    :mod:`kernelize.autokernel.matmul`).
+
+* **Node kernels** (:class:`NodeKernel`): one graph ``node`` run on the buffers under its operands
+  (``inputs``), no body: :class:`LibraryKernel` (one torch call), :class:`AttentionKernel` (a fused
+  attention template), :class:`ConvKernel` (a conv with its bias / residual / activation epilogue) and
+  :class:`ConvChainKernel` (conv stages run as one, intermediates never stored).
 
 Reductions and row ops in a ``ROW`` kernel work over the row: a reduction's ``Compute.arg`` is the
 tuple of row axes of the domain (``x.sum(dim=arg, keepdim=True)`` over domain-shaped values), softmax and
@@ -48,7 +37,7 @@ stored (strides 0 on the outer axes), once every row has been added (see :func:`
 
 Example (``y = x * rsqrt(mean(x*x) + eps) * w`` over rows of 4096, as an rmsnorm row kernel)::
 
-    Kernel(name="k0", kind=ROW, domain=(batch*seq, 4096), row_rank=1,
+    RowKernel(name="k0", domain=(batch*seq, 4096), row_rank=1,
            body=(Load(x, strides=(4096, 1)), Load(w, strides=(0, 1)),
                  Compute(Op.RMSNORM, f32, src=(0, 1), arg=NormArgs(1e-6, has_weight=True))),
            stores=(Store(value=2, buffer=y, strides=(4096, 1)),))
@@ -56,15 +45,21 @@ Example (``y = x * rsqrt(mean(x*x) + eps) * w`` over rows of 4096, as an rmsnorm
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from kernelize._compat import StrEnum
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
 from kernelize.ir.printer import format_arg
-from kernelize.ir.shapes import Dim, Shape, shape_str, symbols
+from kernelize.ir.shapes import Dim, Shape, Sym, shape_str, symbols
+
+if TYPE_CHECKING:
+    from kernelize.autokernel.conv import ConvEpilogue
+
+T = TypeVar("T")
 
 
 class KernelKind(StrEnum):
@@ -78,8 +73,8 @@ class KernelKind(StrEnum):
     LIBRARY = "library"
 
 
-# kernels that run one graph node on its operands (no body)
-NODE_KINDS = frozenset({KernelKind.LIBRARY, KernelKind.ATTENTION})
+# kinds whose kernel runs one graph node (a library call or a fixed template; no body): never merged
+NODE_KINDS = frozenset({KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV, KernelKind.CONV_CHAIN})
 
 
 @dataclass(frozen=True)
@@ -126,15 +121,16 @@ class Load:
 class Compute:
     """One operation on earlier body values (``src`` are body positions), in the IR's op semantics.
 
-    ``dtype`` is the IR dtype of the result (generated code computes 16-bit floats in f32). Besides graph
-    elementwise / reduce / row ops, ``Op.CONCAT`` appears with ``arg = ConcatArgs(axis, ends)``: the value
-    is ``src[i]`` for the first ``i`` with ``index[axis] < ends[i]``.
+    ``dtype`` is the IR dtype of the result (generated code computes 16-bit floats in f32). ``arg`` is the
+    graph node's argument of ``op`` (see :mod:`kernelize.ir.ops`), or, in a kernel: a reduction's row axes, a
+    matmul's contraction size, ``ConcatArgs(axis, ends)`` for ``Op.CONCAT`` (the value is ``src[i]`` for the
+    first ``i`` with ``index[axis] < ends[i]``).
     """
 
     op: Op
     dtype: DType
     src: tuple[int, ...] = ()
-    arg: Any = None
+    arg: object = None
 
 
 @dataclass(frozen=True)
@@ -152,69 +148,95 @@ class Store:
 
 @dataclass(frozen=True)
 class Kernel:
+    """What every kind has: a name, the domain it runs over, and (for printing and pictures) the graph
+    values it computes. Each kind is a subclass with its own fields, reads and writes; backends dispatch on
+    the class (:func:`dispatch`), ``kind`` names it."""
+
     name: str
-    kind: KernelKind
     domain: Shape
-    body: tuple[Load | Compute, ...] = ()
-    stores: tuple[Store, ...] = ()
-    row_rank: int = 0
-    node: Node | None = None  # LIBRARY, ATTENTION, CONV: the graph op to run
-    inputs: tuple[Node, ...] = ()  # LIBRARY, ATTENTION, CONV: its operands' buffers
-    epilogue: Any = None  # CONV: the fused ConvEpilogue
-    stages: tuple[Kernel, ...] = ()  # CONV_CHAIN: its CONV kernels, in order
-    # graph values this kernel computes, for printing and pictures
-    computes: tuple[Node, ...] = field(default=(), compare=False)
+    computes: tuple[Node, ...] = field(default=(), compare=False, kw_only=True)
+    kind: ClassVar[KernelKind]
 
     @cached_property  # computed once per kernel: the runtime reads these on every launch
     def reads(self) -> tuple[Node, ...]:
         """Distinct buffers read, in first-use order (the generated function's input arguments)."""
-        if self.kind in NODE_KINDS or self.kind in (KernelKind.CONV, KernelKind.CONV_CHAIN):
-            return tuple(dict.fromkeys(self.inputs))
-        return tuple(dict.fromkeys(e.buffer for e in self.body if isinstance(e, Load)))
+        raise NotImplementedError
 
     @cached_property
     def writes(self) -> tuple[Node, ...]:
         """Distinct buffers written (the generated function's output arguments)."""
-        if self.kind in NODE_KINDS:
-            return (self.node,)
-        if self.kind is KernelKind.CONV:
-            return (self.epilogue.tail,)
-        if self.kind is KernelKind.CONV_CHAIN:
-            return (self.stages[-1].epilogue.tail,)
-        return tuple(dict.fromkeys(s.buffer for s in self.stores))
+        raise NotImplementedError
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """The operations the kernel computes (for labels in profiles)."""
+        return tuple(n.op for n in self.computes)
+
+    @property
+    def touched(self) -> tuple[Node, ...]:
+        """The values whose memory the kernel reads: its buffers, and (node kernels) the values under its
+        node's operands' layout views."""
+        return self.reads
+
+    @property
+    def nhwc_reads(self) -> tuple[Node, ...]:
+        """The buffers the kernel can read channels-last (a library's activation or residual operand); a
+        kernel that has some also writes channels-last."""
+        return ()
+
+    def _dims(self) -> list[Dim]:
+        """Every size the kernel's indexing names (beyond its buffers' shapes)."""
+        return list(self.domain)
 
     @cached_property
     def symbols(self) -> tuple[str, ...]:
         """Symbolic dimension names the kernel takes as runtime integer arguments, sorted."""
-        dims: list[Dim] = list(self.domain)
-        for e in (*self.body, *self.stores):
-            if isinstance(e, Load | Store):
-                dims += [*e.strides, e.offset, *(d for m in getattr(e, "mask", ()) for d in m[1:])]
-                dims += [d for i in getattr(e, "indirect", ()) for d in (i.stride, i.size)]
-        return tuple(
-            sorted(symbols(dims) | {n for b in (*self.reads, *self.writes) for n in symbols(b.shape)})
-        )
+        buffers = {n for b in (*self.reads, *self.writes) for n in symbols(b.shape)}
+        return tuple(sorted(symbols(self._dims()) | buffers))
+
+    def _lines(self) -> list[str]:
+        return []
 
     def __str__(self) -> str:
-        head = f"{self.name}: {self.kind} over {shape_str(self.domain)}"
-        if self.kind is KernelKind.ROW:
-            head += f" (row = last {self.row_rank})"
-        lines = [head]
-        if self.kind is KernelKind.CONV_CHAIN:
-            for stage in self.stages:
-                lines += ["  " + line for line in str(stage).splitlines()]
-            return "\n".join(lines)
-        if self.kind in NODE_KINDS or self.kind is KernelKind.CONV:
-            arg = "" if self.node.arg is None else f" {format_arg(self.node.arg)}"
-            lines.append(f"  {self.node.op}{arg}")
-        if self.kind is KernelKind.CONV:
-            ep = self.epilogue
-            post = [
-                "bias" if ep.bias is not None else "",
-                "+ residual" if ep.residual is not None else "",
-                f"{ep.activation}{list(ep.scalars) if ep.scalars else ''}" if ep.activation else "",
-            ]
-            lines.append(f"  post-ops: {' '.join(p for p in post if p) or '-'}")
+        return "\n".join([f"{self.name}: {self.kind} over {shape_str(self.domain)}", *self._lines()])
+
+
+@dataclass(frozen=True)
+class LoopKernel(Kernel):
+    """A generated loop nest: ``body`` (loads and computes) evaluated over the domain, ``stores`` written."""
+
+    body: tuple[Load | Compute, ...] = ()
+    stores: tuple[Store, ...] = ()
+
+    @property
+    def row_rank(self) -> int:
+        """How many trailing domain axes form a row reduced inside one program (0 but in ROW kernels)."""
+        return 0
+
+    @cached_property
+    def reads(self) -> tuple[Node, ...]:
+        return tuple(dict.fromkeys(e.buffer for e in self.body if isinstance(e, Load)))
+
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        return tuple(e.op for e in self.body if isinstance(e, Compute))
+
+    @cached_property
+    def writes(self) -> tuple[Node, ...]:
+        return tuple(dict.fromkeys(s.buffer for s in self.stores))
+
+    def _dims(self) -> list[Dim]:
+        dims = list(self.domain)
+        for e in (*self.body, *self.stores):
+            if isinstance(e, Load | Store):
+                dims += [*e.strides, e.offset]
+            if isinstance(e, Load):
+                dims += [d for m in e.mask for d in m[1:]]
+                dims += [d for i in e.indirect for d in (i.stride, i.size)]
+        return dims
+
+    def _lines(self) -> list[str]:
+        lines = []
         for i, e in enumerate(self.body):
             if isinstance(e, Load):
                 extra = f" mask={e.mask} other={e.other}" if e.mask else ""
@@ -231,7 +253,226 @@ class Kernel:
                 f"  store v{s.value} -> {s.buffer.dtype}{shape_str(s.buffer.shape)} strides={s.strides}"
                 + (f" offset={s.offset}" if s.offset != 0 else "")
             )
-        return "\n".join(lines)
+        return lines
+
+
+@dataclass(frozen=True)
+class PointwiseKernel(LoopKernel):
+    """Every body value is indexed by the whole domain."""
+
+    kind: ClassVar[KernelKind] = KernelKind.POINTWISE
+
+
+@dataclass(frozen=True)
+class RowKernel(LoopKernel):
+    """The trailing ``row_rank`` domain axes form a row reduced inside one program (see the module doc)."""
+
+    kind: ClassVar[KernelKind] = KernelKind.ROW
+    row_rank: int = 1
+
+    def __str__(self) -> str:
+        head, *rest = super().__str__().split("\n")
+        return "\n".join([f"{head} (row = last {self.row_rank})", *rest])
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One matmul of a MATMUL kernel, by name: ``value`` is its body position, ``b`` its right operand."""
+
+    value: int
+    b: Load
+
+
+@dataclass(frozen=True)
+class MatmulKernel(LoopKernel):
+    """Matmuls sharing their left operand ``a``, then an elementwise epilogue over ``(*batch, M, N)``.
+
+    The body's matmul values are ``Compute(Op.MATMUL, src=(a, b), arg=K)``; both operands are plain loads
+    whose strides run over ``(*batch, M, N, K)`` (:attr:`contraction_axis` is the last: ``a`` has stride 0
+    on ``N``, ``b`` on ``M``). The operands and the contraction size are named here; generators read them
+    from :attr:`a`, :attr:`matmuls` and :attr:`k`, never by body position.
+    """
+
+    kind: ClassVar[KernelKind] = KernelKind.MATMUL
+
+    def __post_init__(self) -> None:
+        mms = [(i, e) for i, e in enumerate(self.body) if isinstance(e, Compute) and e.op is Op.MATMUL]
+        if not mms:
+            raise ValueError(f"matmul kernel {self.name}: no MATMUL in the body")
+        for _, e in mms:
+            if e.src[0] != mms[0][1].src[0]:
+                raise ValueError(f"matmul kernel {self.name}: matmuls must share their left operand")
+            if not isinstance(e.arg, int | Sym):
+                raise ValueError(f"matmul kernel {self.name}: a MATMUL's arg must be its contraction size")
+            for s in e.src:
+                ld = self.body[s]
+                if not isinstance(ld, Load) or ld.mask or ld.indirect:
+                    raise ValueError(f"matmul kernel {self.name}: operands must be plain strided loads")
+
+    @cached_property
+    def a_index(self) -> int:
+        """The body position of the shared left operand."""
+        return self.body[self.matmuls[0].value].src[0]
+
+    @property
+    def a(self) -> Load:
+        return self.body[self.a_index]
+
+    @cached_property
+    def matmuls(self) -> tuple[Matmul, ...]:
+        return tuple(
+            Matmul(i, self.body[e.src[1]])
+            for i, e in enumerate(self.body)
+            if isinstance(e, Compute) and e.op is Op.MATMUL
+        )
+
+    @property
+    def k(self) -> Dim:
+        """The contraction size."""
+        return self.body[self.matmuls[0].value].arg
+
+    @property
+    def contraction_axis(self) -> int:
+        """The axis of the operands' strides that is contracted (one past the domain's)."""
+        return len(self.domain)
+
+
+@dataclass(frozen=True)
+class SplitKKernel(LoopKernel):
+    """Derived by GPU backends from a MATMUL kernel, never planned (:mod:`kernelize.autokernel.matmul`):
+    ``body`` is a MATMUL kernel's matmul and its two operand loads, no epilogue; the one store is an f32
+    buffer over the domain that each program *adds* its partial sums over a slice of K to."""
+
+    kind: ClassVar[KernelKind] = KernelKind.SPLITK
+
+
+@dataclass(frozen=True)
+class NodeKernel(Kernel):
+    """One graph node (``node``) run as one call on the buffers under its operands (``inputs``)."""
+
+    node: Node
+    inputs: tuple[Node, ...]
+
+    @cached_property
+    def reads(self) -> tuple[Node, ...]:
+        return tuple(dict.fromkeys(self.inputs))
+
+    @cached_property
+    def writes(self) -> tuple[Node, ...]:
+        return (self.node,)
+
+    @property
+    def touched(self) -> tuple[Node, ...]:
+        return (*self.reads, *self.node.src)
+
+    def _lines(self) -> list[str]:
+        arg = "" if self.node.arg is None else f" {format_arg(self.node.arg)}"
+        return [f"  {self.node.op}{arg}"]
+
+
+@dataclass(frozen=True)
+class LibraryKernel(NodeKernel):
+    """A conv, pool, or a matmul better left to a library: one torch call."""
+
+    kind: ClassVar[KernelKind] = KernelKind.LIBRARY
+
+    @property
+    def nhwc_reads(self) -> tuple[Node, ...]:
+        return (self.node.src[0],) if self.node.op is Op.POOL else ()
+
+
+@dataclass(frozen=True)
+class AttentionKernel(NodeKernel):
+    """An ``Op.ATTENTION`` node as one fused kernel over ``domain = node.shape`` (``[B, Hq, Lq, Dv]``).
+
+    Generated code reads the operands (q, k, v, the broadcast mask, sinks) through the strides of the
+    tensors the runtime hands it, which are the operands seen through their layout views
+    (:func:`kernelize.runtime.library.library_operands`): a transposed or broadcast operand is never copied.
+    """
+
+    kind: ClassVar[KernelKind] = KernelKind.ATTENTION
+
+
+@dataclass(frozen=True)
+class ConvKernel(NodeKernel):
+    """A conv run by the library (oneDNN with prepacked weights on the CPU, cuDNN on a GPU) or generated,
+    with ``epilogue`` (bias, residual, activation) fused as post-ops; ``inputs`` are the activation,
+    weight, bias and residual buffers; it writes ``epilogue.tail``."""
+
+    kind: ClassVar[KernelKind] = KernelKind.CONV
+    epilogue: ConvEpilogue
+
+    @cached_property
+    def writes(self) -> tuple[Node, ...]:
+        return (self.epilogue.tail,)
+
+    @property
+    def touched(self) -> tuple[Node, ...]:
+        residual = self.epilogue.residual
+        return (*super().touched, *(() if residual is None else (residual,)))
+
+    @property
+    def nhwc_reads(self) -> tuple[Node, ...]:
+        residual = self.epilogue.residual
+        return (self.node.src[0], *(() if residual is None else (residual,)))
+
+    def _lines(self) -> list[str]:
+        ep = self.epilogue
+        post = [
+            "bias" if ep.bias is not None else "",
+            "+ residual" if ep.residual is not None else "",
+            f"{ep.activation}{list(ep.scalars) if ep.scalars else ''}" if ep.activation else "",
+        ]
+        return [*super()._lines(), f"  post-ops: {' '.join(p for p in post if p) or '-'}"]
+
+
+@dataclass(frozen=True)
+class ConvChainKernel(NodeKernel):
+    """CONV kernels (``stages``) run as one, the output of each the input of the next and nowhere stored:
+    a 1x1 expansion, a depthwise conv, a 1x1 projection (an inverted-residual block), or two of them around
+    the depthwise one (``PlanSettings.conv_chains``); ``node`` is the depthwise conv, ``inputs`` the buffers
+    the stages read from outside the chain; it writes the last stage's tail."""
+
+    kind: ClassVar[KernelKind] = KernelKind.CONV_CHAIN
+    stages: tuple[ConvKernel, ...]
+
+    @cached_property
+    def writes(self) -> tuple[Node, ...]:
+        return self.stages[-1].writes
+
+    def _lines(self) -> list[str]:
+        return ["  " + line for stage in self.stages for line in str(stage).splitlines()]
+
+
+LOOP_KERNELS: dict[KernelKind, type[LoopKernel]] = {
+    k.kind: k for k in (PointwiseKernel, RowKernel, MatmulKernel, SplitKKernel)
+}
+
+
+def loop_kernel(
+    kind: KernelKind,
+    name: str,
+    domain: Shape,
+    body: tuple[Load | Compute, ...],
+    stores: tuple[Store, ...],
+    row_rank: int = 0,
+    computes: tuple[Node, ...] = (),
+) -> LoopKernel:
+    """The loop kernel of ``kind`` (how the planner builds one from a fusion group's kind)."""
+    extra = {"row_rank": row_rank} if kind is KernelKind.ROW else {}
+    return LOOP_KERNELS[kind](name, domain, body, stores, computes=computes, **extra)
+
+
+def dispatch(table: Mapping[type, T], kernel: Kernel, backend: str) -> T:
+    """``table``'s entry for ``kernel``'s class (or the nearest base class it names): how each backend
+    picks the code generator, launcher or runner of a kind."""
+    for cls in type(kernel).__mro__:
+        if cls in table:
+            return table[cls]
+    raise ValueError(
+        f"{backend} has no code for {kernel.kind} kernels (kernel {kernel.name}); library kernels are run "
+        "by the runtime with torch"
+    )
 
 
 def row_invariant(kernel: Kernel) -> list[bool]:
@@ -262,6 +503,6 @@ def _is_column_sum(kernel: Kernel, e: Compute) -> bool:
 
 def column_sums(kernel: Kernel) -> list[int]:
     """The body positions of a ROW kernel's column sums (sums over every axis outside the row)."""
-    if kernel.kind is not KernelKind.ROW:
+    if not isinstance(kernel, RowKernel):
         return []
     return [i for i, e in enumerate(kernel.body) if isinstance(e, Compute) and _is_column_sum(kernel, e)]

@@ -26,7 +26,15 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load
+from kernelize.autokernel.kernels import (
+    Compute,
+    Kernel,
+    KernelKind,
+    LibraryKernel,
+    Load,
+    PointwiseKernel,
+    RowKernel,
+)
 from kernelize.ir.graph import Node, Op
 from kernelize.ir.shapes import numel
 
@@ -110,8 +118,10 @@ def channels_inner(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
     contiguous along the innermost axis (the generated loop runs over channels; an elementwise kernel over
     NHWC operands becomes one flat loop). Other kernels, and kernels whose masks, gathers or concats name
     domain axes, are returned as they are."""
+    if not isinstance(k, PointwiseKernel):
+        return k
     store = next((s for s in k.stores if s.buffer in nhwc), None)
-    if k.kind is not KernelKind.POINTWISE or store is None:
+    if store is None:
         return k
     if any(isinstance(e, Load) and (e.mask or e.indirect) for e in k.body) or any(
         isinstance(e, Compute) and e.op is Op.CONCAT for e in k.body
@@ -141,7 +151,7 @@ def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
     (torch reduces NHWC along the channels, 26 us), and anything else keeps the buffer dense
     (:class:`DenseLayout`). A lone sum or mean is a LIBRARY kernel also over a short row whose loads
     evict each other from L1 (:func:`_aliasing`)."""
-    if k.kind is not KernelKind.ROW or not set(k.reads) & nhwc:
+    if not isinstance(k, RowKernel) or not set(k.reads) & nhwc:
         return k
     row = numel(k.domain[len(k.domain) - k.row_rank :])
     short = isinstance(row, int) and row <= STRIDED_ROW_MAX
@@ -151,9 +161,7 @@ def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
             node = k.computes[0] if len(k.computes) == 1 else None
             lone = node is not None and node.op in (Op.SUM, Op.MEAN) and node.src[0] is e.buffer
             if lone and (not short or _aliasing(e.buffer, row)):
-                return Kernel(
-                    "", KernelKind.LIBRARY, node.shape, node=node, inputs=(e.buffer,), computes=(node,)
-                )
+                return LibraryKernel("", node.shape, node=node, inputs=(e.buffer,), computes=(node,))
             if not short:
                 raise DenseLayout(e.buffer, "a row kernel would read it across channels")
     return k

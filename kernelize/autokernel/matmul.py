@@ -21,7 +21,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.kernels import (
+    Compute,
+    Kernel,
+    Load,
+    MatmulKernel,
+    PointwiseKernel,
+    SplitKKernel,
+    Store,
+)
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Node, Op
 from kernelize.ir.shapes import Dim, bind
@@ -41,20 +49,10 @@ class MatmulParts:
         return {self.a, *(b for _, b in self.mms)}
 
 
-def matmul_parts(k: Kernel) -> MatmulParts:
-    """The matmuls of ``k`` (all must share their left operand, a plain strided load)."""
-    mms = [(i, e) for i, e in enumerate(k.body) if isinstance(e, Compute) and e.op is Op.MATMUL]
-    if not mms:
-        raise NotImplementedError(f"cpu matmul kernel {k.name}: no MATMUL in the body")
-    a = mms[0][1].src[0]
-    for _, e in mms:
-        if e.src[0] != a:
-            raise NotImplementedError(f"cpu matmul kernel {k.name}: matmuls must share their left operand")
-        for s in e.src:
-            ld = k.body[s]
-            if not isinstance(ld, Load) or ld.mask or ld.indirect:
-                raise NotImplementedError(f"cpu matmul kernel {k.name}: operands must be plain strided loads")
-    return MatmulParts(a, tuple((i, e.src[1]) for i, e in mms))
+def matmul_parts(k: MatmulKernel) -> MatmulParts:
+    """The body positions of ``k``'s matmuls (checked when the kernel was made: they share their left
+    operand, and every operand is a plain strided load)."""
+    return MatmulParts(k.a_index, tuple((m.value, k.body[m.value].src[1]) for m in k.matmuls))
 
 
 def weights_shared(k: Kernel) -> bool:
@@ -95,7 +93,7 @@ def epilogue_kernel(k: Kernel) -> tuple[Kernel, tuple[Node, ...]]:
         new[i] = len(body)
         body.append(e)
     stores = tuple(replace(s, value=new[s.value]) for s in k.stores)
-    return replace(k, kind=KernelKind.POINTWISE, body=tuple(body), stores=stores), tuple(temps)
+    return PointwiseKernel(k.name, k.domain, tuple(body), stores, computes=k.computes), tuple(temps)
 
 
 def row_major(shape: Sequence[Dim]) -> tuple[Dim, ...]:
@@ -117,7 +115,7 @@ def splitk_kernel(k: Kernel, j: int, temp: Node) -> Kernel:
     mm = k.body[mi]
     body = (Compute(Op.MATMUL, DType.F32, (1, 2), mm.arg), k.body[parts.a], k.body[ib])
     store = Store(0, temp, row_major(k.domain))
-    return Kernel(f"{k.name}_splitk{j}", KernelKind.SPLITK, k.domain, body, (store,))
+    return SplitKKernel(f"{k.name}_splitk{j}", k.domain, body, (store,))
 
 
 def rows_of(k: Kernel, sizes: Mapping[str, int]) -> int:

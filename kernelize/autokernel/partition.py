@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernelize.autokernel.kernels import KernelKind
+from kernelize.autokernel.kernels import NODE_KINDS, KernelKind
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, Graph, Node, Op
 from kernelize.ir.shapes import Dim, numel
 
@@ -332,13 +332,10 @@ def _set(m: dict[int, int | None], key: int, value: int | None) -> bool:
     return True
 
 
-_NODE_KINDS = (KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV)  # kernels of one node: never merged
-
-
 def merge(g1: Group, g2: Group, p: Node, n: Node, i: int, ctx: Ctx) -> Group | None:
     """The group of ``g1`` (holding producer ``p``) and ``g2`` (holding consumer ``n``, reading it as operand
     ``i``), or None when they cannot form one kernel. Cycles are the caller's business."""
-    if g1.kind in _NODE_KINDS or g2.kind in _NODE_KINDS:
+    if g1.kind in NODE_KINDS or g2.kind in NODE_KINDS:
         return None
     if g1.kind is KernelKind.MATMUL and g2.kind is KernelKind.MATMUL:
         return _merge_matmuls(g1, g2, p, n, i, ctx) if ctx.merge_matmuls else None

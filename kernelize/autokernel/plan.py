@@ -39,7 +39,14 @@ from typing import Any, Literal
 from kernelize.autokernel.body import BodyBuilder, Materialize
 from kernelize.autokernel.canon import sink_views
 from kernelize.autokernel.conv import conv_chains, conv_epilogue
-from kernelize.autokernel.kernels import NODE_KINDS, Kernel, KernelKind
+from kernelize.autokernel.kernels import (
+    NODE_KINDS,
+    AttentionKernel,
+    ConvKernel,
+    Kernel,
+    KernelKind,
+    LibraryKernel,
+)
 from kernelize.autokernel.layout import DenseLayout, channel_rows, channels_inner, channels_last_buffers
 from kernelize.autokernel.legality import can_absorb
 from kernelize.autokernel.partition import (
@@ -375,26 +382,17 @@ def _lower(
     stores = sorted((m for m in g.sel if m in buffers), key=order.__getitem__)
     if not stores:
         return []
-    if g.kind in NODE_KINDS:
-        (node,) = g.sel
-        inputs = tuple(base(s, stop) for s in node.src)
-        return [Kernel("", g.kind, node.shape, node=node, inputs=inputs, computes=(node,))]
     if g.kind is KernelKind.CONV:
         ep = g.epilogue
         operands = (*ep.conv.src, *(v for v in (ep.bias, ep.residual) if v is not None))
         inputs = tuple(base(s, stop) for s in operands)
         assert ep.tail in buffers and all(m not in buffers for m in ep.nodes[:-1]), "conv epilogue stored"
-        return [
-            Kernel(
-                "",
-                KernelKind.CONV,
-                ep.tail.shape,
-                node=ep.conv,
-                inputs=inputs,
-                epilogue=ep,
-                computes=ep.nodes,
-            )
-        ]
+        return [ConvKernel("", ep.tail.shape, node=ep.conv, inputs=inputs, epilogue=ep, computes=ep.nodes)]
+    if g.kind in NODE_KINDS:
+        (node,) = g.sel
+        inputs = tuple(base(s, stop) for s in node.src)
+        cls = AttentionKernel if g.kind is KernelKind.ATTENTION else LibraryKernel
+        return [cls("", node.shape, node=node, inputs=inputs, computes=(node,))]
     return [BodyBuilder(g, buffers, stop, order, nhwc).kernel(stores, slices)]
 
 

@@ -44,7 +44,21 @@ from pathlib import Path
 
 import torch
 
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
+from kernelize.autokernel.kernels import (
+    AttentionKernel,
+    Compute,
+    ConvChainKernel,
+    ConvKernel,
+    Kernel,
+    LibraryKernel,
+    Load,
+    MatmulKernel,
+    PointwiseKernel,
+    RowKernel,
+    Store,
+    dispatch,
+    row_invariant,
+)
 from kernelize.codegen import cpu_conv
 from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
 from kernelize.codegen.cpu_attention import attention_launcher, render_attention
@@ -125,21 +139,19 @@ def _accesses(k: Kernel) -> list[Load | Store]:
     return [e for e in k.body if isinstance(e, Load)] + list(k.stores)
 
 
-def _merge_axes(k: Kernel) -> Kernel:
+def _merge_axes(k: PointwiseKernel | RowKernel) -> PointwiseKernel | RowKernel:
     """Merge adjacent domain axes whose strides chain in every access (``s[d] == s[d+1] * n[d+1]``).
 
     Only within the outer axes and within the row axes, and only without masks, concat or indirect loads
     (whose indexing names axes). A contiguous ``[b, s, h]`` pointwise kernel becomes one flat loop.
     """
-    if k.kind not in (KernelKind.POINTWISE, KernelKind.ROW):
-        return k
     if any(isinstance(e, Compute) and e.op is Op.CONCAT for e in k.body) or any(
         isinstance(e, Load) and (e.mask or e.indirect) for e in k.body
     ):
         return k
     domain = list(k.domain)
     accs = [list(a.strides) for a in _accesses(k)]
-    split = len(domain) - k.row_rank if k.kind is KernelKind.ROW else 0
+    split = len(domain) - k.row_rank  # the first row axis (the domain's rank without rows)
     axis = list(range(len(domain)))  # old axis -> merged axis
     d = len(domain) - 2
     while d >= 0:
@@ -164,11 +176,11 @@ def _merge_axes(k: Kernel) -> Kernel:
         for e in k.body
     )
     stores = tuple(replace(s, strides=tuple(next(it))) for s in k.stores)
-    row_rank = len(domain) - split if k.kind is KernelKind.ROW else 0
-    return replace(k, domain=tuple(domain), body=body, stores=stores, row_rank=row_rank)
+    rows = {"row_rank": len(domain) - split} if k.row_rank else {}
+    return replace(k, domain=tuple(domain), body=body, stores=stores, **rows)
 
 
-def _normalize(k: Kernel) -> Kernel:
+def _normalize(k: PointwiseKernel | RowKernel) -> PointwiseKernel | RowKernel:
     """Rank-0 domains become ``[1]``; then axes are merged where the layout allows."""
     if not k.domain:
         body = tuple(replace(e, strides=(0,)) if isinstance(e, Load) else e for e in k.body)
@@ -458,21 +470,40 @@ class _Writer:
         )
 
 
+def _render_pointwise(kernel: PointwiseKernel, r: CpuRenderer) -> tuple[str, str]:
+    w = _Writer(_normalize(kernel), r)
+    return w.pointwise(), w.fn_name
+
+
+def _render_row(kernel: RowKernel, r: CpuRenderer) -> tuple[str, str]:
+    w = _Writer(_normalize(kernel), r)
+    return w.row(), w.fn_name
+
+
+def _render_matmul(kernel: MatmulKernel, r: CpuRenderer) -> tuple[str, str]:
+    w = _Writer(kernel, r)
+    return w.matmul(), w.fn_name
+
+
+def _render_conv(kernel: ConvKernel, r: CpuRenderer) -> tuple[str, str]:
+    if cpu_conv.algorithm(kernel) is None:
+        raise ValueError(f"kernel {kernel.name} is a library call: the runtime runs those with torch")
+    return cpu_conv.render(kernel, r)
+
+
+RENDER: dict[type, Callable[[Kernel, CpuRenderer], tuple[str, str]]] = {
+    PointwiseKernel: _render_pointwise,
+    RowKernel: _render_row,
+    MatmulKernel: _render_matmul,
+    AttentionKernel: lambda k, r: render_attention(k, load_template("cpu_prelude.h")),
+    ConvKernel: _render_conv,
+    ConvChainKernel: cpu_conv.render_chain,
+}
+
+
 def render(kernel: Kernel, renderer: CpuRenderer | None = None) -> tuple[str, str]:
     """The C++ source of ``kernel`` and its exported function name."""
-    generated_conv = kernel.kind is KernelKind.CONV and cpu_conv.algorithm(kernel) is not None
-    if generated_conv or kernel.kind is KernelKind.CONV_CHAIN:
-        return cpu_conv.render(kernel, renderer or CpuRenderer())
-    if kernel.kind in (KernelKind.LIBRARY, KernelKind.CONV):
-        raise ValueError(f"kernel {kernel.name} is a library call: the runtime runs those with torch")
-    if kernel.kind is KernelKind.ATTENTION:
-        return render_attention(kernel, load_template("cpu_prelude.h"))
-    w = _Writer(_normalize(kernel), renderer or CpuRenderer())
-    if kernel.kind is KernelKind.POINTWISE:
-        return w.pointwise(), w.fn_name
-    if kernel.kind is KernelKind.ROW:
-        return w.row(), w.fn_name
-    return w.matmul(), w.fn_name
+    return dispatch(RENDER, kernel, "the cpu generator")(kernel, renderer or CpuRenderer())
 
 
 # ---- compiler and loading -------------------------------------------------------------------------------
@@ -661,61 +692,15 @@ class CpuBackend(Backend):
 
     def generates(self, kernel: Kernel) -> bool:
         """Everything but LIBRARY kernels, and the convolutions :func:`cpu_conv.algorithm` takes."""
-        if kernel.kind is KernelKind.CONV:
-            return cpu_conv.algorithm(kernel) is not None
-        return super().generates(kernel)
+        return dispatch(_KINDS, kernel, "the cpu backend").generates(kernel)
 
     def render(self, kernel: Kernel) -> str:
         """The C++ source :meth:`compile` builds (a MATMUL kernel: its few-row function, then the epilogue
         kernel run after torch's GEMM)."""
-        if kernel.kind is KernelKind.MATMUL:
-            epi, _ = _epilogue_of(kernel)
-            return _matmul_source(render(kernel, self.renderer)[0], render(epi, self.renderer)[0])
-        return render(kernel, self.renderer)[0]
+        return dispatch(_KINDS, kernel, "the cpu backend").source(kernel, self.renderer)
 
     def compile(self, kernel: Kernel) -> CompiledKernel:
-        if kernel.kind is KernelKind.MATMUL:
-            return self._compile_matmul(kernel)
-        source, fn_name = render(kernel, self.renderer)
-        fn = getattr(load(build_shared_object(source, kernel.name)), fn_name)
-        return self._kernel(fn, kernel, source)
-
-    def _kernel(self, fn, kernel: Kernel, source: str) -> CompiledKernel:
-        """A POINTWISE, ROW, ATTENTION, CONV or CONV_CHAIN kernel from its compiled function."""
-        if kernel.kind is KernelKind.CONV:
-            call = cpu_conv.ConvCall(fn, kernel)
-            return CompiledKernel(
-                kernel.name, self.name, source, call.launch, kernel, call.fresh, call.c_call
-            )
-        if kernel.kind is KernelKind.CONV_CHAIN:
-            chain = cpu_conv.ChainCall(fn, kernel)
-            return CompiledKernel(kernel.name, self.name, source, chain.launch, kernel, c_call=chain.c_call)
-        _, launch = self._wrap(fn, kernel, source)
-        c_call = None if kernel.kind is KernelKind.ATTENTION else _c_caller(fn, kernel)
-        return CompiledKernel(kernel.name, self.name, source, launch, kernel, c_call=c_call)
-
-    def _build(self, kernel: Kernel):
-        """(source, launch, the compiled function) of one kernel built alone."""
-        source, fn_name = render(kernel, self.renderer)
-        fn = getattr(load(build_shared_object(source, kernel.name)), fn_name)
-        return (*self._wrap(fn, kernel, source), fn)
-
-    def _wrap(self, fn, kernel: Kernel, source: str) -> CompiledKernel:
-        fn.restype = ctypes.c_int
-        if kernel.kind is KernelKind.ATTENTION:
-            fn.argtypes = ATTENTION_ARGTYPES
-            return source, attention_launcher(fn, kernel)
-        fn.argtypes = (
-            [ctypes.c_void_p] * (len(kernel.reads) + len(kernel.writes))
-            + [ctypes.c_int64] * len(kernel.symbols)
-            + [ctypes.c_int]
-        )
-        return source, _launcher(fn, kernel)
-
-    def _compile_matmul(self, kernel: Kernel) -> CompiledKernel:
-        epi, temps = _epilogue_of(kernel)
-        (*few, few_fn), (*epilogue, _) = self._build(kernel), self._build(epi)
-        return _matmul_kernel(self.name, kernel, few, epilogue, epi, temps, _c_caller(few_fn, kernel))
+        return self.compile_many([kernel])[0]
 
     def compile_many(self, kernels: Sequence[Kernel], progress: Callable[[int], None] | None = None):
         """Compile ``kernels`` as a few translation units (one per core) built in parallel.
@@ -725,65 +710,157 @@ class CpuBackend(Backend):
         function and its epilogue); units of one graph share one cache entry, so a warm start is one lookup
         per unit. Kernels whose source differs only in their name (the same block in each of a
         transformer's layers: ViT-base has 159 kernels, 15 distinct) are compiled once and share the
-        function. Attention kernels build alone. ``progress(n)`` is called as kernels finish.
+        function. Kernels whose kind builds alone (attention) get a unit of their own each. ``progress(n)``
+        is called as kernels finish.
         """
-        out: list[CompiledKernel | None] = [None] * len(kernels)
-        for i, k in enumerate(kernels):
-            if k.kind is KernelKind.ATTENTION:
-                out[i] = self.compile(k)
-                if progress is not None:
-                    progress(1)
-        rest = [i for i, c in enumerate(out) if c is None]
-        if not rest:
-            return out
-        parts = {i: _parts(kernels[i]) for i in rest}
-        rendered = {k.name: render(k, self.renderer) for i in rest for k, _ in parts[i]}
+        kinds = [dispatch(_KINDS, k, "the cpu backend") for k in kernels]
+        parts = {i: kind.parts(k) for i, (k, kind) in enumerate(zip(kernels, kinds, strict=True))}
+        rendered = {p.name: render(p, self.renderer) for ps in parts.values() for p, _ in ps}
         assert len({name for _, name in rendered.values()}) == len(rendered), "kernel names collide"
-        groups = same_source_groups(rest, parts, rendered)
-        units = unit_chunks(
+        together = [i for i, kind in enumerate(kinds) if not kind.alone]
+        groups = same_source_groups(together, parts, rendered)
+        units = [[i] for i, kind in enumerate(kinds) if kind.alone]
+        units += unit_chunks(
             list(groups), [sum(len(rendered[k.name][0]) for k, _ in parts[i]) for i in groups]
         )
+        groups.update({i: [i] for i, kind in enumerate(kinds) if kind.alone})
         shared = [load_template(name) for name in ("cpu_prelude.h", "cpu_gemv.h", "cpu_conv.h")]
+        out: list[CompiledKernel | None] = [None] * len(kernels)
 
         def build(chunk: list[int]) -> tuple[list[int], Path]:
             sources = [rendered[k.name][0] for i in chunk for k, _ in parts[i]]
-            return chunk, build_shared_object(_unit_source(sources, shared), f"{len(chunk)} kernels")
+            what = kernels[chunk[0]].name if len(chunk) == 1 else f"{len(chunk)} kernels"
+            return chunk, build_shared_object(_unit_source(sources, shared), what)
 
-        with ThreadPoolExecutor(max_workers=len(units)) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, len(units))) as pool:
             for chunk, path in pool.map(build, units):
                 lib = load(path)
                 for rep in chunk:
+                    fns = [lib[rendered[k.name][1]] for k, _ in parts[rep]]
                     for i in groups[rep]:
-                        fns = [lib[rendered[k.name][1]] for k, _ in parts[rep]]
-                        out[i] = self._assemble(kernels[i], parts[i], fns, rendered)
+                        out[i] = kinds[i].assemble(self.name, kernels[i], parts[i], fns, rendered)
                     if progress is not None:
                         progress(len(groups[rep]))
         return out
 
-    def _assemble(
-        self, kernel: Kernel, parts: list[tuple[Kernel, tuple]], fns: list, rendered
-    ) -> CompiledKernel:
-        """``kernel`` from the functions compiled for its parts (its own or an identical kernel's)."""
-        if kernel.kind is not KernelKind.MATMUL:
-            return self._kernel(fns[0], kernel, rendered[kernel.name][0])
-        built = [self._wrap(fn, k, rendered[k.name][0]) for fn, (k, _) in zip(fns, parts, strict=True)]
+
+# ---- per kind: what a kernel compiles to, and how its functions become one CompiledKernel -----------------
+Parts = list[tuple[Kernel, tuple]]  # the kernels a kernel's functions are rendered from, with temporaries
+
+
+class _LoopKind:
+    """POINTWISE and ROW kernels: one generated function, launched with (reads, writes, sizes, threads)."""
+
+    alone = False  # built in a translation unit of its own
+
+    def generates(self, kernel: Kernel) -> bool:
+        return True
+
+    def parts(self, kernel: Kernel) -> Parts:
+        return [(kernel, ())]
+
+    def source(self, kernel: Kernel, renderer: CpuRenderer) -> str:
+        return render(kernel, renderer)[0]
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        fn = _typed(fns[0], kernel)
+        source = rendered[kernel.name][0]
+        return CompiledKernel(
+            kernel.name, backend, source, _launcher(fn, kernel), kernel, c_call=_c_caller(fn, kernel)
+        )
+
+
+class _AttentionKind(_LoopKind):
+    """ATTENTION kernels: a template with its own arguments (operand strides), built alone."""
+
+    alone = True
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        fn = fns[0]
+        fn.restype, fn.argtypes = ctypes.c_int, ATTENTION_ARGTYPES
+        launch = attention_launcher(fn, kernel)
+        return CompiledKernel(kernel.name, backend, rendered[kernel.name][0], launch, kernel)
+
+
+class _ConvKind(_LoopKind):
+    """CONV kernels: generated when :func:`cpu_conv.algorithm` takes them, else run by the library."""
+
+    def generates(self, kernel: Kernel) -> bool:
+        return cpu_conv.algorithm(kernel) is not None
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        call = cpu_conv.ConvCall(fns[0], kernel)
+        source = rendered[kernel.name][0]
+        return CompiledKernel(kernel.name, backend, source, call.launch, kernel, call.fresh, call.c_call)
+
+
+class _ConvChainKind(_LoopKind):
+    """CONV_CHAIN kernels: the stages as one generated function (``kz_conv_chain``)."""
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        chain = cpu_conv.ChainCall(fns[0], kernel)
+        source = rendered[kernel.name][0]
+        return CompiledKernel(kernel.name, backend, source, chain.launch, kernel, c_call=chain.c_call)
+
+
+class _LibraryKind(_LoopKind):
+    """LIBRARY kernels: the runtime runs them with torch."""
+
+    def generates(self, kernel: Kernel) -> bool:
+        return False
+
+
+class _MatmulKind(_LoopKind):
+    """MATMUL kernels: the few-row function (up to ``FEW_ROWS`` rows) and the epilogue kernel run after
+    torch's GEMM (more rows). A matmul whose row count is static and above ``FEW_ROWS`` never runs its
+    few-row function, so only the epilogue is built (the few-row functions were two thirds of ViT-base's
+    and ConvNeXt's C++)."""
+
+    def parts(self, kernel: Kernel) -> Parts:
+        if _static_rows(kernel) is not None:
+            return [_epilogue_of(kernel)]
+        return [(kernel, ()), _epilogue_of(kernel)]
+
+    def source(self, kernel: Kernel, renderer: CpuRenderer) -> str:
+        epi, _ = _epilogue_of(kernel)
+        return _matmul_source(render(kernel, renderer)[0], render(epi, renderer)[0])
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        built = [
+            (rendered[k.name][0], _launcher(_typed(fn, k), k)) for fn, (k, _) in zip(fns, parts, strict=True)
+        ]
         epi, temps = parts[-1]
         few, few_call = (
             (built[0], _c_caller(fns[0], kernel)) if len(parts) == 2 else (_never_few(kernel), None)
         )
-        return _matmul_kernel(self.name, kernel, few, built[-1], epi, temps, few_call)
+        return _matmul_kernel(backend, kernel, few, built[-1], epi, temps, few_call)
 
 
-def _parts(kernel: Kernel) -> list[tuple[Kernel, tuple]]:
-    """The functions ``kernel`` compiles to: itself, and for a matmul its epilogue (with its temporaries).
+_KINDS = {
+    PointwiseKernel: _LoopKind(),
+    RowKernel: _LoopKind(),
+    MatmulKernel: _MatmulKind(),
+    AttentionKernel: _AttentionKind(),
+    ConvKernel: _ConvKind(),
+    ConvChainKernel: _ConvChainKind(),
+    LibraryKernel: _LibraryKind(),
+}
 
-    A matmul whose row count is static and above ``FEW_ROWS`` never runs its few-row function, so only
-    the epilogue is built (the few-row functions were two thirds of ViT-base's and ConvNeXt's C++)."""
-    if kernel.kind is not KernelKind.MATMUL:
-        return [(kernel, ())]
-    if _static_rows(kernel) is not None:
-        return [_epilogue_of(kernel)]
-    return [(kernel, ()), _epilogue_of(kernel)]
+
+def _typed(fn, kernel: Kernel):
+    """``fn`` with the argument types of a loop kernel's function: buffers, sizes, the thread count."""
+    fn.restype = ctypes.c_int
+    fn.argtypes = (
+        [ctypes.c_void_p] * (len(kernel.reads) + len(kernel.writes))
+        + [ctypes.c_int64] * len(kernel.symbols)
+        + [ctypes.c_int]
+    )
+    return fn
+
+
+def _parts(kernel: Kernel) -> Parts:
+    """The kernels ``kernel``'s functions are rendered from (a matmul: its few-row function and epilogue)."""
+    return dispatch(_KINDS, kernel, "the cpu backend").parts(kernel)
 
 
 def _static_rows(kernel: Kernel) -> int | None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.autokernel.kernels import AttentionKernel
 from kernelize.codegen.render import Renderer, c_name, score_mod_lines
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.attention import split_operands
@@ -31,10 +31,8 @@ DECODE_ROWS = 4  # a key head with at most this many query rows (heads sharing i
 PARALLEL_MIN = 1 << 16  # multiply-adds below which one thread beats waking the team
 
 
-def check_attention_kernel(kernel: Kernel) -> AttentionArgs:
+def check_attention_kernel(kernel: AttentionKernel) -> AttentionArgs:
     """The node's args, after checking the generated kernels support its dtypes (f32 / f16 / bf16)."""
-    if kernel.kind is not KernelKind.ATTENTION:
-        raise ValueError(f"kernel {kernel.name} is a {kernel.kind} kernel, not an attention kernel")
     node = kernel.node
     if node.dtype not in (DType.F32, DType.F16, DType.BF16):
         raise ValueError(
@@ -48,7 +46,7 @@ def check_attention_kernel(kernel: Kernel) -> AttentionArgs:
     return args
 
 
-def render_attention(kernel: Kernel, prelude: str) -> tuple[str, str]:
+def render_attention(kernel: AttentionKernel, prelude: str) -> tuple[str, str]:
     """The C++ source of an ``ATTENTION`` kernel and its exported function name."""
     args = check_attention_kernel(kernel)
     node = kernel.node
@@ -86,7 +84,7 @@ def unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-def attention_launcher(fn, kernel: Kernel, scale: float | None = None):
+def attention_launcher(fn, kernel: AttentionKernel, scale: float | None = None):
     """A ``launch(operands, [out], sizes)`` calling the compiled function with the operands' own strides.
 
     ``scale`` overrides the node's (one compiled kernel serves every scale: it is a call argument).

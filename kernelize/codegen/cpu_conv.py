@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kernelize.autokernel.conv import channel_bias
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind
+from kernelize.autokernel.kernels import Compute, ConvChainKernel, ConvKernel, Kernel
 from kernelize.codegen.render import Renderer, c_name
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -62,8 +62,6 @@ def algorithm(kernel: Kernel) -> str | None:
     f32 only (16-bit convs go to torch, which computes them in f32 too), static channel and kernel sizes,
     at most :data:`MAX_TAPS` taps and :data:`MAX_GROUP_CHANNELS` input channels per group.
     """
-    if kernel.kind is not KernelKind.CONV:
-        return None
     conv = kernel.node
     x, w = conv.src
     if conv.dtype is not DType.F32 or not all(isinstance(d, int) for d in (*w.shape, x.shape[1])):
@@ -96,23 +94,28 @@ def _choice() -> str:
     return choice
 
 
-def render(kernel: Kernel, renderer: Renderer) -> tuple[str, str]:
-    """The C++ source of a CONV or CONV_CHAIN kernel and its exported function name."""
+def render_chain(kernel: ConvChainKernel, renderer: Renderer) -> tuple[str, str]:
+    """The C++ source of a CONV_CHAIN kernel and its exported function name."""
     name = c_name(kernel.name)
-    if kernel.kind is KernelKind.CONV_CHAIN:
-        a, c = chain_stages(kernel)
-        structs = [_epilogue_struct(s, f"{name}_s{i}", renderer) for i, s in enumerate((a, kernel, c))]
-        source = fill(
-            load_template("cpu_conv_chain.cpp"),
-            PRELUDE=load_template("cpu_prelude.h"),
-            CONV_LIB=load_template("cpu_conv.h"),
-            NAME=name,
-            WHAT=" -> ".join(f"{algorithm(s)} conv" for s in kernel.stages),
-            EPILOGUES="\n".join(structs),
-            HAS_A="true" if a is not None else "false",
-            HAS_C="true" if c is not None else "false",
-        )
-        return source, name
+    a, c = chain_stages(kernel)
+    depthwise = next(s for s in kernel.stages if s.node is kernel.node)
+    structs = [_epilogue_struct(s, f"{name}_s{i}", renderer) for i, s in enumerate((a, depthwise, c))]
+    source = fill(
+        load_template("cpu_conv_chain.cpp"),
+        PRELUDE=load_template("cpu_prelude.h"),
+        CONV_LIB=load_template("cpu_conv.h"),
+        NAME=name,
+        WHAT=" -> ".join(f"{algorithm(s)} conv" for s in kernel.stages),
+        EPILOGUES="\n".join(structs),
+        HAS_A="true" if a is not None else "false",
+        HAS_C="true" if c is not None else "false",
+    )
+    return source, name
+
+
+def render(kernel: ConvKernel, renderer: Renderer) -> tuple[str, str]:
+    """The C++ source of a generated CONV kernel and its exported function name."""
+    name = c_name(kernel.name)
     algo = algorithm(kernel)
     assert algo is not None, f"kernel {kernel.name} is not a generated conv"
     source = fill(
@@ -136,8 +139,8 @@ def chain_stages(chain: Kernel) -> tuple[Kernel | None, Kernel | None]:
 
 def _epilogue_struct(kernel: Kernel | None, struct: str, renderer: Renderer) -> str:
     """The epilogue object of one conv (``templates/cpu_conv_epilogue.cpp``); None: a stage a chain lacks
-    (the identity, never called). A chain passes its depthwise stage as the chain kernel itself."""
-    stage = kernel.stages[[s.node for s in kernel.stages].index(kernel.node)] if _is_chain(kernel) else kernel
+    (the identity, never called)."""
+    stage = kernel
     scalar = ["return v0;"] if stage is None else epilogue_lines(stage, renderer)
     vector = ["return v0;"] if stage is None else epilogue_lines(stage, VECTOR_RENDERER)
     return fill(
@@ -148,10 +151,6 @@ def _epilogue_struct(kernel: Kernel | None, struct: str, renderer: Renderer) -> 
         BIAS_FIRST="true" if stage is not None and bias_first(stage) else "false",
         VECTOR_EPILOGUE=_indent(vector or ["return v0;"], 8),
     )
-
-
-def _is_chain(kernel: Kernel | None) -> bool:
-    return kernel is not None and kernel.kind is KernelKind.CONV_CHAIN
 
 
 def epilogue_lines(kernel: Kernel, renderer: Renderer) -> list[str] | None:

@@ -42,7 +42,7 @@ import torch
 
 from kernelize.autokernel.kernels import Kernel, Load
 from kernelize.autokernel.matmul import matmul_parts, row_major, weights_shared
-from kernelize.codegen.render import closure, contraction
+from kernelize.codegen.render import closure
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Op
@@ -83,7 +83,7 @@ def render_gemv(w: Any) -> str:
         PARAMS=w.params,
         ROWS=r.dim(numel(k.domain[:last])),
         N=w.n(last),
-        K=r.dim(contraction(k, k.body[parts.mms[0][0]], a, "cpu")),
+        K=r.dim(k.k),
         NSLOT=str(len(accesses)),
         NOUTER=str(max(last, 1)),
         ROW_SETUP="\n".join(_row_setup(w, accesses, slot, last)),
@@ -195,7 +195,7 @@ def library_matmuls(
     dom = bind(k.domain, sizes)
     index = {b: i for i, b in enumerate(k.reads)}
     a = k.body[parts.a]
-    kk = int(bind((contraction(k, k.body[parts.mms[0][0]], a, "cpu"),), sizes)[0])
+    kk = int(bind((k.k,), sizes)[0])
     batch = list(range(rank - 2))
     av = _operand_view(reads[index[a.buffer]], a, (*dom[:-1], kk), (*batch, rank - 2, rank), sizes)
     shared = weights_shared(k)
@@ -384,7 +384,7 @@ def run_direct(
     rank, dom = len(k.domain), bind(k.domain, sizes)
     index = {b: i for i, b in enumerate(k.reads)}
     (mi, ib), a = parts.mms[0], k.body[parts.a]
-    kk = int(bind((contraction(k, k.body[mi], a, "cpu"),), sizes)[0])
+    kk = int(bind((k.k,), sizes)[0])
     batch = list(range(rank - 2))
     av = _operand_view(reads[index[a.buffer]], a, (*dom[:-1], kk), (*batch, rank - 2, rank), sizes)
     b = k.body[ib]

@@ -36,9 +36,21 @@ from typing import ClassVar
 
 import torch
 
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store, row_invariant
-from kernelize.autokernel.matmul import weights_shared
-from kernelize.codegen.render import Renderer, c_name, closure, contraction, gather_error, gathers
+from kernelize.autokernel.kernels import (
+    AttentionKernel,
+    Compute,
+    Kernel,
+    Load,
+    LoopKernel,
+    MatmulKernel,
+    PointwiseKernel,
+    RowKernel,
+    SplitKKernel,
+    Store,
+    dispatch,
+    row_invariant,
+)
+from kernelize.codegen.render import Renderer, c_name, closure, gather_error, gathers
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
@@ -129,15 +141,31 @@ class CudaSource:
     def grid(self, sizes: Mapping[str, int], max_blocks: int = 1 << 16) -> tuple[int, int, int]:
         """The launch grid for bound symbolic ``sizes``; ``max_blocks`` caps grid-stride kernels."""
         k = self.kernel
-        dom = bind(k.domain, sizes)
-        if k.kind is KernelKind.POINTWISE:
-            return (max(1, min(math.ceil(math.prod(dom) / self.block), max_blocks)), 1, 1)
-        if k.kind is KernelKind.ROW:
-            return (max(1, min(math.prod(dom[: len(dom) - k.row_rank]), max_blocks)), 1, 1)
-        if k.kind is KernelKind.SPLITK:
-            return splitk_grid(k, dom, sizes, max_blocks)
-        m, n = dom[-2], dom[-1]
-        return (math.ceil(n / 64), math.ceil(m / 64), math.prod(dom[:-2]))
+        return dispatch(GRID, k, "cuda grids")(self, k, bind(k.domain, sizes), sizes, max_blocks)
+
+
+Grid = tuple[int, int, int]
+
+
+def _pointwise_grid(src: CudaSource, k: PointwiseKernel, dom, sizes, max_blocks: int) -> Grid:
+    return (max(1, min(math.ceil(math.prod(dom) / src.block), max_blocks)), 1, 1)
+
+
+def _row_grid(src: CudaSource, k: RowKernel, dom, sizes, max_blocks: int) -> Grid:
+    return (max(1, min(math.prod(dom[: len(dom) - k.row_rank]), max_blocks)), 1, 1)
+
+
+def _matmul_grid(src: CudaSource, k: MatmulKernel, dom, sizes, max_blocks: int) -> Grid:
+    m, n = dom[-2], dom[-1]
+    return (math.ceil(n / 64), math.ceil(m / 64), math.prod(dom[:-2]))
+
+
+GRID = {
+    PointwiseKernel: _pointwise_grid,
+    RowKernel: _row_grid,
+    MatmulKernel: _matmul_grid,
+    SplitKKernel: lambda src, k, dom, sizes, max_blocks: splitk_grid(k, dom, sizes, max_blocks),
+}
 
 
 SPLITK_COLS = 8  # columns per block of cuda_splitk.cu (one 32-thread group each)
@@ -367,7 +395,7 @@ class _Gen:
             ACC_T=r.ctype(mm.dtype),
             M=r.dim(k.domain[-2]),
             N=r.dim(k.domain[-1]),
-            K=r.dim(contraction(k, mm, a, "cuda")),
+            K=r.dim(mm.arg),
             BATCH_INDEX=self.decompose("bz", k.domain[:nb], batch, "  "),
             A=f"{self.rname[a.buffer]}[{self.offset(a, self.operand_index(a, batch, 'im', '0'))}]",
             B=f"{self.rname[b.buffer]}[{self.offset(b, self.operand_index(b, batch, '0', 'in'))}]",
@@ -400,21 +428,26 @@ class _Gen:
         return src, 256
 
 
+WRITERS = {
+    PointwiseKernel: _Gen.pointwise,
+    RowKernel: _Gen.row,
+    MatmulKernel: _Gen.matmul,
+    SplitKKernel: _Gen.splitk,
+}
+
+
 def render(kernel: Kernel, renderer: CudaRenderer | None = None) -> CudaSource:
     """Generate the CUDA C of ``kernel`` (no GPU or NVRTC needed)."""
+    write = dispatch(WRITERS, kernel, "the cuda generator")
     gen = _Gen(kernel, renderer or CudaRenderer())
-    kinds = {
-        KernelKind.POINTWISE: gen.pointwise,
-        KernelKind.ROW: gen.row,
-        KernelKind.MATMUL: gen.matmul,
-        KernelKind.SPLITK: gen.splitk,
-    }
-    if kernel.kind not in kinds:
-        raise ValueError(
-            f"cuda backend cannot generate {kernel.kind} kernel {kernel.name}: the runtime runs it"
-        )
-    source, block = kinds[kernel.kind]()
+    source, block = write(gen)
     return CudaSource(kernel, c_name(kernel.name), source, block, tuple(gen.params))
+
+
+def _render_attention(kernel: AttentionKernel) -> str:
+    from kernelize.codegen.cuda_attention import render_attention
+
+    return render_attention(kernel)[0]
 
 
 class CudaBackend(Backend):
@@ -442,11 +475,11 @@ class CudaBackend(Backend):
 
     def render(self, kernel: Kernel) -> str:
         """The CUDA C source of ``kernel`` (for ``kernelize inspect --kernels --backend cuda``)."""
-        if kernel.kind is KernelKind.ATTENTION:
-            from kernelize.codegen.cuda_attention import render_attention
-
-            return render_attention(kernel)[0]
-        return render(kernel).source
+        return dispatch(
+            {AttentionKernel: _render_attention, Kernel: lambda k: render(k).source},
+            kernel,
+            "the cuda backend",
+        )(kernel)
 
     def device_ok(self, device: torch.device) -> bool:
         return torch.device(device).type == "cuda"
@@ -456,15 +489,24 @@ class CudaBackend(Backend):
 
         A MATMUL kernel over weights becomes the few-row pair (split-K + epilogue, up to ``FEW_ROWS``
         rows) around the tiled kernel (see :mod:`kernelize.codegen.few_rows`)."""
-        if kernel.kind is KernelKind.ATTENTION:
-            from kernelize.codegen.cuda_attention import compile_attention
+        compile_kind = {
+            AttentionKernel: self._compile_attention,
+            MatmulKernel: self._compile_matmul,
+            LoopKernel: self._compile,
+        }
+        return dispatch(compile_kind, kernel, "the cuda backend")(kernel)
 
-            return compile_attention(kernel, self.arch)
-        if kernel.kind is KernelKind.MATMUL and len(kernel.domain) >= 2 and weights_shared(kernel):
-            from kernelize.codegen.few_rows import compile_few_rows
+    def _compile_attention(self, kernel: AttentionKernel) -> CompiledKernel:
+        from kernelize.codegen.cuda_attention import compile_attention
 
-            return compile_few_rows(kernel, self._compile, self.name)
-        return self._compile(kernel)
+        return compile_attention(kernel, self.arch)
+
+    def _compile_matmul(self, kernel: MatmulKernel) -> CompiledKernel:
+        from kernelize.codegen.few_rows import compile_few_rows, few_rows_apply
+
+        if not few_rows_apply(kernel):
+            return self._compile(kernel)
+        return compile_few_rows(kernel, self._compile, self.name)
 
     def _compile(self, kernel: Kernel) -> CompiledKernel:
         from kernelize.codegen.nvrtc import CubinModule, compile_cubin, require_driver, sm_count

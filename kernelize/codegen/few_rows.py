@@ -17,8 +17,15 @@ from dataclasses import replace
 
 import torch
 
-from kernelize.autokernel.kernels import Kernel, Load
-from kernelize.autokernel.matmul import FEW_ROWS, epilogue_kernel, matmul_parts, rows_of, splitk_kernel
+from kernelize.autokernel.kernels import Kernel, Load, MatmulKernel
+from kernelize.autokernel.matmul import (
+    FEW_ROWS,
+    epilogue_kernel,
+    matmul_parts,
+    rows_of,
+    splitk_kernel,
+    weights_shared,
+)
 from kernelize.ir.dtypes import DType
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import CompiledKernel
@@ -32,8 +39,14 @@ def retype(k: Kernel, new: Mapping) -> Kernel:
     return replace(k, body=body)
 
 
+def few_rows_apply(kernel: MatmulKernel) -> bool:
+    """Whether ``kernel`` multiplies rows by weights (the same right operand for every row), the case the
+    few-row pair serves; a batched matmul keeps the tiled kernel alone."""
+    return len(kernel.domain) >= 2 and weights_shared(kernel)
+
+
 def compile_few_rows(
-    kernel: Kernel, compile_one: Callable[[Kernel], CompiledKernel], backend: str
+    kernel: MatmulKernel, compile_one: Callable[[Kernel], CompiledKernel], backend: str
 ) -> CompiledKernel:
     """One CompiledKernel for MATMUL ``kernel``: split-K + epilogue up to FEW_ROWS rows, tiled above."""
     tiled = compile_one(kernel) if len(matmul_parts(kernel).mms) == 1 else None

@@ -225,25 +225,3 @@ def closure(kernel: Kernel, roots: Sequence[int], skip: Sequence[bool]) -> list[
         need.add(i)
         stack += [d for d in deps(kernel.body[i]) if not skip[d]]
     return sorted(need)
-
-
-def contraction(kernel: Kernel, mm: Compute, a: Load, backend: str) -> Dim:
-    """The contraction size K of matmul ``mm`` with first operand ``a``.
-
-    The spec does not name it: take ``mm.arg`` when the planner puts it there, else the computed matmul
-    node, else the axis of A's (contiguous) buffer whose stride is A's K stride.
-    """
-    if isinstance(mm.arg, int | Sym):
-        return mm.arg
-    for n in kernel.computes:
-        if n.op is Op.MATMUL:
-            return n.src[0].shape[-1]
-    shape, sk = a.buffer.shape, a.strides[-1]
-    stride: Dim = 1
-    for d in range(len(shape) - 1, -1, -1):
-        if shape[d] != 1 and stride == sk:
-            return shape[d]
-        stride = stride * shape[d]
-    raise NotImplementedError(
-        f"{backend} matmul kernel {kernel.name}: cannot tell the contraction size from {a}"
-    )

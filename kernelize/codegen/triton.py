@@ -30,14 +30,25 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
-from kernelize.autokernel.matmul import weights_shared
-from kernelize.codegen.render import contraction, gather_error, gathers
+from kernelize.autokernel.kernels import (
+    AttentionKernel,
+    Compute,
+    Kernel,
+    Load,
+    LoopKernel,
+    MatmulKernel,
+    PointwiseKernel,
+    RowKernel,
+    SplitKKernel,
+    Store,
+    dispatch,
+)
+from kernelize.codegen.render import gather_error, gathers
 from kernelize.codegen.template import fill, load_template
 from kernelize.codegen.triton_base import (
     TL,
@@ -216,7 +227,7 @@ class KernelSource:
         # operand strides run over (*batch, M, N, K): a ignores N, b ignores M
         if {len(a.strides), len(b.strides)} != {nb + 3} or a.strides[nb + 1] != 0 or b.strides[nb] != 0:
             raise NotImplementedError(f"{k.name}: matmul operand strides must be over (*batch, M, N, K)")
-        kdim = contraction(k, e, a, "triton")
+        kdim = e.arg
         batch, bnames = index_lines(k.domain[:nb], "bid", "b", self.r) if nb else ([], [])
         ctx = IndexCtx(
             [*bnames, "rm[:, None]", "rn[None, :]"], [False] * nb + [True, True], "[BM, BN]", [{nb}, {nb + 1}]
@@ -286,22 +297,24 @@ def _static(d: Dim) -> float:
     return d if isinstance(d, int) else float("inf")
 
 
+def _render_attention(kernel: AttentionKernel) -> str:
+    from kernelize.codegen.triton_attention import render_attention
+
+    return render_attention(kernel)
+
+
+RENDER: dict[type, Callable[[Kernel], str]] = {
+    PointwiseKernel: lambda k: KernelSource(k).pointwise(),
+    RowKernel: lambda k: KernelSource(k).row(),
+    MatmulKernel: lambda k: KernelSource(k).matmul(),
+    SplitKKernel: lambda k: KernelSource(k).splitk(),
+    AttentionKernel: _render_attention,
+}
+
+
 def render(kernel: Kernel) -> str:
     """The full Triton module source for ``kernel`` (prelude helpers + one ``@triton.jit`` function)."""
-    if kernel.kind is KernelKind.ATTENTION:
-        from kernelize.codegen.triton_attention import render_attention
-
-        return render_attention(kernel)
-    src = KernelSource(kernel)
-    if kernel.kind is KernelKind.POINTWISE:
-        return src.pointwise()
-    if kernel.kind is KernelKind.ROW:
-        return src.row()
-    if kernel.kind is KernelKind.MATMUL:
-        return src.matmul()
-    if kernel.kind is KernelKind.SPLITK:
-        return src.splitk()
-    raise ValueError(f"{kernel.name}: {kernel.kind} kernels are run by the runtime, not generated")
+    return dispatch(RENDER, kernel, "the triton generator")(kernel)
 
 
 # -- launch ------------------------------------------------------------------------------------------------
@@ -315,19 +328,27 @@ def row_warps(block: int) -> int:
     return next(w for limit, w in ROW_WARPS if block < limit or limit == ROW_WARPS[-1][0])
 
 
-def launch_config(kernel: Kernel, sizes: Mapping[str, int]) -> tuple[tuple[int, ...], dict[str, int]]:
+Config = tuple[tuple[int, ...], dict[str, int]]
+
+
+def launch_config(kernel: Kernel, sizes: Mapping[str, int]) -> Config:
     """The grid and the ``constexpr`` / ``num_warps`` keyword arguments for one launch."""
-    dom = bind(kernel.domain, sizes)
-    if kernel.kind is KernelKind.POINTWISE:
-        n = numel(dom)
-        block = min(POINTWISE_BLOCK, max(16, next_power_of_2(n)))
-        return ((n + block - 1) // block,), {"BLOCK": block, "num_warps": POINTWISE_WARPS}
-    if kernel.kind is KernelKind.ROW:
-        rows, size = numel(dom[: len(dom) - kernel.row_rank]), numel(dom[len(dom) - kernel.row_rank :])
-        block = row_block(kernel, size)
-        return (rows,), {"BLOCK": block, "num_warps": row_warps(block)}
-    if kernel.kind is KernelKind.SPLITK:
-        return splitk_config(kernel, dom, sizes)
+    return dispatch(LAUNCH_CONFIG, kernel, "triton launch configs")(kernel, bind(kernel.domain, sizes), sizes)
+
+
+def pointwise_config(kernel: PointwiseKernel, dom: Sequence[int], sizes: Mapping[str, int]) -> Config:
+    n = numel(dom)
+    block = min(POINTWISE_BLOCK, max(16, next_power_of_2(n)))
+    return ((n + block - 1) // block,), {"BLOCK": block, "num_warps": POINTWISE_WARPS}
+
+
+def row_config(kernel: RowKernel, dom: Sequence[int], sizes: Mapping[str, int]) -> Config:
+    rows, size = numel(dom[: len(dom) - kernel.row_rank]), numel(dom[len(dom) - kernel.row_rank :])
+    block = row_block(kernel, size)
+    return (rows,), {"BLOCK": block, "num_warps": row_warps(block)}
+
+
+def matmul_config(kernel: MatmulKernel, dom: Sequence[int], sizes: Mapping[str, int]) -> Config:
     m, n, batch = dom[-2], dom[-1], numel(dom[:-2])
     bm, bn, bk = (min(b, max(16, next_power_of_2(x))) for b, x in zip(MATMUL_BLOCKS, (m, n, 1 << 30)))
     grid = (((m + bm - 1) // bm) * ((n + bn - 1) // bn), batch)
@@ -339,9 +360,7 @@ SPLITK_BLOCKS = (16, 64, 64)  # rows (tl.dot's least M), columns, K per step
 SPLITK_PROGRAMS = 512  # column tiles x K slices to aim at: a few waves over an H100's 132 SMs
 
 
-def splitk_config(
-    kernel: Kernel, dom: Sequence[int], sizes: Mapping[str, int]
-) -> tuple[tuple[int, ...], dict[str, int]]:
+def splitk_config(kernel: SplitKKernel, dom: Sequence[int], sizes: Mapping[str, int]) -> Config:
     """Grid (column tiles, K slices) and constexprs of a SPLITK kernel: enough programs to fill the GPU
     even for one row, each slice at least a few BK steps long."""
     bm, bn, bk = SPLITK_BLOCKS
@@ -352,6 +371,14 @@ def splitk_config(
     splits = max(1, (kdim + ksplit - 1) // ksplit)
     upcast = interpreting() and any(isinstance(e, Load) and e.dtype in HALF for e in kernel.body)
     return (tiles, splits), {"BM": bm, "BN": bn, "BK": bk, "KSPLIT": ksplit, "UPCAST": upcast, "num_warps": 4}
+
+
+LAUNCH_CONFIG = {
+    PointwiseKernel: pointwise_config,
+    RowKernel: row_config,
+    MatmulKernel: matmul_config,
+    SplitKKernel: splitk_config,
+}
 
 
 class TritonBackend(Backend):
@@ -378,13 +405,17 @@ class TritonBackend(Backend):
         return device.type == "cpu" and interpreting()
 
     def compile(self, kernel: Kernel) -> CompiledKernel:
-        if kernel.kind is KernelKind.ATTENTION:
-            from kernelize.codegen.triton_attention import compile_attention
+        compile_kind = {
+            AttentionKernel: self._compile_attention,
+            MatmulKernel: self._compile_matmul,
+            LoopKernel: self._compile,
+        }
+        return dispatch(compile_kind, kernel, "the triton backend")(kernel)
 
-            return compile_attention(kernel, interpreting())
-        if kernel.kind is KernelKind.MATMUL and len(kernel.domain) >= 2 and weights_shared(kernel):
-            return self._compile_matmul(kernel)
-        return self._compile(kernel)
+    def _compile_attention(self, kernel: AttentionKernel) -> CompiledKernel:
+        from kernelize.codegen.triton_attention import compile_attention
+
+        return compile_attention(kernel, interpreting())
 
     def _compile(self, kernel: Kernel) -> CompiledKernel:
         source = render(kernel)
@@ -410,9 +441,11 @@ class TritonBackend(Backend):
 
         return CompiledKernel(kernel.name, "triton", source, launch, kernel)
 
-    def _compile_matmul(self, kernel: Kernel) -> CompiledKernel:
-        from kernelize.codegen.few_rows import compile_few_rows
+    def _compile_matmul(self, kernel: MatmulKernel) -> CompiledKernel:
+        from kernelize.codegen.few_rows import compile_few_rows, few_rows_apply
 
+        if not few_rows_apply(kernel):
+            return self._compile(kernel)
         return compile_few_rows(kernel, self._compile, self.name)
 
 

@@ -1,8 +1,10 @@
 """Kernelize an unmodified transformers model in one call: `kernelize_model(model)`.
 
-`kernelize_model` walks the model, recognises its layers by structure and behaviour (not by class name),
-marks their classes with the matching hub layer name, registers the `kernelize` attention implementation
-with transformers, switches the model to it, and calls `kernelize` with the bundled `default_mapping()`:
+`kernelize_model` walks the model, recognises its layers by structure and behaviour (attributes, then a
+probe of the forward; a class-name hint only narrows the candidates: `*Norm`, `*MLP`, `*Attention`, GPT-2's
+`Conv1D`), marks their classes with the matching hub layer name, registers the `kernelize` attention
+implementation with transformers, switches the model to it, and calls `kernelize` with the bundled
+`default_mapping()`:
 
 | what the module has | layer | hub repository |
 |---|---|---|
@@ -20,7 +22,7 @@ with transformers, switches the model to it, and calls `kernelize` with the bund
 
 A module that looks like one of these but does not match is left eager, and `kernelize.inspect(model)`
 says why; so does a replaced attention module whose calls took the eager path (see
-`kernelize.integrations.hf_attention`). A rule's match is a hypothesis: after `kernelize`, one probe forward
+`kernelize.model_attention`). A rule's match is a hypothesis: after `kernelize`, one probe forward
 of the model checks every replaced module's kernel forward against the module's own forward
 (`kernelize.integrations.verify`), and the model's output against its output before the call; what raises or
 differs runs its own forward again, with the reason in `inspect`. A kernel layer whose forward takes other
@@ -47,9 +49,9 @@ from kernelize.layer.kernelize import KernelizeFallback, keep_original_forward, 
 from kernelize.layer.mapping import use_kernel_mapping
 from kernelize.layer.mode import Mode
 from kernelize.layer.record import FallbackReason, record_choice, recorded_choice
+from kernelize.model_attention import KERNEL_UNAVAILABLE, attention_forward, attention_kernel
 from kernelize.runtime.memory import trim_heap
 
-from .hf_attention import KERNEL_UNAVAILABLE, attention_forward, attention_kernel
 from .verify import difference, evaluating, verify_replacements
 
 __all__ = [

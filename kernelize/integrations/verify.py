@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from kernelize.layer.kernelize import original_forward
-
-from .hf_attention import reference_attention
+from kernelize.model_attention import reference_attention
 
 __all__ = ["TOLERANCE", "difference", "evaluating", "verify_replacements"]
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
-from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.autokernel.kernels import ConvKernel, Kernel, LibraryKernel, dispatch
 
 if TYPE_CHECKING:
     from kernelize.autokernel.plan import PlanSettings
@@ -122,7 +122,7 @@ class Backend(Protocol):
         """Whether :meth:`compile` builds ``kernel``. ``LIBRARY`` kernels never (the runtime runs them with
         torch); a ``CONV`` kernel when the backend has a generated convolution for it (else the runtime
         runs the library's, with its epilogue as post-ops)."""
-        return kernel.kind not in (KernelKind.LIBRARY, KernelKind.CONV)
+        return dispatch({LibraryKernel: False, ConvKernel: False, Kernel: True}, kernel, self.name)
 
     def render(self, kernel: Kernel) -> str:
         """The source :meth:`compile` builds for ``kernel``, without compiling it."""

@@ -34,7 +34,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.autokernel.kernels import AttentionKernel, ConvKernel, Kernel, LibraryKernel, dispatch
 from kernelize.ir.graph import LAYOUT, Graph, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
@@ -207,6 +207,12 @@ def _ticking(bar: Any, every_s: float = 0.25) -> Iterator[None]:
         ticker.join()
 
 
+# how the runtime runs each kind of kernel: a torch call of its node ("library"), a launch on its node's
+# operands seen through their layout views, any strides ("operands"), the conv runner ("conv"), or a launch
+# on dense buffers ("buffers")
+RUN_AS = {LibraryKernel: "library", AttentionKernel: "operands", ConvKernel: "conv", Kernel: "buffers"}
+
+
 @dataclass(frozen=True)
 class _Step:
     kernel: Kernel
@@ -269,21 +275,22 @@ class CompiledGraph:
                 k,
                 compiled.get(k.name),
                 tuple(b for b, j in last.items() if j == i and b not in keep),
-                k.kind is KernelKind.LIBRARY,
-                k.kind is KernelKind.ATTENTION,
-                self._conv_runner(k, compiled.get(k.name)) if k.kind is KernelKind.CONV else None,
+                run_as == "library",
+                run_as == "operands",
+                self._conv_runner(k, compiled.get(k.name)) if run_as == "conv" else None,
             )
             for i, k in enumerate(kernels)
+            for run_as in (dispatch(RUN_AS, k, "the runtime"),)
         ]
         self._cl = _layout(plan, kernels) if device.type == "cpu" else frozenset()
         self._bound: dict[tuple, _Bound] = {}
         # inputs only attention kernels read keep their strides: those kernels take any strides
-        readers: dict[Node, set[KernelKind]] = {}
+        readers: dict[Node, set[str]] = {}
         for k in kernels:
             for b in k.reads:
-                readers.setdefault(b, set()).add(k.kind)
+                readers.setdefault(b, set()).add(dispatch(RUN_AS, k, "the runtime"))
         self._strided = tuple(
-            n not in graph.outputs and readers.get(n, set()) == {KernelKind.ATTENTION} for n in graph.inputs
+            n not in graph.outputs and readers.get(n, set()) == {"operands"} for n in graph.inputs
         )
         # fresh large CPU outputs cost more in page faults than the kernels: the pool hands a buffer out
         # again once the caller has dropped it
@@ -308,10 +315,7 @@ class CompiledGraph:
         materialises (its memory is reused after the last such read, whatever still references it)."""
         last: dict[Node, int] = {}
         for i, k in enumerate(kernels):
-            touched = list(k.reads) + (list(k.node.src) if k.node is not None else [])
-            if k.kind is KernelKind.CONV and k.epilogue.residual is not None:
-                touched.append(k.epilogue.residual)
-            for b in view_bases(touched):
+            for b in view_bases(k.touched):
                 last[b] = i
         outputs = set(self.graph.outputs)
         lives = {}
@@ -690,26 +694,18 @@ def channels_last_buffers(kernels: Sequence[Kernel]) -> frozenset[Node]:
         for b in k.reads:
             readers.setdefault(b, []).append(k)
 
-    def pool(k: Kernel) -> bool:
-        return k.kind is KernelKind.LIBRARY and k.node.op is Op.POOL
-
-    def direct(k: Kernel, b: Node) -> bool:
-        if k.kind is KernelKind.CONV:
-            return k.node.src[0] is b or k.epilogue.residual is b
-        return pool(k) and k.node.src[0] is b
-
     return frozenset(
         b
         for k in kernels
-        if k.kind is KernelKind.CONV or pool(k)
+        if k.nhwc_reads
         for b in k.writes
-        if b.rank == 4 and all(direct(r, b) for r in readers.get(b, ()))
+        if b.rank == 4 and all(b in r.nhwc_reads for r in readers.get(b, ()))
     )
 
 
 def _label(k: Kernel) -> str:
     """``kernelize::<kind>[<ops>]:<name>``: what a generated kernel computes, for profiler tables."""
-    ops = sorted({str(e.op) for e in k.body if hasattr(e, "op")})
+    ops = sorted({str(op) for op in k.ops})
     return f"kernelize::{k.kind}[{','.join(ops)}]:{k.name}"
 
 

@@ -12,11 +12,10 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 import torch
 
-from kernelize.autokernel.kernels import Kernel, KernelKind
+from kernelize.autokernel.kernels import Kernel
 from kernelize.ir.graph import LAYOUT, Node, Op, reach
 from kernelize.ir.reference import EVAL
 
@@ -57,16 +56,11 @@ def library_operands(
 def run_library(kernel: Kernel, values: Mapping[Node, torch.Tensor], env: Mapping[str, int]) -> torch.Tensor:
     """Run a LIBRARY, CONV or CONV_CHAIN kernel with the reference implementation of its op (a CONV
     kernel's epilogue op by op: conv, bias, residual, activation; a chain's stages one after another)."""
-    if kernel.kind in (KernelKind.CONV, KernelKind.CONV_CHAIN):
-        vals = dict(values)
-        for stage in kernel.stages or (kernel,):
-            for n in stage.epilogue.nodes:
-                operands = library_operands(replace(kernel, node=n), vals, env)
-                vals[n] = EVAL[n.op](n, operands, dict(env)).to(n.dtype.torch)
-        return vals[kernel.writes[0]].contiguous()
-    node = kernel.node
-    out = EVAL[node.op](node, library_operands(kernel, values, env), dict(env))
-    return out.to(node.dtype.torch).contiguous()
+    vals = dict(values)
+    for n in kernel.computes or (kernel.node,):
+        operands = [materialize(s, vals, dict(env)) for s in n.src]
+        vals[n] = EVAL[n.op](n, operands, dict(env)).to(n.dtype.torch)
+    return vals[kernel.writes[0]].contiguous()
 
 
 __all__ = ["library_operands", "materialize", "run_library", "view_bases"]

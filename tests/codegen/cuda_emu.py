@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, PointwiseKernel, Store
 from kernelize.codegen.cuda import CudaSource, render
 from kernelize.codegen.render import gather_error
 from kernelize.codegen.template import load_template
@@ -195,7 +195,7 @@ def pointwise_kernel(graph: Graph, name: str = "k0") -> Kernel:
             pos[o] = len(body)
             body.append(Load(buf, st, off))
         stores.append(Store(pos[o], o, contiguous_strides(o.shape)))
-    return Kernel(name, KernelKind.POINTWISE, domain, tuple(body), tuple(stores))
+    return PointwiseKernel(name, domain, tuple(body), tuple(stores))
 
 
 def run_kernels(

@@ -18,7 +18,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store, row_invariant
+from kernelize.autokernel.kernels import (
+    Compute,
+    Indirect,
+    Kernel,
+    KernelKind,
+    Load,
+    MatmulKernel,
+    PointwiseKernel,
+    Store,
+    loop_kernel,
+    row_invariant,
+)
 from kernelize.codegen.cpu import CompilerNotFoundError, CpuBackend, inner_pieces, render
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import ELEMENTWISE, REDUCE, ROW, Graph, Node, Op
@@ -117,7 +128,7 @@ def kernel_of(g: Graph, kind: KernelKind = KernelKind.POINTWISE, domain=None, ro
         strides = (0,) * (rank - o.rank) + _contig(o.shape)
         strides = tuple(0 if d == 1 else s for d, s in zip((1,) * (rank - o.rank) + o.shape, strides))
         stores.append(Store(w[1], o, strides))
-    return Kernel("k", kind, domain, tuple(body), tuple(stores), row_rank=row_rank)
+    return loop_kernel(kind, "k", domain, tuple(body), tuple(stores), row_rank)
 
 
 def run(kernel: Kernel, g: Graph, inputs):
@@ -340,10 +351,9 @@ def test_masked_and_concat_and_gather_loads():
         Compute(Op.CONCAT, DType.F32, (0, 1), ConcatArgs(1, (13, 19))),
         Load(gi, (0, 1)),
     )
-    k1 = Kernel("cat", KernelKind.POINTWISE, (4, 19), body[:3], (Store(2, cat, (19, 1)),))
-    k2 = Kernel(
+    k1 = PointwiseKernel("cat", (4, 19), body[:3], (Store(2, cat, (19, 1)),))
+    k2 = PointwiseKernel(
         "gather",
-        KernelKind.POINTWISE,
         (4, 5),
         (body[3], Load(gx, (10, 0), indirect=(Indirect(0, 1, 10),))),
         (Store(1, gath, (5, 1)),),
@@ -432,7 +442,7 @@ def test_symbolic_bounds_or_inner_size_are_not_split():
 
     def kernel(domain, mask):
         body = (Load(x, (8, 1), mask=mask),)
-        return Kernel("k", KernelKind.POINTWISE, domain, body, (Store(0, x, (8, 1)),))
+        return PointwiseKernel("k", domain, body, (Store(0, x, (8, 1)),))
 
     assert inner_pieces(kernel((4, 8), ((1, 0, m),))) is None
     assert inner_pieces(kernel((4, m), ((1, 0, 3),))) is None
@@ -571,12 +581,12 @@ def test_matmul_with_epilogue():
     body = (
         Load(a, (35, 7, 0, 1)),
         Load(b, (0, 0, 1, 3)),
-        Compute(Op.MATMUL, DType.F32, (0, 1)),
+        Compute(Op.MATMUL, DType.F32, (0, 1), 7),
         Load(bias, (0, 0, 1)),
         Compute(Op.ADD, DType.F32, (2, 3)),
         Compute(Op.GELU, DType.F32, (4,), "none"),
     )
-    k = Kernel("mm", KernelKind.MATMUL, (2, 5, 3), body, (Store(5, g.outputs[0], (15, 3, 1)),))
+    k = MatmulKernel("mm", (2, 5, 3), body, (Store(5, g.outputs[0], (15, 3, 1)),))
     check(k, g, [rand((2, 5, 7), DType.F32), rand((7, 3), DType.F32), rand((3,), DType.F32)], (1e-4, 1e-4))
 
 
@@ -886,7 +896,7 @@ def test_identical_kernels_compile_once_and_run_each_with_its_own_operands(monke
 def test_same_source_groups_blank_only_the_entry_points_name():
     from kernelize.codegen.cpu import same_source_groups
 
-    k = {n: Kernel(name=n, kind=KernelKind.POINTWISE, domain=()) for n in ("k1", "k10")}
+    k = {n: PointwiseKernel(name=n, domain=()) for n in ("k1", "k10")}
     parts = {0: [(k["k1"], ())], 1: [(k["k10"], ())], 2: [(k["k1"], ())]}
     rendered = {"k1": ("void kz_k1(){kz_k10();}", "kz_k1"), "k10": ("void kz_k10(){kz_k10();}", "kz_k10")}
     # k1 calls kz_k10, k10 calls itself: not the same program

@@ -19,7 +19,18 @@ from cuda_emu import contiguous_strides, emulate, pointwise_kernel, run_kernels,
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.kernels import (
+    Compute,
+    Indirect,
+    Kernel,
+    KernelKind,
+    LibraryKernel,
+    Load,
+    MatmulKernel,
+    PointwiseKernel,
+    RowKernel,
+    Store,
+)
 from kernelize.codegen.cuda import CudaBackend, CudaRenderer, render
 from kernelize.codegen.template import TemplateError, fill, load_template
 from kernelize.ir import evaluate
@@ -209,9 +220,8 @@ def test_edge_values_and_nan_semantics():
     inf, nan = math.inf, math.nan
     x = torch.tensor([0.0, -0.0, inf, -inf, nan, 1e4, -7.5, 2.5, 0.5, -1.5, 30.0, 5.0])
     y = torch.tensor([nan, 1.0, 2.0, nan, 3.0, 3.0, 2.0, -2.0, 1.0, 1.0, 7.0, -3.0])
-    k = Kernel(
+    k = PointwiseKernel(
         "edge",
-        KernelKind.POINTWISE,
         (12,),
         body=(
             Load(a, (1,)),
@@ -253,7 +263,7 @@ def row_kernel(g: Graph, x, op: Op, arg, extra=(), dtype=None, name="r0") -> Ker
     st = contiguous_strides(out.shape)
     if op in (Op.SUM, Op.MEAN, Op.REDUCE_MAX, Op.REDUCE_MIN, Op.PROD, Op.ARGMAX, Op.ARGMIN):
         st = (*contiguous_strides(rows[:-1]), 0)
-    return Kernel(name, KernelKind.ROW, rows, tuple(body), (Store(len(body) - 1, out, st),), row_rank=1)
+    return RowKernel(name, rows, tuple(body), (Store(len(body) - 1, out, st),), row_rank=1)
 
 
 ROW_CASES = [
@@ -304,9 +314,8 @@ def test_all_reductions_in_one_row_kernel(dtype):
     outs = [g.reduce(op, x, -1, keepdim=True) for op in ops]
     g.output(*outs)
     body = (Load(x, (37, 1)), *[Compute(op, o.dtype, (0,), (1,)) for op, o in zip(ops, outs)])
-    k = Kernel(
+    k = RowKernel(
         "all_red",
-        KernelKind.ROW,
         (Sym.of("rows"), 37),
         body,
         tuple(Store(i + 1, o, (1, 0)) for i, o in enumerate(outs)),
@@ -334,9 +343,8 @@ def test_add_rmsnorm_fused_residual(dtype, n):
     g = build(dtype)
     x, r, w = g.inputs
     y, s = g.outputs
-    k = Kernel(
+    k = RowKernel(
         "add_rmsnorm",
-        KernelKind.ROW,
         (Sym.of("batch"), n),
         row_rank=1,
         body=(
@@ -406,9 +414,8 @@ def test_reduce_over_several_axes_and_strided_rows():
     out = g.reduce(Op.SUM, x, (0, 2), keepdim=True)
     g.output(out)
     # domain (3, 4, 5): axis 0 is x's axis 1 (stride 5), the row is x's axes 0 and 2 (strides 15, 1)
-    k = Kernel(
+    k = RowKernel(
         "red",
-        KernelKind.ROW,
         (3, 4, 5),
         row_rank=2,
         body=(Load(x, (5, 15, 1)), Compute(Op.SUM, DType.F32, (0,), (0, 2))),
@@ -428,9 +435,8 @@ def silu_and_mul(dtype, d=48):
     a, b = g.slice(x, 1, 0, d), g.slice(x, 1, d, 2 * d)
     y = g.mul(g.mul(a, g.sigmoid(a)), b)
     g.output(y)
-    k = Kernel(
+    k = PointwiseKernel(
         "silu_and_mul",
-        KernelKind.POINTWISE,
         (Sym.of("batch"), d),
         body=(
             Load(x, (2 * d, 1)),
@@ -449,9 +455,8 @@ def gelu_and_mul(dtype, d=40):
     x = g.input("x", ("batch", 2 * d), dtype)
     y = g.mul(g.gelu(g.slice(x, 1, 0, d), "tanh"), g.slice(x, 1, d, 2 * d))
     g.output(y)
-    k = Kernel(
+    k = PointwiseKernel(
         "gelu_and_mul",
-        KernelKind.POINTWISE,
         (Sym.of("batch"), d),
         body=(
             Load(x, (2 * d, 1)),
@@ -475,9 +480,8 @@ def rotary(dtype, heads=2, d=16):
     y = g.add(g.mul(q, cos3), g.mul(rot, sin3))
     g.output(y)
     S = Sym.of("seq")
-    k = Kernel(
+    k = PointwiseKernel(
         "rotary",
-        KernelKind.POINTWISE,
         (S, heads, d),
         body=(
             Load(q, (heads * d, d, 1)),
@@ -504,9 +508,8 @@ def linear_bias_relu(dtype, m=70, kdim=33, n=90):
     g.output(y)
     zero = next(nd for nd in g.nodes if nd.op is Op.CONST)
     B = Sym.of("batch")
-    k = Kernel(
+    k = MatmulKernel(
         "linear_bias_relu",
-        KernelKind.MATMUL,
         (B, n),
         body=(
             Compute(Op.MATMUL, dtype, (1, 2), kdim),
@@ -550,9 +553,8 @@ def add_rmsnorm_layer(dtype, n=64):
     s = g.add(x, r)
     y = g.rmsnorm(s, w, 1e-6)
     g.output(y, s)
-    k = Kernel(
+    k = RowKernel(
         "add_rmsnorm",
-        KernelKind.ROW,
         (Sym.of("batch"), n),
         row_rank=1,
         body=(
@@ -608,9 +610,8 @@ def test_matmul_tiles_and_batch(m, k, n):
     a, b = g.input("a", (2, m, k), "f32"), g.input("b", (k, n), "f32")
     y = g.matmul(a, b)
     g.output(y)
-    kern = Kernel(
+    kern = MatmulKernel(
         "mm",
-        KernelKind.MATMUL,
         (2, m, n),
         body=(Compute(Op.MATMUL, DType.F32, (1, 2), k), Load(a, (m * k, k, 0, 1)), Load(b, (0, 0, 1, n))),
         stores=(Store(0, y, (m * n, n, 1)),),
@@ -626,9 +627,8 @@ def gather_kernel() -> tuple[Graph, Kernel]:
     table, idx = g.input("table", (10, 4), "bf16"), g.input("idx", ("n",), "i64")
     y = g.gather(table, idx, 0)
     g.output(y)
-    k = Kernel(
+    k = PointwiseKernel(
         "gather",
-        KernelKind.POINTWISE,
         (Sym.of("n"), 4),
         body=(Load(idx, (1, 0)), Load(table, (0, 1), indirect=(Indirect(0, 4, 10),))),
         stores=(Store(1, y, (4, 1)),),
@@ -691,8 +691,8 @@ def test_library_kernels_are_refused():
     x = g.input("x", (1, 1, 4, 4), "f32")
     w = g.input("w", (1, 1, 3, 3), "f32")
     c = g.conv(x, w)
-    with pytest.raises(ValueError, match="runtime runs it"):
-        render(Kernel("c", KernelKind.LIBRARY, c.shape, node=c, inputs=(x, w)))
+    with pytest.raises(ValueError, match="no code for library kernels"):
+        render(LibraryKernel("c", c.shape, node=c, inputs=(x, w)))
 
 
 def test_cast_to_half_rounds_inside_the_kernel():

@@ -27,7 +27,7 @@ from test_cuda import (  # noqa: E402
     planned,
 )
 
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store  # noqa: E402
+from kernelize.autokernel.kernels import Compute, KernelKind, Load, RowKernel, Store  # noqa: E402
 from kernelize.codegen import nvrtc  # noqa: E402
 from kernelize.codegen.cuda import CudaBackend, render  # noqa: E402
 from kernelize.ir.dtypes import DType  # noqa: E402
@@ -108,9 +108,7 @@ def test_every_row_statistic_compiles(dtype):
         for op, node, src, arg in nodes:
             body.append(Compute(op, dtype, src, arg))
             stores.append(Store(len(body) - 1, node, (300, 1)))
-    k = Kernel(
-        f"stats_{dtype}", KernelKind.ROW, (Sym.of("rows"), 300), tuple(body), tuple(stores), row_rank=1
-    )
+    k = RowKernel(f"stats_{dtype}", (Sym.of("rows"), 300), tuple(body), tuple(stores), row_rank=1)
     src = render(k)
     assert nvrtc.compile_cubin(src.source, src.name, "sm_90")[:4] == b"\x7fELF"
 

@@ -19,7 +19,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from triton_specs import broadcast_strides, check, contiguous, pointwise_from_graph, randn, row_kernel
 
-from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.kernels import (
+    Compute,
+    Indirect,
+    LibraryKernel,
+    Load,
+    MatmulKernel,
+    PointwiseKernel,
+    RowKernel,
+    Store,
+)
 from kernelize.codegen.template import TemplateError, fill
 from kernelize.codegen.triton import TritonBackend, TritonRenderer, launch_config, render
 from kernelize.codegen.triton_base import cache_dir, load_module
@@ -197,9 +206,8 @@ def test_silu_and_mul_reads_halves_of_one_buffer():
     a, b = g.slice(x, 1, 0, h), g.slice(x, 1, h)
     y = g.mul(g.mul(a, g.sigmoid(a)), b)
     g.output(y)
-    k = Kernel(
+    k = PointwiseKernel(
         "silu_and_mul",
-        KernelKind.POINTWISE,
         (B, h),
         (
             Load(x, (2 * h, 1)),
@@ -223,9 +231,8 @@ def test_noncontiguous_load_and_concat_with_masks():
     y = g.concat([g.neg(x2), x1], 1)
     g.output(y)
     tr = (1, 6)  # strides of x = xt.T over (6, d)
-    k = Kernel(
+    k = PointwiseKernel(
         "rot",
-        KernelKind.POINTWISE,
         (6, d),
         (
             Load(xt, tr, offset=d // 2 * 6, mask=((1, 0, d // 2),)),
@@ -244,9 +251,8 @@ def test_indirect_gather_load():
     idx = g.input("idx", (B,), "i64")
     y = g.gather(table, idx, 0)
     g.output(y)
-    k = Kernel(
+    k = PointwiseKernel(
         "emb",
-        KernelKind.POINTWISE,
         (B, 4),
         (
             Load(idx, (1, 0)),
@@ -329,9 +335,8 @@ def test_reductions_over_any_axis(op, axis, n):
     xs = contiguous(shape)
     domain = (*(shape[i] for i in outer), n)
     ys = contiguous(y.shape)
-    k = Kernel(
+    k = RowKernel(
         "red",
-        KernelKind.ROW,
         domain,
         (
             Load(x, (*(xs[i] for i in outer), xs[axis])),
@@ -352,9 +357,8 @@ def test_row_kernel_with_per_row_and_full_stores():
     y = g.rmsnorm(h, w, 1e-6)
     m = g.reduce(Op.MEAN, h, 1, keepdim=True)
     g.output(y, h, m)
-    k = Kernel(
+    k = RowKernel(
         "add_rms",
-        KernelKind.ROW,
         (B, 64),
         (
             Load(x, (64, 1)),
@@ -382,9 +386,8 @@ def test_matmul_bias_relu_epilogue(dtype, mnk):
     mm = g.matmul(x, g.transpose(w))
     y = g.max(g.add(mm, bias), g.scalar(0, dtype))
     g.output(y)
-    k = Kernel(
+    k = MatmulKernel(
         "linear_relu",
-        KernelKind.MATMUL,
         (2, m, n),
         (
             Compute(Op.MATMUL, dtype, (1, 2), kk),
@@ -410,13 +413,12 @@ def test_zero_size_and_library_kernels_in_one_plan():
     c = g.conv(x, w)
     y = g.max(c, g.scalar(0.0, "f32"))
     g.output(y)
-    lib = Kernel("conv", KernelKind.LIBRARY, c.shape, node=c, inputs=(x, w))
+    lib = LibraryKernel("conv", c.shape, node=c, inputs=(x, w))
     zero = y.src[1]
     while zero.op is not Op.CONST:
         zero = zero.src[0]
-    relu = Kernel(
+    relu = PointwiseKernel(
         "relu",
-        KernelKind.POINTWISE,
         y.shape,
         (Load(c, contiguous(c.shape)), Load(zero, (0, 0, 0, 0)), Compute(Op.MAX, DType.F32, (0, 1))),
         (Store(2, y, contiguous(y.shape)),),

@@ -16,7 +16,16 @@ from test_triton import REDUCES, _row_graph
 from triton_layers import corpus
 from triton_specs import contiguous
 
-from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.kernels import (
+    Compute,
+    Indirect,
+    Kernel,
+    KernelKind,
+    Load,
+    PointwiseKernel,
+    RowKernel,
+    Store,
+)
 from kernelize.autokernel.plan import plan
 from kernelize.codegen import triton as kt
 from kernelize.codegen import triton_aot
@@ -45,9 +54,8 @@ def _corpus_kernels() -> list[Kernel]:
         x = g.input("x", (5, Sym.of("seq"), 3), "f32")
         y = g.reduce(op, x, 1, keepdim=True)
         ks.append(
-            Kernel(
+            RowKernel(
                 f"red_{op}",
-                KernelKind.ROW,
                 (5, 3, Sym.of("seq")),
                 (Load(x, (Sym(("seq",), 3), 1, 3)), Compute(op, y.dtype, (0,), (2,))),
                 (Store(1, y, (3, 1, 0)),),
@@ -59,9 +67,8 @@ def _corpus_kernels() -> list[Kernel]:
     a = g.input("a", ("n", 16), "i32")
     y = g.gather(table, idx, 0)
     ks.append(
-        Kernel(
+        PointwiseKernel(
             "gather_int_ops",
-            KernelKind.POINTWISE,
             (Sym.of("n"), 16),
             (
                 Load(idx, (1, 0)),

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.kernels import Compute, Kernel, Load, PointwiseKernel, RowKernel, Store
 from kernelize.ir import evaluate
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import LAYOUT, Graph, Node, Op
@@ -56,9 +56,7 @@ def pointwise_from_graph(g: Graph, name: str = "k0") -> Kernel:
         src = tuple(operand(s) for s in n.src)
         pos[n] = len(body)
         body.append(Compute(n.op, n.dtype, src, n.arg))
-    return Kernel(
-        name, KernelKind.POINTWISE, out.shape, tuple(body), (Store(operand(out), out, contiguous(out.shape)),)
-    )
+    return PointwiseKernel(name, out.shape, tuple(body), (Store(operand(out), out, contiguous(out.shape)),))
 
 
 def row_kernel(
@@ -69,7 +67,7 @@ def row_kernel(
     body += [Load(p, broadcast_strides(p.shape, x.shape)) for p in params]
     body += list(op_entries)
     st = contiguous(out.shape) if out.shape == x.shape else (*contiguous(out.shape)[:-1], 0)
-    return Kernel(name, KernelKind.ROW, x.shape, tuple(body), (Store(len(body) - 1, out, st),), row_rank=1)
+    return RowKernel(name, x.shape, tuple(body), (Store(len(body) - 1, out, st),), row_rank=1)
 
 
 def check(g: Graph, kernels: Sequence[Kernel], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernelize
-from kernelize.integrations import hf_attention
+from kernelize import model_attention
 
 from .test_transformers import (
     HAS_KERNEL,
@@ -79,12 +79,12 @@ def test_activation_without_gated_math_keeps_the_mlp_eager() -> None:
 
 
 def test_missing_attention_kernel_keeps_attention_eager(monkeypatch) -> None:
-    monkeypatch.setattr(hf_attention, "attention_kernel", lambda: None)
+    monkeypatch.setattr(model_attention, "attention_kernel", lambda: None)
     monkeypatch.setattr("kernelize.integrations.transformers.attention_kernel", lambda: None)
     eager = tiny_model("llama")
     with kernelized(eager) as fast:
         choice = attention_choice(fast)
-        assert not choice.uses_kernel and choice.reason == hf_attention.KERNEL_UNAVAILABLE
+        assert not choice.uses_kernel and choice.reason == model_attention.KERNEL_UNAVAILABLE
         assert fast.config._attn_implementation == "eager"
 
 
@@ -125,7 +125,7 @@ def test_output_attentions_runs_eager_attention_and_returns_weights() -> None:
 @needs_kernel
 def test_kernel_declining_a_call_runs_eager_attention(monkeypatch) -> None:
     """AttentionUnsupported from the kernel: that call runs the eager path, the reason is noted."""
-    _, unsupported = hf_attention.attention_kernel()
+    _, unsupported = model_attention.attention_kernel()
 
     def declining(*args, **kwargs):
         raise unsupported("head dim 16 declined for the test")
@@ -133,7 +133,7 @@ def test_kernel_declining_a_call_runs_eager_attention(monkeypatch) -> None:
     eager = tiny_model("llama")
     ids, mask = padded_batch()
     with kernelized(eager) as fast:
-        monkeypatch.setattr(hf_attention, "attention_kernel", lambda: (declining, unsupported))
+        monkeypatch.setattr(model_attention, "attention_kernel", lambda: (declining, unsupported))
         assert_same_logits_and_tokens(eager, fast, ids, mask)
         assert any("declined" in n for n in attention_choice(fast).notes), attention_choice(fast).notes
 
@@ -141,14 +141,16 @@ def test_kernel_declining_a_call_runs_eager_attention(monkeypatch) -> None:
 def test_training_dropout_and_unknown_arguments_take_the_eager_path() -> None:
     module = torch.nn.Linear(2, 2).train()
     q = k = torch.zeros(1, 2, 3, 4)
-    reason = hf_attention.call_fallback_reason(module, q, k, 0.1, {})
+    reason = model_attention.call_fallback_reason(module, q, k, 0.1, {})
     if not HAS_KERNEL:
-        assert reason == hf_attention.KERNEL_UNAVAILABLE
+        assert reason == model_attention.KERNEL_UNAVAILABLE
     else:
         assert "dropout (0.1) in training" in reason
-        assert hf_attention.call_fallback_reason(module.eval(), q, k, 0.1, {}) is None
-        assert "position_bias" in hf_attention.call_fallback_reason(module, q, k, 0.0, {"position_bias": q})
-        assert hf_attention.call_fallback_reason(module, q, k, 0.0, {"position_ids": q}) is None
+        assert model_attention.call_fallback_reason(module.eval(), q, k, 0.1, {}) is None
+        assert "position_bias" in model_attention.call_fallback_reason(
+            module, q, k, 0.0, {"position_bias": q}
+        )
+        assert model_attention.call_fallback_reason(module, q, k, 0.0, {"position_ids": q}) is None
 
 
 @pytest.mark.parametrize("q_len, kv_len, padded", [(5, 5, False), (3, 7, False), (1, 6, True), (4, 4, True)])
@@ -161,7 +163,7 @@ def test_eager_path_masks_match_sdpa(q_len: int, kv_len: int, padded: bool) -> N
     if padded:
         mask = torch.ones(2, 1, q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
         mask[0, :, :, :2] = False
-    out, _ = hf_attention.eager_attention(module, q, k, v, mask, scaling=0.3)
+    out, _ = model_attention.eager_attention(module, q, k, v, mask, scaling=0.3)
     causal = mask if mask is not None else torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
     want = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=causal, scale=0.3, enable_gqa=True
@@ -215,14 +217,14 @@ def test_attention_sinks_and_alternating_windows_run_in_the_kernel(monkeypatch) 
     """gpt-oss: sinks (a logit per head, `s_aux`) and sliding-window layers go through the `kernelize`
     attention function into the kernel, sinks included (no eager-attention note); logits and greedy tokens
     equal eager's."""
-    sdpa, unsupported = hf_attention.attention_kernel()
+    sdpa, unsupported = model_attention.attention_kernel()
     with_sinks: list[bool] = []
 
     def counted(*args, **kwargs):
         with_sinks.append(kwargs.get("sinks") is not None)
         return sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(hf_attention, "attention_kernel", lambda: (counted, unsupported))
+    monkeypatch.setattr(model_attention, "attention_kernel", lambda: (counted, unsupported))
     eager = tiny_model(config_name="GptOssConfig", model_name="GptOssForCausalLM", sliding_window=4)
     for module in eager.modules():
         if hasattr(module, "sinks"):

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import kernelize
-from kernelize.integrations import hf_attention
+from kernelize import model_attention
 from kernelize.integrations.transformers import kernelize_model
 
 transformers = pytest.importorskip("transformers")
 
-HAS_KERNEL = hf_attention.attention_kernel() is not None
+HAS_KERNEL = model_attention.attention_kernel() is not None
 needs_kernel = pytest.mark.skipif(
     not HAS_KERNEL, reason="kernelize.attention (the attention kernel) is absent"
 )
@@ -114,7 +114,7 @@ def layers_used(model) -> dict[str, str]:
 def kernel_calls(monkeypatch) -> list[tuple]:
     """Shapes of every call that reached the attention kernel (the real kernel runs each call)."""
     calls: list[tuple] = []
-    found = hf_attention.attention_kernel()
+    found = model_attention.attention_kernel()
     if found is not None:
         sdpa, unsupported = found
 
@@ -122,7 +122,7 @@ def kernel_calls(monkeypatch) -> list[tuple]:
             calls.append((tuple(query.shape), tuple(key.shape)))
             return sdpa(query, key, *args, **kwargs)
 
-        monkeypatch.setattr(hf_attention, "attention_kernel", lambda: (counted, unsupported))
+        monkeypatch.setattr(model_attention, "attention_kernel", lambda: (counted, unsupported))
     return calls
 
 
@@ -147,7 +147,7 @@ def test_one_call_replaces_norms_mlp_and_attention(family: str, kernel_calls: li
             assert attention.layer_name == "CausalSelfAttention" and attention.uses_kernel, str(attention)
             assert fast.config._attn_implementation == "kernelize"
         else:
-            assert not attention.uses_kernel and attention.reason == hf_attention.KERNEL_UNAVAILABLE
+            assert not attention.uses_kernel and attention.reason == model_attention.KERNEL_UNAVAILABLE
         assert_same_logits_and_tokens(eager, fast, ids, mask)
         ran = kernelize.inspect(fast)["model.layers.0.self_attn"]
         assert not any(note.startswith("eager attention") for note in ran.notes), str(ran)

@@ -14,7 +14,13 @@ from argparse import Namespace
 import pytest
 import torch
 
-from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load, Store
+from kernelize.autokernel.kernels import (
+    Compute,
+    LibraryKernel,
+    Load,
+    PointwiseKernel,
+    Store,
+)
 from kernelize.ir import evaluate, optimize
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
@@ -107,10 +113,9 @@ def test_library_kernel_views_liveness_and_aliasing():
     y = g.max(c, zero)
     flat = g.view(y, (B, 64))
     g.output(flat, x)
-    lib = Kernel("conv", KernelKind.LIBRARY, c.shape, node=c, inputs=(x, w))
-    relu = Kernel(
+    lib = LibraryKernel("conv", c.shape, node=c, inputs=(x, w))
+    relu = PointwiseKernel(
         "relu",
-        KernelKind.POINTWISE,
         c.shape,
         (Load(c, (64, 16, 4, 1)), Load(zero, (0, 0, 0, 0)), Compute(Op.MAX, DType.F32, (0, 1))),
         (Store(2, y, (64, 16, 4, 1)),),
@@ -495,7 +500,7 @@ def test_progress_bar_is_drawn_while_a_slow_compile_runs(monkeypatch):
             progress(len(kernels))
             return ["done"] * len(kernels)
 
-    kernels = [Kernel(name=f"k{i}", kind=KernelKind.POINTWISE, domain=()) for i in range(3)]
+    kernels = [PointwiseKernel(name=f"k{i}", domain=()) for i in range(3)]
     assert compiled._compile_all(Slow(), kernels) == {"k0": "done", "k1": "done", "k2": "done"}
     assert "compiling slow kernels" in seen_during[0] and "0/3" in seen_during[0]
 

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from kernelize import hub
-from kernelize.integrations.hf_attention import note_fallback
+from kernelize.model_attention import note_fallback
 
 
 @functools.cache

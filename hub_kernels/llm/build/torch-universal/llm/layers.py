@@ -14,7 +14,7 @@ Phi-3...). State comes from the replaced module: `q_proj`/`k_proj`/`v_proj` or a
    `(batch, heads, seq, head_dim)` layout (`kernelize/rotary`'s `apply_rotary_qk`);
 3. `cache.update(...)` (transformers' `DynamicCache`, as the model's own forward calls it; the argument is
    `cache` since transformers 5.24, `past_key_values` before, and both names are taken);
-4. `kernelize.integrations.hf_attention.attention_forward`: the generated attention kernel, or the module's
+4. `kernelize.model_attention.attention_forward`: the generated attention kernel, or the module's
    eager attention with the reason noted for `kernelize.inspect`; a call that needs gradients takes torch's
    `scaled_dot_product_attention` (it has a backward; the generated kernel has none);
 5. `o_proj` (in inference, a generated matmul kernel too).
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from kernelize import hub
-from kernelize.integrations.hf_attention import attention_forward
+from kernelize.model_attention import attention_forward
 
 from .block import block_of, run_block
 from .causal_lm import CausalLMWithLoss as CausalLMWithLoss  # a layer of this repository
@@ -145,7 +145,7 @@ def sliding_window_of(module: nn.Module) -> int | None:
 class CausalSelfAttention(nn.Module):
     """Llama-style self-attention: projections, fused rotary, KV cache update, the attention kernel."""
 
-    has_backward = True  # calls with gradients take torch's SDPA (see hf_attention.attention_with_grad)
+    has_backward = True  # calls with gradients take torch's SDPA (model_attention.attention_with_grad)
     can_torch_compile = False
 
     def forward(
