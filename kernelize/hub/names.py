@@ -27,6 +27,8 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
         "GemmaRMSNorm": "GemmaRMSNorm",
         "LayerNorm": "LayerNorm",
         "FusedAddRMSNorm": "FusedAddRMSNorm",
+        "GatedRMSNorm": "GatedRMSNorm",
+        "RMSNormGated": "GatedRMSNorm",
     },
     "rotary": {"RotaryEmbedding": "RotaryEmbedding", "rotary_pos_emb": "ApplyRotaryPosEmb"},
     "softmax": {"Softmax": "Softmax", "ScaledMaskedSoftmax": "ScaledMaskedSoftmax"},
@@ -34,6 +36,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
     "llm": {
         "CausalSelfAttention": "CausalSelfAttention",
         "PreNormDecoderLayer": "PreNormDecoderLayer",
+        "EmbeddingsFirstDecoderLayer": "EmbeddingsFirstDecoderLayer",
         "CausalLMWithLoss": "CausalLMWithLoss",
     },
     "linear": {

@@ -36,6 +36,7 @@ import copy
 import dataclasses
 import inspect as pyinspect
 import logging
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -135,6 +136,50 @@ def _norm(module: nn.Module) -> Recognition | None:
                 return Recognition("norm", name, reason, per_instance=shared)
     known = "layer_norm(x), w * rmsnorm(x) or (1 + w) * rmsnorm(x)"
     return _eager("norm", f"forward matches none of {known} (probed)")
+
+
+def _norm_layers() -> Any:
+    from kernelize.layer.hub import get_kernel
+
+    return get_kernel("kernelize/layer_norm", version=1).layers
+
+
+def _gated_norm(module: nn.Module) -> Recognition | None:
+    """`norm(x) * act(gate)`: a norm whose forward takes `(hidden_states, gate)` (Qwen3-Next, Qwen3.5)."""
+    weight = getattr(module, "weight", None)
+    if "Norm" not in type(module).__name__ or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return None
+    try:
+        params = tuple(pyinspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if params[2:3] != ("gate",):
+        return None
+    if len(params) != 3 or any(True for _ in module.children()):
+        return _eager("norm", f"a gated norm with forward parameters {params} or submodules: not a plain one")
+    eps = _eps_of(module)
+    if eps is None:
+        return _eager("norm", f"no float epsilon attribute ({', '.join(_EPS_NAMES)})")
+    if weight.is_meta:
+        return _eager("norm", "weights on the meta device: cannot probe which norm this is")
+    if getattr(module, "bias", None) is not None:
+        return _eager("norm", "a gated norm with a bias: not in the gated RMSNorm kernel")
+    layers = _norm_layers()
+    probe = copy.deepcopy(module).float().cpu()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        probe.weight.normal_(1.0, 0.5, generator=gen)
+        x = 3 * torch.randn(3, weight.shape[0], generator=gen) + 1
+        gate = 2 * torch.randn(3, weight.shape[0], generator=gen)
+        got = type(module).forward(probe, x, gate)
+        named = getattr(module, "activation", None)
+        for act in dict.fromkeys([*([named] if named in layers.GATE_ACT else []), *layers.GATE_ACT]):
+            want = layers.gated_rms_norm_math(x, gate, probe.weight, eps=eps, act=act)
+            if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                reason = f"forward equals `w * rmsnorm(x) * {act}(gate)` (probed)"
+                return Recognition("norm", "GatedRMSNorm", reason, {"kernelize_gate_act": act})
+    known = " or ".join(layers.GATE_ACT)
+    return _eager("norm", f"forward matches no `w * rmsnorm(x) * act(gate)` with act {known} (probed)")
 
 
 # ---- gated MLPs -------------------------------------------------------------------------------------------
@@ -322,50 +367,76 @@ def _attention_blocker(module: nn.Module) -> str | None:
     return None
 
 
-# ---- decoder layers: residual add + norm ------------------------------------------------------------------
-_DECODER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
-_DECODER_OPTIONAL = frozenset({"resid_attn_dropout", "resid_mlp_dropout"})  # Phi-3
-_DECODER_PARAMS = ("self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache")
-# the pre-norm data flow, in source order: the second residual add and the norm after it fuse
-_DECODER_STEPS = (
-    "residual = hidden_states",
-    "self.input_layernorm(hidden_states)",
-    "self.self_attn(",
-    "residual +",
-    "residual = hidden_states",
-    "self.post_attention_layernorm(hidden_states)",
-    "self.mlp(hidden_states)",
-    "residual +",
+# ---- decoder layers: residual adds + norms at any of four places ----------------------------------------
+_DECODER_CHILDREN = frozenset({"self_attn", "mlp"})
+_DECODER_OPTIONAL = frozenset({"resid_attn_dropout", "resid_mlp_dropout"})  # Phi-3 (identity in eval)
+# forward parameter order -> the kernel layer taking it (the layers differ only in their signatures)
+_DECODER_SIGNATURES = {
+    ("self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache"): "PreNormDecoderLayer",
+    ("self", "hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache"): (
+        "EmbeddingsFirstDecoderLayer"
+    ),
+}
+# The data flow in source order: `residual = hidden_states`, attention, `residual +`, the same around the
+# MLP, with a norm call allowed at each of the four slots (`block.NORM_SLOTS`): before attention, on its
+# output, before the MLP, on its output. Which slot a norm fills comes from where it is called, not its name
+# (Llama's `post_attention_layernorm` is the pre-MLP norm; Gemma 2's is on the attention's output).
+_DECODER_FLOW = re.compile(
+    r"R (?:N:(?P<input>\w+) )?A (?:N:(?P<post_attn>\w+) )?\+ "
+    r"R (?:N:(?P<pre_ff>\w+) )?M (?:N:(?P<post_ff>\w+) )?\+"
 )
+_FLOW_EVENTS = re.compile(r"residual = hidden_states|residual \+|\+ residual|self\.(\w+)\(")
+
+
+def _flow(source: str, norms: frozenset[str]) -> str:
+    """The forward's data flow as events: R (residual saved), A / M (attention / MLP called), + (residual
+    added), N:name (a norm called); other calls (dropouts) are left out."""
+    events = []
+    for match in _FLOW_EVENTS.finditer(source):
+        name = match.group(1)
+        if name is None:
+            events.append("R" if match.group(0).startswith("residual =") else "+")
+        elif name in norms:
+            events.append(f"N:{name}")
+        elif name in _DECODER_CHILDREN:
+            events.append("A" if name == "self_attn" else "M")
+    return " ".join(events)
 
 
 def _decoder(module: nn.Module) -> Recognition | None:
     children = {name for name, _ in module.named_children()}
-    if not _DECODER_CHILDREN <= children:
+    if not _DECODER_CHILDREN <= children or not any(n.endswith("layernorm") for n in children):
         return None
-    extra = children - _DECODER_CHILDREN - _DECODER_OPTIONAL
-    if extra:
-        return _eager("decoder", f"submodules beyond a pre-norm decoder layer: {', '.join(sorted(extra))}")
+    norms = frozenset(children - _DECODER_CHILDREN - _DECODER_OPTIONAL)
     try:
         source = pyinspect.getsource(type(module).forward)
         params = tuple(pyinspect.signature(type(module).forward).parameters)
         params = tuple("cache" if p == "past_key_values" else p for p in params)  # its name before 5.24
     except (OSError, TypeError):
         return _eager("decoder", "the forward's source is not available to check its data flow")
-    at = 0
-    for step in _DECODER_STEPS:
-        at = source.find(step, at)
-        if at < 0:
-            return _eager("decoder", f"the forward is not the pre-norm residual flow (no `{step}` in order)")
-    if params[: len(_DECODER_PARAMS)] != _DECODER_PARAMS:
-        return _eager("decoder", f"forward parameters {params} differ from the pre-norm decoder layer's")
-    norm = _norm(module.post_attention_layernorm)
-    if norm is None or norm.layer_name not in ("RMSNorm", "GemmaRMSNorm"):
-        return _eager("decoder", "post_attention_layernorm is not a recognised RMSNorm")
-    style = norm.layer_name
-    return Recognition(
-        "decoder", "PreNormDecoderLayer", f"residual add + {style}", {"kernelize_norm_style": style}
-    )
+    flow = _DECODER_FLOW.fullmatch(_flow(source, norms))
+    if flow is None:
+        return _eager(
+            "decoder",
+            "the forward is not the residual flow of a decoder layer (attention and MLP each between "
+            f"`residual = hidden_states` and `residual +`, norms around them): {_flow(source, norms)!r}",
+        )
+    slots = {slot: name for slot, name in flow.groupdict().items() if name is not None}
+    unused = norms - set(slots.values())
+    if unused:
+        return _eager("decoder", f"submodules beyond a decoder layer's norms: {', '.join(sorted(unused))}")
+    layer = next((v for k, v in _DECODER_SIGNATURES.items() if params[: len(k)] == k), None)
+    if layer is None:
+        return _eager("decoder", f"forward parameters {params} differ from those of the decoder layers")
+    styles = {}
+    for slot, name in slots.items():
+        norm = _norm(getattr(module, name))
+        if norm is None or norm.layer_name not in ("RMSNorm", "GemmaRMSNorm"):
+            return _eager("decoder", f"{name} is not a recognised RMSNorm")
+        styles[slot] = norm.layer_name
+    layout = ", ".join(f"{slot}: {name}" for slot, name in slots.items())
+    setup = {"kernelize_norms": slots, "kernelize_norm_style": styles.get("pre_ff")}
+    return Recognition("decoder", layer, f"norms {layout}", setup)
 
 
 # ---- the LM head ----------------------------------------------------------------------------------------
@@ -453,6 +524,7 @@ def _causal_lm(module: nn.Module) -> Recognition | None:
 # ---- the table ----------------------------------------------------------------------------------------
 # Each rule: module -> Recognition (a layer, or left eager with the reason), or None (not this kind).
 RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (
+    _gated_norm,
     _norm,
     _mlp,
     _attention,

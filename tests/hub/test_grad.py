@@ -40,6 +40,12 @@ def _cases(dtype: torch.dtype):
             _module(weight=t(H), eps=1e-6),
             [t(5, H), t(5, H)],
         ),
+        "GatedRMSNorm": (
+            "layer_norm",
+            "GatedRMSNorm",
+            _module(weight=t(H), variance_epsilon=1e-6, activation="silu"),
+            [t(5, H), t(5, H)],
+        ),
         "SiluAndMul": ("activation", "SiluAndMul", nn.Module(), [t(5, 2 * H)]),
         "GeluTanhAndMul": ("activation", "GeluTanhAndMul", nn.Module(), [t(5, 2 * H)]),
         "NewGELU": ("activation", "NewGELU", nn.Module(), [t(5, H)]),

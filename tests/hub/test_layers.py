@@ -111,6 +111,15 @@ CASES = {
         lambda m: {"eps": 1e-6},
         lambda m: [m.weight],
     ),
+    "GatedRMSNorm": Case(
+        "layer_norm",
+        "GatedRMSNorm",
+        lambda dt: _attrs(weight=_w(dt), variance_epsilon=1e-6, activation="silu"),
+        lambda lead, dt: _x(lead, dt) + _x(lead, dt),
+        "gated_rms_norm_math",
+        lambda m: {"eps": 1e-6, "act": "silu"},
+        lambda m: [m.weight],
+    ),
     "SiluAndMul": Case("activation", "SiluAndMul", lambda dt: nn.Module(), _x, "silu_and_mul_math"),
     "GeluAndMul": Case("activation", "GeluAndMul", lambda dt: nn.Module(), _x, "gelu_and_mul_math"),
     "GeluTanhAndMul": Case(

@@ -81,6 +81,17 @@ def fused_add_gemma_rms_norm_math(
     return gemma_rms_norm_math(total, weight, eps=eps), total
 
 
+# the gate activations of gated norms (`activation` of Qwen3-Next's and Qwen3.5's RMSNormGated)
+GATE_ACT = {"silu": torch.nn.functional.silu, "swish": torch.nn.functional.silu, "sigmoid": torch.sigmoid}
+
+
+def gated_rms_norm_math(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *, eps: float, act: str):
+    """`rms_norm(x) * act(gate)`: Llama's norm (`weight * normalize(x)`, normalised in f32 and cast back
+    before the weight), times the activation of the gate in f32, cast back to x's dtype (Qwen3-Next's and
+    Qwen3.5's RMSNormGated: the norm before the gate)."""
+    return (rms_norm_math(x, weight, eps=eps) * GATE_ACT[act](_up(gate))).to(x.dtype)
+
+
 # norm layer name -> its math, and its residual-add + norm math (for decoder layers that fuse the norms)
 NORM_MATH = {"RMSNorm": rms_norm_math, "GemmaRMSNorm": gemma_rms_norm_math}
 # norm layer name -> its residual-add + norm math (for decoder layers that fuse the two)
@@ -191,6 +202,34 @@ class LayerNorm(nn.Module):
         else:
             y = hub.run(self, layer_norm_math, [x], [w, b], eps=eps)
         return _restore(y, shape)
+
+
+class GatedRMSNorm(nn.Module):
+    """Gated RMSNorm: `(weight * normalize(x)) * act(gate)` as one row kernel; reads `self.weight`, the
+    epsilon and `kernelize_gate_act` (the activation, set by `kernelize_model` from its probe; else the
+    module's `activation`, else silu). Without a gate it is `RMSNorm`."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if gate is None:
+            hub.require_float(type(self).__name__, hidden_states)
+            return hub.run(self, rms_norm_math, [hidden_states], [self.weight], eps=_eps(self, hidden_states))
+        hub.require_float(type(self).__name__, hidden_states, gate)
+        if gate.shape != hidden_states.shape:
+            raise ValueError(
+                f"{type(self).__name__}: the gate's shape {list(gate.shape)} differs from the input's "
+                f"{list(hidden_states.shape)}; the gated norm kernel multiplies them element by element."
+            )
+        act = getattr(self, "kernelize_gate_act", None) or getattr(self, "activation", "silu")
+        if act not in GATE_ACT:
+            raise ValueError(
+                f"{type(self).__name__}: gate activation {act!r} is not one of {', '.join(GATE_ACT)}; map "
+                "this layer to another kernel or keep its own forward."
+            )
+        eps = _eps(self, hidden_states)
+        return hub.run(self, gated_rms_norm_math, [hidden_states, gate], [self.weight], eps=eps, act=act)
 
 
 class FusedAddRMSNorm(nn.Module):

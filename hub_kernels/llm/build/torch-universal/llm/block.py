@@ -1,21 +1,31 @@
-"""A pre-norm decoder layer's inference forward as three generated-kernel graphs around the attention kernel.
+"""A decoder layer's inference forward as three generated-kernel graphs around the attention kernel.
 
-Run module by module, one decoder layer makes seven calls into compiled graphs per step (input norm, q|k|v
-matmul, rotary, o_proj, residual add + norm, gate|up matmul, down matmul) plus torch's final residual add,
-each with ~20 us of Python around its kernel; at one token per step that is a sizeable share of a small
-model's step beside the weight reads. `run_block` makes three, and the attention kernel between them:
+Run module by module, one decoder layer makes seven or more calls into compiled graphs per step (norms, q|k|v
+matmul, rotary, o_proj, residual add + norm, gate|up matmul, down matmul) plus torch's residual adds, each
+with ~20 us of Python around its kernel; at one token per step that is a sizeable share of a small model's
+step beside the weight reads. `run_block` makes three, and the attention kernel between them.
 
-1. `pre_attention_math`: input norm -> merged q|k|v matmul (+ bias) -> rotary on q and k; q, k and v come
-   out in the `(batch, heads, seq, head_dim)` layout the cache and the attention kernel read;
+A layer's norms sit at up to four places (`NORM_SLOTS`): before attention (`input`), on the attention's
+output before the residual add (`post_attn`), before the MLP (`pre_ff`) and on the MLP's output before the
+second residual add (`post_ff`). Llama has `input` and `pre_ff` (its `post_attention_layernorm` normalises
+the MLP's input), Gemma 2 / 3 all four, OLMo2 `post_attn` and `post_ff`. The layer's `kernelize_norms`
+(slot -> submodule name, set by `kernelize_model` from the forward's data flow) says which; each graph
+takes the norms of its slots:
+
+1. `pre_attention_math`: [input norm] -> merged q|k|v matmul (+ bias) -> rotary on q and k; q, k and v
+   come out in the `(batch, heads, seq, head_dim)` layout the cache and the attention kernel read;
 2. transformers' `cache.update(...)` and the attention kernel, exactly as `CausalSelfAttention` calls them
    (so every cache class and every per-call attention fallback keeps working);
-3. `post_attention_math`: o_proj (+ bias) -> + residual -> post-attention norm: `(normed, residual)`;
-4. `mlp_math`: `act(x @ gate.T) * (x @ up.T)` over the merged gate|up weight -> down_proj -> + residual.
+3. `post_attention_math`: o_proj (+ bias) -> [post-attention norm] -> + residual -> [pre-MLP norm]:
+   `(normed, residual)`;
+4. `mlp_math`: `act(x @ gate.T) * (x @ up.T)` over the merged gate|up weight -> down_proj -> [post-MLP
+   norm] -> + residual.
 
-The block runs when the layer's attention runs this hub's `CausalSelfAttention`, its MLP the activation
-hub's `GatedMLP` / `FusedGatedMLP` with bias-free projections and a gated activation the table knows, its
-input norm a norm of the `kernelize/layer_norm` hub, and nothing needs gradients (nor dropout: eval mode).
-Otherwise the submodules run their own forwards and `kernelize.inspect` notes why on the decoder layer.
+The block runs when the layer's attention runs this hub's `CausalSelfAttention` (without query / key
+norms), its MLP the activation hub's `GatedMLP` / `FusedGatedMLP` with bias-free projections and a gated
+activation the table knows, each of its norms an RMSNorm kernel layer of the `kernelize/layer_norm` hub,
+and nothing needs gradients (nor dropout: eval mode). Otherwise the submodules run their own forwards and
+`kernelize.inspect` notes why on the decoder layer.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ def _hubs() -> tuple[Any, Any, Any]:
 
 
 # ---- the math (plain torch; traced into kernels) ---------------------------------------------------------
-def _rotate(x, cos, sin, qkv, *, eps, norm, heads, kv_heads, head_dim, neox):
+def _rotate(x, cos, sin, qkv, *, heads, kv_heads, head_dim, neox):
     """(rotated q, rotated k, v) of the merged projection `qkv`, in the attention layout."""
     n_qk = (heads + kv_heads) * head_dim
     rotated = _hubs()[2].rotary_qk_math(
@@ -54,51 +64,65 @@ def _rotate(x, cos, sin, qkv, *, eps, norm, heads, kv_heads, head_dim, neox):
     return rotated[:, :heads], rotated[:, heads:], v
 
 
-def pre_attention_math(x, cos, sin, norm_weight, qkv_weight, **p):
-    """(q, k, v) of `norm(x) @ W_qkv.T` with q and k rotated, each `(batch, heads, seq, head_dim)`."""
-    h = _hubs()[0].NORM_MATH[p["norm"]](x, norm_weight, eps=p["eps"])
-    return _rotate(x, cos, sin, h @ qkv_weight.t(), **p)
+def _normed(h, weights, style, eps):
+    """`style`'s norm of `h` with the next of `weights` (`h` itself when the slot has no norm)."""
+    return h if style is None else _hubs()[0].NORM_MATH[style](h, next(weights), eps=eps)
 
 
-def pre_attention_bias_math(x, cos, sin, norm_weight, qkv_weight, qkv_bias, **p):
-    """`pre_attention_math` with a q|k|v bias (Qwen2)."""
-    h = _hubs()[0].NORM_MATH[p["norm"]](x, norm_weight, eps=p["eps"])
-    return _rotate(x, cos, sin, h @ qkv_weight.t() + qkv_bias, **p)
+def pre_attention_math(x, cos, sin, *weights, norm, eps, bias=False, **p):
+    """(q, k, v) of `[norm](x) @ W_qkv.T (+ b)` with q and k rotated, each `(batch, heads, seq, head_dim)`;
+    `weights`: the norm's weight (when `norm` is not None), W_qkv, the bias (when `bias`)."""
+    w = iter(weights)
+    qkv = _normed(x, w, norm, eps) @ next(w).t()
+    return _rotate(x, cos, sin, qkv + next(w) if bias else qkv, **p)
 
 
-def post_attention_math(attn, residual, o_weight, norm_weight, *, eps, norm):
-    """`(norm(attn @ W_o.T + residual), attn @ W_o.T + residual)`."""
-    return _hubs()[0].FUSED_ADD_MATH[norm](attn @ o_weight.t(), residual, norm_weight, eps=eps)
+def post_attention_math(
+    attn, residual, o_weight, *weights, bias=False, norm_post=None, eps_post=0.0, norm, eps
+):
+    """`(norm(h), h)` for `h = [post_norm](attn @ W_o.T (+ b)) + residual`; only `h` when `norm` is None.
+    `weights`: the o_proj bias (when `bias`), the post-attention norm's weight, the pre-MLP norm's."""
+    w = iter(weights)
+    o = attn @ o_weight.t() + next(w) if bias else attn @ o_weight.t()
+    o = _normed(o, w, norm_post, eps_post)
+    if norm is None:
+        return o + residual
+    return _hubs()[0].FUSED_ADD_MATH[norm](o, residual, next(w), eps=eps)
 
 
-def post_attention_bias_math(attn, residual, o_weight, o_bias, norm_weight, *, eps, norm):
-    """`post_attention_math` with an o_proj bias."""
-    return _hubs()[0].FUSED_ADD_MATH[norm](attn @ o_weight.t() + o_bias, residual, norm_weight, eps=eps)
-
-
-def mlp_math(x, residual, gate_up, down, *, act):
-    """`act(x @ gate.T) * (x @ up.T) @ W_down.T + residual` (gate|up merged along dim 0)."""
+def mlp_math(x, residual, gate_up, down, *weights, act, norm=None, eps=0.0):
+    """`[norm](act(x @ gate.T) * (x @ up.T) @ W_down.T) + residual` (gate|up merged along dim 0)."""
     activation = _hubs()[1]
-    return activation.GATE_UP_MATH[activation.GATED_MATH[act]](x, gate_up) @ down.t() + residual
+    y = activation.GATE_UP_MATH[activation.GATED_MATH[act]](x, gate_up) @ down.t()
+    return _normed(y, iter(weights), norm, eps) + residual
 
 
 # ---- when the block runs ----------------------------------------------------------------------------------
+NORM_SLOTS = ("input", "post_attn", "pre_ff", "post_ff")  # where a decoder layer's norms may sit, in order
+
+
 @dataclass(frozen=True)
 class Block:
-    """What one decoder layer's block reads, worked out once: the kernel parameters of the pre-attention
-    graph (norm math, eps, head counts, rotary style), the post-attention norm and eps, the MLP's activation
-    and layout."""
+    """What one decoder layer's block reads, worked out once: the kernel parameters of each graph (norm
+    math and eps per slot, head counts, rotary style, the MLP's activation), its norms (slot -> submodule
+    name) and the MLP's layout."""
 
     pre: dict[str, Any]
-    norm_post: str
-    eps_post: float
-    act: str
+    post: dict[str, Any]
+    mlp: dict[str, Any]
+    norms: dict[str, str]
     fused_gate_up: bool  # Phi-3's gate_up_proj (else gate_proj and up_proj, merged on first use)
 
 
 def _installed(module: nn.Module) -> Any:
     """The function of the forward kernelize installed on `module` (None: its class's own forward)."""
     return getattr(module.__dict__.get("forward"), "__func__", None)
+
+
+def norms_of(layer: nn.Module) -> dict[str, str]:
+    """slot -> submodule name of the layer's norms (`kernelize_norms`; a pre-norm layer without it)."""
+    default = {"input": "input_layernorm", "pre_ff": "post_attention_layernorm"}
+    return getattr(layer, "kernelize_norms", None) or default
 
 
 def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
@@ -120,25 +144,32 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     if act not in activation.GATED_MATH or not activation.bias_free(*(getattr(mlp, n) for n in names)):
         return f"the MLP's activation {act!r} or its projection biases are not in the block's math"
     by_forward = {getattr(norms, name).forward: name for name in norms.NORM_MATH}
-    norm_in = by_forward.get(_installed(layer.input_layernorm))
-    if norm_in is None:
-        return "input_layernorm does not run an RMSNorm kernel layer"
+    slots = norms_of(layer)
+    style, eps = dict.fromkeys(NORM_SLOTS), dict.fromkeys(NORM_SLOTS, 0.0)
+    for slot, name in slots.items():
+        style[slot] = by_forward.get(_installed(getattr(layer, name)))
+        if style[slot] is None:
+            return f"{name} does not run an RMSNorm kernel layer"
+        eps[slot] = norms.eps_of(getattr(layer, name))
     attn, cfg = layer.self_attn, layer.self_attn.config
     pre = dict(
-        eps=norms.eps_of(layer.input_layernorm),
-        norm=norm_in,
+        norm=style["input"],
+        eps=eps["input"],
         heads=cfg.num_attention_heads,
         kv_heads=cfg.num_key_value_heads,
         head_dim=attn.head_dim,
         neox=bool(getattr(attn, "is_neox_style", True)),
     )
-    post = layer.post_attention_layernorm
-    return Block(pre, layer.kernelize_norm_style, norms.eps_of(post), act, fused)
+    post = dict(
+        norm_post=style["post_attn"], eps_post=eps["post_attn"], norm=style["pre_ff"], eps=eps["pre_ff"]
+    )
+    return Block(pre, post, dict(act=act, norm=style["post_ff"], eps=eps["post_ff"]), dict(slots), fused)
 
 
 def block_of(layer: nn.Module, x: torch.Tensor, attention_layer: type) -> Block | None:
     """`layer`'s block for this call, or None (its submodules run their own forwards, reason noted)."""
-    installed = (_installed(layer.self_attn), _installed(layer.mlp), _installed(layer.input_layernorm))
+    subs = ("self_attn", "mlp", *norms_of(layer).values())
+    installed = tuple(_installed(getattr(layer, name)) for name in subs)
     cached = layer.__dict__.get("_kernelize_block")
     if cached is None or cached[0] != installed:
         cached = layer.__dict__["_kernelize_block"] = (installed, _plan(layer, attention_layer))
@@ -153,15 +184,12 @@ def block_of(layer: nn.Module, x: torch.Tensor, attention_layer: type) -> Block 
     return block
 
 
-_BYPASSED = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-
-
 def _hooked(layer: nn.Module) -> str | None:
     """Why this call must go through the submodules: the block does not call them, so hooks on them
     (transformers' `output_attentions` capture among them) would not see their calls."""
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
         return "global module forward hooks are registered"
-    for name in _BYPASSED:
+    for name in ("self_attn", "mlp", *norms_of(layer).values()):  # the submodules the block bypasses
         sub = getattr(layer, name)
         for hook in (*sub._forward_pre_hooks.values(), *sub._forward_hooks.values()):
             if (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) == _CAPTURE_HOOK:
@@ -198,24 +226,25 @@ def run_block(
 ) -> torch.Tensor:
     """The decoder layer's output for `x`; `attend(q, k, v) -> (batch, seq, heads * head_dim)` updates the
     cache and runs attention, `qkv_params(attn) -> (weight, bias | None)` gives the merged q|k|v."""
-    attn, mlp, post = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    attn, mlp = layer.self_attn, layer.mlp
+    weight_of = {slot: getattr(layer, name).weight for slot, name in block.norms.items()}
     cos, sin = position_embeddings
     weight, bias = qkv_params(attn)
-    pre_fn, pre_w = (pre_attention_math, []) if bias is None else (pre_attention_bias_math, [bias])
-    q, k, v = hub.run(
-        attn, pre_fn, [x, cos, sin], [layer.input_layernorm.weight, weight, *pre_w], **block.pre
-    )
+    pre_w = [*_weights(weight_of, "input"), weight, *([] if bias is None else [bias])]
+    q, k, v = hub.run(attn, pre_attention_math, [x, cos, sin], pre_w, bias=bias is not None, **block.pre)
     out = attend(q, k, v)
     o = attn.o_proj
-    post_fn, o_w = (
-        (post_attention_math, [o.weight])
-        if o.bias is None
-        else (post_attention_bias_math, [o.weight, o.bias])
-    )
-    h, residual = hub.run(
-        layer, post_fn, [out, x], [*o_w, post.weight], eps=block.eps_post, norm=block.norm_post
-    )
-    return hub.run(mlp, mlp_math, [h, residual], [_gate_up(mlp, block), mlp.down_proj.weight], act=block.act)
+    post_w = [o.weight, *([] if o.bias is None else [o.bias])]
+    post_w += _weights(weight_of, "post_attn", "pre_ff")
+    h = hub.run(layer, post_attention_math, [out, x], post_w, bias=o.bias is not None, **block.post)
+    h, residual = (h, h) if block.post["norm"] is None else h
+    mlp_w = [_gate_up(mlp, block), mlp.down_proj.weight, *_weights(weight_of, "post_ff")]
+    return hub.run(mlp, mlp_math, [h, residual], mlp_w, **block.mlp)
+
+
+def _weights(weight_of: dict[str, torch.Tensor], *slots: str) -> list[torch.Tensor]:
+    """The norm weights of those of `slots` the layer has, in order (the graphs take them so)."""
+    return [weight_of[slot] for slot in slots if slot in weight_of]
 
 
 def _gate_up(mlp: nn.Module, block: Block) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch import nn
 from kernelize import hub
 from kernelize.model_attention import attention_forward
 
-from .block import block_of, run_block
+from .block import block_of, norms_of, run_block
 from .causal_lm import CausalLMWithLoss as CausalLMWithLoss  # a layer of this repository
 
 
@@ -210,14 +210,63 @@ def add_norm(owner: nn.Module, norm: nn.Module, x: torch.Tensor, residual: torch
     return hub.run(owner, math, [x, residual], [norm.weight], eps=layers.eps_of(norm))
 
 
-class PreNormDecoderLayer(nn.Module):
-    """A pre-norm decoder layer (Llama, Qwen2, Mistral, Gemma, Phi-3) whose residual add and second norm fuse.
+def decoder_forward(
+    layer: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    attention_mask: torch.Tensor | None,
+    cache: Any,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """A decoder layer's forward, its norms wherever its `kernelize_norms` puts them (see `block.py`): the
+    three-graph block in inference, else the submodules' own forwards with the residual add and a pre-MLP
+    norm as one kernel. `kwargs` go on to the attention (`position_ids`, `use_cache`, ...)."""
+    block = block_of(layer, hidden_states, CausalSelfAttention)
+    if block is not None and position_embeddings is not None:
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
 
-    `x + attention(norm1(x))` and `norm2` of it run as one kernel (two stores: the normalised input of the
-    MLP and the new residual). The submodules run their own (possibly kernelized) forwards. Reads
-    `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`, Phi-3's `resid_attn_dropout` /
-    `resid_mlp_dropout` when present, and `kernelize_norm_style` (the norm's layer name, set by
-    `kernelize_model`).
+        def attend_here(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attend(layer.self_attn, q, k, v, attention_mask, cache, kwargs)[0]
+
+        return run_block(layer, block, hidden_states, position_embeddings, attend_here, merged_qkv)
+    if cache is not None:  # passed on under the name it came with
+        kwargs["cache"] = cache
+    norms = {slot: getattr(layer, name) for slot, name in norms_of(layer).items()}
+    residual = hidden_states
+    if "input" in norms:
+        hidden_states = norms["input"](hidden_states)
+    hidden_states, _ = layer.self_attn(
+        hidden_states=hidden_states,
+        attention_mask=attention_mask,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    if hasattr(layer, "resid_attn_dropout"):
+        hidden_states = layer.resid_attn_dropout(hidden_states)
+    if "post_attn" in norms:
+        hidden_states = norms["post_attn"](hidden_states)
+    if "pre_ff" in norms:
+        style = layer.kernelize_norm_style
+        hidden_states, residual = add_norm(layer, norms["pre_ff"], hidden_states, residual, style)
+    else:
+        hidden_states = residual = residual + hidden_states
+    hidden_states = layer.mlp(hidden_states)
+    if hasattr(layer, "resid_mlp_dropout"):
+        hidden_states = layer.resid_mlp_dropout(hidden_states)
+    if "post_ff" in norms:
+        hidden_states = norms["post_ff"](hidden_states)
+    return residual + hidden_states
+
+
+class PreNormDecoderLayer(nn.Module):
+    """A decoder layer (Llama, Qwen2, Mistral, Gemma, Phi-3, OLMo2) with the parameter order
+    `(hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings)`: in inference
+    three generated graphs around the attention kernel (`block.py`), else its residual add and pre-MLP norm
+    as one kernel (two stores: the normalised input of the MLP and the new residual) and the submodules'
+    own (possibly kernelized) forwards. Its norms may sit before and after attention and the MLP (named by
+    the data flow, not by the submodules' names); reads `self_attn`, `mlp`, the norms, `kernelize_norms`
+    (slot -> norm submodule) and `kernelize_norm_style` (the pre-MLP norm's layer name), both set by
+    `kernelize_model`, and Phi-3's `resid_attn_dropout` / `resid_mlp_dropout` when present.
     """
 
     has_backward = True
@@ -233,33 +282,25 @@ class PreNormDecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        block = block_of(self, hidden_states, CausalSelfAttention)
-        if block is not None and position_embeddings is not None:
-            cache = cache if cache is not None else kwargs.pop("past_key_values", None)
-            kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
+        kwargs = dict(kwargs, position_ids=position_ids, use_cache=use_cache)
+        return decoder_forward(self, hidden_states, position_embeddings, attention_mask, cache, kwargs)
 
-            def attend_here(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return attend(self.self_attn, q, k, v, attention_mask, cache, kwargs)[0]
 
-            return run_block(self, block, hidden_states, position_embeddings, attend_here, merged_qkv)
-        if cache is not None:  # passed on under the name it came with
-            kwargs["cache"] = cache
-        residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        if hasattr(self, "resid_attn_dropout"):
-            hidden_states = self.resid_attn_dropout(hidden_states)
-        style = self.kernelize_norm_style
-        hidden_states, residual = add_norm(
-            self, self.post_attention_layernorm, hidden_states, residual, style
-        )
-        hidden_states = self.mlp(hidden_states)
-        if hasattr(self, "resid_mlp_dropout"):
-            hidden_states = self.resid_mlp_dropout(hidden_states)
-        return residual + hidden_states
+class EmbeddingsFirstDecoderLayer(nn.Module):
+    """`PreNormDecoderLayer` for the parameter order `(hidden_states, position_embeddings, attention_mask,
+    position_ids, cache)` and no `use_cache` (Gemma 2, Gemma 3)."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        kwargs = dict(kwargs, position_ids=position_ids)
+        return decoder_forward(self, hidden_states, position_embeddings, attention_mask, cache, kwargs)
