@@ -10,12 +10,14 @@ implementation with transformers, switches the model to it, and calls `kernelize
 |---|---|---|
 | 1-D `weight` + epsilon; forward == `w * rmsnorm(x)` (probed) | `RMSNorm` | `kernelize/layer_norm` |
 | same; forward == `(1 + w) * rmsnorm(x)` (Gemma, probed) | `GemmaRMSNorm` | `kernelize/layer_norm` |
+| forward `(x, gate)` == `w * rmsnorm(x) * act(gate)` (Qwen3.5, probed) | `GatedRMSNorm` | (same) |
 | same, with or without a bias; forward == `layer_norm(x)` (probed) | `LayerNorm` | `kernelize/layer_norm` |
 | `gate_proj`, `up_proj`, `down_proj`, gated activation (probed) | `GatedMLP` | `kernelize/activation` |
 | `gate_up_proj`, `down_proj` (Phi-3), gated activation (probed) | `FusedGatedMLP` | `kernelize/activation` |
 | `fc1`/`fc2`, `c_fc`/`c_proj`, `dense_h_to_4h`/`dense_4h_to_h`...; activation probed | `DenseMLP` | (same) |
 | q/k/v/o or qkv/o linears + rotary (probed: neox or interleaved) | `CausalSelfAttention` | `kernelize/llm` |
-| norm, attn, `residual +`, norm, mlp, `residual +` (source order) | `PreNormDecoderLayer` | `kernelize/llm` |
+| source order: [norm] attn [norm] `residual +`, [norm] mlp [norm] `+` | `PreNormDecoderLayer` | (same) |
+| same, `position_embeddings` second (Gemma 2 / 3) | `EmbeddingsFirstDecoderLayer` | (same) |
 | the model's `lm_head`, a plain `nn.Linear` (its class becomes `LMHead`) | `Linear` | `kernelize/linear` |
 | training: input embeddings, an `nn.Embedding` (class: `TokenEmbedding`) | `Embedding` | `kernelize/linear` |
 | `model` + `lm_head` + transformers' `ForCausalLMLoss` | `CausalLMWithLoss` | `kernelize/llm` |

@@ -1,0 +1,156 @@
+"""Decoder layers whose norms sit before and after attention and the MLP (Gemma 2 / 3's sandwich, OLMo2's
+post-norms) and the gated norms of Qwen3.5 / Qwen3-Next, kernelized in one call and compared with the
+model's own eager forward (logits within 1e-4, greedy tokens identical)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelize
+from kernelize import hub
+from kernelize.layer.record import FallbackReason
+from kernelize.models import zoo
+
+from .test_transformers import (
+    assert_same_logits_and_tokens,
+    kernelized,
+    needs_kernel,
+    padded_batch,
+    tiny_model,
+)
+
+transformers = pytest.importorskip("transformers")
+
+LAYOUTS = {  # family -> (config, model, decoder kernel layer, slot -> norm submodule)
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        "EmbeddingsFirstDecoderLayer",
+        {
+            "input": "input_layernorm",
+            "post_attn": "post_attention_layernorm",
+            "pre_ff": "pre_feedforward_layernorm",
+            "post_ff": "post_feedforward_layernorm",
+        },
+    ),
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        "PreNormDecoderLayer",
+        {"post_attn": "post_attention_layernorm", "post_ff": "post_feedforward_layernorm"},
+    ),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        "PreNormDecoderLayer",
+        {"input": "input_layernorm", "pre_ff": "post_attention_layernorm"},
+    ),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", list(LAYOUTS))
+def test_norms_at_any_place_are_served_by_the_decoder_layer(family: str) -> None:
+    config, model, layer_name, slots = LAYOUTS[family]
+    eager = tiny_model(config_name=config, model_name=model)
+    ids, mask = padded_batch()
+    with kernelized(eager) as fast:
+        for i in range(2):
+            layer = fast.model.layers[i]
+            choice = kernelize.inspect(fast)[f"model.layers.{i}"]
+            assert choice.uses_kernel and choice.layer_name == layer_name, str(choice)
+            assert layer.kernelize_norms == slots
+            for name in slots.values():
+                assert kernelize.inspect(fast)[f"model.layers.{i}.{name}"].uses_kernel
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
+        notes = kernelize.inspect(fast)["model.layers.0"].notes
+        if family == "olmo2":  # its query/key norms are not in the block: module by module, noted
+            assert any("query/key norms" in n for n in notes), notes
+        else:  # the whole layer as the three graphs: nothing noted, and the layer's graphs ran
+            assert notes == (), notes
+            assert hub.kernels_ran(fast.model.layers[0]) is not None
+
+
+@needs_kernel
+def test_gemma3_sandwich_layer_runs_module_by_module() -> None:
+    """Gemma 3's query / key norms are not in the block's math: its layer runs the submodules' kernels."""
+    eager = tiny_model(config_name="Gemma3TextConfig", model_name="Gemma3ForCausalLM")
+    ids, mask = padded_batch()
+    with kernelized(eager) as fast:
+        choice = kernelize.inspect(fast)["model.layers.0"]
+        assert choice.layer_name == "EmbeddingsFirstDecoderLayer", str(choice)
+        assert any("query/key norms" in n for n in choice.notes), choice.notes
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
+
+
+class ScaledResidualLayer(transformers.models.olmo2.modeling_olmo2.Olmo2DecoderLayer):
+    """OLMo2's data flow in source order, but the MLP's branch scaled: the probe, not the source, decides."""
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = self.post_feedforward_layernorm(hidden_states)
+        return residual + 0.5 * hidden_states
+
+
+@needs_kernel
+def test_a_layer_that_differs_stays_eager_with_the_reason() -> None:
+    eager = tiny_model(config_name="Olmo2Config", model_name="Olmo2ForCausalLM")
+    for layer in eager.model.layers:
+        layer.__class__ = ScaledResidualLayer
+    ids, mask = padded_batch()
+    with kernelized(eager) as fast:
+        choice = kernelize.inspect(fast)["model.layers.0"]
+        assert not choice.uses_kernel and choice.fallback == FallbackReason.VERIFY, str(choice)
+        assert "differs" in choice.reason, choice.reason
+        assert kernelize.inspect(fast)["model.layers.0.mlp"].uses_kernel  # its submodules still are served
+        assert_same_logits_and_tokens(eager, fast, ids, mask)
+
+
+def test_a_norm_outside_the_four_places_leaves_the_layer_eager() -> None:
+    """A norm the forward does not call where a decoder layer's norms sit: the layer is not recognised."""
+    eager = tiny_model("llama")
+    for layer in eager.model.layers:
+        layer.extra_layernorm = type(layer.input_layernorm)(eager.config.hidden_size)
+    with kernelized(eager) as fast:
+        choice = kernelize.inspect(fast)["model.layers.0"]
+        assert not choice.uses_kernel and "extra_layernorm" in choice.reason, str(choice)
+
+
+@pytest.mark.parametrize(
+    "model_type, class_name", [("qwen3_5", "Qwen3_5ForCausalLM"), ("qwen3_next", "Qwen3NextForCausalLM")]
+)
+def test_gated_norms_get_the_kernel(model_type: str, class_name: str) -> None:
+    eager = zoo.tiny_causal_lm(model_type, class_name)
+    ids, mask = zoo.padded_batch(eager.get_input_embeddings().num_embeddings)
+    want = zoo.logits(eager, ids, mask)
+    path = "model.layers.0.linear_attn.norm"
+    with kernelized(eager) as fast:
+        choice = kernelize.inspect(fast)[path]
+        assert choice.uses_kernel and choice.layer_name == "GatedRMSNorm", str(choice)
+        got = zoo.logits(fast, ids, mask)
+        real = mask.bool()
+        torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
+        assert hub.kernels_ran(fast.get_submodule(path)).backend == "cpu"
