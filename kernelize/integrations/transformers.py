@@ -580,17 +580,27 @@ def _mark(model: nn.Module) -> dict[str, Recognition]:
     found: dict[str, Recognition] = {}
     verdicts: dict[type, Recognition] = {}
     layers: dict[type, set[str | None]] = {}
+    unrecognised: dict[str, nn.Module] = {}
     for path, module in model.named_modules():
         cls = type(module)
         verdict = verdicts.get(cls)
         if verdict is None or verdict.per_instance:
             verdict = recognise(module)
             if verdict is None:
+                unrecognised[path] = module
                 continue
             verdicts.setdefault(cls, verdict)
         _adopt(module, verdict)
         found[path] = verdict
         layers.setdefault(cls, set()).add(verdict.layer_name)
+    # a class whose instances differ in structure (Qwen3.5's decoder layer: attention or linear attention):
+    # those no rule recognised stay eager when the class is marked
+    for path, module in unrecognised.items():
+        verdict = verdicts.get(type(module))
+        if verdict is not None:
+            why = f"not a {verdict.kind} as other instances of its class are (its submodules differ)"
+            found[path] = Recognition(verdict.kind, None, why, per_instance=True)
+            _adopt(module, found[path])
     for cls, verdict in verdicts.items():
         names = layers[cls] - {None}
         layer = next(iter(names)) if len(names) == 1 else _UNRECOGNISED.format(kind=verdict.kind)

@@ -154,3 +154,5 @@ def test_gated_norms_get_the_kernel(model_type: str, class_name: str) -> None:
         real = mask.bool()
         torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
         assert hub.kernels_ran(fast.get_submodule(path)).backend == "cpu"
+        layer = kernelize.inspect(fast)["model.layers.0"]  # linear attention: its class is marked, it is not
+        assert not layer.uses_kernel and "submodules differ" in layer.reason, str(layer)
