@@ -44,6 +44,7 @@ from kernelize.codegen.template import load_template
 from kernelize.runtime.backend import Backend, CCall, CompiledKernel
 
 
+# ---- ctypes launchers -----------------------------------------------------------------------------------
 def _launcher(fn, kernel: Kernel):
     symbols = kernel.symbols
     n_reads, n_writes = len(kernel.reads), len(kernel.writes)
