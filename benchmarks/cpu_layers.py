@@ -210,7 +210,7 @@ def _rms_kernel():
 
 
 def compile_and_load_times():
-    from kernelize.codegen import cpu
+    from kernelize.codegen.cpu_backend import CpuBackend
 
     kernel = _rms_kernel()
     with tempfile.TemporaryDirectory() as d:
@@ -218,7 +218,7 @@ def compile_and_load_times():
         os.environ["KERNELIZE_CACHE_DIR"], old = d, os.environ.get("KERNELIZE_CACHE_DIR")
         try:
             t0 = time.perf_counter()
-            cpu.CpuBackend().compile(kernel)
+            CpuBackend().compile(kernel)
             cold = time.perf_counter() - t0
         finally:
             if old is None:
@@ -228,7 +228,7 @@ def compile_and_load_times():
         here = str(Path(__file__).resolve().parent)
         code = (
             f"import time, torch, sys; sys.path.insert(0, {here!r})\n"
-            "from cpu_layers import _rms_kernel\nfrom kernelize.codegen.cpu import CpuBackend\n"
+            "from cpu_layers import _rms_kernel\nfrom kernelize.codegen.cpu_backend import CpuBackend\n"
             "k = _rms_kernel(); t0 = time.perf_counter(); CpuBackend().compile(k)\n"
             "print(time.perf_counter() - t0)"
         )

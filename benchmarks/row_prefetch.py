@@ -29,7 +29,7 @@ from cpu_layers import LAYERS, _inputs  # noqa: E402
 from kernelize import hub_autograd  # noqa: E402
 from kernelize.autokernel.kernels import KernelKind  # noqa: E402
 from kernelize.codegen import cpu_row  # noqa: E402
-from kernelize.codegen.cpu import CpuBackend  # noqa: E402
+from kernelize.codegen.cpu_backend import CpuBackend  # noqa: E402
 from kernelize.hub.signatures import entry_for  # noqa: E402
 from kernelize.ir.shapes import bind  # noqa: E402
 

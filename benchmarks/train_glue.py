@@ -40,7 +40,7 @@ from cpu_layers import LAYERS, _inputs  # noqa: E402
 from row_prefetch import cold_medians  # noqa: E402
 
 from kernelize import hub, hub_autograd  # noqa: E402
-from kernelize.codegen.cpu import compiler  # noqa: E402
+from kernelize.codegen.cpu_build import compiler  # noqa: E402
 from kernelize.hub.signatures import entry_for  # noqa: E402
 from kernelize.ir.shapes import bind  # noqa: E402
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-import math
 import os
 import sys
 import threading
@@ -28,22 +27,40 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
 from torch import nn
 
-from kernelize.autokernel.kernels import AttentionKernel, ConvKernel, Kernel, LibraryKernel, dispatch
-from kernelize.ir.graph import LAYOUT, Graph, Node, Op
+from kernelize.autokernel.kernels import Kernel
+from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import Backend, CompiledKernel
+from kernelize.runtime.buffers import (
+    Buffers,
+    arena_for,
+    arena_lifetimes,
+    channels_last_layout,
+    no_alias,
+    outputs_own_buffers,
+    residuals_in_place,
+)
 from kernelize.runtime.cache import GRAPHS, graph_fingerprint
 from kernelize.runtime.conv import ConvRunner
+from kernelize.runtime.launch import launch, launch_fresh
 from kernelize.runtime.library import materialize, view_bases
-from kernelize.runtime.memory import Arena, OutputPool, empty_huge
-from kernelize.runtime.replay import Batch, batch_of, step_call
+from kernelize.runtime.memory import Arena
+from kernelize.runtime.replay import Batch
+from kernelize.runtime.schedule import (
+    Bound,
+    Step,
+    bind_steps,
+    direct_reads,
+    program,
+    steps_of,
+    strided_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +83,7 @@ class _LazyBackend:
 BACKENDS: dict[str, Callable[[], Backend]] = {
     "triton": _LazyBackend("kernelize.codegen.triton:TritonBackend"),
     "cuda": _LazyBackend("kernelize.codegen.cuda:CudaBackend"),
-    "cpu": _LazyBackend("kernelize.codegen.cpu:CpuBackend"),
+    "cpu": _LazyBackend("kernelize.codegen.cpu_backend:CpuBackend"),
 }
 BACKEND_NAMES = ("reference", *BACKENDS)
 
@@ -146,7 +163,8 @@ def _build(graph: Graph, backend: str, device: torch.device, plan: Any, pool_out
             from kernelize.autokernel.plan import plan as make_plan
         except ImportError as e:  # the planner ships separately; say so instead of a bare ImportError
             raise RuntimeError(f"compile_graph needs kernelize.autokernel.plan ({e}); pass plan=") from e
-        # a backend may ask for its own plan settings: the cpu backend leaves matmuls to torch
+        # a backend may ask for its own plan settings: the cpu backend generates matmul kernels (few-row
+        # functions, or torch's GEMM plus a generated epilogue) and lays buffers out channels-last
         plan = make_plan(graph, impl.plan_settings)
     kernels = list(plan.kernels if hasattr(plan, "kernels") else plan)
     graph = getattr(plan, "graph", None) or graph
@@ -207,40 +225,16 @@ def _ticking(bar: Any, every_s: float = 0.25) -> Iterator[None]:
         ticker.join()
 
 
-# how the runtime runs each kind of kernel: a torch call of its node ("library"), a launch on its node's
-# operands seen through their layout views, any strides ("operands"), the conv runner ("conv"), or a launch
-# on dense buffers ("buffers")
-RUN_AS = {LibraryKernel: "library", AttentionKernel: "operands", ConvKernel: "conv", Kernel: "buffers"}
-
-
-@dataclass(frozen=True)
-class _Step:
-    kernel: Kernel
-    compiled: CompiledKernel | None
-    free: tuple[Node, ...]  # buffers dead after this step
-    library: bool = False
-    operands: bool = False  # launched on the node's operands seen through their views (attention)
-    conv: ConvRunner | None = None
-
-
-@dataclass(frozen=True)
-class _Bound:
-    """Everything a call derives from its input shapes (cached per distinct shapes, dtypes, devices)."""
-
-    env: dict[str, int]
-    shapes: tuple[tuple[tuple[int, ...], ...], ...]  # per step, the shapes of the buffers it writes
-    sizes: tuple[dict[str, int], ...]  # per step, its symbol values
-    launch: tuple[bool, ...]  # per step, whether anything is written (empty outputs skip the launch)
-
-
 _BOUND_CACHE_MAX = 256  # distinct input signatures remembered per compiled graph
-ARENAS = 4  # input signatures whose arenas a compiled graph keeps
 # runs of generated steps go to C in one call (kernelize.runtime.replay); KERNELIZE_REPLAY=0 keeps Python
 REPLAY = os.environ.get("KERNELIZE_REPLAY", "1") != "0"
 
 
 class CompiledGraph:
     """A graph compiled for one backend and device; call it like ``kernelize.ir.evaluate``.
+
+    The steps and the replay program come from :mod:`kernelize.runtime.schedule`, the memory plan (layouts,
+    arena lifetimes, output buffers, aliasing) from :mod:`kernelize.runtime.buffers`; this class runs them.
 
     Attributes:
         graph: the graph it runs (the plan's graph).
@@ -263,129 +257,37 @@ class CompiledGraph:
         self.kernels: list[CompiledKernel] = [compiled[k.name] for k in kernels if k.name in compiled]
         self.key = f"{graph_fingerprint(graph)}:{backend}:{device}:{next(_SERIAL)}"
         self._consts = {n: n.arg.tensor.to(device) for n in graph.nodes if n.op is Op.CONST}
-        # liveness: drop an intermediate after the last kernel that reads it
-        last: dict[Node, int] = {}
-        for i, k in enumerate(kernels):
-            for b in k.reads:
-                last[b] = i
         # outputs that are views keep the buffers they view alive until the outputs are materialised
         keep = set(graph.inputs) | view_bases(graph.outputs) | set(self._consts)
-        self._steps = [
-            _Step(
-                k,
-                compiled.get(k.name),
-                tuple(b for b, j in last.items() if j == i and b not in keep),
-                run_as == "library",
-                run_as == "operands",
-                self._conv_runner(k, compiled.get(k.name)) if run_as == "conv" else None,
-            )
-            for i, k in enumerate(kernels)
-            for run_as in (dispatch(RUN_AS, k, "the runtime"),)
-        ]
-        self._cl = _layout(plan, kernels) if device.type == "cpu" else frozenset()
-        self._bound: dict[tuple, _Bound] = {}
-        # inputs only attention kernels read keep their strides: those kernels take any strides
-        readers: dict[Node, set[str]] = {}
-        for k in kernels:
-            for b in k.reads:
-                readers.setdefault(b, set()).add(dispatch(RUN_AS, k, "the runtime"))
-        self._strided = tuple(
-            n not in graph.outputs and readers.get(n, set()) == {"operands"} for n in graph.inputs
-        )
+        self._steps = steps_of(kernels, compiled, keep, self._conv_runner)
+        self._cl = channels_last_layout(plan, kernels) if device.type == "cpu" else frozenset()
+        self._bound: dict[tuple, Bound] = {}
+        self._strided = strided_inputs(graph, kernels)
         # fresh large CPU outputs cost more in page faults than the kernels: the pool hands a buffer out
         # again once the caller has dropped it
-        self._pool = OutputPool() if backend == "cpu" and device.type == "cpu" else None
-        self.fresh: frozenset[Node] = frozenset()  # buffers never taken from the pool
+        self._buffers = Buffers(device, backend == "cpu" and device.type == "cpu", self._cl)
         # intermediates that generated kernels write live in one arena per input signature
-        self._lives = self._intermediates(kernels, keep) if self._pool is not None else {}
-        self._inplace = self._residuals_in_place()
+        self._lives = (
+            arena_lifetimes(kernels, self._steps, set(graph.outputs), keep, self._cl)
+            if self._buffers.pool is not None
+            else {}
+        )
+        self._inplace = residuals_in_place(self._steps)
         self._arenas: OrderedDict[tuple, Arena] = OrderedDict()
         # one generated kernel from inputs to outputs (most hub layers): calls skip the buffer bookkeeping,
         # which is most of a small call's cost (decode pays it for every layer of every token)
-        self._direct = self._direct_reads()
-        self._own_outputs = self._outputs_own_buffers()
+        self._direct = direct_reads(self._steps, graph, self._consts)
+        self._own_outputs = outputs_own_buffers(self._steps, graph)
         _REGISTRY[self.key] = self
 
-    def _intermediates(
-        self, kernels: Sequence[Kernel], keep: set[Node]
-    ) -> dict[Node, tuple[int, int, int, bool]]:
-        """The buffers an arena holds: written by a generated kernel (or a generated conv, NHWC) and neither
-        a graph output nor viewed by one; per buffer (step writing it, index among its writes, last step
-        reading it, whether it is stored NHWC). A step reads a buffer also through the layout views it
-        materialises (its memory is reused after the last such read, whatever still references it)."""
-        last: dict[Node, int] = {}
-        for i, k in enumerate(kernels):
-            for b in view_bases(k.touched):
-                last[b] = i
-        outputs = set(self.graph.outputs)
-        lives = {}
-        for i, st in enumerate(self._steps):
-            if st.library or st.compiled is None:
-                continue
-            for j, b in enumerate(st.kernel.writes):
-                # a conv writes NHWC: the output of one the plan reads NCHW is a copy made after the call
-                if b not in outputs and b not in keep and (st.conv is None or b in self._cl):
-                    lives[b] = (i, j, last.get(b, i), b in self._cl)
-        return lives
+    @property
+    def fresh(self) -> frozenset[Node]:
+        """Buffers never taken from the pool: new tensors nothing else references (``pool_outputs=False``)."""
+        return self._buffers.fresh
 
-    def _residuals_in_place(self) -> dict[Node, Node]:
-        """Per generated conv with a residual, its output -> the residual: a conv adds it element by element,
-        so its output may overwrite the residual where nothing reads that later (the arena checks), as
-        onnxruntime's fused Conv + Sum does. ResNet-50 (1 thread, thread CPU time, min of 12, side by side):
-        batch 1 81.0-83.2 -> 79.7-80.1 ms, batch 8 654 -> 641 ms."""
-        return {
-            st.kernel.writes[0]: st.kernel.epilogue.residual
-            for st in self._steps
-            if st.conv is not None and st.compiled is not None and st.kernel.epilogue.residual is not None
-        }
-
-    def _arena(self, bound: _Bound) -> Arena | None:
-        """The arena for ``bound``'s shapes (the last :data:`ARENAS` signatures keep theirs)."""
-        if not self._lives:
-            return None
-        arena = self._arenas.get(bound.shapes)
-        if arena is None:
-            buffers = {
-                b: (bound.shapes[i][j], b.dtype.torch, i, end) for b, (i, j, end, _) in self._lives.items()
-            }
-            layouts = {b: v[3] for b, v in self._lives.items()}
-            arena = self._arenas[bound.shapes] = Arena(buffers, layouts, self._inplace)
-            if len(self._arenas) > ARENAS:
-                self._arenas.popitem(last=False)
-        else:
-            self._arenas.move_to_end(bound.shapes)
-        return arena
-
-    def _direct_reads(self) -> tuple[tuple[int | torch.Tensor, ...], tuple[int, ...]] | None:
-        """When the graph is one generated kernel that reads only inputs and constants and writes exactly
-        the graph's outputs: per kernel read, the input's index or the constant, and per output, the
-        index of the kernel write it is. Else None."""
-        if self.backend == "reference" or len(self._steps) != 1:
-            return None
-        step = self._steps[0]
-        k, outs = step.kernel, list(self.graph.outputs)
-        if step.library or step.operands or step.conv is not None or step.compiled is None:
-            return None
-        if set(k.writes) != set(outs) or len(set(outs)) != len(outs) or len(k.writes) != len(outs):
-            return None
-        where = {n: i for i, n in enumerate(self.graph.inputs)}
-        if any(o in where for o in outs) or not all(b in where or b in self._consts for b in k.reads):
-            return None
-        reads = tuple(where[b] if b in where else self._consts[b] for b in k.reads)
-        return reads, tuple(k.writes.index(o) for o in outs)
-
-    def _outputs_own_buffers(self) -> bool:
-        """Whether every output is (a view of) its own buffer that a generated kernel writes: then no
-        output can be an input or share memory with another, and calls skip the alias check (``_no_alias``
-        reads every input's and output's address: tens of microseconds of a cold training backward)."""
-        writer = {b: st for st in self._steps for b in st.kernel.writes}
-        bases = [[b for b in view_bases([o]) if b.op not in LAYOUT] for o in self.graph.outputs]
-        if any(len(b) != 1 for b in bases) or len({b[0] for b in bases}) != len(bases):
-            return False
-        steps = [writer.get(b[0]) for b in bases]
-        return all(
-            st is not None and st.compiled is not None and not st.library and st.conv is None for st in steps
-        )
+    @fresh.setter
+    def fresh(self, nodes: frozenset[Node]) -> None:
+        self._buffers.fresh = frozenset(nodes)
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         """Run on ``inputs`` (in ``graph.inputs`` order); returns the outputs as a list.
@@ -408,36 +310,36 @@ class CompiledGraph:
         if self._direct is not None:
             return self._run_direct(inputs, bound)
         if self.backend == "reference":
-            return _no_alias(evaluate(self.graph, list(inputs)), inputs)
-        arena = self._arena(bound)
+            return no_alias(evaluate(self.graph, list(inputs)), inputs)
+        arena = arena_for(self._arenas, bound.shapes, self._lives, self._inplace)
         views = None if arena is None else arena.take()
         if views is None:
             return self._run_steps(inputs, bound, {})
         try:
             if arena.program is None and REPLAY:
-                arena.program = self._program(bound, views)
+                arena.program = program(self._steps, bound, views, self._consts, self._cl)
             return self._run_steps(inputs, bound, views, arena.program)
         finally:
             arena.release()
 
     def _run_steps(
-        self, inputs: Sequence[torch.Tensor], bound: _Bound, views: Mapping[Node, torch.Tensor], program=None
+        self, inputs: Sequence[torch.Tensor], bound: Bound, views: Mapping[Node, torch.Tensor], units=None
     ) -> list[torch.Tensor]:
-        """The steps in order (``program``: runs of them as replay batches); intermediates in ``views`` are
+        """The steps in order (``units``: runs of them as replay batches); intermediates in ``views`` are
         written there, the rest allocated."""
         vals: dict[Node, torch.Tensor] = dict(self._consts)
         strided = self._strided
         vals.update((n, t if s else t.contiguous()) for n, t, s in zip(self.graph.inputs, inputs, strided))
-        for unit in range(len(self._steps)) if program is None else program:
+        for unit in range(len(self._steps)) if units is None else units:
             if isinstance(unit, Batch):
                 self._run_batch(unit, vals, bound, views)
             else:
                 self._run_step(unit, vals, bound, views)
         env = bound.env
         outs = [materialize(o, vals, env).contiguous() for o in self.graph.outputs]
-        return outs if self._own_outputs else _no_alias(outs, inputs)
+        return outs if self._own_outputs else no_alias(outs, inputs)
 
-    def _run_step(self, i: int, vals: dict, bound: _Bound, views: Mapping[Node, torch.Tensor]) -> None:
+    def _run_step(self, i: int, vals: dict, bound: Bound, views: Mapping[Node, torch.Tensor]) -> None:
         step, shapes, env = self._steps[i], bound.shapes[i], bound.env
         k = step.kernel
         if step.conv is not None:
@@ -446,7 +348,7 @@ class CompiledGraph:
             r = None if ep.residual is None else materialize(ep.residual, vals, env)
             out = views.get(ep.tail)
             if out is None and step.conv.generated is not None and ep.tail in self.graph.outputs:
-                out = self._empty(ep.tail, shapes[0], nhwc=True)
+                out = self._buffers.empty(ep.tail, shapes[0], nhwc=True)
             vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
         elif step.library:
             vals[k.node] = self._library(k, vals, env)
@@ -460,7 +362,7 @@ class CompiledGraph:
         for b in step.free:
             vals.pop(b, None)
 
-    def _run_batch(self, batch: Batch, vals: dict, bound: _Bound, views: Mapping[Node, torch.Tensor]) -> None:
+    def _run_batch(self, batch: Batch, vals: dict, bound: Bound, views: Mapping[Node, torch.Tensor]) -> None:
         """The batch's steps from C (see :mod:`kernelize.runtime.replay`); their arena buffers go into
         ``vals`` first (a call may read a view of one an earlier call of the batch writes)."""
         env = bound.env
@@ -469,37 +371,12 @@ class CompiledGraph:
 
         def allocate(i: int) -> None:
             k = self._steps[i].kernel
-            vals.update(zip(k.writes, self._outputs(k, bound.shapes[i], views)))
+            vals.update(zip(k.writes, self._buffers.outputs(k, bound.shapes[i], views)))
 
         batch.run(lambda b: vals[b] if b in vals else materialize(b, vals, env), allocate)
         for i in batch.steps:
             for b in self._steps[i].free:
                 vals.pop(b, None)
-
-    def _program(self, bound: _Bound, views: Mapping[Node, torch.Tensor]) -> list[int | Batch]:
-        """The steps for ``bound``'s signature: runs of generated steps as replay batches, the rest alone."""
-        consts = self._consts
-        unfixed: set[Node] = set()  # arena buffers a Python step may replace by tensors of its own
-
-        def fixed(b: Node) -> torch.Tensor | None:
-            return views[b] if b in views and b not in unfixed else consts.get(b)
-
-        units: list[int | Batch] = []
-        run: list = []
-        for i, (step, shapes, sizes) in enumerate(zip(self._steps, bound.shapes, bound.sizes)):
-            entry = step_call(step, shapes, sizes, fixed, self._cl) if bound.launch[i] else None
-            if entry is not None:
-                run.append((i, *entry))
-                continue
-            if step.conv is None and step.compiled is not None and step.compiled.fresh is not None:
-                unfixed.update(step.kernel.writes)  # a library GEMM returning its own output tensor
-            if run:
-                units.append(batch_of(run))
-                run = []
-            units.append(i)
-        if run:
-            units.append(batch_of(run))
-        return units
 
     def run_into(
         self, inputs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor | None]
@@ -521,7 +398,9 @@ class CompiledGraph:
             return [g if o is None else o.copy_(g) for g, o in zip(got, outs, strict=True)]
         bound = self._bind(inputs)
         step = self._steps[0]
-        if self._direct is None or step.compiled.fresh is not None or set(step.kernel.writes) & self._cl:
+        # a direct step writes only graph outputs, and no graph output is channels-last (the planner keeps
+        # outputs dense; channels_last_buffers picks what conv and pool steps write): no layout test here
+        if self._direct is None or step.compiled.fresh is not None:
             raise ValueError(
                 f"run_into: compiled graph {self.key} is not one generated kernel from its inputs to its "
                 "outputs; call run() and copy"
@@ -547,7 +426,7 @@ class CompiledGraph:
     def _run_direct(
         self,
         inputs: Sequence[torch.Tensor],
-        bound: _Bound,
+        bound: Bound,
         views: Mapping[Node, torch.Tensor] = {},  # noqa: B006 (read only)
     ) -> list[torch.Tensor]:
         """``run`` for a graph of one kernel from inputs to outputs: its outputs are fresh (or recycled
@@ -559,57 +438,24 @@ class CompiledGraph:
 
     def _written(
         self,
-        step: _Step,
+        step: Step,
         reads: list[torch.Tensor],
         shapes: Sequence[tuple[int, ...]],
         sizes: Mapping[str, int],
-        launch: bool,
+        launch_it: bool,
         views: Mapping[Node, torch.Tensor] = {},  # noqa: B006 (read only)
     ) -> list[torch.Tensor]:
         """Run a generated kernel; returns what it wrote: the tensors a library call made itself
         (``CompiledKernel.fresh``), else the arena's ``views`` or buffers allocated here, filled by
         ``launch``."""
-        fresh = step.compiled.fresh
-        if fresh is not None and launch:
-            if torch.autograd.profiler._is_profiler_enabled:
-                with torch.profiler.record_function(_label(step.kernel)):
-                    outs = fresh(reads, sizes)
-            else:
-                outs = fresh(reads, sizes)
+        if step.compiled.fresh is not None and launch_it:
+            outs = launch_fresh(step, reads, sizes)
             if outs is not None:
                 return outs
-        writes = self._outputs(step.kernel, shapes, views)
-        if launch:
-            _launch(step, reads, writes, sizes)
+        writes = self._buffers.outputs(step.kernel, shapes, views)
+        if launch_it:
+            launch(step, reads, writes, sizes)
         return writes
-
-    def _outputs(
-        self,
-        k: Kernel,
-        shapes: Sequence[tuple[int, ...]],
-        views: Mapping[Node, torch.Tensor] = {},  # noqa: B006
-    ) -> list[torch.Tensor]:
-        """Buffers for what ``k`` writes: the arena's ``views`` where it has them, else new ones (the cpu
-        backend recycles large ones the caller dropped)."""
-        if self._pool is not None:
-            return [views[b] if b in views else self._empty(b, shape) for b, shape in zip(k.writes, shapes)]
-        return [
-            views[b] if b in views else torch.empty(shape, dtype=b.dtype.torch, device=self.device)
-            for b, shape in zip(k.writes, shapes)
-        ]
-
-    def _empty(self, b: Node, shape: tuple[int, ...], nhwc: bool | None = None) -> torch.Tensor:
-        """A CPU buffer for ``b``: from the pool unless it is fresh, NHWC when the plan lays it out so (or
-        ``nhwc`` says so)."""
-        nhwc = b in self._cl if nhwc is None else nhwc
-        if nhwc:
-            n, c, h, w = shape
-            shape = (n, h, w, c)
-        if b in self.fresh:  # new tensors (gradients autograd adopts), huge pages asked for
-            t = empty_huge(shape, b.dtype.torch)
-        else:
-            t = self._pool.empty(b, shape, b.dtype.torch)
-        return t.permute(0, 3, 1, 2) if nhwc else t
 
     def _grad_error(self, inputs: Sequence[torch.Tensor]) -> ValueError:
         """Outputs of generated kernels carry no autograd history: say so rather than drop the gradient."""
@@ -622,7 +468,7 @@ class CompiledGraph:
             "autograd.Function that supplies the backward)"
         )
 
-    def _bind(self, inputs: Sequence[torch.Tensor]) -> _Bound:
+    def _bind(self, inputs: Sequence[torch.Tensor]) -> Bound:
         """The symbol bindings and per-step shapes for ``inputs``, checked once per distinct input signature.
 
         (perf) A repeated signature (dtypes, shapes, devices) skips the checks and the shape arithmetic; a
@@ -642,13 +488,7 @@ class CompiledGraph:
                     f"input {node.arg!r} is on {t.device} but this graph was compiled for {self.device} "
                     f"({self.backend} backend); move the input with .to({str(self.device)!r})"
                 )
-        shapes = tuple(tuple(bind(b.shape, env) for b in st.kernel.writes) for st in self._steps)
-        bound = _Bound(
-            env,
-            shapes,
-            tuple({s: env[s] for s in st.kernel.symbols} for st in self._steps),
-            tuple(any(math.prod(sh) for sh in per) for per in shapes),
-        )
+        bound = bind_steps(self._steps, env)
         if key is not None:
             if len(self._bound) >= _BOUND_CACHE_MAX:
                 self._bound.clear()
@@ -674,63 +514,6 @@ class CompiledGraph:
             f"CompiledGraph({self.backend} on {self.device}, {len(self._steps)} steps, "
             f"{len(self.kernels)} generated kernels)"
         )
-
-
-def _layout(plan: Any, kernels: Sequence[Kernel]) -> frozenset[Node]:
-    """The buffers kept channels-last: the plan's NHWC buffers when it laid them out (generated kernels
-    index those NHWC), else what :func:`channels_last_buffers` finds among library-only buffers."""
-    settings = getattr(plan, "settings", None)
-    if settings is not None and settings.channels_last:
-        return plan.channels_last
-    return channels_last_buffers(kernels)
-
-
-def channels_last_buffers(kernels: Sequence[Kernel]) -> frozenset[Node]:
-    """4-D buffers kept channels-last: written by a CONV kernel or a pool, and read only as the direct
-    activation or residual of CONV kernels or by pools (torch ops follow any strides; generated kernels
-    assume dense row-major buffers, so a buffer any of them reads stays NCHW)."""
-    readers: dict[Node, list[Kernel]] = {}
-    for k in kernels:
-        for b in k.reads:
-            readers.setdefault(b, []).append(k)
-
-    return frozenset(
-        b
-        for k in kernels
-        if k.nhwc_reads
-        for b in k.writes
-        if b.rank == 4 and all(b in r.nhwc_reads for r in readers.get(b, ()))
-    )
-
-
-def _label(k: Kernel) -> str:
-    """``kernelize::<kind>[<ops>]:<name>``: what a generated kernel computes, for profiler tables."""
-    ops = sorted({str(op) for op in k.ops})
-    return f"kernelize::{k.kind}[{','.join(ops)}]:{k.name}"
-
-
-def _launch(
-    step: _Step, reads: list[torch.Tensor], writes: list[torch.Tensor], sizes: Mapping[str, int]
-) -> None:
-    if torch.autograd.profiler._is_profiler_enabled:
-        with torch.profiler.record_function(_label(step.kernel)):  # a named row in the user's profile
-            step.compiled.launch(reads, writes, sizes)
-    else:
-        step.compiled.launch(reads, writes, sizes)
-
-
-def _no_alias(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Custom ops may not return inputs or the same tensor twice: copy those."""
-    seen = {t.data_ptr() for t in inputs if t.numel()}
-    out = []
-    for t in outs:
-        if not t.numel():
-            t = torch.empty_like(t)  # empty tensors may still share storage with an input
-        elif t.data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.data_ptr())
-        out.append(t)
-    return out
 
 
 @torch.library.custom_op("kernelize::run_graph", mutates_args=())

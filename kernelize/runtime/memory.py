@@ -338,7 +338,7 @@ class Arena:
             t = self.block[off : off + nbytes].view(dtype).view(stored)
             self.views[k] = t.permute(0, 3, 1, 2) if layouts.get(k) else t
         self._lock = threading.Lock()
-        self.program: list | None = None  # the replay program for this signature (CompiledGraph._program)
+        self.program: list | None = None  # the replay program for this signature (schedule.program)
 
     def held_bytes(self) -> int:
         """The block's bytes: an arena keeps them between calls."""

@@ -14,7 +14,7 @@ ctypes argument conversion) cost 9-13 us per step; MobileNetV2 at batch 1 has 54
 ~9 ms run on one thread, and more of a 2-thread run.
 
 Example:
-    >>> program = plan_program(cg, bound, views)  # doctest: +SKIP
+    >>> units = schedule.program(steps, bound, views, consts, channels_last)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class KzCall(ctypes.Structure):
 @functools.cache
 def _replay_fn():
     """``kz_replay``, compiled once (disk-cached like every kernel)."""
-    from kernelize.codegen.cpu import build_shared_object, load
+    from kernelize.codegen.cpu_build import build_shared_object, load
     from kernelize.codegen.template import load_template
 
     fn = load(build_shared_object(load_template("cpu_replay.cpp"), "kz_replay")).kz_replay

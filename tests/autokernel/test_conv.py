@@ -10,7 +10,8 @@ from spec_interpreter import run
 
 from kernelize.autokernel import KernelKind, PlanSettings, plan
 from kernelize.ir import Graph, Op, evaluate, optimize
-from kernelize.runtime.compiled import channels_last_buffers, compile_graph
+from kernelize.runtime.buffers import channels_last_buffers
+from kernelize.runtime.compiled import compile_graph
 
 
 def _conv(g: Graph, x, cin: int, cout: int, k: int = 3, groups: int = 1, pad: int = 1, seed: int = 0):

@@ -30,7 +30,9 @@ from kernelize.autokernel.kernels import (
     loop_kernel,
     row_invariant,
 )
-from kernelize.codegen.cpu import CompilerNotFoundError, CpuBackend, inner_pieces, render
+from kernelize.codegen.cpu import inner_pieces, render
+from kernelize.codegen.cpu_backend import CpuBackend
+from kernelize.codegen.cpu_build import CompilerNotFoundError
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import ELEMENTWISE, REDUCE, ROW, Graph, Node, Op
 from kernelize.ir.ops import ConcatArgs
@@ -640,10 +642,12 @@ def test_random_elementwise_graphs(case):
 
 # ---- errors and plumbing ---------------------------------------------------------------------------------
 def test_compile_error_carries_log_and_source(monkeypatch):
-    from kernelize.codegen import cpu
+    from kernelize.codegen import cpu_build
     from kernelize.runtime.backend import KernelCompileError
 
-    monkeypatch.setattr(cpu, "flags", lambda: (*cpu.DEFAULT_FLAGS, "-include", "kz_no_such_header.h"))
+    monkeypatch.setattr(
+        cpu_build, "flags", lambda: (*cpu_build.DEFAULT_FLAGS, "-include", "kz_no_such_header.h")
+    )
     g = Graph()
     x = g.input("x", (3,), DType.F32)
     g.output(g.exp(x))
@@ -656,7 +660,7 @@ def test_missing_compiler_is_a_clear_error():
     code = (
         "import os; os.environ['KERNELIZE_CXX']='no-such-cxx'; os.environ['CXX']='no-such-cxx';"
         "os.environ['PATH']='/nonexistent';"
-        "from kernelize.codegen.cpu import compiler, CompilerNotFoundError\n"
+        "from kernelize.codegen.cpu_build import compiler, CompilerNotFoundError\n"
         "try:\n    compiler()\nexcept CompilerNotFoundError as e:\n    print('OK', e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -686,7 +690,7 @@ def test_a_late_worker_sends_every_kernel_library_to_one_thread_for_a_while():
     shared deadline passes; a punctual region changes nothing."""
     import ctypes
 
-    from kernelize.codegen import cpu
+    from kernelize.codegen import cpu_build
 
     libs = []
     for op in ("exp", "sigmoid"):
@@ -694,26 +698,26 @@ def test_a_late_worker_sends_every_kernel_library_to_one_thread_for_a_while():
         x = g.input("x", (64, 256), DType.F32)
         g.output(getattr(g, op)(x))
         src, _ = render(kernel_of(g))
-        libs.append(cpu.load(cpu.build_shared_object(src, f"team_{op}")))
-    old = cpu.TEAM_DEADLINE.value
+        libs.append(cpu_build.load(cpu_build.build_shared_object(src, f"team_{op}")))
+    old = cpu_build.TEAM_DEADLINE.value
     try:
-        cpu.TEAM_DEADLINE.value = 0
+        cpu_build.TEAM_DEADLINE.value = 0
         assert [lib.kz_team_size(2) for lib in libs] == [2, 2] and libs[0].kz_team_size(1) == 1
         libs[0].kz_team_report(2, ctypes.c_int64(100_000))  # 0.1 ms: punctual
-        assert cpu.TEAM_DEADLINE.value == 0 and libs[1].kz_team_size(2) == 2
+        assert cpu_build.TEAM_DEADLINE.value == 0 and libs[1].kz_team_size(2) == 2
         libs[0].kz_team_report(2, ctypes.c_int64(3_000_000))  # a worker 3 ms late
-        assert cpu.TEAM_DEADLINE.value > 0
+        assert cpu_build.TEAM_DEADLINE.value > 0
         assert [lib.kz_team_size(2) for lib in libs] == [1, 1]  # the other library follows the deadline
-        cpu.TEAM_DEADLINE.value = 1  # the deadline has passed: full teams again
+        cpu_build.TEAM_DEADLINE.value = 1  # the deadline has passed: full teams again
         assert [lib.kz_team_size(2) for lib in libs] == [2, 2]
     finally:
-        cpu.TEAM_DEADLINE.value = old
+        cpu_build.TEAM_DEADLINE.value = old
 
 
 def test_every_kernel_kind_is_exact_on_one_thread_after_a_late_start():
     """While the deadline holds, pointwise, row, few-row matmul and attention kernels run their regions on
     one thread: results equal the reference executor."""
-    from kernelize.codegen import cpu
+    from kernelize.codegen import cpu_build
     from kernelize.runtime.compiled import compile_graph
 
     g = Graph()
@@ -726,13 +730,13 @@ def test_every_kernel_kind_is_exact_on_one_thread_after_a_late_start():
     cg = compile_graph(g, backend="cpu")
     assert {k.kind for k in cg.plan.kernels} >= {KernelKind.ROW, KernelKind.MATMUL, KernelKind.ATTENTION}
     xs = [rand(s, DType.F32) for s in [(3, 512), (384, 512), (1, 4, 9, 32), (1, 4, 300, 32)]]
-    old = cpu.TEAM_DEADLINE.value
+    old = cpu_build.TEAM_DEADLINE.value
     try:
-        cpu.TEAM_DEADLINE.value = 2**62
+        cpu_build.TEAM_DEADLINE.value = 2**62
         for got, want in zip(cg(*xs), evaluate(g, xs)):  # 512-term dot products: summation order differs
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     finally:
-        cpu.TEAM_DEADLINE.value = old
+        cpu_build.TEAM_DEADLINE.value = old
 
 
 def test_compile_graph_end_to_end():
@@ -871,17 +875,17 @@ def _layers_graph(layers: int) -> Graph:
 def test_identical_kernels_compile_once_and_run_each_with_its_own_operands(monkeypatch):
     import re
 
-    from kernelize.codegen import cpu
+    from kernelize.codegen import cpu_build
     from kernelize.runtime.compiled import compile_graph
 
     units: list[str] = []
-    real = cpu.build_shared_object
+    real = cpu_build.build_shared_object
 
     def spy(source: str, name: str = "kernel"):
         units.append(source)
         return real(source, name)
 
-    monkeypatch.setattr(cpu, "build_shared_object", spy)
+    monkeypatch.setattr(cpu_build, "build_shared_object", spy)
     g = _layers_graph(4)
     cg = compile_graph(g, backend="cpu", cache=False)
     defined = {m for src in units for m in re.findall(r"\bkz_k\d+\b", src)}
@@ -894,7 +898,7 @@ def test_identical_kernels_compile_once_and_run_each_with_its_own_operands(monke
 
 
 def test_same_source_groups_blank_only_the_entry_points_name():
-    from kernelize.codegen.cpu import same_source_groups
+    from kernelize.codegen.cpu_build import same_source_groups
 
     k = {n: PointwiseKernel(name=n, domain=()) for n in ("k1", "k10")}
     parts = {0: [(k["k1"], ())], 1: [(k["k10"], ())], 2: [(k["k1"], ())]}
@@ -904,7 +908,7 @@ def test_same_source_groups_blank_only_the_entry_points_name():
 
 
 def test_unit_chunks_balance_by_size_and_keep_order():
-    from kernelize.codegen.cpu import unit_chunks
+    from kernelize.codegen.cpu_build import unit_chunks
 
     chunks = unit_chunks([10, 11, 12, 13], [100, 1, 1, 100], most=2)
     assert sorted(chunks) == [[10, 11], [12, 13]] or sorted(chunks) == [[10, 12], [11, 13]]
@@ -914,13 +918,13 @@ def test_unit_chunks_balance_by_size_and_keep_order():
 def test_matmul_of_static_many_rows_builds_only_its_epilogue(monkeypatch):
     import re
 
-    from kernelize.codegen import cpu
+    from kernelize.codegen import cpu_build
     from kernelize.runtime.compiled import compile_graph
 
     units: list[str] = []
-    real = cpu.build_shared_object
+    real = cpu_build.build_shared_object
     monkeypatch.setattr(
-        cpu, "build_shared_object", lambda src, name="k": units.append(src) or real(src, name)
+        cpu_build, "build_shared_object", lambda src, name="k": units.append(src) or real(src, name)
     )
     g = Graph()
     x, w = g.input("x", (40, 64), DType.F32), g.input("w", (64, 32), DType.F32)
@@ -969,7 +973,7 @@ def test_exp_kernels_compile_to_packed_vector_math(what):
     """The exp-based kernels' hot loops are vector code: packed FMAs and no calls to libm. A merge once
     turned the exp polynomial into an array read in a loop, which gcc left scalar in simd loops (SiluAndMul
     forward + backward 5x slower) while every result stayed right."""
-    from kernelize.codegen.cpu import compiler, flags
+    from kernelize.codegen.cpu_build import compiler, flags
 
     g = Graph()
     x = g.input("x", (64, 4096), DType.F32)

@@ -1,8 +1,8 @@
 """The generated CPU sources compile for aarch64 (Graviton, Ampere, Apple silicon), as the CUDA C compiles
 for sm_80 / sm_90 in test_cuda_nvrtc.py: a cross compiler (``aarch64-linux-gnu-g++``, ``make`` installs it)
-builds each kernel's source as the CPU backend renders it, with the flags :func:`cpu.platform_flags` gives
-an aarch64 host (``-mcpu=native`` means nothing to a cross compiler: ``-march=armv8.2-a`` instead), plus
-one unit without OpenMP (Apple clang's flags). The kernels are a pointwise, row (RMSNorm, LayerNorm,
+builds each kernel's source as the CPU backend renders it, with the flags :func:`cpu_build.platform_flags`
+gives an aarch64 host (``-mcpu=native`` means nothing to a cross compiler: ``-march=armv8.2-a`` instead),
+plus one unit without OpenMP (Apple clang's flags). The kernels are a pointwise, row (RMSNorm, LayerNorm,
 softmax), few-row matmul with its epilogue, convolution (dense, depthwise, chain) and attention kernel, in
 f32 and bf16, and together they hold every CPU template. The flag table itself is unit-tested here.
 """
@@ -28,7 +28,7 @@ from test_cpu_gemv import linear_graph
 from test_cpu_pipeline import build as row_graph
 
 from kernelize.autokernel.plan import plan
-from kernelize.codegen import cpu
+from kernelize.codegen import cpu, cpu_backend, cpu_build
 from kernelize.codegen.template import load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Op
@@ -86,8 +86,8 @@ def test_platform_flags_per_machine_system_and_compiler(
     monkeypatch, machine, system, version, native, openmp
 ):
     _host(monkeypatch, machine, system)
-    got = cpu.platform_flags(compiler_version=version)
-    assert got == cpu.platform_flags(machine, system, version)
+    got = cpu_build.platform_flags(compiler_version=version)
+    assert got == cpu_build.platform_flags(machine, system, version)
     arch = [f for f in got if f.startswith(("-march", "-mcpu", "-mprefer"))]
     assert tuple(arch) == native
     assert ("-fopenmp" in got) is openmp
@@ -97,20 +97,20 @@ def test_platform_flags_per_machine_system_and_compiler(
 
 def test_x86_linux_flags_are_unchanged(monkeypatch):
     _host(monkeypatch, "x86_64", "Linux")
-    assert cpu.platform_flags(compiler_version="g++ 12.2.0") == X86_FLAGS
+    assert cpu_build.platform_flags(compiler_version="g++ 12.2.0") == X86_FLAGS
     if platform.machine() == "x86_64" and platform.system() == "Linux":
-        assert cpu.DEFAULT_FLAGS == X86_FLAGS
+        assert cpu_build.DEFAULT_FLAGS == X86_FLAGS
 
 
 def test_flags_follow_the_host_and_compiler_unless_set(monkeypatch):
     monkeypatch.delenv("KERNELIZE_CPU_FLAGS", raising=False)
-    monkeypatch.setattr(cpu, "compiler", lambda: ("/usr/bin/c++", "Apple clang version 15.0.0"))
+    monkeypatch.setattr(cpu_build, "compiler", lambda: ("/usr/bin/c++", "Apple clang version 15.0.0"))
     _host(monkeypatch, "arm64", "Darwin")
-    assert "-fopenmp" not in cpu.flags() and "-mcpu=native" in cpu.flags()
+    assert "-fopenmp" not in cpu_build.flags() and "-mcpu=native" in cpu_build.flags()
     _host(monkeypatch, "aarch64", "Linux")
-    assert "-fopenmp" in cpu.flags() and "-mprefer-vector-width=512" not in cpu.flags()
+    assert "-fopenmp" in cpu_build.flags() and "-mprefer-vector-width=512" not in cpu_build.flags()
     monkeypatch.setenv("KERNELIZE_CPU_FLAGS", "-O1 -shared")
-    assert cpu.flags() == ("-O1", "-shared")
+    assert cpu_build.flags() == ("-O1", "-shared")
 
 
 # ---- the cross compile -----------------------------------------------------------------------------------
@@ -119,11 +119,11 @@ def aarch64_flags(openmp: bool = True) -> list[str]:
     armv8.2-a (Graviton 2, Ampere Altra, Apple M1) where the host build says -O3 and -mcpu=native."""
     host = ("aarch64", "Linux", "g++") if openmp else ("arm64", "Darwin", "Apple clang version 15.0.0")
     swap = {"-O3": "-O2", "-mcpu=native": "-march=armv8.2-a"}
-    return [swap.get(f, f) for f in cpu.platform_flags(*host)]
+    return [swap.get(f, f) for f in cpu_build.platform_flags(*host)]
 
 
 def _planned(g) -> list:
-    backend = cpu.CpuBackend()
+    backend = cpu_backend.CpuBackend()
     return [k for k in plan(g, backend.plan_settings).kernels if backend.generates(k)]
 
 
@@ -158,7 +158,7 @@ def sources() -> dict[str, str]:
         assert ks, f"{name}: no generated kernel"
         for k in ks:
             k = replace(k, name=f"{name}_{k.name}")  # names unique across graphs: one unit can hold them all
-            for part, _ in cpu._parts(k):
+            for part, _ in cpu_backend.kernel_parts(k):
                 out[f"{part.name}-{k.kind.name.lower()}"] = cpu.render(part)[0]
     return out
 
@@ -200,7 +200,7 @@ def test_generated_sources_compile_for_aarch64(tmp_path):
     (tmp_path / "no_openmp").mkdir()
     (tmp_path / "no_openmp" / "omp.h").write_text('#error "no <omp.h>: Apple clang has no OpenMP"\n')
     no_omp = [*aarch64_flags(openmp=False), "-I", str(tmp_path / "no_openmp")]
-    jobs.append(("all_kernels_no_openmp", cpu._unit_source(kernels, shared), no_omp))
+    jobs.append(("all_kernels_no_openmp", cpu_build.unit_source(kernels, shared), no_omp))
     assert "-fopenmp" not in jobs[-1][2] and "-fopenmp" in jobs[0][2]
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         failed = [log for log in pool.map(lambda job: _compile(job, tmp_path), jobs) if log]

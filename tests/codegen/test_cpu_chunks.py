@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from kernelize.codegen import cpu
+from kernelize.codegen import cpu_build
 from kernelize.codegen.cpu_chunks import CHUNK
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph
@@ -23,12 +23,12 @@ LENGTHS = [1, 7, 33, CHUNK, CHUNK + 1, 4097]
 def _has_avx512_bf16() -> bool:
     try:
         out = subprocess.run(
-            [cpu.compiler()[0], "-march=native", "-dM", "-E", "-x", "c++", "/dev/null"],
+            [cpu_build.compiler()[0], "-march=native", "-dM", "-E", "-x", "c++", "/dev/null"],
             capture_output=True,
             text=True,
             check=True,
         ).stdout
-    except (OSError, subprocess.CalledProcessError, cpu.CompilerNotFoundError):
+    except (OSError, subprocess.CalledProcessError, cpu_build.CompilerNotFoundError):
         return False
     return "__AVX512BF16__" in out
 
@@ -41,7 +41,7 @@ def flags(request, monkeypatch, tmp_path):
     if request.param == "native":
         monkeypatch.delenv("KERNELIZE_CPU_FLAGS", raising=False)
     else:
-        monkeypatch.setenv("KERNELIZE_CPU_FLAGS", " ".join([*cpu.DEFAULT_FLAGS, "-mno-avx512bf16"]))
+        monkeypatch.setenv("KERNELIZE_CPU_FLAGS", " ".join([*cpu_build.DEFAULT_FLAGS, "-mno-avx512bf16"]))
     return request.param
 
 

@@ -16,7 +16,7 @@ import torch
 from kernelize.autokernel.kernels import Compute, KernelKind
 from kernelize.autokernel.matmul import FEW_ROWS
 from kernelize.autokernel.plan import PlanSettings, plan
-from kernelize.codegen.cpu import CpuBackend
+from kernelize.codegen.cpu_backend import CpuBackend
 from kernelize.codegen.cpu_gemv import DirectGemm, direct_gemm, lowp_gemm_in_f32
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op

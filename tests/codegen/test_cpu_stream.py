@@ -1,6 +1,7 @@
-"""Non-temporal stores of large outputs (``kz_streams`` in cpu_prelude.h, ``kernelize.codegen.cpu.NT_BYTES``):
-pointwise and row kernels from the real planner give the same bits streamed and not, over row lengths
-around the chunk size, f32 and bf16, with column sums, and into an output that is not 64-byte aligned."""
+"""Non-temporal stores of large outputs (``kz_streams`` in cpu_prelude.h,
+``kernelize.codegen.cpu_build.NT_BYTES``): pointwise and row kernels from the real planner give the same
+bits streamed and not, over row lengths around the chunk size, f32 and bf16, with column sums, and into an
+output that is not 64-byte aligned."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernelize.codegen import cpu
+from kernelize.codegen import cpu_build
 from kernelize.codegen.cpu_chunks import CHUNK
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph
@@ -23,14 +24,14 @@ NEVER = 2**62
 
 @pytest.fixture
 def threshold():
-    """Sets ``cpu.NT_BYTES`` (shared by every loaded kernel library) for a test and restores it."""
-    old = cpu.NT_BYTES.value
+    """Sets ``cpu_build.NT_BYTES`` (shared by every loaded kernel library) for a test and restores it."""
+    old = cpu_build.NT_BYTES.value
 
     def set_to(value: int) -> None:
-        cpu.NT_BYTES.value = value
+        cpu_build.NT_BYTES.value = value
 
     yield set_to
-    cpu.NT_BYTES.value = old
+    cpu_build.NT_BYTES.value = old
 
 
 def _both_ways(cg, inputs, threshold) -> list[torch.Tensor]:
@@ -124,7 +125,7 @@ def test_one_threshold_for_every_loaded_library(threshold):
     g = Graph()
     g.output(g.neg(g.input("x", ("rows", 16), DType.F32)))
     compile_graph(g, backend="cpu", cache=False)(torch.randn(2, 16))
-    libs = list(cpu._LOADED.values())
+    libs = list(cpu_build._LOADED.values())
     asked = [lib.kz_streams_bytes for lib in libs if hasattr(lib, "kz_streams_bytes")]
     assert asked
     for fn in asked:
@@ -141,14 +142,14 @@ def test_one_threshold_for_every_loaded_library(threshold):
 
 def test_threshold_from_the_environment(monkeypatch):
     monkeypatch.setenv("KERNELIZE_CPU_NT_BYTES", "off")
-    assert cpu.stream_threshold() == 2**63 - 1
+    assert cpu_build.stream_threshold() == 2**63 - 1
     monkeypatch.setenv("KERNELIZE_CPU_NT_BYTES", "4096")
-    assert cpu.stream_threshold() == 4096
+    assert cpu_build.stream_threshold() == 4096
     monkeypatch.setenv("KERNELIZE_CPU_NT_BYTES", "lots")
     with pytest.raises(ValueError, match="KERNELIZE_CPU_NT_BYTES='lots'"):
-        cpu.stream_threshold()
+        cpu_build.stream_threshold()
     monkeypatch.delenv("KERNELIZE_CPU_NT_BYTES")
-    assert cpu.stream_threshold() == cpu._last_level_cache() // 2 > 0
+    assert cpu_build.stream_threshold() == cpu_build.last_level_cache() // 2 > 0
 
 
 @pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])

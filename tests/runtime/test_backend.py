@@ -9,7 +9,7 @@ import torch
 
 from kernelize.autokernel.kernels import KernelKind
 from kernelize.autokernel.plan import plan
-from kernelize.codegen.cpu import CpuBackend
+from kernelize.codegen.cpu_backend import CpuBackend
 from kernelize.ir import Graph
 from kernelize.runtime.backend import Backend
 from kernelize.runtime.compiled import BACKENDS

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelize.codegen.cpu import compiler
+from kernelize.codegen.cpu_build import compiler
 from kernelize.runtime import diskcache
 from kernelize.runtime.diskcache import cache_dir, cache_key, get_or_build
 
@@ -130,7 +130,7 @@ def test_concurrent_processes_build_once(folder, tmp_path):
 _CPU_WORKER = textwrap.dedent(
     """
     import ctypes, sys
-    from kernelize.codegen.cpu import build_shared_object
+    from kernelize.codegen.cpu_build import build_shared_object
     src = 'extern "C" int kz_answer(int x) { return x * 6; }'
     path = build_shared_object(src, "answer")
     print(path, ctypes.CDLL(str(path)).kz_answer(7))

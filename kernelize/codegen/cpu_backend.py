@@ -1,0 +1,364 @@
+"""The CPU backend: compiles each kernel's C++ (:mod:`kernelize.codegen.cpu` renders it,
+:mod:`kernelize.codegen.cpu_build` builds and loads it) and wraps the functions in ctypes launchers.
+
+What a kernel compiles to and how its functions become one :class:`CompiledKernel` is a table keyed by
+kernel class (``_KINDS``): loop kernels are one function launched with (reads, writes, sizes, threads);
+a matmul kernel is its few-row function plus the epilogue run after torch's GEMM; attention and conv
+kernels bring launchers of their own (:mod:`.cpu_attention`, :mod:`.cpu_conv`). Symbolic dims and the
+thread count (``torch.get_num_threads()``) are call arguments.
+
+Example:
+    >>> ck = CpuBackend().compile(kernel)  # doctest: +SKIP
+    >>> ck.launch([x, w], [y], {"batch": 4})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from kernelize.autokernel.kernels import (
+    AttentionKernel,
+    ConvChainKernel,
+    ConvKernel,
+    Kernel,
+    LibraryKernel,
+    MatmulKernel,
+    PointwiseKernel,
+    RowKernel,
+    dispatch,
+)
+from kernelize.codegen import cpu_build, cpu_conv
+from kernelize.codegen.cpu import CpuRenderer, render
+from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
+from kernelize.codegen.cpu_attention import attention_launcher
+from kernelize.codegen.cpu_build import load, same_source_groups, unit_chunks, unit_source
+from kernelize.codegen.render import gather_error
+from kernelize.codegen.template import load_template
+from kernelize.runtime.backend import Backend, CCall, CompiledKernel
+
+
+# ---- ctypes launchers -----------------------------------------------------------------------------------
+def _launcher(fn, kernel: Kernel):
+    symbols = kernel.symbols
+    n_reads, n_writes = len(kernel.reads), len(kernel.writes)
+    get_threads = torch.get_num_threads
+
+    def launch(
+        reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]
+    ) -> None:
+        assert len(reads) == n_reads and len(writes) == n_writes, "launch arity"
+        rc = fn(
+            *[t.data_ptr() for t in reads],
+            *[t.data_ptr() for t in writes],
+            *[sizes[s] for s in symbols],
+            get_threads(),
+        )
+        if rc:
+            raise IndexError(gather_error(kernel, "cpu"))
+
+    return launch
+
+
+def _c_caller(fn, kernel: Kernel) -> Callable[..., CCall]:
+    """``c_call`` of a kernel launched by :func:`_launcher`: the same arguments, for ``kz_replay``."""
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    symbols, error = kernel.symbols, gather_error(kernel, "cpu")
+
+    def c_call(reads, writes, sizes: Mapping[str, int]) -> CCall:
+        ptrs = tuple(0 if t is None else t.data_ptr() for t in (*reads, *writes))
+        return CCall(address, ptrs + tuple(sizes[s] for s in symbols), error, raises=IndexError)
+
+    return c_call
+
+
+class CpuBackend(Backend):
+    """Generates, compiles (disk-cached) and launches C++ kernels on CPU tensors.
+
+    Example:
+        >>> ck = CpuBackend().compile(kernel)  # doctest: +SKIP
+        >>> ck.launch(reads, writes, sizes)  # doctest: +SKIP
+    """
+
+    name = "cpu"
+
+    def __init__(self, renderer: CpuRenderer | None = None) -> None:
+        self.renderer = renderer or CpuRenderer()
+
+    @property
+    def plan_settings(self):
+        """Matmuls are MATMUL kernels with the epilogue fused, and matmuls sharing their left operand share a
+        kernel (``silu(x @ Wg) * (x @ Wu)``): :meth:`compile` runs them as the few-row kernel for up to
+        ``FEW_ROWS`` rows and as torch's GEMM plus the epilogue kernel above (see ``cpu_gemv``). Column sums
+        over leading axes (weight gradients) accumulate inside the row kernel over the same rows: each thread
+        adds its rows into partial sums in the write pass, so the summed operand (``dy * xhat``) is never
+        written; other column sums go to torch (a generated kernel walking each column with a row stride
+        was measured 6x slower than torch's blocked partial sums on 2048x2048 f32)."""
+        from kernelize.autokernel.plan import PlanSettings
+
+        return PlanSettings(
+            matmul="generate",
+            merge_matmuls=True,
+            column_reduce="accumulate",
+            channels_last=True,
+            conv_chains=cpu_conv.chains_enabled(),
+        )
+
+    def device_ok(self, device: torch.device) -> bool:
+        return torch.device(device).type == "cpu"
+
+    def generates(self, kernel: Kernel) -> bool:
+        """Everything but LIBRARY kernels, and the convolutions :func:`cpu_conv.algorithm` takes."""
+        return dispatch(_KINDS, kernel, "the cpu backend").generates(kernel)
+
+    def render(self, kernel: Kernel) -> str:
+        """The C++ source :meth:`compile` builds (a MATMUL kernel: its few-row function, then the epilogue
+        kernel run after torch's GEMM)."""
+        return dispatch(_KINDS, kernel, "the cpu backend").source(kernel, self.renderer)
+
+    def compile(self, kernel: Kernel) -> CompiledKernel:
+        return self.compile_many([kernel])[0]
+
+    def compile_many(self, kernels: Sequence[Kernel], progress: Callable[[int], None] | None = None):
+        """Compile ``kernels`` as a few translation units (one per core) built in parallel.
+
+        A compiler run costs ~0.3 s of start-up and prelude parsing before any kernel code, so dozens of
+        kernels in one unit build many times faster than one unit each (a matmul kernel brings its few-row
+        function and its epilogue); units of one graph share one cache entry, so a warm start is one lookup
+        per unit. Kernels whose source differs only in their name (the same block in each of a
+        transformer's layers: ViT-base has 159 kernels, 15 distinct) are compiled once and share the
+        function. Kernels whose kind builds alone (attention) get a unit of their own each. ``progress(n)``
+        is called as kernels finish.
+        """
+        kinds = [dispatch(_KINDS, k, "the cpu backend") for k in kernels]
+        parts = {i: kind.parts(k) for i, (k, kind) in enumerate(zip(kernels, kinds, strict=True))}
+        rendered = {p.name: render(p, self.renderer) for ps in parts.values() for p, _ in ps}
+        assert len({name for _, name in rendered.values()}) == len(rendered), "kernel names collide"
+        together = [i for i, kind in enumerate(kinds) if not kind.alone]
+        groups = same_source_groups(together, parts, rendered)
+        units = [[i] for i, kind in enumerate(kinds) if kind.alone]
+        units += unit_chunks(
+            list(groups), [sum(len(rendered[k.name][0]) for k, _ in parts[i]) for i in groups]
+        )
+        groups.update({i: [i] for i, kind in enumerate(kinds) if kind.alone})
+        shared = [load_template(name) for name in ("cpu_prelude.h", "cpu_gemv.h", "cpu_conv.h")]
+        out: list[CompiledKernel | None] = [None] * len(kernels)
+
+        def build(chunk: list[int]) -> tuple[list[int], Path]:
+            sources = [rendered[k.name][0] for i in chunk for k, _ in parts[i]]
+            what = kernels[chunk[0]].name if len(chunk) == 1 else f"{len(chunk)} kernels"
+            return chunk, cpu_build.build_shared_object(unit_source(sources, shared), what)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(units))) as pool:
+            for chunk, path in pool.map(build, units):
+                lib = load(path)
+                for rep in chunk:
+                    fns = [lib[rendered[k.name][1]] for k, _ in parts[rep]]
+                    for i in groups[rep]:
+                        out[i] = kinds[i].assemble(self.name, kernels[i], parts[i], fns, rendered)
+                    if progress is not None:
+                        progress(len(groups[rep]))
+        return out
+
+
+# ---- per kind: what a kernel compiles to, and how its functions become one CompiledKernel -----------------
+Parts = list[tuple[Kernel, tuple]]  # the kernels a kernel's functions are rendered from, with temporaries
+
+
+class _LoopKind:
+    """POINTWISE and ROW kernels: one generated function, launched with (reads, writes, sizes, threads)."""
+
+    alone = False  # built in a translation unit of its own
+
+    def generates(self, kernel: Kernel) -> bool:
+        return True
+
+    def parts(self, kernel: Kernel) -> Parts:
+        return [(kernel, ())]
+
+    def source(self, kernel: Kernel, renderer: CpuRenderer) -> str:
+        return render(kernel, renderer)[0]
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        fn = _typed(fns[0], kernel)
+        source = rendered[kernel.name][0]
+        return CompiledKernel(
+            kernel.name, backend, source, _launcher(fn, kernel), kernel, c_call=_c_caller(fn, kernel)
+        )
+
+
+class _AttentionKind(_LoopKind):
+    """ATTENTION kernels: a template with its own arguments (operand strides), built alone."""
+
+    alone = True
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        fn = fns[0]
+        fn.restype, fn.argtypes = ctypes.c_int, ATTENTION_ARGTYPES
+        launch = attention_launcher(fn, kernel)
+        return CompiledKernel(kernel.name, backend, rendered[kernel.name][0], launch, kernel)
+
+
+class _ConvKind(_LoopKind):
+    """CONV kernels: generated when :func:`cpu_conv.algorithm` takes them, else run by the library."""
+
+    def generates(self, kernel: Kernel) -> bool:
+        return cpu_conv.algorithm(kernel) is not None
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        call = cpu_conv.ConvCall(fns[0], kernel)
+        source = rendered[kernel.name][0]
+        return CompiledKernel(kernel.name, backend, source, call.launch, kernel, call.fresh, call.c_call)
+
+
+class _ConvChainKind(_LoopKind):
+    """CONV_CHAIN kernels: the stages as one generated function (``kz_conv_chain``)."""
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        chain = cpu_conv.ChainCall(fns[0], kernel)
+        source = rendered[kernel.name][0]
+        return CompiledKernel(kernel.name, backend, source, chain.launch, kernel, c_call=chain.c_call)
+
+
+class _LibraryKind(_LoopKind):
+    """LIBRARY kernels: the runtime runs them with torch."""
+
+    def generates(self, kernel: Kernel) -> bool:
+        return False
+
+
+class _MatmulKind(_LoopKind):
+    """MATMUL kernels: the few-row function (up to ``FEW_ROWS`` rows) and the epilogue kernel run after
+    torch's GEMM (more rows). A matmul whose row count is static and above ``FEW_ROWS`` never runs its
+    few-row function, so only the epilogue is built (the few-row functions were two thirds of ViT-base's
+    and ConvNeXt's C++)."""
+
+    def parts(self, kernel: Kernel) -> Parts:
+        if _static_rows(kernel) is not None:
+            return [_epilogue_of(kernel)]
+        return [(kernel, ()), _epilogue_of(kernel)]
+
+    def source(self, kernel: Kernel, renderer: CpuRenderer) -> str:
+        epi, _ = _epilogue_of(kernel)
+        return _matmul_source(render(kernel, renderer)[0], render(epi, renderer)[0])
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        built = [
+            (rendered[k.name][0], _launcher(_typed(fn, k), k)) for fn, (k, _) in zip(fns, parts, strict=True)
+        ]
+        epi, temps = parts[-1]
+        few, few_call = (
+            (built[0], _c_caller(fns[0], kernel)) if len(parts) == 2 else (_never_few(kernel), None)
+        )
+        return _matmul_kernel(backend, kernel, few, built[-1], epi, temps, few_call)
+
+
+_KINDS = {
+    PointwiseKernel: _LoopKind(),
+    RowKernel: _LoopKind(),
+    MatmulKernel: _MatmulKind(),
+    AttentionKernel: _AttentionKind(),
+    ConvKernel: _ConvKind(),
+    ConvChainKernel: _ConvChainKind(),
+    LibraryKernel: _LibraryKind(),
+}
+
+
+def _typed(fn, kernel: Kernel):
+    """``fn`` with the argument types of a loop kernel's function: buffers, sizes, the thread count."""
+    fn.restype = ctypes.c_int
+    fn.argtypes = (
+        [ctypes.c_void_p] * (len(kernel.reads) + len(kernel.writes))
+        + [ctypes.c_int64] * len(kernel.symbols)
+        + [ctypes.c_int]
+    )
+    return fn
+
+
+def kernel_parts(kernel: Kernel) -> Parts:
+    """The kernels ``kernel``'s functions are rendered from (a matmul: its few-row function and epilogue)."""
+    return dispatch(_KINDS, kernel, "the cpu backend").parts(kernel)
+
+
+def _static_rows(kernel: Kernel) -> int | None:
+    """A matmul kernel's row count when it is static and too large for the few-row path, else None."""
+    from kernelize.autokernel.matmul import FEW_ROWS
+
+    dims = kernel.domain[:-1]
+    if not all(isinstance(d, int) for d in dims) or math.prod(dims) <= FEW_ROWS:
+        return None
+    return math.prod(dims)
+
+
+def _never_few(kernel: Kernel) -> tuple[str, Callable]:
+    """The few-row half of a matmul kernel that always has more rows (never called; said so if it is)."""
+    rows = _static_rows(kernel)
+
+    def few(reads, writes, sizes) -> None:
+        raise AssertionError(f"cpu kernel {kernel.name}: the few-row path of a kernel of {rows} rows")
+
+    return f"// always {rows} rows: no few-row function", few
+
+
+def _epilogue_of(kernel: Kernel) -> tuple[Kernel, tuple]:
+    """The pointwise kernel a matmul kernel runs after torch's GEMM (its own function name), and the
+    temporaries it reads."""
+    from kernelize.autokernel.matmul import epilogue_kernel
+
+    epi, temps = epilogue_kernel(kernel)
+    return replace(epi, name=f"{kernel.name}_epilogue"), temps
+
+
+def _matmul_kernel(
+    backend: str, kernel: Kernel, few_built, epi_built, epi: Kernel, temps, few_call=None
+) -> CompiledKernel:
+    """A matmul kernel: up to FEW_ROWS rows the generated few-row function (``few_call``: its C call, for
+    replay); more, torch's GEMM then the epilogue function."""
+    from kernelize.autokernel.matmul import FEW_ROWS, rows_of
+    from kernelize.codegen.cpu_gemv import direct_gemm, library_matmuls, run_direct
+
+    (source, few), (epi_source, epi_launch) = few_built, epi_built
+    slots = [(b in temps, temps.index(b) if b in temps else kernel.reads.index(b)) for b in epi.reads]
+    packs: dict = {}  # oneDNN-packed constant weights of this kernel, made on first use
+
+    def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
+        if rows_of(kernel, sizes) <= FEW_ROWS:
+            return few(reads, writes, sizes)
+        mms = library_matmuls(kernel, reads, sizes, packs)
+        epi_launch([mms[i] if t else reads[i] for t, i in slots], writes, sizes)
+
+    direct = direct_gemm(kernel)
+
+    def fresh(reads: Sequence[torch.Tensor], sizes: Mapping[str, int]) -> list[torch.Tensor] | None:
+        if direct is None or rows_of(kernel, sizes) <= FEW_ROWS:
+            return None
+        return run_direct(kernel, direct, reads, sizes, packs)
+
+    def c_call(reads, writes, sizes: Mapping[str, int]) -> CCall | None:
+        return few_call(reads, writes, sizes) if rows_of(kernel, sizes) <= FEW_ROWS else None
+
+    return CompiledKernel(
+        kernel.name,
+        backend,
+        _matmul_source(source, epi_source),
+        launch,
+        kernel,
+        fresh if direct is not None else None,
+        c_call if few_call is not None else None,
+    )
+
+
+def _matmul_source(few_rows: str, epilogue: str) -> str:
+    """The source of a MATMUL kernel as it reads: the few-row function, then the epilogue kernel."""
+    from kernelize.autokernel.matmul import FEW_ROWS
+
+    return f"{few_rows}\n// more than {FEW_ROWS} rows: torch's matmul, then\n{epilogue}"
+
+
+__all__ = ["CpuBackend", "kernel_parts"]

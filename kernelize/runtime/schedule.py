@@ -1,0 +1,155 @@
+"""Scheduling a compiled graph: the step list (how each kernel runs, which buffers die after it), the
+per-signature shapes of every step, the one-kernel fast path and the replay program.
+
+A :class:`Step` per kernel, in the plan's order: what the runtime runs it as (:data:`RUN_AS`), its compiled
+kernel and the buffers nothing reads after it (:func:`steps_of`). Per input signature, :func:`bind_steps`
+computes the shapes each step writes and its symbol values; with an arena, :func:`program` turns runs of
+generated steps into replay batches (:mod:`kernelize.runtime.replay`).
+
+Example:
+    >>> steps = steps_of(kernels, compiled, keep, conv_runner)  # doctest: +SKIP
+    >>> bound = bind_steps(steps, {"batch": 4})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernelize.autokernel.kernels import AttentionKernel, ConvKernel, Kernel, LibraryKernel, dispatch
+from kernelize.ir.graph import Graph, Node
+from kernelize.ir.shapes import bind
+from kernelize.runtime.backend import CompiledKernel
+from kernelize.runtime.conv import ConvRunner
+from kernelize.runtime.replay import Batch, batch_of, step_call
+
+# how the runtime runs each kind of kernel: a torch call of its node ("library"), a launch on its node's
+# operands seen through their layout views, any strides ("operands"), the conv runner ("conv"), or a launch
+# on the buffers the plan lowered it for (row-major, or NHWC where the plan lays a buffer out so: "buffers")
+RUN_AS = {LibraryKernel: "library", AttentionKernel: "operands", ConvKernel: "conv", Kernel: "buffers"}
+
+
+@dataclass(frozen=True)
+class Step:
+    kernel: Kernel
+    compiled: CompiledKernel | None
+    free: tuple[Node, ...]  # buffers dead after this step
+    library: bool = False
+    operands: bool = False  # launched on the node's operands seen through their views (attention)
+    conv: ConvRunner | None = None
+
+
+def steps_of(
+    kernels: Sequence[Kernel],
+    compiled: Mapping[str, CompiledKernel],
+    keep: Container[Node],
+    conv_runner: Callable[[Kernel, CompiledKernel | None], ConvRunner],
+) -> list[Step]:
+    """One step per kernel, in order; a buffer not in ``keep`` is freed after the last kernel reading it.
+    ``conv_runner(kernel, compiled)`` makes the runner of a kernel run as a conv."""
+    last: dict[Node, int] = {}
+    for i, k in enumerate(kernels):
+        for b in k.reads:
+            last[b] = i
+    return [
+        Step(
+            k,
+            compiled.get(k.name),
+            tuple(b for b, j in last.items() if j == i and b not in keep),
+            run_as == "library",
+            run_as == "operands",
+            conv_runner(k, compiled.get(k.name)) if run_as == "conv" else None,
+        )
+        for i, k in enumerate(kernels)
+        for run_as in (dispatch(RUN_AS, k, "the runtime"),)
+    ]
+
+
+def strided_inputs(graph: Graph, kernels: Sequence[Kernel]) -> tuple[bool, ...]:
+    """Per graph input, whether it keeps its strides: inputs only attention kernels read (those kernels take
+    any strides) and that are not outputs; every other input is made contiguous."""
+    readers: dict[Node, set[str]] = {}
+    for k in kernels:
+        for b in k.reads:
+            readers.setdefault(b, set()).add(dispatch(RUN_AS, k, "the runtime"))
+    return tuple(n not in graph.outputs and readers.get(n, set()) == {"operands"} for n in graph.inputs)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Everything a call derives from its input shapes (cached per distinct shapes, dtypes, devices)."""
+
+    env: dict[str, int]
+    shapes: tuple[tuple[tuple[int, ...], ...], ...]  # per step, the shapes of the buffers it writes
+    sizes: tuple[dict[str, int], ...]  # per step, its symbol values
+    launch: tuple[bool, ...]  # per step, whether anything is written (empty outputs skip the launch)
+
+
+def bind_steps(steps: Sequence[Step], env: dict[str, int]) -> Bound:
+    """The shapes, symbol values and launch flags of ``steps`` under the symbol bindings ``env``."""
+    shapes = tuple(tuple(bind(b.shape, env) for b in st.kernel.writes) for st in steps)
+    return Bound(
+        env,
+        shapes,
+        tuple({s: env[s] for s in st.kernel.symbols} for st in steps),
+        tuple(any(math.prod(sh) for sh in per) for per in shapes),
+    )
+
+
+def direct_reads(
+    steps: Sequence[Step], graph: Graph, consts: Mapping[Node, torch.Tensor]
+) -> tuple[tuple[int | torch.Tensor, ...], tuple[int, ...]] | None:
+    """When ``steps`` are one generated kernel that reads only inputs and constants and writes exactly the
+    graph's outputs: per kernel read, the input's index or the constant, and per output, the index of the
+    kernel write it is. Else None."""
+    if len(steps) != 1:
+        return None
+    step = steps[0]
+    k, outs = step.kernel, list(graph.outputs)
+    if step.library or step.operands or step.conv is not None or step.compiled is None:
+        return None
+    if set(k.writes) != set(outs) or len(set(outs)) != len(outs) or len(k.writes) != len(outs):
+        return None
+    where = {n: i for i, n in enumerate(graph.inputs)}
+    if any(o in where for o in outs) or not all(b in where or b in consts for b in k.reads):
+        return None
+    reads = tuple(where[b] if b in where else consts[b] for b in k.reads)
+    return reads, tuple(k.writes.index(o) for o in outs)
+
+
+def program(
+    steps: Sequence[Step],
+    bound: Bound,
+    views: Mapping[Node, torch.Tensor],
+    consts: Mapping[Node, torch.Tensor],
+    channels_last: Container[Node],
+) -> list[int | Batch]:
+    """The steps for ``bound``'s signature: runs of generated steps as replay batches, the rest alone (step
+    indices). ``views``: the arena's buffers; ``channels_last``: the buffers laid out NHWC."""
+    unfixed: set[Node] = set()  # arena buffers a Python step may replace by tensors of its own
+
+    def fixed(b: Node) -> torch.Tensor | None:
+        return views[b] if b in views and b not in unfixed else consts.get(b)
+
+    units: list[int | Batch] = []
+    run: list = []
+    for i, (step, shapes, sizes) in enumerate(zip(steps, bound.shapes, bound.sizes)):
+        entry = step_call(step, shapes, sizes, fixed, channels_last) if bound.launch[i] else None
+        if entry is not None:
+            run.append((i, *entry))
+            continue
+        if step.conv is None and step.compiled is not None and step.compiled.fresh is not None:
+            unfixed.update(step.kernel.writes)  # a library GEMM returning its own output tensor
+        if run:
+            units.append(batch_of(run))
+            run = []
+        units.append(i)
+    if run:
+        units.append(batch_of(run))
+    return units
+
+
+__all__ = ["RUN_AS", "Bound", "Step", "bind_steps", "direct_reads", "program", "steps_of", "strided_inputs"]
