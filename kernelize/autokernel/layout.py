@@ -27,19 +27,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from kernelize.autokernel.kernels import Compute, Kernel, KernelKind, Load
+from kernelize.autokernel.reasons import Rejection
 from kernelize.ir.graph import Node, Op
 from kernelize.ir.shapes import numel
 
 GENERATED = frozenset({KernelKind.POINTWISE, KernelKind.ROW})
 STRIDED_ROW_MAX = 256  # longest row a ROW kernel reads across an NHWC buffer's pixels (channel_rows)
-
-
-class DenseLayout(Exception):
-    """Plan again with ``node`` dense (row-major): some load cannot index it NHWC."""
-
-    def __init__(self, node: Node, why: str):
-        super().__init__(f"keep {node} dense: {why}")
-        self.node = node
 
 
 def nhwc_strides(shape: Sequence) -> tuple:
@@ -89,7 +82,7 @@ def channels_last_buffers(
                 direct = _direct_library_read(g.kind, u, b, g.epilogue)
                 feeds_library |= direct
                 ok &= direct
-            else:  # a matmul reading it as an operand raises DenseLayout when lowered
+            else:  # a matmul reading it as an operand asks to keep it dense when lowered
                 ok &= g.kind in GENERATED or g.kind is KernelKind.MATMUL
         if ok and (library or feeds_library or _nhwc_product(wg, b)):
             out.add(b)
@@ -132,15 +125,15 @@ def channels_inner(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
     return replace(k, domain=permuted(k.domain), body=body, stores=stores)
 
 
-def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
+def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel | Rejection:
     """A ROW kernel whose rows run along an NHWC buffer's channels (a layernorm over channels): as it is.
     One whose rows run across an NHWC buffer's pixels (a mean over H and W) reads each row with a stride
     of C: fine for short rows (up to :data:`STRIDED_ROW_MAX`: a mean over 240 x 14 x 14 takes 15 us, a
     torch call costs about as much in Python), measured 5-15x slower than a dense row beyond (a mean over
     32 x 112 x 112: 367 us against 25 us). There a lone sum or mean of the buffer becomes a LIBRARY kernel
-    (torch reduces NHWC along the channels, 26 us), and anything else keeps the buffer dense
-    (:class:`DenseLayout`). A lone sum or mean is a LIBRARY kernel also over a short row whose loads
-    evict each other from L1 (:func:`_aliasing`)."""
+    (torch reduces NHWC along the channels, 26 us), and anything else returns a
+    :class:`~kernelize.autokernel.reasons.Rejection` asking to keep the buffer dense. A lone sum or mean is
+    a LIBRARY kernel also over a short row whose loads evict each other from L1 (:func:`_aliasing`)."""
     if k.kind is not KernelKind.ROW or not set(k.reads) & nhwc:
         return k
     row = numel(k.domain[len(k.domain) - k.row_rank :])
@@ -155,7 +148,7 @@ def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
                     "", KernelKind.LIBRARY, node.shape, node=node, inputs=(e.buffer,), computes=(node,)
                 )
             if not short:
-                raise DenseLayout(e.buffer, "a row kernel would read it across channels")
+                return Rejection.dense(e.buffer, "a row kernel would read it across channels")
     return k
 
 
@@ -170,4 +163,4 @@ def _aliasing(b: Node, row: int) -> bool:
     return row > 8 * sets
 
 
-__all__ = ["DenseLayout", "channel_rows", "channels_inner", "channels_last_buffers", "nhwc_strides"]
+__all__ = ["channel_rows", "channels_inner", "channels_last_buffers", "nhwc_strides"]
