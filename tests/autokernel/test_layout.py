@@ -116,6 +116,8 @@ def test_reader_through_a_split_view_keeps_the_buffer_dense():
     g.output(_conv(g, g.clamp(centered, 0, math.inf), 6, 4, seed=5))
     p = plan(g, CPU)
     assert y not in p.channels_last
+    (r,) = p.reasons  # the planned graph is a canonical copy: its conv is another node
+    assert (r.node.op, r.node.shape, r.kind) == (Op.CONV, y.shape, "dense") and "reshape" in r.why
     _check(g, [torch.randn(2, 6, 5, 3)])
 
 
@@ -132,6 +134,8 @@ def test_row_kernel_across_pixels_keeps_its_buffer_dense():
         p = plan(g, CPU)
         assert [k.kind for k in p.kernels].count(KernelKind.ROW) == 1
         assert any(k.kind is KernelKind.ROW and set(k.reads) & p.channels_last for k in p.kernels) == nhwc
+        whys = {(r.kind, r.why) for r in p.reasons}
+        assert whys == (set() if nhwc else {("dense", "a row kernel would read it across channels")})
         _check(g, [torch.randn(2, 6, *hw)])
 
 
