@@ -76,13 +76,15 @@ def channels_last_buffers(
         feeds_library, ok = False, True
         for u in users.get(b, ()):
             g = group_of(u)
-            if g is wg and not library:
+            if u.op is Op.MATMUL:  # matmul operands are loaded row-major (decided here, not when lowered)
+                ok = False
+            elif g is wg and not library:
                 continue
-            if _library(g.kind, u):
+            elif _library(g.kind, u):
                 direct = _direct_library_read(g.kind, u, b, g.epilogue)
                 feeds_library |= direct
                 ok &= direct
-            else:  # a matmul reading it as an operand asks to keep it dense when lowered
+            else:  # a generated kernel, or a matmul kernel's epilogue
                 ok &= g.kind in GENERATED or g.kind is KernelKind.MATMUL
         if ok and (library or feeds_library or _nhwc_product(wg, b)):
             out.add(b)
