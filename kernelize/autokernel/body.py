@@ -342,7 +342,7 @@ class BodyBuilder:
         if isinstance(got, Rejection):
             return got
         buf, bm, shape = got
-        if buf in self.nhwc:
+        if buf in self.nhwc:  # channels_last_buffers keeps a matmul operand dense up front; in case not
             return Rejection.dense(buf, "a matmul operand")
         try:
             strides, offset = bm.flat(buf.shape if shape is None else shape, buf)
