@@ -159,3 +159,26 @@ def test_bundled_layers_do_not_import_the_integrations() -> None:
             ]
     assert len(list(hub.rglob("*.py"))) > 5
     assert not offenders, f"hub_kernels importing kernelize.integrations: {offenders}"
+
+
+def test_the_planner_is_not_steered_by_exceptions() -> None:
+    """Lowering returns its reasons to plan again (``autokernel.reasons.Rejection``) as values: nothing
+    raises, catches or defines the re-plan signals ``Materialize`` / ``DenseLayout`` as exceptions."""
+    signals = {"Materialize", "DenseLayout"}
+
+    def names(node: ast.AST | None) -> set[str]:
+        return {getattr(n, "id", getattr(n, "attr", "")) for n in ast.walk(node)} if node else set()
+
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Raise):
+                hit = names(node.exc) & signals
+            elif isinstance(node, ast.ExceptHandler):
+                hit = names(node.type) & signals
+            elif isinstance(node, ast.ClassDef):
+                hit = {node.name} & signals
+            else:
+                continue
+            found += [f"{path.relative_to(PKG).as_posix()}:{node.lineno} {h}" for h in hit]
+    assert not found, f"the planner's re-plan signals are values (Rejection), not exceptions: {found}"

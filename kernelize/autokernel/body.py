@@ -8,8 +8,10 @@ whose index is a body value. Entries are hash-consed, so a value used twice is c
 uses an explicit stack: a chain of thousands of ops does not recurse.
 
 When a map cannot pass a layout op (a view splitting a varying index, an offset that is no single
-symbolic size), :class:`Materialize` names the value to write to memory instead; the planner then plans
-again with that value materialized.
+symbolic size), or a load cannot read an NHWC buffer, :meth:`BodyBuilder.kernel` returns a
+:class:`~kernelize.autokernel.reasons.Rejection` instead of a kernel: the value to write to memory, or the
+buffer to keep dense. The planner then plans again with that change. Every step that can fail returns its
+rejection, and the callers hand it up unchanged.
 """
 
 from __future__ import annotations
@@ -18,23 +20,15 @@ from collections.abc import Mapping, Sequence
 
 from kernelize.autokernel.indexing import Affine, NotAffine
 from kernelize.autokernel.kernels import Compute, Indirect, Kernel, KernelKind, Load, Store, loop_kernel
-from kernelize.autokernel.layout import DenseLayout, nhwc_strides
+from kernelize.autokernel.layout import nhwc_strides
 from kernelize.autokernel.partition import POINTWISE_OPS, Group, column_member, is_axis, operand_sel
+from kernelize.autokernel.reasons import Rejection
 from kernelize.ir.graph import ELEMENTWISE, LAYOUT, REDUCE, ROW, SOURCE, Node, Op
 from kernelize.ir.ops import ConcatArgs
 from kernelize.ir.shapes import shape_str
 
 Masks = tuple[tuple[int, int, int], ...]
 Key = tuple[Node, Affine, Masks]
-
-
-class Materialize(Exception):
-    """Plan again with ``node`` written to memory (a layout value gets a copy kernel)."""
-
-    def __init__(self, node: Node, why: str, more: tuple[Node, ...] = ()):
-        super().__init__(f"materialize {node}: {why}")
-        self.node = node
-        self.more = more  # further values to materialize in the same round
 
 
 def _and_masks(masks: Masks, extra: Sequence[tuple[int, int, int]]) -> Masks:
@@ -46,7 +40,7 @@ def _and_masks(masks: Masks, extra: Sequence[tuple[int, int, int]]) -> Masks:
     return tuple((a, lo, hi) for a, (lo, hi) in sorted(bounds.items()))
 
 
-def _unit(m: Affine, k: int, ndom: int, node: Node) -> tuple[int, int, int]:
+def _unit(m: Affine, k: int, ndom: int, node: Node) -> tuple[int, int, int] | Rejection:
     """``coord[k] = sign * index[d] + off`` for one domain axis ``d``, ``sign`` = +-1 and a static offset:
     ``(d, sign, off)``. Anything else cannot be masked by index ranges: materialize ``node``."""
     row = m.rows[k]
@@ -58,7 +52,7 @@ def _unit(m: Affine, k: int, ndom: int, node: Node) -> tuple[int, int, int]:
         or row[nz[0]] not in (1, -1)
         or not isinstance(m.off[k], int)
     ):
-        raise Materialize(node, f"axis {k} is not a plain domain axis here")
+        return Rejection.materialize(node, f"axis {k} is not a plain domain axis here")
     return nz[0], row[nz[0]], m.off[k]
 
 
@@ -94,8 +88,9 @@ class BodyBuilder:
         }
 
     # -- driver -----------------------------------------------------------------------------------------
-    def value(self, v: Node, m: Affine, masks: Masks = ()) -> int:
-        """The body position of ``v`` read at map ``m`` under ``masks`` (emitting what it needs)."""
+    def value(self, v: Node, m: Affine, masks: Masks = ()) -> int | Rejection:
+        """The body position of ``v`` read at map ``m`` under ``masks`` (emitting what it needs), or why it
+        cannot be read so."""
         stack: list[Key] = [(v, m, masks)]
         while stack:
             key = stack[-1]
@@ -103,6 +98,8 @@ class BodyBuilder:
                 stack.pop()
                 continue
             need = self._step(key)
+            if isinstance(need, Rejection):
+                return need
             if isinstance(need, int):
                 self.memo[key] = need
                 stack.pop()
@@ -120,17 +117,17 @@ class BodyBuilder:
             self.body.append(e)
         return self.entries[e]
 
-    def _materialize(self, e: NotAffine) -> Materialize:
+    def _materialize(self, e: NotAffine) -> Rejection:
         """What to write to memory so the map that failed at ``e.node`` is not needed: its operand, or the
         layout value itself (a copy kernel) when the operand is in memory already."""
         src = e.node.src[0]
-        return Materialize(e.node if self._is_buffer(src) else src, str(e))
+        return Rejection.materialize(e.node if self._is_buffer(src) else src, str(e))
 
     def _is_buffer(self, v: Node) -> bool:
         return v.op in SOURCE or v in self.buffers or v in self.stop
 
     # -- one step ---------------------------------------------------------------------------------------
-    def _step(self, key: Key) -> int | list[Key]:
+    def _step(self, key: Key) -> int | list[Key] | Rejection:
         v, m, masks = key
         member = v in self.maps and self.maps[v] == m and not masks
         if v.op in LAYOUT and (v not in self.stop or (member and v in self.g.sel)):
@@ -139,7 +136,7 @@ class BodyBuilder:
             try:
                 return self._alias((v.src[0], m.through(v), masks))
             except NotAffine as e:
-                raise self._materialize(e) from None
+                return self._materialize(e)
         if self._is_buffer(v) and v not in self.maps:
             return self._load(v, m, masks)
         if not member and v.op not in POINTWISE_OPS:
@@ -150,12 +147,14 @@ class BodyBuilder:
             self.computed.append(v)
         return self._compute(v, m, masks)
 
-    def _flat(self, m: Affine, buf: Node, flat_shape: Sequence | None = None) -> tuple[tuple, object]:
+    def _flat(
+        self, m: Affine, buf: Node, flat_shape: Sequence | None = None
+    ) -> tuple[tuple, object] | Rejection:
         """``m.flat`` into ``buf`` as laid out in memory (row-major, or NHWC)."""
         if buf not in self.nhwc:
             return m.flat(buf.shape if flat_shape is None else flat_shape, buf)
         if flat_shape is not None and tuple(flat_shape) != tuple(buf.shape):
-            raise DenseLayout(buf, f"read as {shape_str(flat_shape)} through a reshape")
+            return Rejection.dense(buf, f"read as {shape_str(flat_shape)} through a reshape")
         return m.flat(buf.shape, buf, nhwc_strides(buf.shape))
 
     def _alias(self, child: Key) -> int | list[Key]:
@@ -169,20 +168,23 @@ class BodyBuilder:
         masks: Masks,
         other: float | None = None,
         flat_shape: Sequence | None = None,
-    ) -> int:
+    ) -> int | Rejection:
         if buf.op is Op.CONST and other is None and Load(buf, (0,) * self.ndom).constant is not None:
             return self._emit(Load(buf, (0,) * self.ndom))
         if other is None:
             # masked lanes of a concat branch are never used; 1 keeps an integer division there from trapping
             other = 1.0 if masks and buf.dtype.is_int else 0.0
         try:
-            strides, offset = self._flat(m, buf, flat_shape)
+            flat = self._flat(m, buf, flat_shape)
         except NotAffine as e:
             if buf in self.nhwc:
-                raise DenseLayout(buf, str(e)) from None
+                return Rejection.dense(buf, str(e))
             if e.node.op in LAYOUT and e.node is not buf:
-                raise self._materialize(e) from None
+                return self._materialize(e)
             raise NotImplementedError(f"cannot index {buf} with a strided load: {e}") from None
+        if isinstance(flat, Rejection):
+            return flat
+        strides, offset = flat
         dom = list(strides[: self.ndom])
         indirect = []
         for j, (val, size) in enumerate(m.virt):
@@ -193,7 +195,7 @@ class BodyBuilder:
                 indirect.append(Indirect(val, s, size))
         return self._emit(Load(buf, tuple(dom), offset, masks, float(other), tuple(indirect)))
 
-    def _resolve(self, v: Node, m: Affine) -> tuple[Node, Affine, Sequence | None]:
+    def _resolve(self, v: Node, m: Affine) -> tuple[Node, Affine, Sequence | None] | Rejection:
         """Walk layout ops down to a materialized value: (buffer, map, shape to flatten by)."""
         while v.op in LAYOUT and v not in self.stop:
             if v.op is Op.VIEW and self._is_buffer(v.src[0]) and v.src[0] not in self.maps:
@@ -201,14 +203,14 @@ class BodyBuilder:
             try:
                 m = m.through(v)
             except NotAffine as e:
-                raise self._materialize(e) from None
+                return self._materialize(e)
             v = v.src[0]
         if not self._is_buffer(v):
-            raise Materialize(v, "read through a masked or matmul load")
+            return Rejection.materialize(v, "read through a masked or matmul load")
         return v, m, None
 
     # -- computes ---------------------------------------------------------------------------------------
-    def _compute(self, v: Node, m: Affine, masks: Masks) -> int | list[Key]:
+    def _compute(self, v: Node, m: Affine, masks: Masks) -> int | list[Key] | Rejection:
         op = v.op
         if op in ELEMENTWISE:
             got = self._have([(s, m, masks) for s in v.src])
@@ -247,9 +249,12 @@ class BodyBuilder:
             arg = v.arg
         return self._emit(Compute(v.op, v.dtype, tuple(got), arg))
 
-    def _concat(self, v: Node, m: Affine, masks: Masks) -> int | list[Key]:
+    def _concat(self, v: Node, m: Affine, masks: Masks) -> int | list[Key] | Rejection:
         axis = v.arg
-        d, sign, off = _unit(m, axis, self.ndom, v)
+        unit = _unit(m, axis, self.ndom, v)
+        if isinstance(unit, Rejection):
+            return unit
+        d, sign, off = unit
         keys, ends, start = [], [], 0
         for s in v.src:
             size = s.shape[axis]
@@ -265,15 +270,21 @@ class BodyBuilder:
             got, ends = got[::-1], ends[::-1]
         return self._emit(Compute(Op.CONCAT, v.dtype, tuple(got), ConcatArgs(d, ends)))
 
-    def _pad(self, v: Node, m: Affine, masks: Masks) -> int:
+    def _pad(self, v: Node, m: Affine, masks: Masks) -> int | Rejection:
         src = v.src[0]
         extra = []
         for k, (lo, hi) in enumerate(v.arg.pads):
             if lo or hi:
-                d, sign, off = _unit(m, k, self.ndom, v)
+                unit = _unit(m, k, self.ndom, v)
+                if isinstance(unit, Rejection):
+                    return unit
+                d, sign, off = unit
                 extra.append((d, *_range(sign, off, lo, lo + src.shape[k])))
                 m = m.replace(k, m.rows[k], off - lo)
-        buf, bm, shape = self._resolve(src, m.norm(src.shape))
+        got = self._resolve(src, m.norm(src.shape))
+        if isinstance(got, Rejection):
+            return got
+        buf, bm, shape = got
         return self._load(buf, bm, _and_masks(masks, extra), other=v.arg.value, flat_shape=shape)
 
     def _gather(self, v: Node, m: Affine, masks: Masks) -> int | list[Key]:
@@ -293,22 +304,31 @@ class BodyBuilder:
         return self._alias((x, xm, masks))
 
     # -- kernels ----------------------------------------------------------------------------------------
-    def matmul_prefix(self, mm: Node) -> None:
+    def matmul_prefix(self, mm: Node) -> Rejection | None:
         """body[0] = matmul(body[1], body[2]) with both loads over (*batch, M, N, K)."""
-        self.body.append(Compute(Op.MATMUL, mm.dtype, (1, 2), mm.src[0].shape[-1]))
-        self.body.append(self._matmul_operand(mm.src[0], True))
-        self.body.append(self._matmul_operand(mm.src[1], False))
+        left = self._matmul_operand(mm.src[0], True)
+        if isinstance(left, Rejection):
+            return left
+        right = self._matmul_operand(mm.src[1], False)
+        if isinstance(right, Rejection):
+            return right
+        self.body += [Compute(Op.MATMUL, mm.dtype, (1, 2), mm.src[0].shape[-1]), left, right]
         self.memo[(mm, self.maps[mm], ())] = 0
         self.computed.append(mm)
+        return None
 
-    def matmul_more(self, mm: Node) -> None:
+    def matmul_more(self, mm: Node) -> Rejection | None:
         """Another matmul of the group (same left operand ``body[1]``): its right operand, then itself."""
-        self.body.append(self._matmul_operand(mm.src[1], False))
+        right = self._matmul_operand(mm.src[1], False)
+        if isinstance(right, Rejection):
+            return right
+        self.body.append(right)
         self.body.append(Compute(Op.MATMUL, mm.dtype, (1, len(self.body) - 1), mm.src[0].shape[-1]))
         self.memo[(mm, self.maps[mm], ())] = len(self.body) - 1
         self.computed.append(mm)
+        return None
 
-    def _matmul_operand(self, x: Node, left: bool) -> Load:
+    def _matmul_operand(self, x: Node, left: bool) -> Load | Rejection:
         n = self.ndom
         kdim = x.shape[-1] if left else x.shape[-2]
         row_of_m, row_of_k = (n - 2, n) if left else (n, n - 1)
@@ -318,33 +338,42 @@ class BodyBuilder:
             tuple(int(c == row_of_k) for c in range(n + 1)),
         ]
         xm = Affine(tuple(rows), (0,) * n, n + 1, ((None, kdim),)).norm(x.shape)
-        buf, bm, shape = self._resolve(x, xm)
-        if buf in self.nhwc:
-            raise DenseLayout(buf, "a matmul operand")
+        got = self._resolve(x, xm)
+        if isinstance(got, Rejection):
+            return got
+        buf, bm, shape = got
+        if buf in self.nhwc:  # channels_last_buffers keeps a matmul operand dense up front; in case not
+            return Rejection.dense(buf, "a matmul operand")
         try:
             strides, offset = bm.flat(buf.shape if shape is None else shape, buf)
         except NotAffine as e:
-            raise self._materialize(e) if e.node.op in LAYOUT else Materialize(x, str(e)) from None
+            return self._materialize(e) if e.node.op in LAYOUT else Rejection.materialize(x, str(e))
         return Load(buf, tuple(strides), offset)
 
-    def kernel(self, stores: Sequence[Node], slices: Mapping[Node, Node] | None = None) -> Kernel:
-        """The kernel storing `stores`; a value in `slices` (a piece of a concat) is stored into its slice of
-        the concat's buffer instead of a buffer of its own."""
+    def kernel(self, stores: Sequence[Node], slices: Mapping[Node, Node] | None = None) -> Kernel | Rejection:
+        """The kernel storing `stores`, or why it cannot be built as planned (the first obstacle met); a
+        value in `slices` (a piece of a concat) is stored into its slice of the concat's buffer instead of a
+        buffer of its own."""
         g = self.g
         if g.kind is KernelKind.MATMUL:
-            first, *more = (m for m in g.sel if m.op is Op.MATMUL)
-            self.matmul_prefix(first)
-            for mm in more:
-                self.matmul_more(mm)
+            mms = [m for m in g.sel if m.op is Op.MATMUL]
+            steps = (self.matmul_more(mm) if i else self.matmul_prefix(mm) for i, mm in enumerate(mms))
+            why = next((w for w in steps if w is not None), None)  # lazily: stop at the first
+            if why is not None:
+                return why
         out = []
         for s in stores:
             m = self.maps[s]
             idx = self.value(s, m)
+            if isinstance(idx, Rejection):
+                return idx
             buf = s if slices is None or s not in slices else slices[s]
             if buf is not s:  # the slice of the concat: shift the concat axis by the pieces before `s`
                 start = sum(p.shape[buf.arg] for p in buf.src[: buf.src.index(s)])
                 m = m.replace(buf.arg, m.rows[buf.arg], m.off[buf.arg] + start).norm(buf.shape)
-            strides, offset = self._flat(m, buf)
+            flat = self._flat(m, buf)
+            assert not isinstance(flat, Rejection), "a store is flattened by its buffer's own shape"
+            strides, offset = flat
             out.append(Store(idx, buf, tuple(strides[: self.ndom]), offset))
         computes = tuple(sorted(self.computed, key=lambda n: self.order[n]))
         return loop_kernel(g.kind, "", g.domain, tuple(self.body), tuple(out), g.row_rank, computes)

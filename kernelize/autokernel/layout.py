@@ -35,19 +35,12 @@ from kernelize.autokernel.kernels import (
     PointwiseKernel,
     RowKernel,
 )
+from kernelize.autokernel.reasons import Rejection
 from kernelize.ir.graph import Node, Op
 from kernelize.ir.shapes import numel
 
 GENERATED = frozenset({KernelKind.POINTWISE, KernelKind.ROW})
 STRIDED_ROW_MAX = 256  # longest row a ROW kernel reads across an NHWC buffer's pixels (channel_rows)
-
-
-class DenseLayout(Exception):
-    """Plan again with ``node`` dense (row-major): some load cannot index it NHWC."""
-
-    def __init__(self, node: Node, why: str):
-        super().__init__(f"keep {node} dense: {why}")
-        self.node = node
 
 
 def nhwc_strides(shape: Sequence) -> tuple:
@@ -91,13 +84,15 @@ def channels_last_buffers(
         feeds_library, ok = False, True
         for u in users.get(b, ()):
             g = group_of(u)
-            if g is wg and not library:
+            if u.op is Op.MATMUL:  # matmul operands are loaded row-major (decided here, not when lowered)
+                ok = False
+            elif g is wg and not library:
                 continue
-            if _library(g.kind, u):
+            elif _library(g.kind, u):
                 direct = _direct_library_read(g.kind, u, b, g.epilogue)
                 feeds_library |= direct
                 ok &= direct
-            else:  # a matmul reading it as an operand raises DenseLayout when lowered
+            else:  # a generated kernel, or a matmul kernel's epilogue
                 ok &= g.kind in GENERATED or g.kind is KernelKind.MATMUL
         if ok and (library or feeds_library or _nhwc_product(wg, b)):
             out.add(b)
@@ -142,15 +137,15 @@ def channels_inner(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
     return replace(k, domain=permuted(k.domain), body=body, stores=stores)
 
 
-def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
+def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel | Rejection:
     """A ROW kernel whose rows run along an NHWC buffer's channels (a layernorm over channels): as it is.
     One whose rows run across an NHWC buffer's pixels (a mean over H and W) reads each row with a stride
     of C: fine for short rows (up to :data:`STRIDED_ROW_MAX`: a mean over 240 x 14 x 14 takes 15 us, a
     torch call costs about as much in Python), measured 5-15x slower than a dense row beyond (a mean over
     32 x 112 x 112: 367 us against 25 us). There a lone sum or mean of the buffer becomes a LIBRARY kernel
-    (torch reduces NHWC along the channels, 26 us), and anything else keeps the buffer dense
-    (:class:`DenseLayout`). A lone sum or mean is a LIBRARY kernel also over a short row whose loads
-    evict each other from L1 (:func:`_aliasing`)."""
+    (torch reduces NHWC along the channels, 26 us), and anything else returns a
+    :class:`~kernelize.autokernel.reasons.Rejection` asking to keep the buffer dense. A lone sum or mean is
+    a LIBRARY kernel also over a short row whose loads evict each other from L1 (:func:`_aliasing`)."""
     if not isinstance(k, RowKernel) or not set(k.reads) & nhwc:
         return k
     row = numel(k.domain[len(k.domain) - k.row_rank :])
@@ -163,7 +158,7 @@ def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
             if lone and (not short or _aliasing(e.buffer, row)):
                 return LibraryKernel("", node.shape, node=node, inputs=(e.buffer,), computes=(node,))
             if not short:
-                raise DenseLayout(e.buffer, "a row kernel would read it across channels")
+                return Rejection.dense(e.buffer, "a row kernel would read it across channels")
     return k
 
 
@@ -178,4 +173,4 @@ def _aliasing(b: Node, row: int) -> bool:
     return row > 8 * sets
 
 
-__all__ = ["DenseLayout", "channel_rows", "channels_inner", "channels_last_buffers", "nhwc_strides"]
+__all__ = ["channel_rows", "channels_inner", "channels_last_buffers", "nhwc_strides"]

@@ -19,7 +19,10 @@ Rules (Kyanite's autokernel rules, and better):
 
 A value is written to memory iff it is a graph output (or the value under an output's layout view), an
 operand of a matmul / library op / pad, or read by another kernel and not cheap to recompute there
-(:func:`kernelize.autokernel.legality.can_absorb`).
+(:func:`kernelize.autokernel.legality.can_absorb`), or if lowering asked for it: a group whose loads no
+strides can express returns a :class:`~kernelize.autokernel.reasons.Rejection` (write this value, keep
+that buffer dense) instead of a kernel, and the planner plans again with the change, keeping the reason in
+``Plan.reasons``.
 
 Example:
     >>> g = Graph(); x = g.input("x", ("tokens", 64), "f32"); r = g.input("r", ("tokens", 64), "f32")
@@ -32,11 +35,11 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from kernelize.autokernel.body import BodyBuilder, Materialize
+from kernelize.autokernel.body import BodyBuilder
 from kernelize.autokernel.canon import sink_views
 from kernelize.autokernel.conv import conv_chains, conv_epilogue
 from kernelize.autokernel.kernels import (
@@ -47,7 +50,7 @@ from kernelize.autokernel.kernels import (
     KernelKind,
     LibraryKernel,
 )
-from kernelize.autokernel.layout import DenseLayout, channel_rows, channels_inner, channels_last_buffers
+from kernelize.autokernel.layout import channel_rows, channels_inner, channels_last_buffers
 from kernelize.autokernel.legality import can_absorb
 from kernelize.autokernel.partition import (
     POINTWISE_OPS,
@@ -58,6 +61,7 @@ from kernelize.autokernel.partition import (
     kind_of,
     new_group,
 )
+from kernelize.autokernel.reasons import Rejection
 from kernelize.ir.graph import LAYOUT, REDUCE, ROW, SOURCE, Graph, Node, Op
 from kernelize.ir.shapes import shape_str
 from kernelize.passes.dce import live_nodes
@@ -135,13 +139,16 @@ class Plan:
     every other buffer is written by exactly one kernel; a graph output is a buffer or a layout view of one.
 
     ``graph`` is the graph the kernels refer to: the planned graph, or an equivalent canonical form of it
-    (:func:`kernelize.autokernel.canon.sink_views`) with the same inputs and outputs.
+    (:func:`kernelize.autokernel.canon.sink_views`) with the same inputs and outputs. ``reasons`` says why
+    values beyond the rules' were written to memory or kept dense: the lowering's requests, in the order
+    the planner took them.
     """
 
     graph: Graph
     kernels: tuple[Kernel, ...]
     settings: PlanSettings = field(default_factory=PlanSettings)
     channels_last: frozenset[Node] = frozenset()  # buffers laid out NHWC (PlanSettings.channels_last)
+    reasons: tuple[Rejection, ...] = ()
 
     @property
     def buffers(self) -> tuple[Node, ...]:
@@ -170,6 +177,9 @@ class Plan:
             lines.append(f"{k.name} [{k.kind}]  reads {reads or '-'}  writes {writes or '-'}")
             lines.append(f"  computes {comp or '-'}")
             lines += ["  " + line for line in str(k).splitlines()]
+        for r in self.reasons:
+            done = "materialized" if r.kind == "materialize" else "kept dense"
+            lines.append(f"{done} {self.name(r.node)}: {r.why}")
         outs = ", ".join(self.name(o) for o in self.graph.outputs)
         lines.append(f"outputs: {outs}")
         return "\n".join(lines)
@@ -195,19 +205,15 @@ def plan(graph: Graph, settings: PlanSettings | None = None) -> Plan:
         graph = sink_views(graph)
     forced: set[Node] = set()
     dense: set[Node] = set()  # buffers some load cannot read NHWC
+    reasons: dict[tuple[Node, str], Rejection] = {}  # the first reason for each change
     for _ in range(2 * len(graph.nodes) + 1):
-        try:
-            kernels, nhwc = _plan_once(graph, settings, forced, dense)
-        except Materialize as e:
-            assert e.node not in forced, f"planner loops materializing {e.node}"
-            logger.debug("%s", e)
-            forced.update((e.node, *e.more))
+        planned = _plan_once(graph, settings, forced, dense)
+        if isinstance(planned, list):
+            _take(planned, forced, dense)
+            for r in planned:
+                reasons.setdefault((r.node, r.kind), r)
             continue
-        except DenseLayout as e:
-            assert e.node not in dense, f"planner loops keeping {e.node} dense"
-            logger.debug("%s", e)
-            dense.add(e.node)
-            continue
+        kernels, nhwc = planned
         logger.debug(
             "planned %d graph values into %d kernels (%d values materialized by request, %d NHWC)",
             len(graph.nodes),
@@ -215,8 +221,17 @@ def plan(graph: Graph, settings: PlanSettings | None = None) -> Plan:
             len(forced),
             len(nhwc),
         )
-        return Plan(graph, kernels, settings, nhwc)
+        return Plan(graph, kernels, settings, nhwc, tuple(reasons.values()))
     raise AssertionError("planner did not converge")
+
+
+def _take(rejections: Sequence[Rejection], forced: set[Node], dense: set[Node]) -> None:
+    """Add the values ``rejections`` name to those to materialize (``forced``) or keep dense."""
+    to = {"materialize": forced, "dense": dense}
+    assert any(r.node not in to[r.kind] for r in rejections), f"planner loops: {rejections[0]}"
+    for r in rejections:
+        logger.debug("%s", r)
+        to[r.kind].add(r.node)
 
 
 def _users(graph: Graph, stop: set[Node], computed: Sequence[Node]) -> dict[Node, list[Node]]:
@@ -311,7 +326,8 @@ def _pinned(graph: Graph, live: set[Node], part: Any, forced: set[Node], stop: s
 
 def _plan_once(
     graph: Graph, settings: PlanSettings, forced: set[Node], dense: set[Node]
-) -> tuple[tuple[Kernel, ...], frozenset[Node]]:
+) -> tuple[tuple[Kernel, ...], frozenset[Node]] | list[Rejection]:
+    """The kernels and NHWC buffers of one planning round, or the reasons to plan again."""
     stop = {f for f in forced if f.op in LAYOUT}
     live = live_nodes(graph)  # dead code gets no kernel and forces no buffer
     slices = slice_stores(graph, live, forced, stop) if settings.fuse else {}
@@ -356,19 +372,35 @@ def _plan_once(
         outs = {base(o, stop) for o in graph.outputs}
         nhwc = channels_last_buffers(buffers, users, part.group, outs) - dense
     order = {n: i for i, n in enumerate(graph.nodes)}
-    kernels: list[Kernel] = []
-    todo: list[Materialize] = []
-    for g in part.groups.values():
-        try:
-            lowered = _lower(g, buffers, stop, order, slices, nhwc)
-            kernels.extend(channels_inner(channel_rows(k, nhwc), nhwc) for k in lowered)
-        except Materialize as e:  # collect all of this round's, then plan again once
-            todo.append(e)
-    todo += _split_concats(kernels, slices)
+    kernels, todo = _lower_groups(part.groups.values(), buffers, stop, order, slices, nhwc)
     if todo:
-        raise Materialize(todo[0].node, str(todo[0]), more=tuple(e.node for e in todo[1:]))
+        return todo
     outputs = {base(o, stop) for o in graph.outputs}
     return _schedule(conv_chains(kernels, nhwc, outputs) if settings.conv_chains else kernels, order), nhwc
+
+
+def _lower_groups(
+    groups: Iterable[Group],
+    buffers: set[Node],
+    stop: set[Node],
+    order: Mapping[Node, int],
+    slices: Mapping[Node, Node],
+    nhwc: frozenset[Node],
+) -> tuple[list[Kernel], list[Rejection]]:
+    """The kernels of ``groups``, and the reasons to plan again: every value to materialize this round
+    (plan again once for all of them), or the first buffer to keep dense alone (a layout changes what
+    every reader loads, so the other groups' reasons wait for the next round)."""
+    kernels: list[Kernel] = []
+    todo: list[Rejection] = []
+    for g in groups:
+        lowered = _lower(g, buffers, stop, order, slices, nhwc)
+        if isinstance(lowered, list):
+            kernels += lowered
+        elif lowered.kind == "dense":
+            return kernels, [lowered]
+        else:
+            todo.append(lowered)
+    return kernels, todo + _split_concats(kernels, slices)
 
 
 def _lower(
@@ -378,7 +410,8 @@ def _lower(
     order: Mapping[Node, int],
     slices: Mapping[Node, Node],
     nhwc: frozenset[Node] = frozenset(),
-) -> list[Kernel]:
+) -> list[Kernel] | Rejection:
+    """The kernel of group ``g`` (none if it stores nothing), or why it cannot be built as planned."""
     stores = sorted((m for m in g.sel if m in buffers), key=order.__getitem__)
     if not stores:
         return []
@@ -393,7 +426,10 @@ def _lower(
         inputs = tuple(base(s, stop) for s in node.src)
         cls = AttentionKernel if g.kind is KernelKind.ATTENTION else LibraryKernel
         return [cls("", node.shape, node=node, inputs=inputs, computes=(node,))]
-    return [BodyBuilder(g, buffers, stop, order, nhwc).kernel(stores, slices)]
+    k = BodyBuilder(g, buffers, stop, order, nhwc).kernel(stores, slices)
+    if not isinstance(k, Rejection):
+        k = channel_rows(k, nhwc)  # a ROW kernel over NHWC buffers (other kinds are as they are)
+    return k if isinstance(k, Rejection) else [channels_inner(k, nhwc)]
 
 
 def slice_stores(graph: Graph, live: set[Node], forced: set[Node], stop: set[Node]) -> dict[Node, Node]:
@@ -420,7 +456,7 @@ def slice_stores(graph: Graph, live: set[Node], forced: set[Node], stop: set[Nod
     return out
 
 
-def _split_concats(kernels: Sequence[Kernel], slices: Mapping[Node, Node]) -> list[Materialize]:
+def _split_concats(kernels: Sequence[Kernel], slices: Mapping[Node, Node]) -> list[Rejection]:
     """A concat whose slices more than one kernel stores is computed by a kernel of its own instead."""
     writers: dict[Node, int] = {}
     for k in kernels:
@@ -428,7 +464,9 @@ def _split_concats(kernels: Sequence[Kernel], slices: Mapping[Node, Node]) -> li
             writers[c] = writers.get(c, 0) + 1
     cats = dict.fromkeys(slices.values())
     return [
-        Materialize(c, "its pieces are computed in several kernels") for c in cats if writers.get(c, 0) > 1
+        Rejection.materialize(c, "its pieces are computed in several kernels")
+        for c in cats
+        if writers.get(c, 0) > 1
     ]
 
 

@@ -116,6 +116,8 @@ def test_reader_through_a_split_view_keeps_the_buffer_dense():
     g.output(_conv(g, g.clamp(centered, 0, math.inf), 6, 4, seed=5))
     p = plan(g, CPU)
     assert y not in p.channels_last
+    (r,) = p.reasons  # the planned graph is a canonical copy: its conv is another node
+    assert (r.node.op, r.node.shape, r.kind) == (Op.CONV, y.shape, "dense") and "reshape" in r.why
     _check(g, [torch.randn(2, 6, 5, 3)])
 
 
@@ -132,6 +134,8 @@ def test_row_kernel_across_pixels_keeps_its_buffer_dense():
         p = plan(g, CPU)
         assert [k.kind for k in p.kernels].count(KernelKind.ROW) == 1
         assert any(k.kind is KernelKind.ROW and set(k.reads) & p.channels_last for k in p.kernels) == nhwc
+        whys = {(r.kind, r.why) for r in p.reasons}
+        assert whys == (set() if nhwc else {("dense", "a row kernel would read it across channels")})
         _check(g, [torch.randn(2, 6, *hw)])
 
 
@@ -191,3 +195,17 @@ def test_a_linear_over_nhwc_activations_writes_its_nhwc_output_in_place():
     assert how is not None and how.nhwc and how.residual is not None
     for n in (1, 3):  # 30 and 90 rows: oneDNN's direct path, past the few-row kernel
         _check(g, [torch.randn(n, c, 6, 5)])
+
+
+def test_a_buffer_read_as_a_matmul_operand_is_dense_from_the_start():
+    """A matmul loads its operands row-major: a conv output it reads (a linear over pixels) is kept dense
+    by the layout rule itself, so no lowering has to ask for it and the plan carries no reason."""
+    g = Graph()
+    x = g.input("x", (2, 4, 5, 5), "f32")
+    y = _conv(g, x, 4, 6)
+    w = g.const(torch.randn(6, 3, generator=torch.Generator().manual_seed(6)))
+    g.output(_conv(g, y, 6, 6, seed=7), g.matmul(g.permute(y, (0, 2, 3, 1)), w))
+    p = plan(g, CPU)
+    convs = [b for b in p.buffers if b.op is Op.CONV]
+    assert len(convs) == 2 and not set(convs) & p.channels_last and p.reasons == ()
+    _check(g, [torch.randn(2, 4, 5, 5)])

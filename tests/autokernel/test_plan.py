@@ -400,6 +400,25 @@ def test_views_that_split_a_computed_index_are_materialized_once():
     assert len(p.kernels) == 2 and p.kernels[0].writes[0].op is Op.PERMUTE
 
 
+def test_a_reshape_of_a_matmul_output_materializes_it_and_the_plan_says_why():
+    """The view splits an index the permute reordered: lowering the exp returns the reason instead of a
+    kernel, and the planner writes the permuted product (the matmul kernel stores it transposed)."""
+    g = Graph()
+    x, w = g.input("x", (4, 6), "f32"), g.input("w", (6, 8), "f32")
+    t = g.permute(g.matmul(x, w), (1, 0))
+    g.output(g.exp(g.view(t, (32,))))
+    for settings_ in (PlanSettings(), PlanSettings(matmul="library")):
+        p = check(g, [torch.randn(4, 6), torch.randn(6, 8)], settings_, tol=1e-4)
+        (r,) = p.reasons
+        assert (r.node.op, r.node.shape, r.kind) == (Op.PERMUTE, (8, 4), "materialize")
+        assert "split index" in r.why and p.producer(r.node) is not None
+        assert f"materialized {p.name(r.node)}: view [32]" in str(p)
+    g = Graph()
+    x, w = g.input("x", (4, 6), "f32"), g.input("w", (6, 8), "f32")
+    g.output(g.exp(g.view(g.matmul(x, w), (32,))))  # a view of the product's own layout: no reason
+    assert plan(g).reasons == () and "materialized" not in str(plan(g))
+
+
 def test_split_index_meeting_a_slice_or_flip_materializes_the_right_value():
     g = Graph()
     x = g.input("x", (4, 6), "f32")
