@@ -133,16 +133,16 @@ def test_a_forward_with_another_signature_stays_eager_with_the_reason() -> None:
 
 
 def test_a_rule_that_raises_leaves_the_module_eager() -> None:
-    class GatedNorm(torch.nn.Module):  # forward(x, gate): a plain RMSNorm probe cannot call it
+    class ScaledNorm(torch.nn.Module):  # forward(x, scale): the plain RMSNorm probe cannot call it
         def __init__(self) -> None:
             super().__init__()
             self.weight = torch.nn.Parameter(torch.ones(8))
             self.eps = 1e-6
 
-        def forward(self, x, gate):
-            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * gate
+        def forward(self, x, scale):
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
 
-    verdict = integration.recognise(GatedNorm())
+    verdict = integration.recognise(ScaledNorm())
     assert verdict.layer_name is None and verdict.reason.startswith("recognition failed: TypeError"), verdict
 
 
