@@ -660,7 +660,7 @@ def test_thread_count_follows_torch():
     g.output(g.exp(x))
     k = kernel_of(g)
     src, _ = render(k)
-    assert "KZ_TEAM_OPEN(kz_nthreads, " in src and "num_threads(kz_team_n)" in src
+    assert "kz_team_open(kz_nthreads, " in src and "kz_parallel_for(kz_tm, " in src
     old = torch.get_num_threads()
     try:
         for n in (1, 2):
