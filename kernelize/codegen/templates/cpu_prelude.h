@@ -76,7 +76,7 @@ template <class F> static inline int kz_parallel_for(const kz_team_t& team, F bo
     kz_team_done(team.n, lag);
     return err;
 }
-// thread `t` of `tn`'s share [lo, hi) of [0, n): the split of `#pragma omp for schedule(static)`
+// thread `t` of `tn`'s share [lo, hi) of [0, n): the split an OpenMP loop with schedule(static) makes
 KZ_INLINE void kz_range(int64_t n, int t, int tn, int64_t& lo, int64_t& hi) {
     int64_t q = n / tn;
     const int64_t r = n - q * tn;
