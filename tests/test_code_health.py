@@ -97,7 +97,9 @@ def test_the_checks_see_the_package() -> None:
 
 
 # OpenMP constructs that make or steer a thread team; `omp simd` (vectorisation) is free to use anywhere
-_TEAM_OMP = re.compile(r"(#\s*pragma\s+omp|_Pragma\(\s*\"omp)\s+(parallel|for|barrier|single|master|critical|task)")
+_TEAM_OMP = re.compile(
+    r"(#\s*pragma\s+omp|_Pragma\(\s*\"omp)\s+(parallel|for|barrier|single|master|critical|task)"
+)
 _TEAM_CALLS = re.compile(r"\bomp_(get|set)_\w+\s*\(")
 PRELUDE = PKG / "codegen" / "templates" / "cpu_prelude.h"
 
@@ -118,4 +120,4 @@ def test_one_cpu_parallel_for() -> None:
     region = prelude[start : prelude.index("\n}\n", start)]
     assert [m.group(2) for m in _TEAM_OMP.finditer(prelude)] == ["parallel", "barrier"]
     assert len(_TEAM_OMP.findall(region)) == 1, "the prelude's one omp parallel is kz_parallel_for's"
-    assert _team_openmp("#pragma omp parallel for\n_Pragma(\"omp barrier\")\nomp_get_thread_num()") != []
+    assert _team_openmp('#pragma omp parallel for\n_Pragma("omp barrier")\nomp_get_thread_num()') != []
