@@ -5,6 +5,7 @@ count; imports under `if TYPE_CHECKING:` never run and do not)."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -182,3 +183,30 @@ def test_the_planner_is_not_steered_by_exceptions() -> None:
                 continue
             found += [f"{path.relative_to(PKG).as_posix()}:{node.lineno} {h}" for h in hit]
     assert not found, f"the planner's re-plan signals are values (Rejection), not exceptions: {found}"
+
+
+# OpenMP constructs that make or steer a thread team; `omp simd` (vectorisation) is free to use anywhere
+_TEAM_OMP = re.compile(
+    r"(#\s*pragma\s+omp|_Pragma\(\s*\"omp)\s+(parallel|for|barrier|single|master|critical|task)"
+)
+_TEAM_CALLS = re.compile(r"\bomp_(get|set)_\w+\s*\(")
+PRELUDE = PKG / "codegen" / "templates" / "cpu_prelude.h"
+
+
+def _team_openmp(text: str) -> list[str]:
+    return [m.group(0) for m in _TEAM_OMP.finditer(text)] + [m.group(0) for m in _TEAM_CALLS.finditer(text)]
+
+
+def test_one_cpu_parallel_for() -> None:
+    """Every CPU kernel's threads come from `kz_parallel_for` in cpu_prelude.h (docs/runtime.md, "Threads"):
+    no template or code generator opens an OpenMP region, shares out a loop or asks OpenMP for thread ids."""
+    sources = [p for p in sorted(PKG.rglob("*")) if p.suffix in {".py", ".h", ".c", ".cpp", ".tmpl"}]
+    assert PRELUDE in sources
+    found = {p.relative_to(PKG).as_posix(): _team_openmp(p.read_text()) for p in sources if p != PRELUDE}
+    assert not {k: v for k, v in found.items() if v}, f"use kz_parallel_for / kz_range / kz_barrier: {found}"
+    prelude = PRELUDE.read_text()
+    start = prelude.index("static inline int kz_parallel_for(")
+    region = prelude[start : prelude.index("\n}\n", start)]
+    assert [m.group(2) for m in _TEAM_OMP.finditer(prelude)] == ["parallel", "barrier"]
+    assert len(_TEAM_OMP.findall(region)) == 1, "the prelude's one omp parallel is kz_parallel_for's"
+    assert _team_openmp('#pragma omp parallel for\n_Pragma("omp barrier")\nomp_get_thread_num()') != []

@@ -475,11 +475,11 @@ def render_columns(w) -> dict[str, str]:
     pt = "double" if any(k.body[i].dtype.itemsize > 4 for i in cols) else "float"  # f64 sums stay f64
     alloc = [
         "    const int64_t kz_cpad = (kz_rowlen + 15) / 16 * 16;",
-        f"    {pt}* const kz_cp = kz_partials<{pt}>(0, (int64_t)kz_team_n * {nc} * kz_cpad);",
-        f"    double* const kz_cq = kz_partials<double>(1, (int64_t)kz_team_n * {nc} * kz_cpad);",
+        f"    {pt}* const kz_cp = kz_partials<{pt}>(0, (int64_t)kz_tm.n * {nc} * kz_cpad);",
+        f"    double* const kz_cq = kz_partials<double>(1, (int64_t)kz_tm.n * {nc} * kz_cpad);",
     ]
     setup = [
-        f"{ind}const int64_t kz_cb = (int64_t)omp_get_thread_num() * {nc} * kz_cpad;",
+        f"{ind}const int64_t kz_cb = (int64_t)kz_tid * {nc} * kz_cpad;",
         f"{ind}int kz_cn = 0;",
     ]
     for slot, i in enumerate(cols):
@@ -511,7 +511,7 @@ def _column_finish(w, cols: list[int]) -> list[str]:
     """Per column: the sum of the threads' totals and partials (over the row count for a mean), stored."""
     k = w.k
     split = w.rank - k.row_rank
-    body = ["const int kz_nt = omp_get_num_threads();", "int64_t kz_rem = kz_j;"]
+    body = ["int64_t kz_rem = kz_j;"]
     for d in range(w.rank - 1, split - 1, -1):
         body.append(f"const int64_t i{d} = kz_rem % {w.n(d)}; kz_rem /= {w.n(d)};")
     for slot, i in enumerate(cols):
@@ -521,7 +521,7 @@ def _column_finish(w, cols: list[int]) -> list[str]:
         at = f"(kz_t * {len(cols)} + {slot}) * kz_cpad + kz_j"
         body += [
             f"double kz_t{i} = 0;",
-            f"for (int kz_t = 0; kz_t < kz_nt; ++kz_t) kz_t{i} += kz_cq[{at}] + (double)kz_cp[{at}];",
+            f"for (int kz_t = 0; kz_t < kz_tn; ++kz_t) kz_t{i} += kz_cq[{at}] + (double)kz_cp[{at}];",
             f"const {ct} v{i} = ({ct})({total});",
         ]
     for j, s in enumerate(k.stores):
@@ -529,7 +529,12 @@ def _column_finish(w, cols: list[int]) -> list[str]:
             assert all(s.strides[d] == 0 for d in range(split)), "a column sum stored per row"
             body.append(f"const int64_t kz_s{j} = {w.r.dim(s.offset)};")
             body.append(w.store(j, s, list(range(split, w.rank))))
-    loop = ["#pragma omp for schedule(static)", "for (int64_t kz_j = 0; kz_j < kz_rowlen; ++kz_j) {"]
+    loop = [
+        "kz_barrier();  // every thread's partials are in",
+        "int64_t kz_j0, kz_j1;",
+        "kz_range(kz_rowlen, kz_tid, kz_tn, kz_j0, kz_j1);",
+        "for (int64_t kz_j = kz_j0; kz_j < kz_j1; ++kz_j) {",
+    ]
     return loop + ["    " + b for b in body] + ["}"]
 
 

@@ -8,10 +8,12 @@ it is importable.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -674,7 +676,7 @@ def test_thread_count_follows_torch():
     g.output(g.exp(x))
     k = kernel_of(g)
     src, _ = render(k)
-    assert "KZ_TEAM_OPEN(kz_nthreads, " in src and "num_threads(kz_team_n)" in src
+    assert "kz_team_open(kz_nthreads, " in src and "kz_parallel_for(kz_tm, " in src
     old = torch.get_num_threads()
     try:
         for n in (1, 2):
@@ -682,6 +684,39 @@ def test_thread_count_follows_torch():
             check(k, g, [rand((64, 4096), DType.F32)])
     finally:
         torch.set_num_threads(old)
+
+
+_ONE_POOL = """
+import json, sys, torch
+from kernelize.codegen import cpu, cpu_build
+from kernelize.ir.dtypes import DType
+from kernelize.ir.graph import Graph
+sys.path.insert(0, {tests!r})
+from test_cpu import kernel_of
+g = Graph()
+g.output(g.exp(g.input("x", (64, 256), DType.F32)))
+lib = cpu_build.load(cpu_build.build_shared_object(cpu.render(kernel_of(g))[0], "one_pool"))
+teams = []
+for n in (2, 1, 3):
+    torch.set_num_threads(n)
+    cpu_build.TEAM_DEADLINE.value = 0  # a late start of the previous region must not shrink this one
+    teams.append(lib.kz_parallel_team(torch.get_num_threads()))
+maps = open("/proc/self/maps").read().split()
+runtimes = sorted({{w for w in maps if any(f"/lib{{r}}" in w for r in ("gomp", "omp", "iomp"))}})
+print(json.dumps({{"teams": teams, "runtimes": runtimes}}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_kernels_share_torchs_openmp_pool():
+    """The threads contract (docs/runtime.md): a kernel library in a process that imported torch maps no
+    OpenMP runtime of its own (one libgomp: torch's), and a region's team is the thread count passed in,
+    which the launchers take from ``torch.get_num_threads()``."""
+    code = _ONE_POOL.format(tests=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["teams"] == [2, 1, 3]
+    assert len(seen["runtimes"]) == 1, f"more than one OpenMP runtime mapped: {seen['runtimes']}"
 
 
 def test_a_late_worker_sends_every_kernel_library_to_one_thread_for_a_while():

@@ -388,14 +388,10 @@ int decode(const Args& a, int nthreads) {
     float* part = (float*)malloc(sizeof(float) * (size_t)(heads * nsplit * rows * (DV + 2)));
     if (!part) return 2;
     const bool par = heads * nsplit > 1 && heads * a.LK * rows * (D + DV) >= $PARALLEL_MIN$;
-    const int64_t t0 = kz_now_ns();
-    const int team = par ? kz_team(nthreads, t0) : 1;
-    int64_t lag = 0;
-#pragma omp parallel num_threads(team) if (team > 1) reduction(max: lag)
-    {
-        lag = kz_now_ns() - t0;
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < heads * nsplit; ++it) {
+    kz_parallel_for(kz_team_open(nthreads, par), [=](int t, int tn) KZ_BODY {
+        int64_t lo, hi;
+        kz_range(heads * nsplit, t, tn, lo, hi);
+        for (int64_t it = lo; it < hi; ++it) {
             const int64_t bh = it / nsplit, s = it % nsplit;
             const int64_t j0 = s * chunk, j1 = j0 + chunk < a.LK ? j0 + chunk : a.LK;
             float* pr = part + (bh * nsplit + s) * rows * (DV + 2);
@@ -406,11 +402,12 @@ int decode(const Args& a, int nthreads) {
             }
             decode_split(a, bh / a.HKV, bh % a.HKV, rows, j0, jend, pr);
         }
-#pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < heads; ++bh)
+        kz_barrier();  // every split is in
+        kz_range(heads, t, tn, lo, hi);
+        for (int64_t bh = lo; bh < hi; ++bh)
             decode_combine(a, bh / a.HKV, bh % a.HKV, rows, nsplit, part + bh * nsplit * rows * (DV + 2));
-    }
-    kz_team_done(team, lag);
+        return 0;
+    });
     free(part);
     return 0;
 }
@@ -419,23 +416,18 @@ int prefill(const Args& a, int nthreads) {
     const int64_t rows = a.G * a.LQ, nblk = (rows + BQ - 1) / BQ, heads = a.B * a.HKV;
     const int64_t items = heads * nblk;
     const bool par = items > 1 && heads * rows * a.LK * (D + DV) >= $PARALLEL_MIN$;
-    const int64_t t0 = kz_now_ns();
-    const int team = par ? kz_team(nthreads, t0) : 1;
-    int64_t lag = 0;
-#pragma omp parallel num_threads(team) if (team > 1) reduction(max: lag)
-    {
-        lag = kz_now_ns() - t0;
+    int64_t next = 0;  // the next item to hand out
+    kz_parallel_for(kz_team_open(nthreads, par), [=, &next](int, int) KZ_BODY {
         Block* w = (Block*)aligned_alloc(64, (sizeof(Block) + 63) / 64 * 64);
         // the last row blocks see the most keys under a causal mask: hand them out first
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; ++it) {
+        for (int64_t it = kz_next(&next); it < items; it = kz_next(&next)) {
             const int64_t blk = nblk - 1 - it / heads, bh = it % heads;
             const int64_t r0 = blk * BQ, nr = rows - r0 < BQ ? rows - r0 : BQ;
             prefill_block(a, *w, bh / a.HKV, bh % a.HKV, r0, nr);
         }
         free(w);
-    }
-    kz_team_done(team, lag);
+        return 0;
+    });
     return 0;
 }
 }  // namespace

@@ -299,15 +299,14 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
     // row pointers are computed once per group and its input rows stay in L1 across the panels it meets
     const int64_t panel_bytes = taps * cig * KZ_NR * 4;
     const int64_t per_block = panel_bytes >= (256 << 10) ? 1 : (256 << 10) / panel_bytes;
-    KZ_TEAM_OPEN(nthreads, pixels * d.co * taps * cig >= KZ_CONV_PARALLEL_MIN)
-#pragma omp parallel num_threads(kz_team_n) reduction(max: kz_lag) if (kz_team_n > 1)
-    {
-        KZ_TEAM_STARTED();
+    const kz_team_t team = kz_team_open(nthreads, pixels * d.co * taps * cig >= KZ_CONV_PARALLEL_MIN);
+    return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
         kz_conv_rows_cache rc;
         for (int64_t u0 = 0; u0 < units; u0 += per_block) {
             const int64_t nu = units - u0 < per_block ? units - u0 : per_block;
-#pragma omp for schedule(static) nowait
-            for (int64_t item = 0; item < tiles * nu; ++item) {
+            int64_t lo, hi;
+            kz_range(tiles * nu, t, tn, lo, hi);
+            for (int64_t item = lo; item < hi; ++item) {
                 const int64_t tile = item / nu, unit = u0 + item % nu, p0 = tile * MR;
                 if (tile < whole || rest > MEDIUM)
                     kz_conv_tile<MR, NV>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
@@ -317,9 +316,8 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
                     kz_conv_tile<SMALL, NV>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
             }
         }
-    }
-    kz_team_done(kz_team_n, kz_lag);
-    return 0;
+        return 0;
+    });
 }
 
 template <class Epi>
@@ -428,10 +426,12 @@ KZ_INLINE void kz_conv_dw_row(const kz_conv_dims& d, const float* x, const float
 }
 
 template <int KW, int SW, int R, class Epi>
-static void kz_conv_dw_rows(const kz_conv_dims& d, const float* x, const float* wp, float* y, const Epi& epi) {
+static void kz_conv_dw_rows(const kz_conv_dims& d, const float* x, const float* wp, float* y, const Epi& epi, int t,
+                            int tn) {
     const int64_t rows = d.n * d.oh, cblocks = (d.c + KZ_VW - 1) / KZ_VW;
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < rows * cblocks; ++item) {
+    int64_t lo, hi;
+    kz_range(rows * cblocks, t, tn, lo, hi);
+    for (int64_t item = lo; item < hi; ++item) {
         const int64_t r = item / cblocks, c0 = (item % cblocks) * KZ_VW;
         const int nc = d.c - c0 < KZ_VW ? (int)(d.c - c0) : KZ_VW;
         kz_conv_dw_row<KW, SW, R>(d, x, wp, y, r / d.oh, r % d.oh, c0, nc, epi);
@@ -443,23 +443,20 @@ static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float*
                              const Epi& epi) {
     const int64_t rows = d.n * d.oh, cblocks = (d.c + KZ_VW - 1) / KZ_VW;
     if (rows * d.ow == 0 || d.c == 0) return 0;
-    KZ_TEAM_OPEN(nthreads, rows * d.ow * d.c * d.kh * d.kw >= KZ_CONV_PARALLEL_MIN)
-#pragma omp parallel num_threads(kz_team_n) reduction(max: kz_lag) if (kz_team_n > 1)
-    {
-        KZ_TEAM_STARTED();
+    const kz_team_t team = kz_team_open(nthreads, rows * d.ow * d.c * d.kh * d.kw >= KZ_CONV_PARALLEL_MIN);
+    return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
         // the kernel shapes of MobileNet / EfficientNet-style networks get the sliding-window form
         const int form = d.dw != 1 || d.kh > 16 ? 0 : (int)(d.kw * 10 + d.sw);
         switch (form) {
-            case 31: kz_conv_dw_rows<3, 1, 8>(d, x, wp, y, epi); break;
-            case 32: kz_conv_dw_rows<3, 2, 4>(d, x, wp, y, epi); break;
-            case 51: kz_conv_dw_rows<5, 1, 8>(d, x, wp, y, epi); break;
-            case 52: kz_conv_dw_rows<5, 2, 4>(d, x, wp, y, epi); break;
-            case 71: kz_conv_dw_rows<7, 1, 8>(d, x, wp, y, epi); break;  // ConvNeXt
-            default: kz_conv_dw_rows<0, 0, KZ_DW_RUN>(d, x, wp, y, epi);
+            case 31: kz_conv_dw_rows<3, 1, 8>(d, x, wp, y, epi, t, tn); break;
+            case 32: kz_conv_dw_rows<3, 2, 4>(d, x, wp, y, epi, t, tn); break;
+            case 51: kz_conv_dw_rows<5, 1, 8>(d, x, wp, y, epi, t, tn); break;
+            case 52: kz_conv_dw_rows<5, 2, 4>(d, x, wp, y, epi, t, tn); break;
+            case 71: kz_conv_dw_rows<7, 1, 8>(d, x, wp, y, epi, t, tn); break;  // ConvNeXt
+            default: kz_conv_dw_rows<0, 0, KZ_DW_RUN>(d, x, wp, y, epi, t, tn);
         }
-    }
-    kz_team_done(kz_team_n, kz_lag);
-    return 0;
+        return 0;
+    });
 }
 
 // ---- conv chains (kernelize/autokernel/conv.py conv_chains) ------------------------------------------------
@@ -559,11 +556,7 @@ static int kz_conv_chain(const kz_conv_dims* d, const float* x, const float* con
     if (db.kh > 16) return 1;
     const int64_t group = (KZ_CHAIN_PIXELS + db.ow - 1) / db.ow;
     const int64_t work = rows * db.ow * e * (db.kh * db.kw + (A ? d[0].c : 0) + (C ? d[2].co : 0));
-    KZ_TEAM_OPEN(nthreads, work >= KZ_CONV_PARALLEL_MIN)
-#pragma omp parallel num_threads(kz_team_n) reduction(max: kz_lag) if (kz_team_n > 1)
-    {
-        KZ_TEAM_STARTED();
-        const int t = omp_get_thread_num(), tn = omp_get_num_threads();
+    return kz_parallel_for(kz_team_open(nthreads, work >= KZ_CONV_PARALLEL_MIN), [=](int t, int tn) KZ_BODY {
         const int64_t r0 = rows * t / tn, r1 = rows * (t + 1) / tn;
         // A's rows for a group, B's rows for C, with KZ_MR pixels of slack: a tile of C computes past the
         // group's end. Zeroed: garbage there could be denormal floats, which x86 multiplies ~100x slower
@@ -577,7 +570,6 @@ static int kz_conv_chain(const kz_conv_dims* d, const float* x, const float* con
         if (form == 52) kz_conv_chain_rows<5, 2, 4, A, C>(d, x, w, y, r0, r1, group, t1, t2, e0, e1, e2);
         free(t1);
         free(t2);
-    }
-    kz_team_done(kz_team_n, kz_lag);
-    return 0;
+        return 0;
+    });
 }

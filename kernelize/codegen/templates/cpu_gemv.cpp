@@ -25,18 +25,14 @@ $ROW_SETUP$
                 kz_x[kz_r * kz_ldx + kz_xpos<$PAIRS$>(kz_kk, kz_kfull)] = $A_LOAD$;
         }
         // threads split the columns, or (few column blocks, long K) the contraction with a final combine
-        const int64_t kz_t0 = kz_now_ns();
-        const int kz_nt = (int64_t)kz_nr * kz_n * kz_k < $PARALLEL_MIN$ ? 1 : kz_team(kz_nthreads, kz_t0);
-        int64_t kz_lag = 0;
+        const kz_team_t kz_tm = kz_team_open(kz_nthreads, (int64_t)kz_nr * kz_n * kz_k >= $PARALLEL_MIN$);
+        const int kz_nt = kz_tm.n;
         const int64_t kz_cb = $CB$;  // columns per block
         const int64_t kz_nblk = (kz_n + kz_cb - 1) / kz_cb;
         const bool kz_splitk = kz_nt > 1 && kz_nblk < 4 * kz_nt && kz_k >= 256 * kz_nt;
         $ACC_T$* kz_part = kz_splitk ? ($ACC_T$*)malloc(sizeof($ACC_T$) * kz_nt * $NMM$ * kz_nr * kz_n) : 0;
-#pragma omp parallel num_threads(kz_nt) reduction(|: kz_err_all) reduction(max: kz_lag)
-        {
-            kz_lag = kz_now_ns() - kz_t0;
+        kz_err_all |= kz_parallel_for(kz_tm, [=](int kz_t, int kz_tn) KZ_BODY {
             int kz_err = 0;
-            const int kz_t = omp_get_thread_num(), kz_tn = omp_get_num_threads();
             auto kz_epi = [&](int kz_r, int64_t $J$, const $ACC_T$* kz_mv) {
 $EPILOGUE$
             };
@@ -72,7 +68,7 @@ $COLS$
                                 kz_mine[(kz_m * kz_nr + kz_r) * kz_n + kz_c0 + kz_jj] =
                                     kz_blk[kz_m][kz_r * kz_cb + kz_jj];
                 }
-#pragma omp barrier
+                kz_barrier();
                 const int64_t kz_tot = (int64_t)kz_nr * kz_n;
                 for (int64_t kz_i = kz_tot * kz_t / kz_tn; kz_i < kz_tot * (kz_t + 1) / kz_tn; ++kz_i) {
                     const int kz_r = (int)(kz_i / kz_n);
@@ -86,9 +82,8 @@ $COLS$
                     kz_epi(kz_r, kz_col, kz_mv);
                 }
             }
-            kz_err_all |= kz_err;
-        }
-        kz_team_done(kz_nt, kz_lag);
+            return kz_err;
+        });
         free(kz_part);
     }
     return kz_err_all;

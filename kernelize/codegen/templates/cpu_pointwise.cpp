@@ -9,14 +9,13 @@ extern "C" int $NAME$($PARAMS$int kz_nthreads) {
     const int64_t kz_outer = $OUTER$;
     const int64_t kz_nblk = (kz_inner + $BLOCK$ - 1) / $BLOCK$;
     const int64_t kz_tiles = kz_outer * kz_nblk;
-    int kz_err = 0;
-    KZ_TEAM_OPEN(kz_nthreads, kz_outer * kz_inner >= $PARALLEL_MIN$)
     const bool kz_stream = kz_streams(kz_outer * kz_inner * $STREAM_BYTES$);
-#pragma omp parallel num_threads(kz_team_n) reduction(|: kz_err) reduction(max: kz_lag) if (kz_team_n > 1)
-    {
-        KZ_TEAM_STARTED();
-#pragma omp for schedule(static)
-        for (int64_t kz_t = 0; kz_t < kz_tiles; ++kz_t) {
+    const kz_team_t kz_tm = kz_team_open(kz_nthreads, kz_outer * kz_inner >= $PARALLEL_MIN$);
+    return kz_parallel_for(kz_tm, [=](int kz_tid, int kz_tn) KZ_BODY {
+        int kz_err = 0;
+        int64_t kz_lo, kz_hi;
+        kz_range(kz_tiles, kz_tid, kz_tn, kz_lo, kz_hi);
+        for (int64_t kz_t = kz_lo; kz_t < kz_hi; ++kz_t) {
             const int64_t kz_o = kz_t / kz_nblk;
             const int64_t kz_j0 = (kz_t - kz_o * kz_nblk) * $BLOCK$;
             const int64_t kz_j1 = kz_j0 + $BLOCK$ < kz_inner ? kz_j0 + $BLOCK$ : kz_inner;
@@ -24,7 +23,6 @@ $OUTER_INDEX$
 $LOOPS$
         }
         if (kz_stream) kz_stream_fence();
-    }
-    kz_team_done(kz_team_n, kz_lag);
-    return kz_err;
+        return kz_err;
+    });
 }

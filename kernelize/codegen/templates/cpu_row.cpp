@@ -6,22 +6,20 @@ $PRELUDE$
 extern "C" int $NAME$($PARAMS$int kz_nthreads) {
     const int64_t kz_outer = $OUTER$;
     const int64_t kz_rowlen = $ROWLEN$;
-    int kz_err = 0;
-    KZ_TEAM_OPEN(kz_nthreads, kz_outer * kz_rowlen >= $PARALLEL_MIN$)
+    const kz_team_t kz_tm = kz_team_open(kz_nthreads, kz_outer * kz_rowlen >= $PARALLEL_MIN$);
     const bool kz_stream = kz_streams(kz_outer * kz_rowlen * $STREAM_BYTES$);
 $COL_ALLOC$
-#pragma omp parallel num_threads(kz_team_n) reduction(|: kz_err) reduction(max: kz_lag) if (kz_team_n > 1)
-    {
-        KZ_TEAM_STARTED();
+    return kz_parallel_for(kz_tm, [=](int kz_tid, int kz_tn) KZ_BODY {
+        int kz_err = 0;
 $COL_SETUP$
-#pragma omp for schedule(static)
-        for (int64_t kz_o = 0; kz_o < kz_outer; ++kz_o) {
+        int64_t kz_lo, kz_hi;
+        kz_range(kz_outer, kz_tid, kz_tn, kz_lo, kz_hi);
+        for (int64_t kz_o = kz_lo; kz_o < kz_hi; ++kz_o) {
 $OUTER_INDEX$
 $ROW$
         }
         if (kz_stream) kz_stream_fence();
 $COL_FINISH$
-    }
-    kz_team_done(kz_team_n, kz_lag);
-    return kz_err;
+        return kz_err;
+    });
 }
