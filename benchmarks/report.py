@@ -107,6 +107,28 @@ def onnx_table(r: dict) -> str:
     return md([*head, "rel. diff vs ort", "cold / warm load s"], rows)
 
 
+def threads_table(r: dict) -> str:
+    base = {e: r["rows"][0][f"{e}_ms"] for e in ("kernelize", "onnxruntime")}
+    rows = [
+        [str(x["threads"]), f"{x['kernelize_ms']:.1f}", f"{x['onnxruntime_ms']:.1f}"]
+        + [
+            f"{base['kernelize'] / x['kernelize_ms']:.2f}x",
+            f"{base['onnxruntime'] / x['onnxruntime_ms']:.2f}x",
+        ]
+        + [f"**{x['kernelize_ms'] / x['onnxruntime_ms']:.2f}**"]
+        for x in r["rows"]
+    ]
+    head = [
+        "threads",
+        "kernelize ms",
+        "onnxruntime ms",
+        "kernelize scaling",
+        "ort scaling",
+        "kernelize / ort",
+    ]
+    return md(head, rows) + f"\n\n{r['model']}, batch {r['batch']}, on {r.get('machine', 'this host')}."
+
+
 def gpu_timings(section: dict) -> dict[str, tuple[dict[str, float], float | None]]:
     """A GPU-check section's timings: label -> (median ms per variant, max relative difference)."""
     diff = next(
@@ -206,6 +228,9 @@ TABLES: dict[str, Table] = {
     ),
     "onnx_models.json:models": Table("onnx_models.json", _cmd("onnx_models.py"), onnx_table),
     "gpu/*.json:sections": Table("gpu/*.json", "make gpu-check", gpu_table),
+    "threads.json:scaling": Table(
+        "threads.json", _cmd("threads.py", "--out benchmarks/results/threads.json"), threads_table
+    ),
 }
 
 
