@@ -54,18 +54,16 @@ def steps_of(
     for i, k in enumerate(kernels):
         for b in k.reads:
             last[b] = i
-    return [
-        Step(
-            k,
-            compiled.get(k.name),
-            tuple(b for b, j in last.items() if j == i and b not in keep),
-            run_as == "library",
-            run_as == "operands",
-            conv_runner(k, compiled.get(k.name)) if run_as == "conv" else None,
-        )
-        for i, k in enumerate(kernels)
-        for run_as in (dispatch(RUN_AS, k, "the runtime"),)
-    ]
+    free: list[list[Node]] = [[] for _ in kernels]
+    for b, i in last.items():
+        if b not in keep:
+            free[i].append(b)
+    steps = []
+    for k, dead in zip(kernels, free, strict=True):
+        run_as, built = dispatch(RUN_AS, k, "the runtime"), compiled.get(k.name)
+        conv = conv_runner(k, built) if run_as == "conv" else None
+        steps.append(Step(k, built, tuple(dead), run_as == "library", run_as == "operands", conv))
+    return steps
 
 
 def strided_inputs(graph: Graph, kernels: Sequence[Kernel]) -> tuple[bool, ...]:
