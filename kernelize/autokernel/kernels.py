@@ -70,11 +70,14 @@ class KernelKind(StrEnum):
     CONV_CHAIN = "conv_chain"
     SPLITK = "splitk"
     ATTENTION = "attention"
+    EXPERTS = "experts"
     LIBRARY = "library"
 
 
 # kinds whose kernel runs one graph node (a library call or a fixed template; no body): never merged
-NODE_KINDS = frozenset({KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.CONV, KernelKind.CONV_CHAIN})
+NODE_KINDS = frozenset(
+    {KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.EXPERTS, KernelKind.CONV, KernelKind.CONV_CHAIN}
+)
 
 
 @dataclass(frozen=True)
@@ -391,6 +394,24 @@ class AttentionKernel(NodeKernel):
     """
 
     kind: ClassVar[KernelKind] = KernelKind.ATTENTION
+
+
+@dataclass(frozen=True)
+class ExpertsKernel(NodeKernel):
+    """An ``Op.EXPERTS`` node (:mod:`kernelize.ir.experts`) as one grouped-expert kernel: it sorts the
+    (token, slot) pairs by expert, runs each selected expert's MLP (up, activation, down) over its tokens and
+    adds the weighted results per token. It reads its operands through the strides of the tensors the
+    runtime hands it (the expert weights in place, however large)."""
+
+    kind: ClassVar[KernelKind] = KernelKind.EXPERTS
+
+
+# the kernel class of each one-node kind the planner builds
+NODE_KERNELS: dict[KernelKind, type[NodeKernel]] = {
+    KernelKind.ATTENTION: AttentionKernel,
+    KernelKind.EXPERTS: ExpertsKernel,
+    KernelKind.LIBRARY: LibraryKernel,
+}
 
 
 @dataclass(frozen=True)

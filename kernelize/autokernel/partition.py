@@ -508,6 +508,8 @@ def kind_of(
         return KernelKind.ROW
     if n.op is Op.ATTENTION:
         return KernelKind.ATTENTION
+    if n.op is Op.EXPERTS:
+        return KernelKind.EXPERTS
     if n.op is Op.MATMUL and not library_matmul and n.dtype.is_float:
         return KernelKind.MATMUL  # integer matmuls go to the library (generators tile floats)
     return KernelKind.LIBRARY

@@ -43,12 +43,11 @@ from kernelize.autokernel.body import BodyBuilder
 from kernelize.autokernel.canon import sink_views
 from kernelize.autokernel.conv import conv_chains, conv_epilogue
 from kernelize.autokernel.kernels import (
+    NODE_KERNELS,
     NODE_KINDS,
-    AttentionKernel,
     ConvKernel,
     Kernel,
     KernelKind,
-    LibraryKernel,
 )
 from kernelize.autokernel.layout import channel_rows, channels_inner, channels_last_buffers
 from kernelize.autokernel.legality import can_absorb
@@ -311,7 +310,7 @@ def _pinned(graph: Graph, live: set[Node], part: Any, forced: set[Node], stop: s
         if n not in live:
             continue
         library = n in part.of and part.group(n).kind is KernelKind.LIBRARY  # e.g. a column sum on the cpu
-        if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION) or library:
+        if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION, Op.EXPERTS) or library:
             pinned.update(base(s, stop) for s in n.src)
         if n in group_of_conv:  # a CONV kernel's residual is a library operand, its tail a library result
             ep = group_of_conv[n]
@@ -424,8 +423,7 @@ def _lower(
     if g.kind in NODE_KINDS:
         (node,) = g.sel
         inputs = tuple(base(s, stop) for s in node.src)
-        cls = AttentionKernel if g.kind is KernelKind.ATTENTION else LibraryKernel
-        return [cls("", node.shape, node=node, inputs=inputs, computes=(node,))]
+        return [NODE_KERNELS[g.kind]("", node.shape, node=node, inputs=inputs, computes=(node,))]
     k = BodyBuilder(g, buffers, stop, order, nhwc).kernel(stores, slices)
     if not isinstance(k, Rejection):
         k = channel_rows(k, nhwc)  # a ROW kernel over NHWC buffers (other kinds are as they are)

@@ -34,6 +34,7 @@ from kernelize.autokernel.kernels import (
     Compute,
     ConvChainKernel,
     ConvKernel,
+    ExpertsKernel,
     Kernel,
     Load,
     MatmulKernel,
@@ -53,6 +54,7 @@ from kernelize.codegen.cpu_chunks import (
     moved_bytes,
     stream_bytes,
 )
+from kernelize.codegen.cpu_experts import render_experts
 from kernelize.codegen.cpu_fission import needed, render_fissioned, sum_chains
 from kernelize.codegen.render import Renderer, c_name, closure, deps
 from kernelize.codegen.template import fill, load_template
@@ -435,6 +437,7 @@ RENDER: dict[type, Callable[[Kernel, CpuRenderer], tuple[str, str]]] = {
     RowKernel: _render_row,
     MatmulKernel: _render_matmul,
     AttentionKernel: lambda k, r: render_attention(k, load_template("cpu_prelude.h")),
+    ExpertsKernel: lambda k, r: render_experts(k, load_template("cpu_prelude.h")),
     ConvKernel: _render_conv,
     ConvChainKernel: cpu_conv.render_chain,
 }

@@ -27,6 +27,7 @@ from kernelize.autokernel.kernels import (
     AttentionKernel,
     ConvChainKernel,
     ConvKernel,
+    ExpertsKernel,
     Kernel,
     LibraryKernel,
     MatmulKernel,
@@ -39,6 +40,7 @@ from kernelize.codegen.cpu import CpuRenderer, render
 from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
 from kernelize.codegen.cpu_attention import attention_launcher
 from kernelize.codegen.cpu_build import load, same_source_groups, unit_chunks, unit_source
+from kernelize.codegen.cpu_experts import experts_launcher
 from kernelize.codegen.render import gather_error
 from kernelize.codegen.template import load_template
 from kernelize.runtime.backend import Backend, CCall, CompiledKernel
@@ -205,6 +207,17 @@ class _AttentionKind(_LoopKind):
         return CompiledKernel(kernel.name, backend, rendered[kernel.name][0], launch, kernel)
 
 
+class _ExpertsKind(_LoopKind):
+    """EXPERTS kernels: a template with its own arguments (operand strides), built alone; many rows run on
+    library GEMMs (:mod:`kernelize.codegen.cpu_experts`)."""
+
+    alone = True
+
+    def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
+        launch = experts_launcher(fns[0], kernel)
+        return CompiledKernel(kernel.name, backend, rendered[kernel.name][0], launch, kernel)
+
+
 class _ConvKind(_LoopKind):
     """CONV kernels: generated when :func:`cpu_conv.algorithm` takes them, else run by the library."""
 
@@ -264,6 +277,7 @@ _KINDS = {
     RowKernel: _LoopKind(),
     MatmulKernel: _MatmulKind(),
     AttentionKernel: _AttentionKind(),
+    ExpertsKernel: _ExpertsKind(),
     ConvKernel: _ConvKind(),
     ConvChainKernel: _ConvChainKind(),
     LibraryKernel: _LibraryKind(),

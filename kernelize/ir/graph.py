@@ -374,6 +374,12 @@ class Graph:
 
         return build_attention(self, q, k, v, mask, **kw)
 
+    def experts(self, x: Node, index: Node, weights: Node, up: Node, down: Node, **kw: Any) -> Node:
+        """Routed mixture-of-experts MLPs (:func:`kernelize.ir.experts.build_experts`)."""
+        from kernelize.ir.experts import build_experts
+
+        return build_experts(self, x, index, weights, up, down, **kw)
+
     def conv(
         self,
         x: Node,

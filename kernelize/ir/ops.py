@@ -33,6 +33,7 @@ class Op(StrEnum):
     CONV = "conv"  # arg: ConvArgs
     POOL = "pool"  # arg: PoolArgs
     ATTENTION = "attention"  # softmax(scale * q @ k^T + mask) @ v, fused (arg: AttentionArgs)
+    EXPERTS = "experts"  # routed mixture-of-experts MLPs with their weighted combine (arg: ExpertsArgs)
     # unary
     ABS = "abs"
     NEG = "neg"
@@ -164,6 +165,32 @@ class AttentionArgs:
         if self.groups < 1:
             raise ValueError(f"AttentionArgs.groups must be >= 1, got {self.groups}")
         object.__setattr__(self, "scale", float(self.scale))
+
+
+# activations of an EXPERTS op's MLPs (their formulas: kernelize.ir.experts.ACTIVATIONS)
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+@dataclass(frozen=True)
+class ExpertsArgs:
+    """The attributes of an ``EXPERTS`` node (:mod:`kernelize.ir.experts`).
+
+    Attributes:
+        act: the MLPs' activation, one of ``EXPERT_ACTIVATIONS``.
+        gated: the up weight is ``[gate; up]`` (``act(x @ gate^T) * (x @ up^T)``, Llama-style experts);
+            False: one up weight (``act(x @ up^T)``).
+
+    Example:
+        >>> ExpertsArgs("silu")
+        ExpertsArgs(act='silu', gated=True)
+    """
+
+    act: str
+    gated: bool = True
+
+    def __post_init__(self) -> None:
+        if self.act not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"ExpertsArgs.act must be one of {EXPERT_ACTIVATIONS}, got {self.act!r}")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kernelize.ir.attention import reference_attention, split_operands
 from kernelize.ir.dtypes import DType, compute_dtype
+from kernelize.ir.experts import reference_experts
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.ops import ConvArgs, NormArgs, PoolArgs
 from kernelize.ir.shapes import ShapeError, bind, shape_str, unify
@@ -215,6 +216,7 @@ EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tensor
     Op.CONV: _conv,
     Op.POOL: _pool,
     Op.ATTENTION: lambda n, xs, env: _attention(n.arg, *split_operands(xs, n.arg)),
+    Op.EXPERTS: lambda n, xs, env: reference_experts(*xs, n.arg),
     Op.ABS: _unary(torch.abs),
     Op.NEG: _unary(torch.neg),
     Op.EXP: _unary(torch.exp),

@@ -19,7 +19,7 @@ from typing import Any
 
 from kernelize.ir.attention import split_operands
 from kernelize.ir.graph import BINARY, UNARY, Constant, DTypeError, Graph, Node, Op
-from kernelize.ir.ops import AttentionArgs, ClampArgs, ConvArgs, NormArgs, PadArgs, PoolArgs
+from kernelize.ir.ops import AttentionArgs, ClampArgs, ConvArgs, ExpertsArgs, NormArgs, PadArgs, PoolArgs
 from kernelize.ir.printer import format_node
 from kernelize.ir.shapes import ShapeError, Sym, shape_str, symbols
 from kernelize.ir.stats import STATS
@@ -317,6 +317,14 @@ def _row(g: Graph, s: list[Node], n: Node) -> Any:
     return g.rmsnorm(s[0], s[1] if a.has_weight else None, a.eps)
 
 
+def _experts(g: Graph, s: list[Node], n: Node) -> Any:
+    a = n.arg
+    if not isinstance(a, ExpertsArgs):
+        return f"arg {a!r} is not ExpertsArgs"
+    _nsrc(n, 5)
+    return g.experts(*s, act=a.act, gated=a.gated)
+
+
 _RULES: dict[Op, Callable[[Graph, list[Node], Node], Any]] = {
     Op.INPUT: _source,
     Op.CONST: _source,
@@ -330,6 +338,7 @@ _RULES: dict[Op, Callable[[Graph, list[Node], Node], Any]] = {
     Op.PAD: _pad,
     Op.MATMUL: _matmul,
     Op.ATTENTION: _attention,
+    Op.EXPERTS: _experts,
     Op.CONV: _conv,
     Op.POOL: _pool,
     Op.WHERE: _where,

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelize.autokernel.kernels import AttentionKernel, ConvKernel, Kernel, LibraryKernel, dispatch
+from kernelize.autokernel.kernels import (
+    AttentionKernel,
+    ConvKernel,
+    ExpertsKernel,
+    Kernel,
+    LibraryKernel,
+    dispatch,
+)
 from kernelize.ir.graph import Graph, Node
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import CompiledKernel
@@ -29,7 +36,13 @@ from kernelize.runtime.replay import Batch, batch_of, step_call
 # how the runtime runs each kind of kernel: a torch call of its node ("library"), a launch on its node's
 # operands seen through their layout views, any strides ("operands"), the conv runner ("conv"), or a launch
 # on the buffers the plan lowered it for (row-major, or NHWC where the plan lays a buffer out so: "buffers")
-RUN_AS = {LibraryKernel: "library", AttentionKernel: "operands", ConvKernel: "conv", Kernel: "buffers"}
+RUN_AS = {
+    LibraryKernel: "library",
+    AttentionKernel: "operands",
+    ExpertsKernel: "operands",
+    ConvKernel: "conv",
+    Kernel: "buffers",
+}
 
 
 @dataclass(frozen=True)

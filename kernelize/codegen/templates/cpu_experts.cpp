@@ -1,0 +1,131 @@
+$PRELUDE$
+$GEMV_LIB$
+
+// $NAME$: routed mixture-of-experts MLPs and their weighted combine (kernelize.ir.experts):
+//   out[t] = sum_k w[t, k] * down[e] @ (act(up[e][:I] @ x[t]) * up[e][I:] @ x[t]),  e = index[t, k]
+// 1. the (token, slot) pairs are sorted by expert (a counting sort) and the rows of x they read are packed
+//    once, as f32, in that order: each expert's rows are contiguous;
+// 2. stage one: a work item is (expert, block of CB intermediate columns); it reads those columns of the
+//    expert's gate and up rows once for all of the expert's rows (cpu_gemv.h's dot blocks) and writes
+//    h = act(gate) * up in f32;
+// 3. stage two: a work item is a block of CB output columns; for each selected expert in turn it reads the
+//    block's rows of `down` once and adds w * (h @ down^T) into the tokens' f32 sums, so a token's sum takes
+//    its experts in one order whatever the thread count; the block is then stored.
+// Only the selected experts' weights are read, each once per call: decode reads K of E experts' bytes.
+#ifdef __clang__
+#pragma clang fp contract(fast)
+#else
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
+namespace {
+typedef $T$ kz_t;    // x, up, down and out storage
+typedef $TI$ kz_ti;  // index storage
+typedef $TW$ kz_tw;  // routing weight storage
+constexpr int64_t H = $H$, I = $I$, E = $E$, K = $K$;
+constexpr int64_t NU = $GATED$ ? 2 * I : I;  // rows of an expert's up weight
+constexpr bool GATED = $GATED$;
+constexpr bool PAIRS = $PAIRS$;  // 16-bit weights read as bf16 pairs, the f32 rows packed to match
+constexpr int64_t CB = 4 * KZ_NB;  // columns per work item
+KZ_INLINE float kz_act(float v) { return $ACT$; }
+
+// rows [s0, s0 + nr) of the packed rows `xs` (ldx apart) against columns [j, j + KZ_NB) of the K-contiguous
+// rows of `wt` (`ldw` apart, `n` of them: a column past the end reads the last row, its result unused).
+// Rows of packed weights (ldw == k) are prefetched a block ahead: a row of 4 KiB or less sits in one page,
+// where the hardware prefetcher never gets ahead of the block's rows read side by side (cpu_gemv.h).
+KZ_INLINE void kz_cols(const float* xs, int64_t ldx, int nr, const kz_t* wt, int64_t ldw, int64_t j, int64_t n,
+                       int64_t k, float* part) {
+    const kz_t* cols[KZ_NB];
+    for (int c = 0; c < KZ_NB; ++c) cols[c] = wt + (j + c < n ? j + c : n - 1) * ldw;
+    const char* pf = ldw == k && j + 2 * KZ_NB <= n ? (const char*)(wt + (j + KZ_NB) * ldw) : nullptr;
+    kz_dot_cols<PAIRS>(xs, ldx, nr, cols, true, 0, k, part, pf);
+}
+}  // namespace
+
+// strides (elements): x (token, hidden), index (token, slot), weights (token, slot), up (expert, row),
+// down (expert, row); the weights' last axes are unit-stride. Returns 1: out of memory, 2: an index outside
+// [0, E] (E itself: a sentinel, skipped).
+extern "C" int $NAME$(const kz_t* x, const kz_ti* index, const kz_tw* weights, const kz_t* up, const kz_t* down,
+                      kz_t* out, int64_t T, const int64_t* st, int kz_nthreads) {
+    if (T <= 0) return 0;
+    const int64_t S = T * K;
+    int64_t* cnt = kz_scratch<int64_t>(0, E + 2 + 2 * S);
+    if (!cnt) return 1;
+    int64_t* pos = cnt + E + 2;  // sorted position -> pair
+    int64_t* tok = pos + S;      // sorted position -> token
+    for (int64_t e = 0; e < E + 2; ++e) cnt[e] = 0;
+    for (int64_t p = 0; p < S; ++p) {
+        const int64_t e = (int64_t)kz_ld(index, (p / K) * st[2] + (p % K) * st[3]);
+        if (e < 0 || e > E) return 2;
+        ++cnt[e + 1];
+    }
+    for (int64_t e = 0; e <= E; ++e) cnt[e + 1] += cnt[e];  // cnt[e]: the first sorted position of expert e
+    for (int64_t p = 0; p < S; ++p) {
+        const int64_t e = (int64_t)kz_ld(index, (p / K) * st[2] + (p % K) * st[3]);
+        if (e < E) pos[cnt[e]++] = p;
+    }
+    for (int64_t e = E; e > 0; --e) cnt[e] = cnt[e - 1];  // back to the first positions
+    cnt[0] = 0;
+    const int64_t R = cnt[E];  // pairs routed to an expert of this call
+    const int64_t ldx = (H + 15) / 16 * 16 + 16, ldh = (I + 15) / 16 * 16 + 16;
+    float* xs = kz_scratch<float>(0, R * ldx + 1);
+    float* hs = kz_scratch<float>(1, R * ldh + 1);
+    float* ws = kz_scratch<float>(2, R + 1);
+    float* acc = kz_scratch<float>(3, T * H);
+    int64_t* items = kz_scratch<int64_t>(1, E + 1);
+    if (!xs || !hs || !ws || !acc || !items) return 1;
+    int64_t active = 0;  // the experts with rows, in order
+    for (int64_t e = 0; e < E; ++e)
+        if (cnt[e + 1] > cnt[e]) items[active++] = e;
+    const int64_t hfull = H / (2 * KZ_VL) * (2 * KZ_VL), ifull = I / (2 * KZ_VL) * (2 * KZ_VL);
+    for (int64_t s = 0; s < R; ++s) {  // the pairs' rows of x, once, as f32
+        const int64_t p = pos[s], t = p / K;
+        tok[s] = t;
+        ws[s] = (float)kz_ld(weights, t * st[4] + (p % K) * st[5]);
+        for (int64_t h = 0; h < H; ++h) xs[s * ldx + kz_xpos<PAIRS>(h, hfull)] = kz_ld(x, t * st[0] + h * st[1]);
+    }
+    for (int64_t e = 0; e < T * H; ++e) acc[e] = 0.0f;
+    const int64_t blocks1 = (I + CB - 1) / CB, blocks2 = (H + CB - 1) / CB;
+    int64_t next1 = 0, next2 = 0;
+    int64_t *n1 = &next1, *n2 = &next2;
+    const kz_team_t team = kz_team_open(kz_nthreads, R * H * NU >= $PARALLEL_MIN$);
+    return kz_parallel_for(team, [=](int kz_tid, int kz_tn) KZ_BODY {
+        float part[KZ_MAXR * KZ_NB], gate[KZ_MAXR * KZ_NB];
+        for (int64_t it = kz_next(n1); it < active * blocks1; it = kz_next(n1)) {  // stage one
+            const int64_t e = items[it / blocks1], j0 = it % blocks1 * CB;
+            const kz_t* wu = up + e * st[6];
+            for (int64_t s0 = cnt[e]; s0 < cnt[e + 1]; s0 += KZ_MAXR) {
+                const int nr = (int)(cnt[e + 1] - s0 < KZ_MAXR ? cnt[e + 1] - s0 : KZ_MAXR);
+                for (int64_t j = j0; j < j0 + CB && j < I; j += KZ_NB) {
+                    kz_cols(xs + s0 * ldx, ldx, nr, wu, st[7], j, I, H, gate);
+                    if (GATED) kz_cols(xs + s0 * ldx, ldx, nr, wu + I * st[7], st[7], j, I, H, part);
+                    for (int r = 0; r < nr; ++r)
+                        for (int c = 0; c < KZ_NB && j + c < I; ++c) {
+                            const float g = kz_act(gate[r * KZ_NB + c]);
+                            hs[(s0 + r) * ldh + kz_xpos<PAIRS>(j + c, ifull)] = GATED ? g * part[r * KZ_NB + c] : g;
+                        }
+                }
+            }
+        }
+        kz_barrier();
+        for (int64_t it = kz_next(n2); it < blocks2; it = kz_next(n2)) {  // stage two
+            const int64_t n0 = it * CB;
+            for (int64_t a = 0; a < active; ++a) {
+                const int64_t e = items[a];
+                const kz_t* wd = down + e * st[8];
+                for (int64_t s0 = cnt[e]; s0 < cnt[e + 1]; s0 += KZ_MAXR) {
+                    const int nr = (int)(cnt[e + 1] - s0 < KZ_MAXR ? cnt[e + 1] - s0 : KZ_MAXR);
+                    for (int64_t j = n0; j < n0 + CB && j < H; j += KZ_NB) {
+                        kz_cols(hs + s0 * ldh, ldh, nr, wd, st[9], j, H, I, part);
+                        for (int r = 0; r < nr; ++r)
+                            for (int c = 0; c < KZ_NB && j + c < H; ++c)
+                                acc[tok[s0 + r] * H + j + c] += ws[s0 + r] * part[r * KZ_NB + c];
+                    }
+                }
+            }
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t j = n0; j < n0 + CB && j < H; ++j) kz_st(out, t * H + j, acc[t * H + j]);
+        }
+        return 0;
+    });
+}

@@ -1,0 +1,189 @@
+"""Mixture-of-experts MLPs as one generated grouped-expert kernel (:mod:`kernelize.ir.experts`).
+
+``grouped_experts(x, index, weights, up, down, act="silu")`` computes, for tokens x ``[T, H]`` routed to
+experts ``index`` ``[T, K]`` with routing weights ``weights`` ``[T, K]``::
+
+    out[t] = sum_k weights[t, k] * down[e] @ (act(gate[e] @ x[t]) * up_[e] @ x[t]),   e = index[t, k]
+
+with ``up`` ``[E, 2I, H]`` holding each expert's gate rows then its up rows (transformers' ``gate_up_proj``;
+``gated=False``: ``[E, I, H]`` and ``act(up[e] @ x[t])``) and ``down`` ``[E, H, I]``. Each call builds (once
+per signature) a graph of one ``EXPERTS`` node, plans it into one grouped-expert kernel and compiles it with
+the backend for the tensors' device (:func:`kernelize.hub.backend_for`). A token reads only its K experts'
+weights; decode reads each selected expert's bytes once.
+
+What the kernels do not do raises :class:`ExpertsUnsupported` (a ``ValueError``) with the reason, so a
+caller can fall back: gradients, dtypes other than f32 / f16 / bf16, operands on different devices, shapes
+that do not fit.
+
+Example:
+    >>> x = torch.randn(3, 64); up = torch.randn(8, 2 * 32, 64); down = torch.randn(8, 64, 32)
+    >>> index = torch.tensor([[0, 5], [5, 7], [1, 2]]); weights = torch.rand(3, 2)
+    >>> grouped_experts(x, index, weights, up, down).shape
+    torch.Size([3, 64])
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kernelize.ir.dtypes import DType
+from kernelize.ir.experts import reference_experts
+from kernelize.ir.graph import Graph
+from kernelize.ir.ops import EXPERT_ACTIVATIONS, ExpertsArgs
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+class ExpertsUnsupported(ValueError):
+    """The generated experts kernels cannot run these inputs; the message says why (fall back to torch)."""
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    act: str = "silu",
+    gated: bool = True,
+    *,
+    owner: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """The routed experts' weighted sum per token (see the module docstring) by the generated kernel
+    (``owner``: a module whose ``kernelize.inspect`` record then lists the kernel).
+
+    Raises:
+        ExpertsUnsupported: inputs the kernels do not handle, with the reason.
+
+    Example:
+        >>> x = torch.randn(2, 16); up = torch.randn(4, 16, 16); down = torch.randn(4, 16, 8)
+        >>> out = grouped_experts(x, torch.tensor([[1], [3]]), torch.ones(2, 1), up, down)
+        >>> h = torch.nn.functional.silu(up[1][:8] @ x[0]) * (up[1][8:] @ x[0])
+        >>> torch.allclose(out[0], down[1] @ h, atol=1e-4)
+        True
+    """
+    _check(x, index, weights, up, down, act, gated)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        args = ExpertsArgs(act, gated)
+        launch, record = _launcher(x, index, weights, up, down, args)
+        if owner is not None:
+            from kernelize.hub import note_kernels
+
+            note_kernels(owner, record)
+        launch([x, index, weights, up, down], [out], {"tokens": x.shape[0]})
+    return out
+
+
+def _check(x, index, weights, up, down, act: str, gated: bool) -> None:
+    """Raise ExpertsUnsupported for anything the kernels do not run exactly as the reference would."""
+    ops = (x, index, weights, up, down)
+    if not all(isinstance(t, torch.Tensor) for t in ops):
+        raise ExpertsUnsupported("x, index, weights, up and down must be tensors")
+    shapes = ", ".join(str(list(t.shape)) for t in ops)
+    if act not in EXPERT_ACTIVATIONS:
+        raise ExpertsUnsupported(f"activation {act!r} is not one of the kernels' {EXPERT_ACTIVATIONS}")
+    if (x.dim(), index.dim(), weights.dim(), up.dim(), down.dim()) != (2, 2, 2, 3, 3):
+        raise ExpertsUnsupported(
+            f"shapes {shapes}: expected x [T, H], index and weights [T, K], up [E, N, H], down [E, H, I]"
+        )
+    (t, h), (e, n, hu), (ed, hd, i) = x.shape, up.shape, down.shape
+    if not (
+        index.shape == weights.shape
+        and index.shape[0] == t
+        and e == ed
+        and h == hu == hd
+        and n == (2 * i if gated else i)
+    ):
+        raise ExpertsUnsupported(
+            f"shapes {shapes} do not fit x [T, H], index [T, K], up [E, N, H], down [E, H, I]"
+        )
+    if x.dtype not in FLOATS or up.dtype != x.dtype or down.dtype != x.dtype or weights.dtype not in FLOATS:
+        raise ExpertsUnsupported(
+            f"dtypes {x.dtype}, {up.dtype}, {down.dtype} (x, up, down) and {weights.dtype} (weights): the "
+            "kernels take one of f32, f16, bf16"
+        )
+    if index.dtype not in INDEX_DTYPES:
+        raise ExpertsUnsupported(f"index dtype {index.dtype}: the kernels take int64 or int32")
+    if any(o.device != x.device for o in ops):
+        raise ExpertsUnsupported("x, index, weights, up and down must be on one device")
+    if torch.is_grad_enabled() and any(o.requires_grad for o in ops):
+        raise ExpertsUnsupported("the experts kernels have no backward; inputs require grad")
+
+
+# (backend, device, dtypes, static sizes, args) -> (launch function, what ran for kernelize.inspect)
+_LAUNCHERS: dict[tuple, tuple] = {}
+_LOCK = threading.Lock()
+
+
+def _launcher(x, index, weights, up, down, args: ExpertsArgs):
+    from kernelize.hub import backend_for
+
+    backend = backend_for(x.device)
+    key = (
+        backend,
+        x.device,
+        x.dtype,
+        index.dtype,
+        weights.dtype,
+        index.shape[1],
+        *up.shape,
+        down.shape[2],
+        args,
+    )
+    fn = _LAUNCHERS.get(key)
+    if fn is None:
+        with _LOCK:
+            fn = _LAUNCHERS.get(key)
+            if fn is None:
+                fn = _LAUNCHERS[key] = _build(backend, x, index, weights, up, down, args)
+    return fn
+
+
+def _build(backend: str, x, index, weights, up, down, args: ExpertsArgs):
+    """Graph of one experts node -> plan -> one compiled EXPERTS kernel: (launch, record)."""
+    from kernelize.hub import KernelRecord
+
+    e, _, h = up.shape
+    sig = (
+        f"experts({str(x.dtype).removeprefix('torch.')}[tokens, {h}], {e} experts, top-{index.shape[1]}, "
+        f"intermediate {down.shape[2]}, {args.act}{'' if args.gated else ', not gated'})"
+    )
+    if backend == "reference":
+
+        def launch(operands, writes, sizes):
+            writes[0].copy_(reference_experts(*operands, args))
+
+        return launch, KernelRecord("reference", (), sig)
+    from kernelize.autokernel.kernels import ExpertsKernel
+    from kernelize.autokernel.plan import plan
+    from kernelize.runtime.compiled import make_backend
+
+    impl = make_backend(backend)
+    if not impl.device_ok(x.device):
+        raise ExpertsUnsupported(f"backend {backend!r} cannot run on device {x.device}")
+    g = Graph()
+    nodes = [
+        g.input(name, shape, DType.from_torch(t.dtype))
+        for name, shape, t in (
+            ("x", ("tokens", h), x),
+            ("index", ("tokens", index.shape[1]), index),
+            ("weights", ("tokens", index.shape[1]), weights),
+            ("up", tuple(up.shape), up),
+            ("down", tuple(down.shape), down),
+        )
+    ]
+    g.output(g.experts(*nodes, act=args.act, gated=args.gated))
+    (kernel,) = plan(g, impl.plan_settings).kernels
+    assert isinstance(kernel, ExpertsKernel), kernel
+    try:
+        compiled = impl.compile(kernel)
+    except ValueError as exc:  # a backend without code for the kind, or a dtype it does not take
+        raise ExpertsUnsupported(str(exc)) from exc
+    return compiled.launch, KernelRecord(backend, ((compiled.name, compiled.source_hash),), sig)
+
+
+__all__ = ["ExpertsUnsupported", "grouped_experts"]
