@@ -15,6 +15,7 @@ by expert once and run each selected expert's MLP over its own tokens, so a toke
 its K experts: the node is what lets a decode step read K of E experts' bytes.
 
 Example:
+    >>> from kernelize.ir.graph import Graph
     >>> g = Graph()
     >>> x = g.input("x", ("tokens", 64), "f32")
     >>> idx = g.input("index", ("tokens", 2), "i64"); w = g.input("weights", ("tokens", 2), "f32")
