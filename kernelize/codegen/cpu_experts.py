@@ -45,7 +45,7 @@ INDEX_TYPES = {DType.I64: "int64_t", DType.I32: "int32_t", DType.I16: "int16_t",
 FEW_PAIRS = 64
 PARALLEL_MIN = 1 << 16  # multiply-adds below which one thread beats waking the team
 ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-ERRORS = {1: "out of memory for its scratch", 2: "an expert index outside [0, experts]"}
+ERRORS = {1: "out of memory for its scratch", 2: "an expert index outside [0, {experts}]"}
 
 
 def check_experts_kernel(kernel: ExpertsKernel) -> ExpertsArgs:
@@ -116,7 +116,8 @@ def experts_launcher(fn, kernel: ExpertsKernel):
             get_threads(),
         )
         if rc:
-            raise ValueError(f"cpu experts kernel {kernel.name}: {ERRORS.get(rc, f'error {rc}')}")
+            what = ERRORS.get(rc, f"error {rc}").format(experts=up.shape[0])
+            raise ValueError(f"cpu experts kernel {kernel.name}: {what} in {x.shape[0]} tokens")
 
     return launch
 

@@ -53,6 +53,13 @@ from kernelize.layer.mapping import use_kernel_mapping
 from kernelize.layer.mode import Mode
 from kernelize.layer.record import FallbackReason, record_choice, recorded_choice
 from kernelize.model_attention import KERNEL_UNAVAILABLE, attention_forward, attention_kernel
+from kernelize.model_experts import (
+    EXPERTS_LAYER,
+    EXPERTS_NAME,
+    experts_modules,
+    keep_experts,
+    use_experts_function,
+)
 from kernelize.runtime.memory import trim_heap
 
 from .verify import difference, evaluating, verify_replacements
@@ -688,14 +695,21 @@ def _model_output(model: nn.Module, call: Callable[[], Any] | str) -> Any:
         return None
 
 
-def _verify(model: nn.Module, call: Callable[[], Any] | str, want: Any, attention: str | None) -> str:
+def _verify(
+    model: nn.Module,
+    call: Callable[[], Any] | str,
+    want: Any,
+    attention: str | None,
+    experts: str | None = None,
+) -> str:
     """Probe the replaced modules (see `kernelize.integrations.verify`); put refused ones back to eager.
 
     A kernel forward that bypasses its submodules (a decoder layer's fused block) is judged as a whole; when
     it is refused, its submodules run again, so the next round probes them. Rounds stop when one refuses
     nothing. Then the whole model's output is compared with `want` (its output before `kernelize_model`):
-    on a difference the model's own attention implementation (`attention`, if it was switched) comes back,
-    and if the difference stays, every module runs its own forward. Returns what the last step did.
+    on a difference the model's own experts implementation (`experts`, if it was switched) comes back, then
+    its own attention implementation (`attention`, likewise), and if the difference stays, every module runs
+    its own forward. Returns what the last step did.
     """
     ran: set[str] = set()
     targets = _replaced(model)
@@ -722,6 +736,14 @@ def _verify(model: nn.Module, call: Callable[[], Any] | str, want: Any, attentio
     unjudged = {p: m for p, m in targets.items() if not any(r == p or p.startswith(f"{r}.") for r in ran)}
     _note_all(unjudged, "not verified: the probe did not call it")
     why = difference(_model_output(model, call), want, "the model's output")
+    if why and experts is not None:
+        model.set_experts_implementation(experts)
+        for module in experts_modules(model).values():
+            keep_experts(module, f"{why} with the `{EXPERTS_NAME}` experts; back to `{experts}`")
+        logger.warning("kernelize_model: %s with the `%s` experts; back to `%s`", why, EXPERTS_NAME, experts)
+        why = difference(_model_output(model, call), want, "the model's output")
+        if not why:
+            return f"experts implementation back to `{experts}`: `{EXPERTS_NAME}` changed the output"
     if why and attention is not None:
         model.set_attn_implementation(attention)
         logger.warning(
@@ -739,11 +761,14 @@ def _verify(model: nn.Module, call: Callable[[], Any] | str, want: Any, attentio
 
 
 def _replaced(model: nn.Module) -> dict[str, nn.Module]:
-    """path -> module, for every module whose forward is a kernel layer's now."""
+    """path -> module, for every module whose forward is a kernel layer's now (experts modules run the kernel
+    through transformers' experts interface instead, and are judged by the whole model's output)."""
     return {
         path: module
         for path, module in model.named_modules()
-        if (choice := recorded_choice(module)) is not None and choice.uses_kernel
+        if (choice := recorded_choice(module)) is not None
+        and choice.uses_kernel
+        and choice.layer_name != EXPERTS_LAYER
     }
 
 
@@ -816,8 +841,10 @@ def kernelize_model(
     _record_verdicts(model, found)
     status = _use_attention_function(model, mode)
     switched = attention if status.startswith("attention implementation set") else None
+    experts_status, experts = use_experts_function(model, mode, device)
+    status = f"{status}; {experts_status}"
     if verify:
-        status = f"{status}; {_verify(model, call, want, switched)}"
+        status = f"{status}; {_verify(model, call, want, switched, experts)}"
     trim_heap()  # what the probe's merges freed (the old q/k/v, gate/up storages) goes back to the system
     replaced = sum(1 for p in found if (c := recorded_choice(model.get_submodule(p))) and c.uses_kernel)
     if replaced == 0:  # a family the table does not know: one clear line, never an exception

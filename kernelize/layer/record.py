@@ -108,7 +108,8 @@ def recorded_choice(module: nn.Module) -> KernelChoice | None:
 
 
 def marked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every marked module reachable from `model`, with its path, in `named_modules()` order.
+    """Every marked module reachable from `model`, with its path, in `named_modules()` order, and every
+    module with a recorded choice (the experts modules served through transformers' experts interface).
 
     Functions attached with `use_kernelized_func` follow their owner, as `owner.function_name`.
     """
@@ -116,7 +117,7 @@ def marked_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for path, module in model.named_modules():
         for name, func_module in module.__dict__.get("_kernel_funcs", {}).items():
             found.append((f"{path}.{name}" if path else name, func_module))
-        if hasattr(type(module), "kernel_layer_name"):
+        if hasattr(type(module), "kernel_layer_name") or _RECORD_ATTR in module.__dict__:
             found.append((path, module))
     return found
 

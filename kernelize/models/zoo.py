@@ -45,6 +45,7 @@ TINY: dict[str, Any] = dict(
     shared_expert_intermediate_size=32,
     n_group=1,
     topk_group=1,
+    first_k_dense_replace=1,  # DeepSeek / GLM-MoE: of the 2 layers, one dense and one MoE
     # encoder-decoder and GPT-style names
     d_model=64,
     decoder_attention_heads=4,

@@ -1,0 +1,226 @@
+"""The `kernelize` experts function for transformers' `ExpertsInterface`, with its fallback.
+
+transformers' MoE families keep their experts in one module (`Qwen3MoeExperts`, `MixtralExperts`, ...:
+`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, `act_fn`) decorated with `use_experts_implementation`,
+whose forward dispatches on `config._experts_implementation`. `experts_forward(module, hidden_states,
+top_k_index, top_k_weights)` is the implementation `kernelize`: the generated grouped-expert kernel
+(`kernelize.experts.grouped_experts`). It serves every family whose experts module has the default layout
+(concatenated gate|up rows, not transposed, no biases, no post-expert norm, the default gate
+`act(gate) * up`) and an activation it recognises by probing `act_fn` against the IR's formulas.
+
+A module or a call the kernel does not support runs the implementation the model had before (`grouped_mm`
+by default, with its backward), and the reason is noted on the module for `kernelize.inspect`. Calls that
+need gradients take that implementation too: the kernel has no backward. This module imports neither
+transformers nor the kernel at import time.
+
+Example:
+    >>> from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # doctest: +SKIP
+    >>> ALL_EXPERTS_FUNCTIONS.register("kernelize", experts_forward)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from typing import Any
+
+import torch
+
+from kernelize.layer.mode import Mode
+from kernelize.layer.record import FallbackReason, KernelChoice, record_choice, recorded_choice
+from kernelize.model_attention import note_fallback
+
+__all__ = [
+    "EXPERTS_LAYER",
+    "EXPERTS_NAME",
+    "experts_activation",
+    "experts_blocker",
+    "experts_forward",
+    "experts_modules",
+    "keep_experts",
+    "register_experts",
+    "use_experts_function",
+]
+
+EXPERTS_NAME = "kernelize"  # the name in transformers' ExpertsInterface
+# the implementation a module falls back to, per module (the model's own choice before the switch)
+_FALLBACK: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+# the layout flags `use_experts_implementation` sets, with the value the kernel takes
+_LAYOUT = {
+    "has_bias": (False, "expert biases"),
+    "is_transposed": (False, "transposed expert weights"),
+    "is_concatenated": (True, "interleaved gate/up rows"),
+    "has_post_expert_norm": (False, "a norm after each expert"),
+}
+
+
+def register_experts() -> None:
+    """Register `kernelize` with transformers' ExpertsInterface."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_NAME, experts_forward)
+
+
+def experts_activation(act_fn: Any) -> str | None:
+    """The IR activation `act_fn` computes (probed on a fixed grid of values, f32), or None."""
+    if not callable(act_fn):
+        return None
+    return _activation_of(act_fn)
+
+
+@functools.lru_cache(maxsize=64)
+def _activation_of(act_fn: Any) -> str | None:
+    from kernelize.ir.experts import ACTIVATIONS
+
+    grid = torch.linspace(-8, 8, 257)
+    try:
+        with torch.no_grad():
+            got = act_fn(grid)
+    except Exception:  # an activation that does not take a plain tensor
+        return None
+    for name, fn in ACTIVATIONS.items():
+        if (
+            isinstance(got, torch.Tensor)
+            and got.shape == grid.shape
+            and torch.allclose(got, fn(grid), atol=1e-6)
+        ):
+            return name
+    return None
+
+
+def experts_blocker(module: torch.nn.Module) -> str | None:
+    """Why the grouped-expert kernel cannot stand in for this experts module (None: it can)."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    for flag, (want, what) in _LAYOUT.items():
+        if getattr(module, flag, want) != want:
+            return f"{what} ({flag}={not want}) are not in the grouped-expert kernel"
+    gated = getattr(module, "has_gate", True)
+    up = getattr(module, "gate_up_proj" if gated else "up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if (
+        not isinstance(up, torch.Tensor)
+        or not isinstance(down, torch.Tensor)
+        or up.dim() != 3
+        or down.dim() != 3
+    ):
+        return "no 3-D gate_up_proj / up_proj and down_proj weights"
+    if gated and getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return f"{type(module).__name__} has its own gate (_apply_gate), not act(gate) * up"
+    if experts_activation(getattr(module, "act_fn", None)) is None:
+        act = type(getattr(module, "act_fn", None)).__name__
+        return f"activation {act} is not one of the kernel's (silu, gelu, gelu_tanh, relu)"
+    return None
+
+
+def experts_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers experts implementation `kernelize`: the grouped-expert kernel, or the model's previous
+    implementation with the reason noted."""
+    from kernelize.experts import ExpertsUnsupported, grouped_experts
+
+    reason = experts_blocker(module)
+    if (
+        reason is None
+        and torch.is_grad_enabled()
+        and (hidden_states.requires_grad or any(p.requires_grad for p in module.parameters(recurse=False)))
+    ):
+        reason = "the call needs gradients; the grouped-expert kernel has no backward"
+    if reason is None:
+        gated = getattr(module, "has_gate", True)
+        up = module.gate_up_proj if gated else module.up_proj
+        act = experts_activation(module.act_fn)
+        try:
+            return grouped_experts(
+                hidden_states, top_k_index, top_k_weights, up, module.down_proj, act, gated, owner=module
+            )
+        except ExpertsUnsupported as exc:
+            reason = f"the experts kernel declined the call: {exc}"
+    fallback = _FALLBACK.get(module, "grouped_mm")
+    note_fallback(module, reason, f"{fallback} experts")
+    return fallback_forward(module, fallback)(module, hidden_states, top_k_index, top_k_weights)
+
+
+def fallback_forward(module: torch.nn.Module, implementation: str):
+    """The forward of experts implementation `implementation` for this module (`eager`: its own)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    own = getattr(type(module).forward, "__wrapped__", type(module).forward)
+    if implementation == EXPERTS_NAME:
+        return own
+    return ALL_EXPERTS_FUNCTIONS.get(implementation, own)
+
+
+def set_fallback(module: torch.nn.Module, implementation: str) -> None:
+    """Remember the implementation `module` runs when the kernel cannot (the model's before the switch)."""
+    _FALLBACK[module] = implementation
+
+
+EXPERTS_LAYER = "Experts"  # the layer name `inspect` lists the experts modules under
+
+
+def keep_experts(module: torch.nn.Module, reason: str) -> None:
+    """Record that `module` runs its previous implementation after all (the whole model's output differed)."""
+    choice = recorded_choice(module)
+    if choice is not None and choice.uses_kernel:
+        record_choice(module, dataclasses.replace(choice, fallback=FallbackReason.VERIFY, reason=reason))
+
+
+def experts_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """path -> module, for each experts module decorated with transformers' `use_experts_implementation`."""
+    return {
+        path: m
+        for path, m in model.named_modules()
+        if hasattr(type(m), "_apply_gate") and hasattr(m, "is_concatenated") and hasattr(m, "has_gate")
+    }
+
+
+def use_experts_function(model: torch.nn.Module, mode: Mode, device: Any = None) -> tuple[str, str | None]:
+    """Switch `model` to the `kernelize` experts implementation where its experts modules allow it, recording
+    each module's outcome for `kernelize.inspect`. Returns (what happened, the implementation before the
+    switch or None when nothing was switched)."""
+
+    found = experts_modules(model)
+    if not found:
+        return "no experts modules", None
+    previous = getattr(getattr(model, "config", None), "_experts_implementation", None) or "grouped_mm"
+    setter = getattr(model, "set_experts_implementation", None)
+    why = None if setter is not None else "not a transformers PreTrainedModel"
+    if mode & (Mode.TRAINING | Mode.TORCH_COMPILE):
+        why = f"the grouped-expert kernel has no backward and is not traceable: {mode} keeps `{previous}`"
+    if device is None:
+        device = next((p.device.type for p in model.parameters()), None)
+    served = 0
+    for path, module in found.items():
+        blocker = why or experts_blocker(module)
+        record_choice(
+            module,
+            KernelChoice(
+                path,
+                EXPERTS_LAYER,
+                type(module).__qualname__,
+                None if device is None else str(device),
+                mode,
+                kernel_layer=None if blocker else f"{__name__}.experts_forward",
+                fallback=FallbackReason.CONDITION if blocker else None,
+                reason=blocker or "",
+            ),
+        )
+        set_fallback(module, previous)
+        served += blocker is None
+    if not served:
+        return (
+            f"experts implementation unchanged (`{previous}`): {why or 'no experts module fits the kernel'}",
+            None,
+        )
+    register_experts()
+    try:
+        setter(EXPERTS_NAME)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        return f"experts implementation unchanged: {exc}", None
+    return f"experts implementation set to `{EXPERTS_NAME}` ({served} of {len(found)} modules)", previous
