@@ -164,6 +164,18 @@ def test_align_pairs_sorts_and_pads_each_expert_to_whole_blocks():
     assert sorted(seen) == [p for p in range(pairs) if int(flat[p]) < e]
 
 
+def test_backends_render_experts_through_their_tables():
+    from kernelize.codegen.cuda import CudaBackend
+    from kernelize.codegen.cuda_experts import render_experts as cuda_render
+    from kernelize.codegen.triton_experts import render_experts as triton_render
+
+    kernel = _kernel(40, 24, 5, 2, DType.BF16, "gelu_tanh", False)
+    assert TritonBackend().render(kernel) == triton_render(kernel)
+    assert "def k0_up(" in triton_render(kernel) and "def k0_down(" in triton_render(kernel)
+    assert CudaBackend(arch="sm_80").render(kernel) == cuda_render(kernel)[0]
+    assert "kz_gelu_tanh(v)" in cuda_render(kernel)[0]
+
+
 def test_triton_lowers_to_ptx_and_cubin_for_sm80_and_sm90():
     from kernelize.codegen.triton_aot import compile_experts_ahead
 
