@@ -13,6 +13,9 @@ Each :class:`~kernelize.autokernel.kernels.Kernel` kind has a template with ``$N
   is simply part of the body, so it is fused for free.
 * ``ATTENTION`` -> ``cuda_attention.cu`` (:mod:`.cuda_attention`): a warp per query row with an online
   softmax over 32-key steps; decode shapes split the keys and combine the partials.
+* ``EXPERTS`` -> ``cuda_experts.cu`` (:mod:`.cuda_experts`): the pairs sorted by expert and padded to
+  32-row blocks (torch on the device), two shared-memory tiled grouped GEMMs (gate|up -> act * up, then
+  down with the routing weight in the epilogue) and a sum over K.
 * ``MATMUL`` -> ``cuda_matmul.cu``: a 64x64 shared-memory tiled matmul with the elementwise epilogue
   (bias, activation) applied to the accumulator before the one store.
 
@@ -39,6 +42,7 @@ import torch
 from kernelize.autokernel.kernels import (
     AttentionKernel,
     Compute,
+    ExpertsKernel,
     Kernel,
     Load,
     LoopKernel,
@@ -450,6 +454,12 @@ def _render_attention(kernel: AttentionKernel) -> str:
     return render_attention(kernel)[0]
 
 
+def _render_experts(kernel: ExpertsKernel) -> str:
+    from kernelize.codegen.cuda_experts import render_experts
+
+    return render_experts(kernel)[0]
+
+
 class CudaBackend(Backend):
     """Backend ``"cuda"``: CUDA C compiled with NVRTC for one architecture, launched on torch's stream.
 
@@ -476,7 +486,11 @@ class CudaBackend(Backend):
     def render(self, kernel: Kernel) -> str:
         """The CUDA C source of ``kernel`` (for ``kernelize inspect --kernels --backend cuda``)."""
         return dispatch(
-            {AttentionKernel: _render_attention, Kernel: lambda k: render(k).source},
+            {
+                AttentionKernel: _render_attention,
+                ExpertsKernel: _render_experts,
+                Kernel: lambda k: render(k).source,
+            },
             kernel,
             "the cuda backend",
         )(kernel)
@@ -491,6 +505,7 @@ class CudaBackend(Backend):
         rows) around the tiled kernel (see :mod:`kernelize.codegen.few_rows`)."""
         compile_kind = {
             AttentionKernel: self._compile_attention,
+            ExpertsKernel: self._compile_experts,
             MatmulKernel: self._compile_matmul,
             LoopKernel: self._compile,
         }
@@ -500,6 +515,11 @@ class CudaBackend(Backend):
         from kernelize.codegen.cuda_attention import compile_attention
 
         return compile_attention(kernel, self.arch)
+
+    def _compile_experts(self, kernel: ExpertsKernel) -> CompiledKernel:
+        from kernelize.codegen.cuda_experts import compile_experts
+
+        return compile_experts(kernel, self.arch)
 
     def _compile_matmul(self, kernel: MatmulKernel) -> CompiledKernel:
         from kernelize.codegen.few_rows import compile_few_rows, few_rows_apply

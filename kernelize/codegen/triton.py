@@ -12,6 +12,8 @@ Kernel shapes:
 * ROW: one row per program. While the row fits one block (up to 64K elements) it is loaded once and
   reduced in registers; beyond that, or for a symbolic row size, the loop form walks the row in blocks
   (online max/sum for softmax, running sums for norms), recomputing loads rather than staging them.
+* EXPERTS (:mod:`.triton_experts`): vLLM's fused-MoE layout, two grouped GEMMs over the pairs sorted by
+  expert (gate|up -> act * up, then down with the routing weight in the epilogue) and a sum over K.
 * MATMUL: ``BM x BN`` tiles with an f32 accumulator over ``BK`` steps, then the elementwise epilogue.
   A MATMUL kernel over weights also compiles a few-row form, taken for up to ``FEW_ROWS`` rows: a
   ``SPLITK`` kernel per matmul (every row in one tile, a grid of column tiles x K slices so one row still
@@ -38,6 +40,7 @@ import torch
 from kernelize.autokernel.kernels import (
     AttentionKernel,
     Compute,
+    ExpertsKernel,
     Kernel,
     Load,
     LoopKernel,
@@ -303,12 +306,19 @@ def _render_attention(kernel: AttentionKernel) -> str:
     return render_attention(kernel)
 
 
+def _render_experts(kernel: ExpertsKernel) -> str:
+    from kernelize.codegen.triton_experts import render_experts
+
+    return render_experts(kernel)
+
+
 RENDER: dict[type, Callable[[Kernel], str]] = {
     PointwiseKernel: lambda k: KernelSource(k).pointwise(),
     RowKernel: lambda k: KernelSource(k).row(),
     MatmulKernel: lambda k: KernelSource(k).matmul(),
     SplitKKernel: lambda k: KernelSource(k).splitk(),
     AttentionKernel: _render_attention,
+    ExpertsKernel: _render_experts,
 }
 
 
@@ -407,6 +417,7 @@ class TritonBackend(Backend):
     def compile(self, kernel: Kernel) -> CompiledKernel:
         compile_kind = {
             AttentionKernel: self._compile_attention,
+            ExpertsKernel: self._compile_experts,
             MatmulKernel: self._compile_matmul,
             LoopKernel: self._compile,
         }
@@ -416,6 +427,11 @@ class TritonBackend(Backend):
         from kernelize.codegen.triton_attention import compile_attention
 
         return compile_attention(kernel, interpreting())
+
+    def _compile_experts(self, kernel: ExpertsKernel) -> CompiledKernel:
+        from kernelize.codegen.triton_experts import compile_experts
+
+        return compile_experts(kernel, interpreting())
 
     def _compile(self, kernel: Kernel) -> CompiledKernel:
         source = render(kernel)

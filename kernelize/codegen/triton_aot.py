@@ -166,4 +166,21 @@ def compile_attention_ahead(kernel: Kernel, archs: Sequence[int] = (80, 90), nsp
     return [{**r, "name": j["name"], "arch": j["arch"]} for j, r in zip(jobs, run_jobs(jobs))]
 
 
-__all__ = ["compile_ahead", "compile_ahead_many", "compile_attention_ahead", "run_jobs"]
+def compile_experts_ahead(kernel: Kernel, archs: Sequence[int] = (80, 90), bm: int = 16) -> list[dict]:
+    """PTX and cubin of an ``EXPERTS`` kernel's two grouped GEMMs (``<name>_up``, ``<name>_down``) at ``BM =
+    bm`` rows per block, one result per (function, arch) in the order of
+    :func:`kernelize.codegen.triton_experts.aot_jobs`."""
+    from kernelize.codegen.triton_experts import aot_jobs, render_experts
+
+    path = module_file(render_experts(kernel), kernel.name)  # checked folder, exact content
+    jobs = [j for arch in archs for j in aot_jobs(kernel, arch, str(path), bm)]
+    return [{**r, "name": j["name"], "arch": j["arch"]} for j, r in zip(jobs, run_jobs(jobs))]
+
+
+__all__ = [
+    "compile_ahead",
+    "compile_ahead_many",
+    "compile_attention_ahead",
+    "compile_experts_ahead",
+    "run_jobs",
+]

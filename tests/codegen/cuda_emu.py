@@ -135,6 +135,49 @@ def emulate_attention(
         raise RuntimeError(f"emulated {name}: {err.value.decode()}")
 
 
+def emulate_experts(kernel: Kernel, reads: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Run an EXPERTS kernel's generated CUDA C (both grouped GEMMs) on CPU tensors, with the launcher's
+    sort / pad and K-sum (:mod:`kernelize.codegen.cuda_experts`)."""
+    from kernelize.codegen.cuda_experts import THREADS, finish, launch_args, render_experts
+
+    source, name = render_experts(kernel)
+    if reads[1].numel() == 0:
+        return
+    call = launch_args(kernel, reads)
+    up_casts = ["(const kz_t*)", "(const kz_t*)", "(float*)", "(const int*)", "(const int*)"]
+    down_casts = [
+        "(const float*)",
+        "(const kz_t*)",
+        "(const kz_tw*)",
+        "(float*)",
+        "(const int*)",
+        "(const int*)",
+    ]
+
+    def spell(fn: str, casts: list[str], n_ints: int) -> str:
+        ptrs = [f"{c}p[{i}]" for i, c in enumerate(casts)]
+        return f"{fn}({', '.join(ptrs + [f'n[{i}]' for i in range(n_ints)])});"
+
+    tramp = (
+        '\nextern "C" int kz_emu_experts(int which, void** p, const int64_t* n, unsigned gx, unsigned gy,'
+        " char* err) {\n"
+        f"  int rc = which == 0 ? kz_emu::launch(dim3{{gx, gy, 1}}, dim3{{{THREADS}, 1, 1}}, [&] {{ "
+        f"{spell(f'{name}_up', up_casts, len(call.up[1]))} }})\n"
+        f"    : kz_emu::launch(dim3{{gx, gy, 1}}, dim3{{{THREADS}, 1, 1}}, [&] {{ "
+        f"{spell(f'{name}_down', down_casts, len(call.down[1]))} }});\n"
+        "  if (rc) std::strcpy(err, kz_emu::error);\n  return rc;\n}\n"
+    )
+    lib = _build_text(load_template("cuda_host_emu.h") + "\n" + source + tramp, name)
+    for which, (ptrs, ints, grid) in enumerate((call.up, call.down)):
+        argv = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        nums = (ctypes.c_int64 * len(ints))(*ints)
+        err = ctypes.create_string_buffer(256)
+        rc = lib.kz_emu_experts(which, argv, nums, ctypes.c_uint(grid[0]), ctypes.c_uint(grid[1]), err)
+        if rc:
+            raise RuntimeError(f"emulated {name}: {err.value.decode()}")
+    finish(call, out)
+
+
 # -- a small lowering for tests: graphs of layout + elementwise ops -> one POINTWISE kernel ----------------
 
 

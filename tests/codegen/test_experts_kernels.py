@@ -1,0 +1,223 @@
+"""The grouped-expert kernels (``Op.EXPERTS``) of every backend against ``reference_experts``: Triton
+under the interpreter and lowered to PTX / cubin for sm_80 and sm_90, CUDA C through the host emulation
+and NVRTC cubins for sm_80 and sm_90, the CPU kernel on both of its paths (few pairs: the generated
+kernel; more: library GEMMs per expert), and ``grouped_experts`` on a real GPU. Sizes stay small and
+awkward (the interpreter and the emulation are slow); some routed slots hold the sentinel expert E.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernelize.autokernel.kernels import ExpertsKernel
+from kernelize.autokernel.plan import plan
+from kernelize.codegen.cpu_experts import FEW_PAIRS
+from kernelize.codegen.experts_align import align_pairs, max_blocks
+from kernelize.codegen.triton import TritonBackend
+from kernelize.experts import grouped_experts
+from kernelize.ir.dtypes import DType
+from kernelize.ir.experts import reference_experts
+from kernelize.ir.graph import Graph
+
+TOL = {DType.F32: 1e-4, DType.F16: 4e-3, DType.BF16: 2e-2}
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="host emulation needs g++")
+
+
+def _kernel(h, i, e, k, dtype, act="silu", gated=True, index=DType.I64) -> ExpertsKernel:
+    g = Graph()
+    x = g.input("x", ("tokens", h), dtype)
+    idx = g.input("index", ("tokens", k), index)
+    w = g.input("weights", ("tokens", k), DType.F32)
+    up = g.input("up", (e, 2 * i if gated else i, h), dtype)
+    down = g.input("down", (e, h, i), dtype)
+    g.output(g.experts(x, idx, w, up, down, act=act, gated=gated))
+    (kernel,) = plan(g).kernels
+    assert isinstance(kernel, ExpertsKernel)
+    return kernel
+
+
+def _inputs(kernel: ExpertsKernel, t: int, seed: int = 0, views: bool = False) -> list[torch.Tensor]:
+    """x, index (distinct experts per token, some slots the sentinel E), weights, up, down; ``views``: x,
+    weights and up as strided views (x and up transposed in memory, weights a column slice)."""
+    gen = torch.Generator().manual_seed(seed)
+    x_n, idx_n, _, up_n, down_n = kernel.node.src
+    (h,), (k,), (e, n, _), i = x_n.shape[1:], idx_n.shape[1:], up_n.shape, down_n.shape[2]
+    dt = kernel.node.dtype.torch
+    index = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    sentinel = torch.rand(t, k, generator=gen) < 0.2
+    sentinel[-1, -1], sentinel[0, 0] = t * k > 1, False  # a sentinel slot where there are two; a real pair
+    index = index.masked_fill(sentinel, e).to(idx_n.dtype.torch)
+    weights = torch.rand(t, k + 1, generator=gen)[:, 1:] if views else torch.rand(t, k, generator=gen)
+    if views:
+        x = torch.randn(h, t, generator=gen).to(dt).T
+        up = (torch.randn(e, h, n, generator=gen) / h**0.5).to(dt).transpose(1, 2)
+    else:
+        x = torch.randn(t, h, generator=gen).to(dt)
+        up = (torch.randn(e, n, h, generator=gen) / h**0.5).to(dt)
+    down = (torch.randn(e, h, i, generator=gen) / i**0.5).to(dt)
+    return [x, index, weights, up, down]
+
+
+def _check(kernel: ExpertsKernel, out: torch.Tensor, ins) -> None:
+    ref = reference_experts(*ins, kernel.node.arg)
+    assert ref.abs().max() > 0.1  # the inputs route real pairs: a kernel writing zeros fails
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= TOL[kernel.node.dtype] * max(1.0, ref.float().abs().max().item()), err
+
+
+# (tokens, hidden, intermediate, experts, K, dtype, activation, gated)
+CASES = [
+    (1, 40, 24, 5, 1, DType.F32, "silu", True),
+    (7, 64, 72, 8, 2, DType.BF16, "gelu", True),
+    (33, 40, 72, 5, 3, DType.F32, "gelu_tanh", False),
+    (7, 40, 24, 8, 3, DType.F16, "relu", True),
+    (33, 64, 24, 8, 2, DType.BF16, "silu", False),
+    (1, 64, 72, 8, 2, DType.F32, "relu", False),
+]
+IDS = [f"t{c[0]}-h{c[1]}-i{c[2]}-e{c[3]}-k{c[4]}-{c[5]}-{c[6]}{'' if c[7] else '-ungated'}" for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_triton_interpreter_matches_reference(case):
+    t, h, i, e, k, dtype, act, gated = case
+    kernel = _kernel(h, i, e, k, dtype, act, gated)
+    ins = _inputs(kernel, t, views=t == 7)
+    out = torch.empty(t, h, dtype=dtype.torch)
+    TritonBackend().compile(kernel).launch(ins, [out], {"tokens": t})
+    _check(kernel, out, ins)
+
+
+def test_triton_many_pairs_per_expert_take_64_row_blocks():
+    from kernelize.codegen.triton_experts import block_m
+
+    assert (block_m(2, 8), block_m(60, 2), block_m(330, 5)) == (16, 32, 64)
+    kernel = _kernel(40, 24, 5, 2, DType.F32, "silu", True, index=DType.I32)
+    ins = _inputs(kernel, 165, seed=3)
+    out = torch.empty(165, 40)
+    TritonBackend().compile(kernel).launch(ins, [out], {"tokens": 165})
+    _check(kernel, out, ins)
+
+
+def test_grouped_experts_runs_the_triton_backend_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("KERNELIZE_HUB_BACKEND", "triton")
+    kernel = _kernel(64, 24, 8, 2, DType.F32, "gelu", True)
+    ins = _inputs(kernel, 7, seed=1)
+    _check(kernel, grouped_experts(*ins, act="gelu"), ins)
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_cuda_emulated_matches_reference(case):
+    from cuda_emu import emulate_experts
+
+    t, h, i, e, k, dtype, act, gated = case
+    kernel = _kernel(h, i, e, k, dtype, act, gated)
+    ins = _inputs(kernel, t, views=t == 7)
+    out = torch.full((t, h), float("nan"), dtype=dtype.torch)
+    emulate_experts(kernel, ins, out)
+    _check(kernel, out, ins)
+
+
+@pytest.mark.parametrize("t", [1, 7, FEW_PAIRS // 2 + 1])
+@pytest.mark.parametrize("dtype,act,gated", [(DType.F32, "silu", True), (DType.BF16, "gelu_tanh", False)])
+def test_cpu_backend_both_paths_match_reference(t, dtype, act, gated):
+    kernel = _kernel(40, 72, 5, 2, dtype, act, gated)
+    ins = _inputs(kernel, t, seed=t, views=t == 7)
+    assert (ins[1].numel() > FEW_PAIRS) == (t > FEW_PAIRS // 2)  # the last size takes the library path
+    _check(kernel, grouped_experts(*ins, act=act, gated=gated), ins)
+
+
+@pytest.mark.parametrize("t", [1, FEW_PAIRS])
+@pytest.mark.parametrize("bad", [-1, 6])
+def test_cpu_index_outside_the_experts_is_a_value_error(t, bad):
+    kernel = _kernel(40, 24, 5, 2, DType.F32)
+    ins = _inputs(kernel, t)
+    ins[1][t // 2, 0] = bad
+    with pytest.raises(ValueError, match="expert index outside"):
+        grouped_experts(*ins)
+
+
+def test_align_pairs_sorts_and_pads_each_expert_to_whole_blocks():
+    gen = torch.Generator().manual_seed(0)
+    e, k, bm = 6, 3, 4
+    index = torch.randint(0, e + 1, (11, k), generator=gen)
+    index[3] = torch.tensor([-2, e + 1, 0])  # out of range: the device assert (raised here, on the CPU)
+    with pytest.raises(RuntimeError, match="expert index outside"):
+        align_pairs(index, e, bm)
+    index[3] = torch.tensor([e, 2, 0])
+    al = align_pairs(index, e, bm)
+    pairs = index.numel()
+    assert al.blocks == max_blocks(pairs, e, bm) and al.sorted_pair_ids.numel() == al.blocks * bm
+    ids, bexp = al.sorted_pair_ids.view(al.blocks, bm), al.block_expert_ids
+    flat = index.reshape(-1)
+    seen = []
+    for b in range(al.blocks):
+        rows = [int(p) for p in ids[b] if p < pairs]
+        if int(bexp[b]) == e:  # a block without work holds no pair
+            assert not rows
+            continue
+        assert rows and all(int(flat[p]) == int(bexp[b]) for p in rows)
+        seen += rows
+    assert bexp.tolist() == sorted(bexp.tolist())  # experts in order, the idle blocks last
+    assert sorted(seen) == [p for p in range(pairs) if int(flat[p]) < e]
+
+
+def test_backends_render_experts_through_their_tables():
+    from kernelize.codegen.cuda import CudaBackend
+    from kernelize.codegen.cuda_experts import render_experts as cuda_render
+    from kernelize.codegen.triton_experts import render_experts as triton_render
+
+    kernel = _kernel(40, 24, 5, 2, DType.BF16, "gelu_tanh", False)
+    assert TritonBackend().render(kernel) == triton_render(kernel)
+    assert "def k0_up(" in triton_render(kernel) and "def k0_down(" in triton_render(kernel)
+    assert CudaBackend(arch="sm_80").render(kernel) == cuda_render(kernel)[0]
+    assert "kz_gelu_tanh(v)" in cuda_render(kernel)[0]
+
+
+def test_triton_lowers_to_ptx_and_cubin_for_sm80_and_sm90():
+    from kernelize.codegen.triton_aot import compile_experts_ahead
+
+    kernel = _kernel(64, 72, 8, 2, DType.BF16, "gelu", True)
+    results = compile_experts_ahead(kernel, (80, 90), bm=16)
+    assert [(r["name"], r["arch"]) for r in results] == [
+        ("k0_up", 80),
+        ("k0_down", 80),
+        ("k0_up", 90),
+        ("k0_down", 90),
+    ]
+    for r in results:
+        assert r["cubin"][:4] == b"\x7fELF" and f".target sm_{r['arch']}" in r["ptx"]
+        assert "mma" in r["ptx"]  # both grouped GEMMs run on tensor cores
+
+
+def test_cuda_nvrtc_cubins_for_sm80_and_sm90(tmp_path, monkeypatch):
+    nvrtc = pytest.importorskip("kernelize.codegen.nvrtc")
+    pytest.importorskip("cuda.bindings.nvrtc", reason="the cuda backend needs cuda-python")
+    from kernelize.codegen.cuda_experts import render_experts
+
+    monkeypatch.setenv("KERNELIZE_CACHE_DIR", str(tmp_path))
+    for dtype, act, gated in (
+        (DType.F32, "silu", True),
+        (DType.BF16, "gelu", False),
+        (DType.F16, "relu", True),
+    ):
+        source, name = render_experts(_kernel(64, 72, 8, 2, dtype, act, gated))
+        for arch in ("sm_80", "sm_90"):
+            cubin = nvrtc.compile_cubin(source, name, arch, cache=False)
+            assert cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+def test_gpu_grouped_experts_match_reference(backend, dtype, monkeypatch):
+    monkeypatch.setenv("KERNELIZE_CUDA_BACKEND", backend)
+    kernel = _kernel(256, 176, 16, 4, dtype, "silu", True)
+    for t in (1, 7, 300):  # decode (16-row blocks), a short and a long prompt
+        ins = [a.cuda() for a in _inputs(kernel, t, seed=t, views=t == 7)]
+        _check(kernel, grouped_experts(*ins), ins)
