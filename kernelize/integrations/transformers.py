@@ -735,6 +735,14 @@ def _verify(
     # a module inside a verified kernel forward (a decoder layer's fused norm) need not run on its own
     unjudged = {p: m for p, m in targets.items() if not any(r == p or p.startswith(f"{r}.") for r in ran)}
     _note_all(unjudged, "not verified: the probe did not call it")
+    return _whole_output(model, call, want, attention, experts)
+
+
+def _whole_output(
+    model: nn.Module, call: Callable[[], Any], want: Any, attention: str | None, experts: str | None
+) -> str:
+    """Compare the model's output with `want`; on a difference take back, in turn, the experts
+    implementation, the attention implementation, then every kernel forward, until it is the same."""
     why = difference(_model_output(model, call), want, "the model's output")
     if why and experts is not None:
         model.set_experts_implementation(experts)
