@@ -94,3 +94,24 @@ def test_one_template_per_format() -> None:
     for fmt in FORMATS:
         src = kernels.source(fmt)
         assert f"typedef kz_{fmt} kz_fmt;" in src
+
+
+def test_portable_fallback_agrees() -> None:
+    """The scalar code under `#else` (no AVX2), built here by defining KZ_QUANT_PORTABLE."""
+    import ctypes
+
+    from kernelize.codegen import cpu_build
+
+    w, x = torch.randn(9, 96), torch.randn(3, 96)
+    for fmt in ("q4_0", "int8"):
+        src = "#define KZ_QUANT_PORTABLE\n" + kernels.source(fmt)
+        lib = cpu_build.load(cpu_build.build_shared_object(src, f"kz_quant_{fmt}_portable"))
+        fn = getattr(lib, f"kz_quant_{fmt}_f32_f32")
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [
+            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+        p = quantize(w, fmt)
+        scales = None if p.scales is None else p.scales.data_ptr()
+        a, b = torch.empty(3, 9), torch.empty(3, 9)
+        fn(x.data_ptr(), 3, 96, p.data.data_ptr(), scales, 9, None, a.data_ptr(), 1)
+        kernels.gemv(x, p, None, b)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)

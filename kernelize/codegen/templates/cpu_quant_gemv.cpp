@@ -10,6 +10,12 @@ $PRELUDE$
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+// KZ_QUANT_PORTABLE: the scalar code even where AVX2 is there (tests build it to check the fallback)
+#if defined(__AVX2__) && !defined(KZ_QUANT_PORTABLE)
+#define KZ_QAVX2 1
+#else
+#define KZ_QAVX2 0
+#endif
 
 #define KZ_QK 32
 KZ_INLINE float kz_h2f(const uint8_t* p) {  // an unaligned f16 scale
@@ -31,7 +37,7 @@ struct kz_q8_0 {
     static constexpr int OFFSET = 0;
     KZ_INLINE float scale(const uint8_t* b) { return kz_h2f(b); }
     KZ_INLINE void values(const uint8_t* b, int8_t* q) { memcpy(q, b + 2, KZ_QK); }
-#if defined(__AVX2__)
+#if KZ_QAVX2
     KZ_INLINE __m256i load(const uint8_t* b) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
 #endif
 };
@@ -45,7 +51,7 @@ struct kz_q4_0 {
             q[i + KZ_QK / 2] = (int8_t)((b[2 + i] >> 4) - 8);
         }
     }
-#if defined(__AVX2__)
+#if KZ_QAVX2
     KZ_INLINE __m256i load(const uint8_t* b) {  // low nibbles are elements 0..15, high nibbles 16..31
         const __m128i raw = _mm_loadu_si128((const __m128i*)(b + 2));
         const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
@@ -58,7 +64,7 @@ struct kz_int8 {  // per-row scales: a "block" is 32 int8 values and its scale i
     static constexpr int OFFSET = 0;
     KZ_INLINE float scale(const uint8_t*) { return 1.0f; }
     KZ_INLINE void values(const uint8_t* b, int8_t* q) { memcpy(q, b, KZ_QK); }
-#if defined(__AVX2__)
+#if KZ_QAVX2
     KZ_INLINE __m256i load(const uint8_t* b) { return _mm256_loadu_si256((const __m256i*)b); }
 #endif
 };
@@ -82,7 +88,7 @@ static void kz_quantize_rows(const XT* x, int64_t m, int64_t k, int8_t* xq, floa
 }
 
 // ---- MB rows of x against NB weight rows (w[j]: row j's first block), over all nb blocks -----------------
-#if defined(__AVX2__)
+#if KZ_QAVX2
 KZ_INLINE float kz_hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
