@@ -1,0 +1,159 @@
+"""``QuantizedLinear``: an ``nn.Linear`` whose weight stays packed, and ``quantize_model`` to swap them in.
+
+The module holds the packed bytes as a uint8 buffer (``qweight``), int8's row scales (``qscales``, empty
+for the GGUF formats) and the format's name as extra state, so ``state_dict()`` / ``load_state_dict()``
+round-trip through a fresh module of any format and shape. The float weight is not kept.
+
+Example:
+    >>> import torch
+    >>> q = QuantizedLinear.from_linear(torch.nn.Linear(64, 16), "q4_0")
+    >>> q.qweight.shape, q.format
+    (torch.Size([16, 36]), 'q4_0')
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernelize.quant.formats import PackedWeight, get_format, quantize
+from kernelize.quant.ops import linear
+
+logger = logging.getLogger(__name__)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` packed (:mod:`kernelize.quant.formats`); forward is
+    :func:`kernelize.quant.ops.linear` (CPU, float32 / bfloat16 inputs, output in the input's dtype).
+
+    Example:
+        >>> q = QuantizedLinear(32, 4, "q8_0")
+        >>> sorted(q.state_dict())
+        ['_extra_state', 'bias', 'qscales', 'qweight']
+    """
+
+    def __init__(self, in_features: int, out_features: int, fmt: str = "q8_0", bias: bool = True) -> None:
+        super().__init__()
+        f = get_format(fmt)
+        if in_features % f.block_size:
+            raise ValueError(
+                f"QuantizedLinear: in_features = {in_features} is not a multiple of {f.name}'s block of "
+                f"{f.block_size}; pad the layer or leave it unquantized"
+            )
+        self.in_features, self.out_features, self.format = in_features, out_features, f.name
+        self.register_buffer(
+            "qweight", torch.zeros(out_features, f.row_bytes(in_features), dtype=torch.uint8)
+        )
+        rows = out_features if f.scale_per == "row" else 0
+        self.register_buffer("qscales", torch.zeros(rows, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, fmt: str = "q8_0") -> QuantizedLinear:
+        """``lin`` quantized to ``fmt`` (its bias kept as f32); ``lin`` itself is left as it was."""
+        q = cls(lin.in_features, lin.out_features, fmt, bias=lin.bias is not None)
+        q.set_packed(quantize(lin.weight.detach(), fmt))
+        if lin.bias is not None:
+            q.bias.data = lin.bias.detach().float().clone()
+        return q
+
+    def set_packed(self, packed: PackedWeight) -> None:
+        """Take ``packed``'s bytes and scales (its format and shape must be this module's)."""
+        assert packed.format.name == self.format and packed.shape == (self.out_features, self.in_features)
+        self.qweight = packed.data.contiguous()
+        self.qscales = packed.scales if packed.scales is not None else torch.zeros(0)
+
+    @property
+    def packed(self) -> PackedWeight:
+        """The weight as a :class:`PackedWeight` (a view of the buffers)."""
+        scales = self.qscales if self.qscales.numel() else None
+        return PackedWeight(
+            self.qweight, get_format(self.format), (self.out_features, self.in_features), scales
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.packed, self.bias)
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"format": self.format, "in_features": self.in_features, "out_features": self.out_features}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.format = get_format(state["format"]).name
+        self.in_features, self.out_features = state["in_features"], state["out_features"]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001
+        # a fresh module may have another format or shape: take the stored buffers' shapes first
+        for name in ("qweight", "qscales"):
+            src = state_dict.get(prefix + name)
+            if src is not None:
+                setattr(self, name, torch.empty_like(src))
+        bias = state_dict.get(prefix + "bias")
+        if bias is not None and self.bias is not None:
+            self.bias = nn.Parameter(torch.empty_like(bias, dtype=torch.float32), requires_grad=False)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+@dataclass
+class QuantizeSummary:
+    """What :func:`quantize_model` did: the layers replaced and skipped, and the weights' bytes before and
+    after (the float weights of the replaced layers against their packed bytes and scales)."""
+
+    replaced: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+
+def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()) -> QuantizeSummary:
+    """Replace every ``nn.Linear`` of ``model`` (in place; the LM head included) by a
+    :class:`QuantizedLinear` of format ``fmt``. Embeddings and other modules stay float.
+
+    Args:
+        model: the model (its linear layers on the CPU).
+        fmt: ``"q8_0"``, ``"q4_0"`` or ``"int8"``.
+        skip: qualified names (or their last component, e.g. ``"lm_head"``) of layers to leave as they are.
+
+    Returns:
+        A :class:`QuantizeSummary`; layers whose input size is not a multiple of 32 are skipped and named.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        >>> s = quantize_model(m, "q8_0")
+        >>> s.replaced, s.bytes_before, s.bytes_after
+        (['0', '2'], 18944, 5032)
+    """
+    f = get_format(fmt)
+    summary = QuantizeSummary()
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        if name in skip or name.rsplit(".", 1)[-1] in skip:
+            summary.skipped[name] = "skipped by name"
+            continue
+        if mod.in_features % f.block_size:
+            summary.skipped[name] = f"in_features {mod.in_features} is not a multiple of {f.block_size}"
+            continue
+        q = QuantizedLinear.from_linear(mod, f.name)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, q)
+        summary.replaced.append(name)
+        summary.bytes_before += mod.weight.numel() * mod.weight.element_size()
+        summary.bytes_after += q.packed.nbytes
+        logger.debug("quantize_model: %s -> QuantizedLinear(%s)", name, f.name)
+    logger.info(
+        "quantize_model: %d linear layers -> %s (%d skipped), weights %.1f MB -> %.1f MB",
+        len(summary.replaced), f.name, len(summary.skipped), summary.bytes_before / 1e6,
+        summary.bytes_after / 1e6,
+    )  # fmt: skip
+    return summary
+
+
+__all__ = ["QuantizeSummary", "QuantizedLinear", "quantize_model"]

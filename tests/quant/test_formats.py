@@ -1,0 +1,79 @@
+"""The packed formats: bit-exact against the gguf package (llama.cpp's reference), shapes and errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernelize.quant.formats import FORMATS, dequantize, quantize, roundf
+
+gguf = pytest.importorskip("gguf")
+GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+
+
+def _awkward_weight(n: int, k: int) -> torch.Tensor:
+    """Random values with the blocks that test the rounding: all zero, ties of the largest magnitude of
+    either sign, values just below .5 after scaling, huge and tiny scales."""
+    w = torch.randn(n, k) * 3
+    w[0, :32] = 0
+    if n > 1:
+        w[1, 5], w[1, 6] = 10.0, -10.0  # the first of equal magnitudes sets q4_0's sign
+        w[1, 40 % k] = -1e-30
+    if n > 2:
+        w[2, :32] = 0.49999997
+        w[2, -32:] = torch.linspace(-1e4, 1e4, 32)
+    return w
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("shape", [(1, 32), (7, 96), (33, 4096)])
+def test_bytes_and_values_match_gguf(fmt: str, shape: tuple[int, int]) -> None:
+    w = _awkward_weight(*shape)
+    p = quantize(w, fmt)
+    ref = gguf.quants.quantize(w.numpy(), GGUF[fmt])
+    assert p.data.dtype == torch.uint8 and tuple(p.data.shape) == ref.shape
+    assert np.array_equal(p.data.numpy(), ref)
+    values = gguf.quants.dequantize(ref, GGUF[fmt])
+    assert np.array_equal(dequantize(p).numpy().view(np.uint32), values.view(np.uint32))  # bit for bit
+
+
+def test_row_slices_and_bf16_input() -> None:
+    w = torch.randn(40, 64).bfloat16()
+    for fmt in FORMATS:
+        p = quantize(w, fmt)
+        assert torch.equal(dequantize(p, slice(8, 21)), dequantize(p)[8:21])
+    ref = gguf.quants.quantize(w.float().numpy(), GGUF["q4_0"])
+    assert np.array_equal(quantize(w, "q4_0").data.numpy(), ref)
+
+
+def test_int8_per_row() -> None:
+    w = torch.randn(5, 64)
+    w[3] = 0
+    p = quantize(w, "int8")
+    assert p.data.shape == (5, 64) and p.scales.shape == (5,) and p.scales[3] == 0
+    assert (p.data.view(torch.int8).abs().amax(1)[[0, 1, 2, 4]] == 127).all()
+    assert (dequantize(p) - w).abs().max() <= p.scales.max() / 2 * 1.0001
+    assert p.nbytes == 5 * 64 + 5 * 4
+
+
+def test_layouts() -> None:
+    assert FORMATS["q8_0"].bytes_per_block == 34 and FORMATS["q4_0"].bytes_per_block == 18
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 16] = -8.0, 7.0  # d = 1: element 0 -> q 0 (low nibble of byte 0), 16 -> 15 (its high)
+    p = quantize(w, "q4_0")
+    assert p.data[0, :2].view(torch.float16).item() == 1.0 and p.data[0, 2].item() == 0xF0
+
+
+def test_roundf_is_half_away_from_zero() -> None:
+    x = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 0.49999997, -0.49999997])
+    assert roundf(x).tolist() == [1.0, 2.0, 3.0, -1.0, -3.0, 0.0, -0.0]
+
+
+@pytest.mark.parametrize("shape", [(4, 33), (4, 0 + 48), (32,)])
+def test_errors_name_shape_and_remedy(shape: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match=r"quantize: .*shape") as e:
+        quantize(torch.randn(shape), "q8_0")
+    assert "multiple of" in str(e.value) or "reshape" in str(e.value)
+    with pytest.raises(ValueError, match="unknown quantized format 'q5_k'"):
+        quantize(torch.randn(4, 32), "q5_k")

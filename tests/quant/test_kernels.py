@@ -1,0 +1,117 @@
+"""The packed-weight kernels against references: the activation quantizer against the same scheme in
+torch, the few-row kernel against the exact product of the quantized operands, the panel dequantizer
+against formats.dequantize."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernelize.quant import kernels
+from kernelize.quant.formats import BLOCK, FORMATS, dequantize, quantize
+
+
+def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation scheme in torch: blocks of 32, d = max|x| / 127, round half to even."""
+    m, k = x.shape
+    b = x.float().reshape(m, k // BLOCK, BLOCK)
+    d = b.abs().amax(-1) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    return torch.round(b * inv[..., None]).to(torch.int8).reshape(m, k), d
+
+
+def _exact(x: torch.Tensor, p, bias=None) -> torch.Tensor:
+    """x @ W.T in f64 with x quantized as the kernel does: what the kernel computes up to f32 sums."""
+    q, d = _quantize_x(x)
+    m, k = x.shape
+    xq = (q.double().reshape(m, -1, BLOCK) * d.double()[..., None]).reshape(m, k)
+    y = xq @ dequantize(p).double().T
+    return y if bias is None else y + bias.double()
+
+
+def test_activation_quantizer_matches_torch() -> None:
+    x = torch.randn(3, 96) * 5
+    x[0, :32] = 0
+    x[1, 32:64] = torch.arange(32) - 15.5  # halves after scaling: ties go to even
+    q, d = kernels.quantize_activations(x)
+    rq, rd = _quantize_x(x)
+    assert torch.equal(q, rq) and torch.equal(d, rd)
+
+
+CASES = [(1, 1, 32), (1, 7, 96), (3, 33, 4096), (8, 33, 96), (2, 4097, 96), (5, 17, 4096), (7, 4, 32)]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("m,n,k", CASES)
+def test_gemv_matches_quantized_reference(fmt: str, m: int, n: int, k: int) -> None:
+    w, x, bias = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
+    p = quantize(w, fmt)
+    out = torch.empty(m, n)
+    kernels.gemv(x, p, bias, out)
+    ref = _exact(x, p, bias)
+    scale = (x.abs() @ dequantize(p).abs().T).double() + 1  # the size of the terms summed
+    assert ((out.double() - ref).abs() / scale).max() < 1e-5
+    loose = x @ dequantize(p).T + bias  # the float product: off by the activations' rounding only
+    assert ((out - loose).abs() / (scale.float())).max() < 2e-2
+
+
+@pytest.mark.parametrize("xt,ot", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                   (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_gemv_dtypes(xt: torch.dtype, ot: torch.dtype) -> None:
+    w, x = torch.randn(33, 96), torch.randn(4, 96).to(xt)
+    for fmt in FORMATS:
+        p = quantize(w, fmt)
+        out = torch.empty(4, 33, dtype=ot)
+        kernels.gemv(x, p, None, out)
+        ref = _exact(x.float(), p).to(ot)
+        torch.testing.assert_close(out, ref, rtol=1e-2 if ot == torch.bfloat16 else 1e-5, atol=1e-4)
+
+
+def test_gemv_zero_and_one_thread_agree() -> None:
+    w, x = torch.randn(300, 256), torch.randn(2, 256)
+    x[0] = 0
+    p = quantize(w, "q4_0")
+    a, b = torch.empty(2, 300), torch.empty(2, 300)
+    kernels.gemv(x, p, None, a)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kernels.gemv(x, p, None, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(a, b) and (a[0] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_dequantize_rows_is_exact(fmt: str) -> None:
+    p = quantize(torch.randn(37, 96), fmt)
+    scratch = torch.empty(16 * 96)
+    panel = kernels.dequantize_rows(p, 20, 36, scratch)
+    assert torch.equal(panel, dequantize(p)[20:36])
+
+
+def test_one_template_per_format() -> None:
+    for fmt in FORMATS:
+        src = kernels.source(fmt)
+        assert f"typedef kz_{fmt} kz_fmt;" in src
+
+
+def test_portable_fallback_agrees() -> None:
+    """The scalar code under `#else` (no AVX2), built here by defining KZ_QUANT_PORTABLE."""
+    import ctypes
+
+    from kernelize.codegen import cpu_build
+
+    w, x = torch.randn(9, 96), torch.randn(3, 96)
+    for fmt in ("q4_0", "int8"):
+        src = "#define KZ_QUANT_PORTABLE\n" + kernels.source(fmt)
+        lib = cpu_build.load(cpu_build.build_shared_object(src, f"kz_quant_{fmt}_portable"))
+        fn = getattr(lib, f"kz_quant_{fmt}_f32_f32")
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [
+            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+        p = quantize(w, fmt)
+        scales = None if p.scales is None else p.scales.data_ptr()
+        a, b = torch.empty(3, 9), torch.empty(3, 9)
+        fn(x.data_ptr(), 3, 96, p.data.data_ptr(), scales, 9, None, a.data_ptr(), 1)
+        kernels.gemv(x, p, None, b)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)

@@ -1,0 +1,56 @@
+"""QuantizedLinear and quantize_model: forward, state_dict round trip, the float weight freed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kernelize.quant.formats import FORMATS, dequantize, quantize
+from kernelize.quant.module import QuantizedLinear, quantize_model
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_from_linear_and_state_dict_round_trip(fmt: str) -> None:
+    lin = nn.Linear(96, 40)
+    q = QuantizedLinear.from_linear(lin, fmt)
+    assert not hasattr(q, "weight") and q.qweight.dtype == torch.uint8
+    x = torch.randn(3, 96)
+    p = quantize(lin.weight, fmt)
+    assert torch.equal(q.qweight, p.data)
+    torch.testing.assert_close(q(x), x @ dequantize(p).T + lin.bias, rtol=2e-2, atol=2e-2)
+    fresh = QuantizedLinear(32, 4, "q4_0" if fmt != "q4_0" else "q8_0")  # another format and shape
+    fresh.load_state_dict(q.state_dict())
+    assert (fresh.format, fresh.in_features, fresh.out_features) == (fmt, 96, 40)
+    assert torch.equal(fresh(x), q(x))
+    x9 = torch.randn(9, 96).bfloat16()  # prefill path, bf16
+    assert torch.equal(fresh(x9), q(x9)) and q(x9).dtype == torch.bfloat16
+
+
+def test_no_bias_and_torch_save(tmp_path) -> None:  # noqa: ANN001
+    q = QuantizedLinear.from_linear(nn.Linear(64, 8, bias=False), "int8")
+    assert q.bias is None and "bias" not in q.state_dict()
+    torch.save(q.state_dict(), tmp_path / "q.pt")
+    fresh = QuantizedLinear(64, 8, "int8", bias=False)
+    fresh.load_state_dict(torch.load(tmp_path / "q.pt"))
+    x = torch.randn(1, 64)
+    assert torch.equal(fresh(x), q(x))
+
+
+def test_quantize_model_replaces_every_linear() -> None:
+    model = nn.ModuleDict(
+        {"emb": nn.Embedding(10, 64), "body": nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 48)),
+         "odd": nn.Linear(40, 8), "lm_head": nn.Linear(64, 10)}
+    )  # fmt: skip
+    s = quantize_model(model, "q4_0", skip=("odd",))
+    assert s.replaced == ["body.0", "body.2", "lm_head"] and set(s.skipped) == {"odd"}
+    assert isinstance(model["lm_head"], QuantizedLinear) and isinstance(model["emb"], nn.Embedding)
+    assert s.bytes_before == 4 * (64 * 64 + 64 * 48 + 64 * 10)
+    assert s.bytes_after == 18 * (64 * 2 + 48 * 2 + 10 * 2)
+    s2 = quantize_model(nn.Sequential(nn.Linear(40, 8)), "q8_0")
+    assert s2.replaced == [] and "not a multiple of 32" in s2.skipped["0"]
+
+
+def test_constructor_error() -> None:
+    with pytest.raises(ValueError, match="in_features = 40 is not a multiple of q8_0's block of 32"):
+        QuantizedLinear(40, 8, "q8_0")
