@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kernelize.ir.ops import EXPERT_ACTIVATIONS
 from kernelize.layer.mode import Mode
 from kernelize.layer.record import FallbackReason, KernelChoice, record_choice, recorded_choice
 from kernelize.model_attention import note_fallback
@@ -110,7 +111,7 @@ def experts_blocker(module: torch.nn.Module) -> str | None:
         return f"{type(module).__name__} has its own gate (_apply_gate), not act(gate) * up"
     if experts_activation(getattr(module, "act_fn", None)) is None:
         act = type(getattr(module, "act_fn", None)).__name__
-        return f"activation {act} is not one of the kernel's (silu, gelu, gelu_tanh, relu)"
+        return f"activation {act} is not one of the kernel's {EXPERT_ACTIVATIONS}"
     return None
 
 

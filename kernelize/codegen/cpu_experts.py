@@ -38,6 +38,7 @@ C_ACTIVATIONS = {
     "gelu": "kz_gelu(v)",
     "gelu_tanh": "kz_gelu_tanh(v)",
     "relu": "v > 0.0f ? v : 0.0f",
+    "relu2": "v > 0.0f ? v * v : 0.0f",
 }
 INDEX_TYPES = {DType.I64: "int64_t", DType.I32: "int32_t", DType.I16: "int16_t", DType.U8: "uint8_t"}
 # Routed pairs up to which the generated kernel runs the call: its dot-product blocks read each weight

@@ -38,6 +38,7 @@ TRITON_ACTIVATIONS = {
     "gelu": "kz_gelu(v)",
     "gelu_tanh": "kz_gelu_tanh(v)",
     "relu": "tl.maximum(v, 0.0)",
+    "relu2": "tl.maximum(v, 0.0) * tl.maximum(v, 0.0)",
 }
 BN, NUM_WARPS = 64, 4
 BK = {DType.F32: 32, DType.F16: 64, DType.BF16: 64}  # reduction step: 16-bit tiles take twice the elements

@@ -168,7 +168,7 @@ class AttentionArgs:
 
 
 # activations of an EXPERTS op's MLPs (their formulas: kernelize.ir.experts.ACTIVATIONS)
-EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+EXPERT_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "relu2")
 
 
 @dataclass(frozen=True)

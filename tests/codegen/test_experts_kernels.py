@@ -76,7 +76,7 @@ CASES = [
     (33, 40, 72, 5, 3, DType.F32, "gelu_tanh", False),
     (7, 40, 24, 8, 3, DType.F16, "relu", True),
     (33, 64, 24, 8, 2, DType.BF16, "silu", False),
-    (1, 64, 72, 8, 2, DType.F32, "relu", False),
+    (1, 64, 72, 8, 2, DType.F32, "relu2", False),
 ]
 IDS = [f"t{c[0]}-h{c[1]}-i{c[2]}-e{c[3]}-k{c[4]}-{c[5]}-{c[6]}{'' if c[7] else '-ungated'}" for c in CASES]
 

@@ -104,7 +104,8 @@ def test_an_experts_kernel_that_changes_the_output_is_withdrawn(monkeypatch) -> 
         (torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
         (torch.nn.ReLU(), "relu"),
         (torch.nn.Tanh(), None),
-        (lambda x: torch.relu(x) ** 2, None),
+        (lambda x: torch.relu(x) ** 2, "relu2"),
+        (lambda x: torch.relu(x) ** 3, None),
     ],
 )
 def test_the_activation_is_recognised_by_its_values(act, name) -> None:
