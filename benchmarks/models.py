@@ -69,6 +69,13 @@ def sweep_one(model_type: str, class_name: str) -> dict:
     layers = decoder_layers(fast)
     served = [any(p == layer or p.startswith(f"{layer}.") for p in used) for layer in layers]
     eager_reasons = sorted({c.reason for c in choices.values() if not c.uses_kernel and c.reason})
+    experts = [c for c in choices.values() if c.layer_name == EXPERTS_LAYER]
+    if experts:  # MoE: the grouped-expert kernel, or the model's experts implementation with the reason
+        record["experts"] = {
+            "modules": len(experts),
+            "grouped_kernel": sum(c.uses_kernel for c in experts),
+            "reasons": sorted({c.reason for c in experts if not c.uses_kernel}),
+        }
     return record | {
         "status": "wrong" if not diff <= 1e-4 else "ok",
         "max_logit_diff": diff,
@@ -78,6 +85,21 @@ def sweep_one(model_type: str, class_name: str) -> dict:
         "eager_reasons": eager_reasons[:6],
         "seconds": round(time.perf_counter() - start, 2),
     }
+
+
+EXPERTS_LAYER = "Experts"  # kernelize.model_experts.EXPERTS_LAYER (imported lazily there)
+
+
+def experts_table(records: list[dict]) -> str:
+    """The MoE families: experts modules on the grouped-expert kernel, or why they keep their own."""
+    rows = ["| family | experts modules | grouped-expert kernel | kept their implementation because |"]
+    rows.append("|---|---|---|---|")
+    for r in records:
+        if "experts" in r:
+            e = r["experts"]
+            why = "; ".join(e["reasons"]) or "-"
+            rows.append(f"| {r['family']} | {e['modules']} | {e['grouped_kernel']} | {why} |")
+    return "\n".join(rows)
 
 
 def sweep(families: list[str] | None) -> list[dict]:
@@ -278,6 +300,15 @@ def docs_page(result: dict) -> str:
         "## Every family",
         "",
         sweep_table(records),
+        "",
+        "## Mixture-of-experts families",
+        "",
+        "Experts modules built on transformers' experts interface run the generated grouped-expert",
+        "kernel (`kernelize.model_experts`: the (token, slot) pairs sorted by expert, each selected",
+        "expert's MLP over its tokens, the weighted combine fused) unless their layout is one the kernel",
+        "lacks:",
+        "",
+        experts_table(records),
         "",
     ]
     if result.get("speed"):
