@@ -65,11 +65,16 @@ def grouped_experts(
         >>> torch.allclose(out[0], down[1] @ h, atol=1e-4)
         True
     """
-    _check(x, index, weights, up, down, act, gated)
+    # a signature seen before was checked then: per call, only what its key does not pin down
+    seen = _cheap_ok(x, index, weights, up, down)
+    built = _LAUNCHERS.get(_key(x, index, weights, up, down, act, gated)) if seen else None
+    if built is None:
+        _check(x, index, weights, up, down, act, gated)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, up, down)):
+        raise ExpertsUnsupported("the experts kernels have no backward; inputs require grad")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel():
-        args = ExpertsArgs(act, gated)
-        launch, record = _launcher(x, index, weights, up, down, args)
+        launch, record = built or _launcher(x, index, weights, up, down, ExpertsArgs(act, gated))
         if owner is not None:
             from kernelize.hub import note_kernels
 
@@ -119,21 +124,45 @@ _LAUNCHERS: dict[tuple, tuple] = {}
 _LOCK = threading.Lock()
 
 
-def _launcher(x, index, weights, up, down, args: ExpertsArgs):
+def _cheap_ok(x, index, weights, up, down) -> bool:
+    """Whether the operands are tensors whose token counts agree, on x's device: what a launcher's key (the
+    devices, the dtypes, every static size) leaves open."""
+    return (
+        all(isinstance(t, torch.Tensor) for t in (x, index, weights, up, down))
+        and x.dim() == 2
+        and index.shape == weights.shape
+        and index.dim() == 2
+        and index.shape[0] == x.shape[0]
+        and index.device == x.device == weights.device
+    )
+
+
+def _key(x, index, weights, up, down, act: str, gated: bool) -> tuple:
+    """What one compiled launcher serves: the backend, the devices, the dtypes and every static size."""
     from kernelize.hub import backend_for
 
-    backend = backend_for(x.device)
-    key = (
-        backend,
+    return (
+        backend_for(x.device),
         x.device,
         x.dtype,
         index.dtype,
         weights.dtype,
+        x.shape[1],
         index.shape[1],
-        *up.shape,
-        down.shape[2],
-        args,
+        up.shape,
+        up.dtype,
+        up.device,
+        down.shape,
+        down.dtype,
+        down.device,
+        act,
+        gated,
     )
+
+
+def _launcher(x, index, weights, up, down, args: ExpertsArgs):
+    key = _key(x, index, weights, up, down, args.act, args.gated)
+    backend = key[0]
     fn = _LAUNCHERS.get(key)
     if fn is None:
         with _LOCK:

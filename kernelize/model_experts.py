@@ -125,17 +125,17 @@ def experts_forward(
     implementation with the reason noted."""
     from kernelize.experts import ExpertsUnsupported, grouped_experts
 
-    reason = experts_blocker(module)
-    if (
-        reason is None
-        and torch.is_grad_enabled()
-        and (hidden_states.requires_grad or any(p.requires_grad for p in module.parameters(recurse=False)))
-    ):
-        reason = "the call needs gradients; the grouped-expert kernel has no backward"
-    if reason is None:
+    plan = _PLANS.get(module)
+    if plan is None:  # the module's structure decides once: (why not, activation, gated)
+        reason = experts_blocker(module)
         gated = getattr(module, "has_gate", True)
+        plan = _PLANS[module] = (reason, None if reason else experts_activation(module.act_fn), gated)
+    reason, act, gated = plan
+    if reason is None:
         up = module.gate_up_proj if gated else module.up_proj
-        act = experts_activation(module.act_fn)
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or up.requires_grad):
+            reason = "the call needs gradients; the grouped-expert kernel has no backward"
+    if reason is None:
         try:
             return grouped_experts(
                 hidden_states, top_k_index, top_k_weights, up, module.down_proj, act, gated, owner=module
@@ -145,6 +145,12 @@ def experts_forward(
     fallback = _FALLBACK.get(module, "grouped_mm")
     note_fallback(module, reason, f"{fallback} experts")
     return fallback_forward(module, fallback)(module, hidden_states, top_k_index, top_k_weights)
+
+
+# per experts module: (why the kernel cannot serve it or None, the activation, gated), decided on first use
+_PLANS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str | None, str | None, bool]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def fallback_forward(module: torch.nn.Module, implementation: str):
@@ -198,6 +204,7 @@ def use_experts_function(model: torch.nn.Module, mode: Mode, device: Any = None)
         device = next((p.device.type for p in model.parameters()), None)
     served = 0
     for path, module in found.items():
+        _PLANS.pop(module, None)  # decided afresh on the next call
         blocker = why or experts_blocker(module)
         record_choice(
             module,
