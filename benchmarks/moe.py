@@ -172,6 +172,31 @@ def run(layout: str, dtype_name: str, args: argparse.Namespace) -> dict:
     return record
 
 
+def table(records: list[dict]) -> str:
+    """The docs table: per dtype, prefill and decode against eager (same run), tokens, experts' read rate."""
+    head = "| model | prefill vs eager | vs eager-loop | vs torch.compile | decode vs eager | decode tok/s "
+    head += "(eager / ours) | same tokens | experts' read rate (share of `sum`) |"
+    rows = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        p, d, b = r["prefill"]["ms"], r["decode"], r["experts_decode"]
+        ours = p["kernelized"]
+        compiled = f"{p['torch.compile'] / ours:.2f}x" if "torch.compile" in p else "-"
+        tps = d["tokens_per_s"]
+        cells = [
+            f"{r['model']} ({r['parameters'] / 1e6:.0f} M)",
+            f"{p['eager'] / ours:.2f}x",
+            f"{p['eager-loop'] / ours:.2f}x",
+            compiled,
+            f"{d['speedup']['kernelized']:.2f}x",
+            f"{tps['eager']:.1f} / {tps['kernelized']:.1f}",
+            str(d["tokens_equal"]),
+            f"{b['gb_s']['kernelized']:.1f} GB/s ({b['of_sum']['kernelized']:.0%}; "
+            f"eager {b['of_sum']['eager']:.0%})",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 _FIELDS = ("experts", "top_k", "hidden", "moe_intermediate", "layers", "heads", "kv_heads")
 
 

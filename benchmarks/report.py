@@ -228,6 +228,7 @@ TABLES: dict[str, Table] = {
     ),
     "onnx_models.json:models": Table("onnx_models.json", _cmd("onnx_models.py"), onnx_table),
     "gpu/*.json:sections": Table("gpu/*.json", "make gpu-check", gpu_table),
+    "moe.json:models": Table("moe.json", _cmd("moe.py"), _bench_table("moe", "table", "records")),
     "threads.json:scaling": Table(
         "threads.json", _cmd("threads.py", "--out benchmarks/results/threads.json"), threads_table
     ),
