@@ -270,6 +270,15 @@ def _llm(r: dict) -> str:
     return f"{span([p['speedup']['kernelized'] for x in r['results'] for p in x['prefill']])} eager"
 
 
+def _moe(r: dict) -> str:
+    recs = r["records"]
+    decode = span([x["decode"]["speedup"]["kernelized"] for x in recs])
+    prefill = span([x["prefill"]["ms"]["eager"] / x["prefill"]["ms"]["kernelized"] for x in recs])
+    shares = sorted(round(100 * x["experts_decode"]["of_sum"]["kernelized"]) for x in recs)
+    read = f"{shares[0]}%" if shares[0] == shares[-1] else f"{shares[0]}-{shares[-1]}%"
+    return f"decode {decode} eager, prefill {prefill} eager; experts read at {read} of `sum`'s bandwidth"
+
+
 def _gemv(r: dict) -> str:
     return f"few-row matmul {span([g['kernel_vs_linear'] for g in r['gemv']])} `F.linear`"
 
@@ -333,6 +342,7 @@ HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
     ("Attention kernel", "attention.json:kernel", _attention),
     ("One call on every causal-LM family", "models.json:sweep", _sweep),
     ("Decode / prefill at realistic sizes", "models.json:speed", _models_speed),
+    ("Mixture of experts (Qwen3-MoE layout)", "moe.json:models", _moe),
     ("Training", "train.json:layers", _train),
     ("ONNX models", "onnx_models.json:models", _onnx),
     ("GPU check", "gpu/*.json:sections", _gpu),
