@@ -404,7 +404,11 @@ _FALCON_ALIBI = (
 
 
 def _alibi_attention(module: nn.Module) -> Recognition | None:
-    """BLOOM's and MPT's attention modules (ALiBi added to the scores in their own forward), or None."""
+    """BLOOM's and MPT's attention modules (ALiBi added to the scores in their own forward), or None: a
+    module with a family's fused q|k|v linear whose forward takes the bias (`alibi`, `position_bias`)."""
+    fused = {f.linears[0] for f in _ALIBI_FAMILIES}
+    if not any(isinstance(getattr(module, n, None), nn.Linear) for n in fused):
+        return None
     try:
         params = tuple(pyinspect.signature(type(module).forward).parameters)[1:]
     except (TypeError, ValueError):
