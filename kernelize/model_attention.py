@@ -11,6 +11,11 @@ A call the kernel does not support runs the module's own eager attention instead
 `eager_attention_forward` of the model's modeling file, so softcapping and sinks stay exact), and the
 reason is noted on the module for `kernelize.inspect`. This module imports neither transformers nor the
 kernel at import time.
+
+A module with its own attention code (BLOOM, MPT: ALiBi added to the scores there) calls it too, with
+`alibi=` the score modification (`kernelize.ir.score_mod.alibi`): the kernel applies it, and the eager and
+gradient paths add the bias it stands for to the mask (those modeling files have no
+`eager_attention_forward`: the eager path is then the plain softmax attention they write out).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 KERNEL_UNAVAILABLE = "the attention kernel `kernelize.attention` is not in this build"
 # Call arguments checked below or meaningless to the kernel; any other non-None argument falls back.
-_HANDLED_KWARGS = frozenset({"output_attentions", "sliding_window", "softcap", "s_aux"})
+_HANDLED_KWARGS = frozenset({"output_attentions", "sliding_window", "softcap", "s_aux", "alibi"})
 _IGNORED_KWARGS = frozenset(
     {
         "position_ids",
@@ -140,7 +145,9 @@ def attention_forward(
                 is_causal=causal,
                 scale=scaling,
                 enable_gqa=query.shape[1] != key.shape[1],
-                score_mod=_mods(kwargs.get("softcap"), _window(kwargs, mask is None, key.shape[-2])),
+                score_mod=_mods(
+                    kwargs.get("softcap"), _window(kwargs, mask is None, key.shape[-2]), kwargs.get("alibi")
+                ),
                 sinks=_sinks(kwargs.get("s_aux")),
             )
         except unsupported as exc:
@@ -176,6 +183,8 @@ def attention_with_grad(
     mask, causal = _kernel_mask(module, query, key, attention_mask, is_causal)
     if mask is not None and mask.dim() == 4:  # an eager-style mask may be longer than the keys
         mask = mask[..., : key.shape[-2]]
+    if kwargs.get("alibi") is not None:  # SDPA has no ALiBi: its bias joins the mask
+        mask, causal = _biased_mask(kwargs["alibi"], query, key, mask, causal), False
     window = _mods(None, _window(kwargs, mask is None, key.shape[-2]))
     if window is not None:  # SDPA has no window: the mask the modification stands for, written out
         q_len, kv_len = query.shape[-2], key.shape[-2]
@@ -197,8 +206,24 @@ def attention_with_grad(
 
 
 @functools.lru_cache(maxsize=64)
-def _mods(cap: float | None, window: int | None) -> ScoreMod | None:
-    return chain(softcap(cap) if cap else None, sliding_window(window) if window else None)
+def _mods(cap: float | None, window: int | None, alibi: ScoreMod | None = None) -> ScoreMod | None:
+    return chain(alibi, softcap(cap) if cap else None, sliding_window(window) if window else None)
+
+
+def _biased_mask(
+    alibi: ScoreMod, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> torch.Tensor:
+    """The additive mask `bias + mask` (query's dtype) that stands for the ALiBi modification and `mask`
+    (boolean: keep where True; float: added), with the causal cut when `causal` and no mask is given."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    bias = alibi.apply(torch.zeros(1, query.shape[1], q_len, kv_len, device=query.device))
+    if mask is None and causal and q_len > 1:
+        mask = _bottom_right_causal(q_len, kv_len, query.device)
+    if mask is not None and mask.dtype == torch.bool:
+        bias = bias.masked_fill(~mask, -torch.inf)
+    elif mask is not None:
+        bias = bias + mask
+    return bias.to(query.dtype)
 
 
 def _window(kwargs: dict[str, Any], unmasked: bool, keys: int) -> int | None:
@@ -257,6 +282,12 @@ def eager_attention(
     (as transformers' `eager_mask` builds it from the same boolean mask).
     """
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    alibi = kwargs.pop("alibi", None)
+    if alibi is not None:
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        causal = getattr(module, "is_causal", True)
+        mask = _biased_mask(alibi, query, key, attention_mask, causal)
+        return _softmax_attention(module, query, key, value, mask, dropout, scale)
     if eager is None:
         from transformers.models.llama.modeling_llama import eager_attention_forward as eager
     q_len, kv_len = query.shape[-2], key.shape[-2]
@@ -269,3 +300,22 @@ def eager_attention(
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     kwargs = {k: v for k, v in kwargs.items() if k not in _IGNORED_KWARGS}
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scale, **kwargs)
+
+
+def _softmax_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    dropout: float,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention written out with an additive mask, softmax in f32 (as BLOOM's and MPT's own code):
+    `(out (batch, q_len, heads, head_dim), attention weights)`."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    scores = (query @ key.transpose(-1, -2)) * scaling + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return (weights @ value).transpose(1, 2).contiguous(), weights

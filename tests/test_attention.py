@@ -264,3 +264,36 @@ def test_attention_sinks(window, lq, lk, causal, dtype):
     _close(out, _eager_sinks(q, k, v, sinks, causal, window).to(dtype), dtype)
     with pytest.raises(AttentionUnsupported, match="one float logit per query head"):
         scaled_dot_product_attention(q, k, v, enable_gqa=True, sinks=sinks[:2])
+
+
+def _alibi_eager(q, k, v, bias, keep):
+    """BLOOM / MPT eager attention written out: the family's own bias tensor added to the scaled scores."""
+    s = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias.float()
+    return torch.softmax(s.masked_fill(~keep, -math.inf), -1).nan_to_num(0.0) @ v.float()
+
+
+@pytest.mark.parametrize("heads", [4, 6])
+@pytest.mark.parametrize("lq,lk", [(9, 9), (1, 130), (5, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_alibi_matches_bloom_and_mpt_bias_tensors(heads, lq, lk, dtype):
+    """ALiBi as a score modification against BLOOM's bias (slope * key position over the unpadded keys, a
+    left-padded row) and MPT's (slope * (key - last key)): the same attention on every row with a key."""
+    mpt = pytest.importorskip("transformers.models.mpt.modeling_mpt")
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    from kernelize.ir.score_mod import alibi
+
+    q, k, v = _qkv(2, heads, heads, lq, lk, 32, 32, dtype)
+    pad = torch.ones(2, lk, dtype=torch.long)
+    pad[0, :3] = 0
+    i, j = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
+    keep = (j <= i) & pad.bool()[:, None, None, :]
+    rows = keep.any(-1, keepdim=True)  # a padded query sees no key: torch and the kernel differ there
+    biases = {
+        "bloom": build_alibi_tensor(pad, heads, torch.float32).view(2, heads, 1, lk),
+        "mpt": mpt.build_mpt_alibi_tensor(heads, lk)[None],
+    }
+    for slopes, bias in biases.items():
+        out = scaled_dot_product_attention(q, k, v, keep, score_mod=alibi(heads, slopes=slopes))
+        want = _alibi_eager(q, k, v, bias, keep)
+        _close(out * rows, (want * rows).to(dtype), dtype)

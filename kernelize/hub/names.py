@@ -35,6 +35,8 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
     "attention": {"ScaledDotProductAttention": "ScaledDotProductAttention"},
     "llm": {
         "CausalSelfAttention": "CausalSelfAttention",
+        "AlibiAttention": "AlibiAttention",
+        "ResidualAlibiAttention": "ResidualAlibiAttention",
         "PreNormDecoderLayer": "PreNormDecoderLayer",
         "EmbeddingsFirstDecoderLayer": "EmbeddingsFirstDecoderLayer",
         "CausalLMWithLoss": "CausalLMWithLoss",

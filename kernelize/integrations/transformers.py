@@ -16,6 +16,8 @@ implementation with transformers, switches the model to it, and calls `kernelize
 | `gate_up_proj`, `down_proj` (Phi-3), gated activation (probed) | `FusedGatedMLP` | `kernelize/activation` |
 | `fc1`/`fc2`, `c_fc`/`c_proj`, `dense_h_to_4h`/`dense_4h_to_h`...; activation probed | `DenseMLP` | (same) |
 | q/k/v/o or qkv/o linears + rotary (probed: neox or interleaved) | `CausalSelfAttention` | `kernelize/llm` |
+| fused `query_key_value`, `dense`; forward takes `alibi` (BLOOM) | `ResidualAlibiAttention` | (same) |
+| fused `Wqkv`, `out_proj`; forward takes `position_bias` (MPT) | `AlibiAttention` | (same) |
 | source order: [norm] attn [norm] `residual +`, [norm] mlp [norm] `+` | `PreNormDecoderLayer` | (same) |
 | same, `position_embeddings` second (Gemma 2 / 3) | `EmbeddingsFirstDecoderLayer` | (same) |
 | the model's `lm_head`, a plain `nn.Linear` (its class becomes `LMHead`) | `Linear` | `kernelize/linear` |
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernelize.ir.score_mod import alibi
 from kernelize.layer.decorators import replace_kernel_forward_from_hub
 from kernelize.layer.kernelize import KernelizeFallback, keep_original_forward, kernelize
 from kernelize.layer.mapping import use_kernel_mapping
@@ -354,6 +357,83 @@ def _attention(module: nn.Module) -> Recognition | None:
     return Recognition("attention", "CausalSelfAttention", detail, {"is_neox_style": neox}, per_instance=True)
 
 
+# ---- ALiBi attention written out by the family (BLOOM, MPT): one hub layer per forward signature ---------
+@dataclass(frozen=True)
+class _AlibiFamily:
+    """How one family's attention module looks: its fused q|k|v and output linears, its forward's parameters
+    and the attribute holding its head count; the arithmetic of its slopes (`score_mod.alibi`). Both families'
+    models build their bias with the default maximum 8 (MPT's model passes no `alibi_bias_max`)."""
+
+    layer: str
+    linears: tuple[str, str]
+    params: tuple[str, ...]
+    heads: str
+    slopes: str
+
+
+_ALIBI_FAMILIES = (
+    _AlibiFamily(
+        "ResidualAlibiAttention",
+        ("query_key_value", "dense"),
+        (
+            "hidden_states",
+            "residual",
+            "alibi",
+            "attention_mask",
+            "layer_past",
+            "use_cache",
+            "output_attentions",
+        ),
+        "num_heads",
+        "bloom",
+    ),
+    _AlibiFamily(
+        "AlibiAttention",
+        ("Wqkv", "out_proj"),
+        ("hidden_states", "position_bias", "cache", "attention_mask"),
+        "n_heads",
+        "mpt",
+    ),
+)
+# Falcon adds `bf16(bf16(slope) * position)`, the position counted over each row's unpadded keys: the
+# rounding depends on the padding, so no function of (query, key, head) is that bias
+_FALCON_ALIBI = (
+    "Falcon's ALiBi bias is rounded to bf16 at each key's position among the row's unpadded tokens "
+    "(build_alibi_tensor): it depends on the padding, so no score modification of (query, key, head) is it"
+)
+
+
+def _alibi_attention(module: nn.Module) -> Recognition | None:
+    """BLOOM's and MPT's attention modules (ALiBi added to the scores in their own forward), or None: a
+    module with a family's fused q|k|v linear whose forward takes the bias (`alibi`, `position_bias`)."""
+    fused = {f.linears[0] for f in _ALIBI_FAMILIES}
+    if not any(isinstance(getattr(module, n, None), nn.Linear) for n in fused):
+        return None
+    try:
+        params = tuple(pyinspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return None
+    params = tuple("cache" if p == "past_key_values" else p for p in params if p != "kwargs")
+    if "alibi" not in params and "position_bias" not in params:
+        return None
+    uses = getattr(getattr(module, "config", None), "alibi", None)  # Falcon: ALiBi or rotary, by config
+    if uses is not None:
+        return Recognition("attention", None, _FALCON_ALIBI, per_instance=True) if uses else None
+    family = next((f for f in _ALIBI_FAMILIES if params == f.params), None)
+    if family is None:
+        return _eager("attention", f"an ALiBi attention whose forward parameters {params} no layer takes")
+    missing = [n for n in family.linears if not isinstance(getattr(module, n, None), nn.Linear)]
+    heads = getattr(module, family.heads, None)
+    if missing or not isinstance(heads, int) or not isinstance(getattr(module, "layer_idx", None), int):
+        what = ", ".join(missing) or f"int {family.heads} and layer_idx"
+        return Recognition("attention", None, f"ALiBi attention without {what}", per_instance=True)
+    if attention_kernel() is None:
+        return Recognition("attention", None, KERNEL_UNAVAILABLE, per_instance=True)
+    mod = alibi(heads, slopes=family.slopes)
+    detail = f"ALiBi in the kernel: {mod.name}, fused {family.linears[0]}"
+    return Recognition("attention", family.layer, detail, {"kernelize_alibi": mod}, per_instance=True)
+
+
 def _attention_blocker(module: nn.Module) -> str | None:
     """Why the attention layer cannot stand in for this module (None: it can)."""
     config = module.config
@@ -536,6 +616,7 @@ RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (
     _gated_norm,
     _norm,
     _mlp,
+    _alibi_attention,
     _attention,
     _decoder,
     _lm_head,

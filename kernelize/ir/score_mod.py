@@ -127,6 +127,51 @@ def sliding_window(window: int) -> ScoreMod:
     )
 
 
+def alibi(heads: int, max_bias: float = 8.0, slopes: str = "mpt") -> ScoreMod:
+    """``score + slope(head) * (k_pos - q_pos)``: ALiBi's linear position bias (BLOOM, MPT, Falcon).
+
+    With ``n`` the largest power of two ``<= heads``, head ``h`` has the slope ``2 ** -(max_bias * (h + 1) /
+    n)`` for ``h < n`` and ``2 ** -(max_bias * (2 * (h - n) + 1) / (2 * n))`` for the rest: the interleaved
+    slopes of a ``2n``-head model, as BLOOM's ``_get_alibi_slopes`` and MPT's ``build_mpt_alibi_tensor``
+    (``alibi_bias_max``) both define them. ``slopes`` picks the family's arithmetic, so the f32 slopes are
+    its own bit for bit (up to libm's pow rounding the other way): ``"mpt"`` computes ``1 / 2 ** exponent``,
+    ``"bloom"`` (BLOOM, Falcon) raises the f32 base ``2 ** -(max_bias / n)`` to the power ``h + 1`` (the two
+    differ by a few ulps when ``max_bias / n`` is no integer). The families add ``slope * k_pos`` (BLOOM:
+    counted over the unpadded keys) or ``slope * (k_pos - last key)`` (MPT); those differ from the bias here
+    by a constant per query row, which softmax cancels.
+
+    Example:
+        >>> alibi(4).apply(torch.zeros(1, 4, 1, 3))[0, :, 0]  # slopes 1/4, 1/16, 1/64, 1/256
+        tensor([[-0.5000, -0.2500,  0.0000],
+                [-0.1250, -0.0625,  0.0000],
+                [-0.0312, -0.0156,  0.0000],
+                [-0.0078, -0.0039,  0.0000]])
+    """
+    heads, max_bias = int(heads), float(max_bias)
+    if heads < 1 or not max_bias > 0 or slopes not in ("mpt", "bloom"):
+        raise ValueError(
+            f"alibi needs >= 1 head, max_bias > 0 and slopes 'mpt' or 'bloom', got {heads}, {max_bias}, "
+            f"{slopes!r}"
+        )
+    n = 1 << (heads.bit_length() - 1)
+
+    def bias(g: Graph, s: Node, i: Node, j: Node, h: Node) -> Node:
+        hf = g.cast(h, DType.F32)
+        first, rest = g.add(hf, 1.0), g.add(g.mul(hf, 2.0), 1.0 - 2 * n)  # powers of the two bases
+        if slopes == "bloom":  # pow(f32 base, power), as torch.pow of the families' base tensors
+            base = g.where(
+                g.lt(h, n), g.const(2.0 ** (-max_bias / n), DType.F32), 2.0 ** (-max_bias / (2 * n))
+            )
+            slope = g.pow(base, g.where(g.lt(h, n), first, rest))
+        else:
+            exponent = g.where(g.lt(h, n), g.mul(first, max_bias / n), g.mul(rest, max_bias / (2 * n)))
+            slope = g.reciprocal(g.pow(2.0, exponent))  # as MPT: 1 / 2 ** exponent
+        return g.add(s, g.mul(slope, g.cast(g.sub(j, i), DType.F32)))
+
+    name = f"alibi({heads}, {max_bias})" if slopes == "mpt" else f"alibi({heads}, {max_bias}, {slopes})"
+    return ScoreMod.trace(name, bias)
+
+
 def chain(*mods: ScoreMod | None) -> ScoreMod | None:
     """The modifications applied in order (None entries skipped; None when none is left)."""
     mods = tuple(m for m in mods if m is not None)
@@ -141,4 +186,4 @@ def chain(*mods: ScoreMod | None) -> ScoreMod | None:
     return ScoreMod("+".join(m.name for m in mods), tuple(steps))
 
 
-__all__ = ["INPUTS", "ScoreMod", "Step", "chain", "sliding_window", "softcap"]
+__all__ = ["INPUTS", "ScoreMod", "Step", "alibi", "chain", "sliding_window", "softcap"]

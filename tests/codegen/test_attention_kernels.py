@@ -18,7 +18,7 @@ from kernelize.codegen.triton import TritonBackend
 from kernelize.ir.attention import reference_attention, split_operands
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph
-from kernelize.ir.score_mod import chain, sliding_window, softcap
+from kernelize.ir.score_mod import alibi, chain, sliding_window, softcap
 
 TOL = {DType.F32: 2e-5, DType.F16: 3e-3, DType.BF16: 2e-2}
 
@@ -132,6 +132,8 @@ MODS = {
     "softcap": softcap(3.0),
     "window": sliding_window(5),
     "softcap+window": chain(softcap(2.0), sliding_window(9)),
+    "alibi": alibi(3),  # a slope per head from the head index; heads past 3 continue the formula
+    "alibi_bloom+window": chain(alibi(4, 4.0, slopes="bloom"), sliding_window(6)),
 }
 # (heads q, heads kv, head dim, dtype, causal, mask, batch, q len, k len)
 MOD_CASES = [
@@ -208,7 +210,7 @@ def test_cuda_nvrtc_cubins_for_sm80_and_sm90(tmp_path, monkeypatch):
     for dtype, mask, mod in (
         (DType.F32, None, None),
         (DType.BF16, "bool", MODS["softcap+window"]),
-        (DType.F16, "f16", None),
+        (DType.F16, "f16", MODS["alibi"]),
     ):
         source, name = render_attention(
             _kernel(8, 2, 80, 64, dtype, mask is None, mask, mod, sinks=mod is not None)

@@ -31,6 +31,8 @@ from torch import nn
 from kernelize import hub
 from kernelize.model_attention import attention_forward
 
+from .alibi import AlibiAttention as AlibiAttention  # layers of this repository
+from .alibi import ResidualAlibiAttention as ResidualAlibiAttention
 from .block import block_of, norms_of, run_block
 from .causal_lm import CausalLMWithLoss as CausalLMWithLoss  # a layer of this repository
 
@@ -127,9 +129,9 @@ def _norm_heads(norm: nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tensor
     return norm(x.unflatten(-1, (-1, head_dim))).flatten(-2)
 
 
-def project_out(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
-    """`o_proj(out)`: a generated matmul kernel in inference."""
-    proj = module.o_proj
+def project_out(module: nn.Module, out: torch.Tensor, proj: nn.Linear | None = None) -> torch.Tensor:
+    """`proj(out)` (default: `module.o_proj`): a generated matmul kernel in inference."""
+    proj = module.o_proj if proj is None else proj
     if _inference(out, proj):
         return linear(module, out, proj.weight, proj.bias)
     return hub.project(proj, out)
