@@ -48,7 +48,7 @@ from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Op
 from kernelize.ir.shapes import Dim, bind, numel
 
-AXPY_COLUMNS = 64  # columns per block when some weight is not contiguous along K
+AXPY_COLUMNS = 2048  # columns per block when some weight is not contiguous along K (see kz_axpy_cols)
 
 
 def _static(d: Dim) -> bool:

@@ -126,10 +126,39 @@ static void kz_dot_cols(const float* x, int64_t ldx, int nr, const W* const* w, 
                                r || !shared ? 0 : pf);
 }
 
-// N-contiguous weights (w[k * ldk + j]): out[r][j] for j in [0, nb) of a column block, k in [k0, k1)
+// N-contiguous weights (w[k * ldk + j]): out[r][j] for j in [0, nb) of a column block, k in [k0, k1).
+// Shared weights: k outer, so each row segment of the block is read once for every row of x; four weight
+// rows per pass (one row per pass loads and stores `out` once per FMA: 7.4 against 14.0 GB/s on one Zen
+// core, 1024 x 4096 f32), in wide blocks (AXPY_COLUMNS) of long contiguous runs per weight row.
 template <class W>
 static void kz_axpy_cols(const float* x, int64_t ldx, int nr, const W* const* w, bool shared, int64_t ldk,
                          int64_t nb, int64_t k0, int64_t k1, float* out, int64_t ldo) {
+    if (shared) {
+        for (int r = 0; r < nr; ++r)
+            for (int64_t j = 0; j < nb; ++j) out[r * ldo + j] = 0.0f;
+        int64_t k = k0;
+        for (; k + 4 <= k1; k += 4) {  // four weight rows per pass: one load and store of out per 4 FMAs
+            const W *w0 = w[0] + k * ldk, *w1 = w0 + ldk, *w2 = w1 + ldk, *w3 = w2 + ldk;
+            for (int r = 0; r < nr; ++r) {
+                const float* xr = x + r * ldx + k;
+                const float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
+                float* o = out + r * ldo;
+#pragma omp simd
+                for (int64_t j = 0; j < nb; ++j)
+                    o[j] += x0 * kz_ld(w0, j) + x1 * kz_ld(w1, j) + x2 * kz_ld(w2, j) + x3 * kz_ld(w3, j);
+            }
+        }
+        for (; k < k1; ++k) {
+            const W* row = w[0] + k * ldk;
+            for (int r = 0; r < nr; ++r) {
+                const float xv = x[r * ldx + k];
+                float* o = out + r * ldo;
+#pragma omp simd
+                for (int64_t j = 0; j < nb; ++j) o[j] += xv * kz_ld(row, j);
+            }
+        }
+        return;
+    }
     for (int r = 0; r < nr; ++r) {
         const W* wr = w[shared ? 0 : r];
         float* o = out + r * ldo;
