@@ -530,9 +530,26 @@ def _causal_lm(module: nn.Module) -> Recognition | None:
     )
 
 
+# ---- packed projections (kernelize_model(quantize=...)) -------------------------------------------------
+def _packed(module: nn.Module) -> Recognition | None:
+    """An attention or MLP whose projections are `QuantizedLinear`: the kernel layers read float weights, so
+    it runs its own forward (which calls the packed decode kernels)."""
+    from kernelize.quant.model import packed_reason
+
+    name = type(module).__name__
+    if not name.endswith(("Attention", "MLP")):  # a causal LM with a packed `lm_head` is not one
+        return None
+    reason = packed_reason(module)
+    if reason is None:
+        return None
+    kind = "attention" if name.endswith("Attention") else "mlp"
+    return Recognition(kind, None, reason, per_instance=True)
+
+
 # ---- the table ----------------------------------------------------------------------------------------
 # Each rule: module -> Recognition (a layer, or left eager with the reason), or None (not this kind).
 RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (
+    _packed,
     _gated_norm,
     _norm,
     _mlp,
@@ -807,6 +824,7 @@ def kernelize_model(
     mapping: Mapping[str, Any] | None = None,
     device: str | torch.device | None = None,
     verify: bool = True,
+    quantize: str | None = None,
 ) -> nn.Module:
     """Kernelize a transformers model in one call: recognise its layers, mark them, `kernelize`, verify.
 
@@ -820,6 +838,9 @@ def kernelize_model(
             ids, no cache): a kernel forward that raises or whose output differs from the
             module's own (`kernelize.integrations.verify`) is put back to the module's forward, with the
             reason in `inspect`. This also compiles the kernels the probe's shapes need.
+        quantize: `"q8_0"`, `"q4_0"` or `"int8"`: first replace every projection and the LM head by a
+            `kernelize.quant.QuantizedLinear` of that format (embeddings and norms stay float; see
+            `kernelize.quant.model`). Verification then compares against the quantized model's output.
 
     Returns:
         `model`, kernelized in place. `kernelize.inspect(model)` lists every replaced module and every
@@ -837,6 +858,10 @@ def kernelize_model(
         from kernelize.hub import default_mapping
 
         mapping = default_mapping()
+    if quantize is not None:  # before the probe: `want` is the quantized model's output
+        from kernelize.quant.model import quantize_for_kernelize
+
+        quantize_for_kernelize(model, quantize)
     call = _probe_call(model) if verify else "verify=False"
     want = _model_output(model, call) if verify else None
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
