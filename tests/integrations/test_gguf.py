@@ -1,0 +1,180 @@
+"""kernelize.integrations.gguf: save / load round trips on a tiny Llama, and files that must be refused."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernelize.integrations import gguf as kg
+from kernelize.quant.model import quantize_for_kernelize
+from kernelize.quant.module import QuantizedLinear
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+VOCAB = 256
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+PROJECTIONS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _llama(hidden: int = 128) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, rope_theta=5e5,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
+    out = {}
+    for fmt in ("q8_0", "q4_0"):
+        model = _llama(128 if fmt == "q8_0" else 64)
+        quantize_for_kernelize(model, fmt)
+        path = tmp_path_factory.mktemp("gguf") / f"tiny-{fmt}.gguf"
+        kg.save(model, path)  # already packed: written as it is, whatever `fmt` says
+        out[fmt] = (model, path)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_round_trip(saved: dict, fmt: str) -> None:
+    model, path = saved[fmt]
+    loaded = kg.load(path)
+    for i, layer in enumerate(loaded.model.layers):
+        for name in PROJECTIONS:
+            got, want = layer.get_submodule(name), model.model.layers[i].get_submodule(name)
+            assert isinstance(got, QuantizedLinear) and got.format == fmt
+            assert torch.equal(got.qweight, want.qweight), name  # the same bytes (q/k un-permuted exactly)
+    assert torch.equal(loaded.lm_head.qweight, model.lm_head.qweight)
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert loaded.config.rope_parameters["rope_theta"] == 5e5
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+        one = ids[:1, :1]  # decode rows: the packed few-row kernel
+        torch.testing.assert_close(loaded(one).logits, model(one).logits, rtol=1e-5, atol=1e-5)
+    assert loaded.generate(ids[:1, :3], max_new_tokens=4, do_sample=False).shape == (1, 7)
+
+
+def test_float_model_and_transformers_reader(tmp_path: Path) -> None:
+    """A float model is quantized on save; transformers' own GGUF reader (llama.cpp's names and rotary
+    permutation, dequantized) finds the same weights as the packed ones load() installs."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kernelize.quant.formats import dequantize, quantize
+
+    model = _llama(64)
+    path = tmp_path / "float.gguf"
+    kg.save(model, path, fmt="q8_0")
+    loaded = kg.load(path)
+    q = loaded.model.layers[1].self_attn.k_proj
+    assert torch.equal(q.qweight, quantize(model.model.layers[1].self_attn.k_proj.weight, "q8_0").data)
+    with torch.device("meta"):
+        skeleton = transformers.LlamaForCausalLM(loaded.config)
+    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "lm_head"):
+        ref = torch.as_tensor(theirs[f"{name}.weight"]).float()
+        assert torch.equal(dequantize(loaded.get_submodule(name).packed), ref), name
+
+
+def test_save_refuses() -> None:
+    with pytest.raises(ValueError, match="supported architectures: LlamaForCausalLM"):
+        kg.save(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)), "x")
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        kg.save(_llama(64), "x", fmt="int8")
+
+
+def test_permute_inverse() -> None:
+    w = torch.arange(4 * 16 * 3).reshape(64, 3)
+    assert torch.equal(kg.unpermute_rows(kg.permute_rows(w, 4), 4), w)
+
+
+# ---- bad files ---------------------------------------------------------------------------------------------
+def _info_offset(buf: bytes, name: str) -> int:
+    """The offset of tensor `name`'s dimension count in the header."""
+    raw = name.encode()
+    at = buf.index(struct.pack("<Q", len(raw)) + raw)
+    return at + 8 + len(raw)
+
+
+def _patched(src: Path, dst: Path, name: str, field: str, value: int) -> Path:
+    buf = bytearray(src.read_bytes())
+    at = _info_offset(bytes(buf), name)
+    n_dims = struct.unpack_from("<I", buf, at)[0]
+    pos = {"dim1": at + 4 + 8, "type": at + 4 + 8 * n_dims, "offset": at + 4 + 8 * n_dims + 4}[field]
+    struct.pack_into("<Q" if field != "type" else "<I", buf, pos, value)
+    dst.write_bytes(bytes(buf))
+    return dst
+
+
+def _raw(dst: Path, body: bytes, n_tensors: int = 0, n_kv: int = 1) -> Path:
+    dst.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + body)
+    return dst
+
+
+def _key(key: str) -> bytes:
+    return struct.pack("<Q", len(key)) + key.encode()
+
+
+def _bad_files(good: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
+    data = good.read_bytes()
+    (tmp / "truncated_header.gguf").write_bytes(data[:200])
+    (tmp / "truncated_tokens.gguf").write_bytes(data[:2000])
+    (tmp / "truncated_data.gguf").write_bytes(data[:-100])
+    (tmp / "magic.gguf").write_bytes(b"GGML" + data[4:])
+    (tmp / "empty.gguf").write_bytes(b"")
+    return {
+        "truncated header": (tmp / "truncated_header.gguf", "truncated file or bad counts"),
+        "truncated tokens": (
+            tmp / "truncated_tokens.gguf",
+            "truncated file or metadata bomb: metadata 'tokenizer.ggml.tokens'",
+        ),
+        "truncated data": (tmp / "truncated_data.gguf", "'output.weight': data at .* lies outside the file"),
+        "bad magic": (tmp / "magic.gguf", "not a GGUF file: its first bytes are b'GGML'"),
+        "empty": (tmp / "empty.gguf", "truncated file: empty"),
+        "unknown type": (
+            _patched(good, tmp / "type.gguf", "blk.0.attn_v.weight", "type", 999),
+            "tensor 'blk.0.attn_v.weight': unknown ggml type 999",
+        ),
+        "unsupported type": (
+            _patched(good, tmp / "q4_1.gguf", "blk.1.ffn_up.weight", "type", 3),
+            "tensor 'blk.1.ffn_up.weight' is Q4_1, which is not supported here; supported: Q8_0, Q4_0",
+        ),
+        "offset outside": (
+            _patched(good, tmp / "offset.gguf", "blk.0.ffn_down.weight", "offset", 1 << 40),
+            "tensor 'blk.0.ffn_down.weight': data at .* lies outside the file",
+        ),
+        "shape vs config": (
+            _patched(good, tmp / "shape.gguf", "blk.0.ffn_up.weight", "dim1", 64),
+            r"tensor 'blk.0.ffn_up.weight' has shape \[64, 128\], the config says \[256, 128\]",
+        ),
+        "array bomb": (
+            _raw(tmp / "array.gguf", _key("x") + struct.pack("<IIQ", 9, 0, 1 << 60)),
+            "truncated file: metadata 'x'",
+        ),
+        "string array bomb": (
+            _raw(tmp / "strings.gguf", _key("tokens") + struct.pack("<IIQ", 9, 8, 1 << 40) + b"\0" * 64),
+            "metadata 'tokens': an array of 1099511627776 elements declared",
+        ),
+        "string bomb": (
+            _raw(tmp / "string.gguf", _key("name") + struct.pack("<IQ", 8, 1 << 62) + b"abc"),
+            "metadata 'name': a string of 4611686018427387904 bytes declared",
+        ),
+        "count bomb": (_raw(tmp / "count.gguf", b"", n_tensors=1 << 50), "1125899906842624 tensors declared"),
+        "not llama": (
+            _raw(tmp / "arch.gguf", _key("general.architecture") + struct.pack("<IQ", 8, 4) + b"gpt2"),
+            "general.architecture is 'gpt2'; supported: 'llama'",
+        ),
+    }
+
+
+def test_bad_files(saved: dict, tmp_path: Path) -> None:
+    for case, (path, message) in _bad_files(saved["q8_0"][1], tmp_path).items():
+        with pytest.raises(kg.GGUFError, match=message) as err:
+            kg.load(path)
+        assert str(path) in str(err.value), case
