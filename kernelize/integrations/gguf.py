@@ -429,12 +429,23 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> 
             raise GGUFError(f"{path}: metadata {ARCH}.{key} = {value!r} is not a positive number")
         kwargs[attr] = value
     kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
+    for attr in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads"):
+        if not isinstance(kwargs.get(attr, 1), int):
+            raise GGUFError(f"{path}: metadata for {attr} is {kwargs[attr]!r}, not an integer")
+    layers = kwargs["num_hidden_layers"]
+    if layers * len(LAYER_TENSORS) > len(tensors):  # before anything is sized by it
+        raise GGUFError(
+            f"{path}: {ARCH}.block_count = {layers}, but the file has only {len(tensors)} tensors"
+        )
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = meta.get(f"{ARCH}.vocab_size", embd.shape[0])
     hidden, heads, kv = kwargs["hidden_size"], kwargs["num_attention_heads"], kwargs["num_key_value_heads"]
     head_dim = meta.get(f"{ARCH}.attention.key_length") or hidden // heads
+    for key, value in (("vocab_size", vocab), ("attention.key_length", head_dim), ("head_count_kv", kv)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GGUFError(f"{path}: metadata {ARCH}.{key} = {value!r} is not an integer")
     if heads % kv or head_dim % 2 or head_dim * heads == 0:
         raise GGUFError(
             f"{path}: {heads} attention heads, {kv} key/value heads, head size {head_dim}: not Llama's"

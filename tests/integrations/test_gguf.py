@@ -166,6 +166,25 @@ def _bad_files(good: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
             "metadata 'name': a string of 4611686018427387904 bytes declared",
         ),
         "count bomb": (_raw(tmp / "count.gguf", b"", n_tensors=1 << 50), "1125899906842624 tensors declared"),
+        "layer count bomb": (
+            _raw(
+                tmp / "layers.gguf",
+                _key("general.architecture")
+                + struct.pack("<IQ", 8, 5)
+                + b"llama"
+                + b"".join(
+                    _key(f"llama.{k}") + struct.pack("<II", 4, v)
+                    for k, v in (
+                        ("embedding_length", 64),
+                        ("block_count", 10**9),
+                        ("feed_forward_length", 64),
+                        ("attention.head_count", 4),
+                    )
+                ),
+                n_kv=5,
+            ),
+            "llama.block_count = 1000000000, but the file has only 0 tensors",
+        ),
         "not llama": (
             _raw(tmp / "arch.gguf", _key("general.architecture") + struct.pack("<IQ", 8, 4) + b"gpt2"),
             "general.architecture is 'gpt2'; supported: 'llama'",
