@@ -196,18 +196,29 @@ def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> N
     import gguf
 
     config = _check_saveable(model, fmt)
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    embed = model.get_input_embeddings()
-    vocab = embed.weight.shape[0]
     writer = gguf.GGUFWriter(os.fspath(path), ARCH)
+    _add_metadata(writer, gguf, config, model.get_input_embeddings().weight.shape[0], fmt)
+    _add_tensors(writer, gguf, model, fmt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    logger.info(
+        "gguf.save: %s (%s, %d layers) -> %s", type(model).__name__, fmt, len(model.model.layers), path
+    )
+
+
+def _add_metadata(writer: Any, gguf: Any, config: Any, vocab: int, fmt: str) -> None:
+    """The hyper-parameters llama.cpp's `llama` reads, the file type and the placeholder vocabulary."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_name(getattr(config, "name_or_path", "") or "kernelize-llama")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
@@ -220,6 +231,11 @@ def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> N
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _placeholder_vocab(writer, gguf, vocab, config)
 
+
+def _add_tensors(writer: Any, gguf: Any, model: nn.Module, fmt: str) -> None:
+    """Every tensor under llama.cpp's name: packed blocks (q/k rows permuted), F32 norms, the embedding."""
+    heads = {"attn_q": model.config.num_attention_heads, "attn_k": model.config.num_key_value_heads}
+
     def add_float(name: str, t: torch.Tensor, as_f32: bool = False) -> None:
         array, raw = _float_array(t.float() if as_f32 else t)
         writer.add_tensor(name, array, raw_dtype=raw)
@@ -229,25 +245,17 @@ def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> N
         raw = getattr(gguf.GGMLQuantizationType, PACKED_TYPES[packed.format.name])
         writer.add_tensor(name, data.contiguous().numpy(), raw_dtype=raw)
 
-    add_float("token_embd.weight", embed.weight)
+    add_float("token_embd.weight", model.get_input_embeddings().weight)
     for i, layer in enumerate(model.model.layers):
         for sub, short in LAYER_TENSORS.items():
             module = layer.get_submodule(sub)
             name = f"blk.{i}.{short}.weight"
             if short in _NORMS:
                 add_float(name, module.weight, as_f32=True)
-                continue
-            n_head = {"attn_q": heads, "attn_k": kv_heads}.get(short)
-            add_packed(name, _packed_of(module, fmt, f"model.layers.{i}.{sub}"), n_head)
+            else:
+                add_packed(name, _packed_of(module, fmt, f"model.layers.{i}.{sub}"), heads.get(short))
     add_float("output_norm.weight", model.model.norm.weight, as_f32=True)
     add_packed("output.weight", _packed_of(model.lm_head, fmt, "lm_head"))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    logger.info(
-        "gguf.save: %s (%s, %d layers) -> %s", type(model).__name__, fmt, len(model.model.layers), path
-    )
 
 
 # ---- checking a file before trusting it ------------------------------------------------------------------
@@ -458,7 +466,8 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> 
     }
     return transformers.LlamaConfig(
         vocab_size=int(vocab), head_dim=int(head_dim), rope_parameters=rope,
-        tie_word_embeddings="output.weight" not in tensors, attention_bias=False, mlp_bias=False,
+        tie_word_embeddings="output.weight" not in tensors and embd.type_name in FLOAT_TYPES,
+        attention_bias=False, mlp_bias=False,
         hidden_act="silu", **special, **kwargs,
     )  # fmt: skip
 
@@ -472,8 +481,7 @@ def _expected(config: Any) -> dict[str, tuple[int, ...]]:
         "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f), "attn_norm": (h,), "ffn_norm": (h,),
     }  # fmt: skip
     want = {"token_embd.weight": (config.vocab_size, h), "output_norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        want["output.weight"] = (config.vocab_size, h)
+    want["output.weight"] = (config.vocab_size, h)  # optional: without it the head is the embedding
     for i in range(config.num_hidden_layers):
         want |= {f"blk.{i}.{k}.weight": shape for k, shape in per_layer.items()}
     return want
@@ -481,7 +489,7 @@ def _expected(config: Any) -> dict[str, tuple[int, ...]]:
 
 def _check_tensors(path: str, config: Any, tensors: dict[str, TensorInfo]) -> None:
     want = _expected(config)
-    missing = [n for n in want if n not in tensors]
+    missing = [n for n in want if n not in tensors and n != "output.weight"]
     if missing:
         raise GGUFError(f"{path}: tensors missing for the config: {', '.join(missing[:5])}")
     extra = [n for n in tensors if n not in want]
@@ -489,7 +497,9 @@ def _check_tensors(path: str, config: Any, tensors: dict[str, TensorInfo]) -> No
         raise GGUFError(f"{path}: tensors a Llama of this config has no place for: {', '.join(extra[:5])}")
     packed = tuple(PACKED_TYPES.values())
     for name, shape in want.items():
-        info = tensors[name]
+        info = tensors.get(name)
+        if info is None:
+            continue
         if info.shape != shape:
             raise GGUFError(
                 f"{path}: tensor {name!r} has shape {list(info.shape)}, the config says {list(shape)}"
@@ -555,11 +565,20 @@ def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn
     data = {t.name: t for t in reader.tensors}
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    _install(model, lambda name: _tensor(data[name], tensors[name]), tensors, dtype)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers, on the CPU
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    assert not left, f"gguf.load left tensors on the meta device: {left}"
+    logger.info("gguf.load: %s -> LlamaForCausalLM (%d layers)", path, config.num_hidden_layers)
+    return model.eval()
 
-    def get(name: str) -> torch.Tensor:
-        return _tensor(data[name], tensors[name])
 
+def _install(model: nn.Module, get: Any, tensors: dict[str, TensorInfo], dtype: torch.dtype) -> None:
+    """Put the file's tensors (`get(name)`: memory mapped) into the meta-device `model`: `QuantizedLinear`
+    projections on the packed bytes (q/k rows un-permuted), float norms and embedding. Without an
+    `output.weight` the head is the embedding: packed on its bytes when the embedding is packed."""
+    config = model.config
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     embd = tensors["token_embd.weight"]
     if embd.type_name in FLOAT_TYPES:
         weight = get(embd.name)
@@ -576,21 +595,15 @@ def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn
                 getattr(owner, leaf).weight = _float_param(get(name), dtype)
                 continue
             t = get(name)
-            n_head = {"attn_q": heads, "attn_k": kv_heads}.get(short)
-            if n_head is not None:
-                t = unpermute_rows(t.reshape(tensors[name].shape[0], -1), n_head).contiguous()
+            if short in heads:
+                t = unpermute_rows(t.reshape(tensors[name].shape[0], -1), heads[short]).contiguous()
             setattr(owner, leaf, _quantized(t, tensors[name].type_name, *tensors[name].shape))
     model.model.norm.weight = _float_param(get("output_norm.weight"), dtype)
-    if config.tie_word_embeddings:
+    head = tensors.get("output.weight", embd)
+    if head.type_name in FLOAT_TYPES:  # a float embedding as the head: tied, as transformers ties it
         model.lm_head.weight = model.model.embed_tokens.weight
     else:
-        info = tensors["output.weight"]
-        model.lm_head = _quantized(get(info.name), info.type_name, *info.shape)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers, on the CPU
-    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
-    assert not left, f"gguf.load left tensors on the meta device: {left}"
-    logger.info("gguf.load: %s -> LlamaForCausalLM (%d layers)", path, config.num_hidden_layers)
-    return model.eval()
+        model.lm_head = _quantized(get(head.name), head.type_name, *head.shape)
 
 
 __all__ = [

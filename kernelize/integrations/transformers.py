@@ -818,6 +818,20 @@ def _record_verdicts(model: nn.Module, found: Mapping[str, Recognition]) -> None
         record_choice(module, choice)
 
 
+def _prepare(model: nn.Module, mapping: Mapping[str, Any] | None, quantize: str | None) -> Mapping[str, Any]:
+    """The mapping to use (the bundled `default_mapping()` when None), after quantizing the model if asked:
+    before the probe, so the verification's reference is the quantized model's output."""
+    if quantize is not None:
+        from kernelize.quant.model import quantize_for_kernelize
+
+        quantize_for_kernelize(model, quantize)
+    if mapping is None:
+        from kernelize.hub import default_mapping
+
+        return default_mapping()
+    return mapping
+
+
 def kernelize_model(
     model: nn.Module,
     mode: Mode = Mode.INFERENCE,
@@ -838,9 +852,8 @@ def kernelize_model(
             ids, no cache): a kernel forward that raises or whose output differs from the
             module's own (`kernelize.integrations.verify`) is put back to the module's forward, with the
             reason in `inspect`. This also compiles the kernels the probe's shapes need.
-        quantize: `"q8_0"`, `"q4_0"` or `"int8"`: first replace every projection and the LM head by a
-            `kernelize.quant.QuantizedLinear` of that format (embeddings and norms stay float; see
-            `kernelize.quant.model`). Verification then compares against the quantized model's output.
+        quantize: `"q8_0"`, `"q4_0"` or `"int8"`: first pack every projection and the LM head
+            (`kernelize.quant.model`); verification then compares with the quantized model's output.
 
     Returns:
         `model`, kernelized in place. `kernelize.inspect(model)` lists every replaced module and every
@@ -854,14 +867,7 @@ def kernelize_model(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize_model: model must be a torch.nn.Module, got {type(model).__name__}.")
-    if mapping is None:
-        from kernelize.hub import default_mapping
-
-        mapping = default_mapping()
-    if quantize is not None:  # before the probe: `want` is the quantized model's output
-        from kernelize.quant.model import quantize_for_kernelize
-
-        quantize_for_kernelize(model, quantize)
+    mapping = _prepare(model, mapping, quantize)
     call = _probe_call(model) if verify else "verify=False"
     want = _model_output(model, call) if verify else None
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)

@@ -82,6 +82,36 @@ def test_float_model_and_transformers_reader(tmp_path: Path) -> None:
         assert torch.equal(dequantize(loaded.get_submodule(name).packed), ref), name
 
 
+def test_packed_embedding_without_output(saved: dict, tmp_path: Path) -> None:
+    """A file whose token embedding is Q8_0 and which has no `output.weight` (llama.cpp's tied head): the
+    embedding is dequantized, the head is a QuantizedLinear on the embedding's own bytes."""
+    import gguf
+
+    from kernelize.quant.formats import dequantize, quantize
+
+    model, src = saved["q8_0"]
+    packed = quantize(model.model.embed_tokens.weight, "q8_0")
+    writer = gguf.GGUFWriter(str(tmp_path / "tied.gguf"), "llama")
+    kg._add_metadata(writer, gguf, model.config, VOCAB, "q8_0")
+    for t in gguf.GGUFReader(src).tensors:
+        if t.name == "token_embd.weight":
+            writer.add_tensor(t.name, packed.data.numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif t.name != "output.weight":
+            raw = None if t.tensor_type == gguf.GGMLQuantizationType.F32 else t.tensor_type
+            writer.add_tensor(t.name, t.data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    loaded = kg.load(tmp_path / "tied.gguf")
+    assert torch.equal(loaded.lm_head.qweight, packed.data) and not loaded.config.tie_word_embeddings
+    assert torch.equal(loaded.model.embed_tokens.weight, dequantize(packed))
+    assert torch.equal(
+        loaded.model.layers[1].mlp.down_proj.qweight, model.model.layers[1].mlp.down_proj.qweight
+    )
+    assert loaded.generate(torch.tensor([[1, 2]]), max_new_tokens=3, do_sample=False).shape == (1, 5)
+
+
 def test_save_refuses() -> None:
     with pytest.raises(ValueError, match="supported architectures: LlamaForCausalLM"):
         kg.save(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)), "x")
