@@ -122,6 +122,47 @@ def test_packed_embedding_without_output(saved: dict, tmp_path: Path) -> None:
     assert loaded.generate(torch.tensor([[1, 2]]), max_new_tokens=3, do_sample=False).shape == (1, 5)
 
 
+_RSS_SCRIPT = """
+import sys
+import gguf, transformers.models.llama.modeling_llama  # imports are not the load's
+from kernelize.integrations import gguf as kg
+
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+
+before = rss()
+model = kg.load(sys.argv[1])
+print(rss() - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RSS read from /proc")
+def test_load_rss(tmp_path: Path) -> None:
+    """gguf.load maps the file: the memory it adds stays under 1.2x the file's size (a copy of the weights
+    alone would be 1x more)."""
+    import os
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=8000,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    quantize_for_kernelize(model, "q8_0")
+    path = tmp_path / "rss.gguf"
+    kg.save(model, path)
+    del model
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(path)], capture_output=True, text=True, env=env, check=True
+    )
+    added, size = int(done.stdout.split()[-1]), path.stat().st_size
+    assert added <= 1.2 * size, f"load added {added / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB file"
+
+
 def test_save_refuses() -> None:
     with pytest.raises(ValueError, match="supported architectures: LlamaForCausalLM"):
         kg.save(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)), "x")
