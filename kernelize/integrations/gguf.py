@@ -149,9 +149,11 @@ def _packed_of(module: nn.Module, fmt: str, name: str) -> PackedWeight:
 
 def _placeholder_vocab(writer: Any, gguf: Any, vocab: int, config: Any) -> None:
     """A "llama" vocabulary of `vocab` placeholder tokens so the file is complete (no tokenizer is attached
-    to a transformers model): `<unk>`, `<s>`, `</s>`, then `<tok_N>`."""
+    to a transformers model), laid out as Llama's SentencePiece vocabularies are: `<unk>`, `<s>`, `</s>`,
+    the byte tokens `<0x00>`..`<0xFF>` (as many as fit: llama.cpp looks up `<0x0A>`), then `<tok_N>`."""
     special = {0: ("<unk>", gguf.TokenType.UNKNOWN), 1: ("<s>", gguf.TokenType.CONTROL)}
     special[2] = ("</s>", gguf.TokenType.CONTROL)
+    special |= {3 + b: (f"<0x{b:02X}>", gguf.TokenType.BYTE) for b in range(min(256, max(vocab - 3, 0)))}
     tokens = [special[i][0] if i in special else f"<tok_{i}>" for i in range(vocab)]
     types = [int(special[i][1] if i in special else gguf.TokenType.NORMAL) for i in range(vocab)]
     writer.add_tokenizer_model("llama")

@@ -90,6 +90,13 @@ def test_float_model_and_transformers_reader(tmp_path: Path) -> None:
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "lm_head"):
         ref = torch.as_tensor(theirs[f"{name}.weight"]).float()
         assert torch.equal(dequantize(loaded.get_submodule(name).packed), ref), name
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields  # the placeholder vocabulary: Llama's SentencePiece layout
+    tokens, types = fields["tokenizer.ggml.tokens"].contents(), fields["tokenizer.ggml.token_type"].contents()
+    assert len(tokens) == VOCAB and tokens[:3] == ["<unk>", "<s>", "</s>"] and tokens[13] == "<0x0A>"
+    assert types[13] == gguf.TokenType.BYTE and tokens[-1] == "<0xFC>"  # as many byte tokens as fit
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
 
 
 def test_packed_embedding_without_output(saved: dict, tmp_path: Path) -> None:
