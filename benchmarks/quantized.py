@@ -10,6 +10,15 @@ intermediate 2816, vocab 32000) in bf16, eager against ``quantize_model(copy, fm
 (32 new tokens, the prompt's prefill subtracted) and, on an 8-token prompt (the decode kernel's rows), the
 cosine of the logits and the agreement of the argmax with the bf16 model. Writes
 ``benchmarks/results/quantized.json``.
+
+Part 3 (``kernelize``, its own JSON ``benchmarks/results/quantized_kernelize.json``): a random-weight Llama
+(hidden 1536, 8 layers, intermediate 4096, vocab 32000) in bf16: greedy decode tok/s of the eager model,
+``kernelize_model(model)`` and ``kernelize_model(model, quantize="q8_0" / "q4_0")``; the q8_0 model saved with
+``kernelize.integrations.gguf.save`` and loaded back in a fresh process (its RSS increase against the file
+size, and its tok/s); and, when ``llama_cpp`` (llama-cpp-python) imports, llama.cpp's tok/s on that same file
+(else the JSON says "llama.cpp not installed"). The machine's load average is recorded before and after.
+
+    .venv/bin/python benchmarks/quantized.py --parts kernelize
 """
 
 from __future__ import annotations
@@ -17,7 +26,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -127,11 +140,134 @@ def bench_model(repeat: int, new: int = 32) -> dict:
     return out
 
 
+KERNELIZE_CONFIG = {
+    "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 12,
+    "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 512,
+}  # fmt: skip
+
+
+def _decode_tok_s(models: dict, new: int, repeat: int) -> dict[str, float]:
+    """Greedy decode tok/s of each model: `new` tokens after an 8-token prompt, less the prefill."""
+    prompt = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(0))
+
+    def gen(m: torch.nn.Module, n: int) -> torch.Tensor:
+        return m.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    fns = {}
+    for name, m in models.items():
+        fns[name + "/full"] = lambda m=m: gen(m, new)
+        fns[name + "/prefill"] = lambda m=m: gen(m, 1)
+    with torch.inference_mode():
+        med = interleaved(fns, repeat)
+    return {name: (new - 1) / (med[name + "/full"] - med[name + "/prefill"]) for name in models}
+
+
+# run in a fresh process: the RSS a gguf.load adds, against the file's size, and the loaded model's tok/s
+_LOAD_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[3])
+from benchmarks.quantized import _decode_tok_s, _rss
+from kernelize.integrations import gguf
+torch.set_num_threads(int(sys.argv[2]))
+before = _rss()
+model = gguf.load(sys.argv[1], dtype=torch.bfloat16)
+loaded = _rss()
+with torch.inference_mode():
+    model(torch.zeros(1, 1, dtype=torch.long))
+after_forward = _rss()
+tok_s = _decode_tok_s({"gguf": model}, 32, 3)["gguf"]
+print(json.dumps({"rss_before_MB": before / 1e6, "rss_load_MB": (loaded - before) / 1e6,
+                  "rss_load_and_forward_MB": (after_forward - before) / 1e6, "tok_s": tok_s}))
+"""
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _llama_cpp(path: str, threads: int, new: int) -> dict:
+    """llama.cpp's greedy decode tok/s on the GGUF file (the optional comparison)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return {"status": "llama.cpp not installed (pip install llama-cpp-python to compare)"}
+    llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=64, verbose=False)
+    prompt = list(range(3, 11))
+
+    def run(n: int) -> float:
+        llm.reset()
+        t0 = time.perf_counter()
+        for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0)):
+            if i + 1 >= n:
+                break
+        return time.perf_counter() - t0
+
+    run(2)
+    full = statistics.median(run(new) for _ in range(3))
+    first = statistics.median(run(1) for _ in range(3))
+    return {"status": "ran", "tok_s": (new - 1) / (full - first)}
+
+
+def bench_kernelize(threads: int, repeat: int = 3, new: int = 32) -> dict:
+    import transformers
+
+    from kernelize.integrations import gguf
+    from kernelize.integrations.transformers import kernelize_model
+
+    config = transformers.LlamaConfig(**KERNELIZE_CONFIG)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16)
+    models = {"bf16_eager": base}
+    for name in ("bf16_kernelize", "q8_0_kernelize", "q4_0_kernelize"):
+        models[name] = copy.deepcopy(base)
+    setup = {}
+    for name, fmt in (("bf16_kernelize", None), ("q8_0_kernelize", "q8_0"), ("q4_0_kernelize", "q4_0")):
+        t0 = time.perf_counter()
+        kernelize_model(models[name], quantize=fmt)
+        setup[name] = time.perf_counter() - t0
+    out: dict = {"config": {**KERNELIZE_CONFIG, "dtype": "bfloat16"}, "new": new, "threads": threads}
+    out["load_avg_before"] = os.getloadavg()
+    tok_s = _decode_tok_s(models, new, repeat)
+    out["load_avg_after"] = os.getloadavg()
+    for name, value in tok_s.items():
+        out[name] = {"tok_s": value, "vs_bf16_eager": value / tok_s["bf16_eager"]}
+        if name in setup:
+            out[name]["kernelize_model_s"] = setup[name]
+        print(f"{name:15} {value:7.2f} tok/s ({value / tok_s['bf16_eager']:.2f}x eager bf16)", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "llama-q8_0.gguf")
+        t0 = time.perf_counter()
+        gguf.save(models["q8_0_kernelize"], path)
+        size = os.path.getsize(path)
+        out["gguf_q8_0"] = {"save_s": time.perf_counter() - t0, "file_MB": size / 1e6}
+        del models
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run(
+            [sys.executable, "-c", _LOAD_SCRIPT, path, str(threads), root],
+            capture_output=True, text=True, env=env, check=False,
+        )  # fmt: skip
+        if done.returncode == 0:
+            loaded = json.loads(done.stdout.strip().splitlines()[-1])
+            loaded["rss_load_over_file"] = loaded["rss_load_MB"] / (size / 1e6)
+            out["gguf_q8_0"]["load"] = loaded
+        else:
+            out["gguf_q8_0"]["load"] = {"error": done.stderr[-2000:]}
+        print(f"gguf q8_0       {out['gguf_q8_0']}", flush=True)
+        out["llama_cpp"] = _llama_cpp(path, threads, new)
+        print(f"llama.cpp       {out['llama_cpp']}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=21)
-    ap.add_argument("--parts", default="matmul,model")
+    ap.add_argument("--parts", default="matmul,model", help="any of matmul, model, kernelize")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     result: dict = {
@@ -140,6 +276,12 @@ def main() -> None:
         "load_avg_before": Path("/proc/loadavg").read_text().split()[:3],
     }
     parts = args.parts.split(",")
+    if "kernelize" in parts:  # its own file: the matmul / model parts' JSON stays as it was measured
+        result["kernelize"] = bench_kernelize(args.threads)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "quantized_kernelize.json").write_text(json.dumps(result, indent=1))
+        if parts == ["kernelize"]:
+            return
     if "matmul" in parts:
         result["matmul"] = bench_matmul(args.repeat)
     if "model" in parts:

@@ -610,9 +610,26 @@ def _causal_lm(module: nn.Module) -> Recognition | None:
     )
 
 
+# ---- packed projections (kernelize_model(quantize=...)) -------------------------------------------------
+def _packed(module: nn.Module) -> Recognition | None:
+    """An attention or MLP whose projections are `QuantizedLinear`: the kernel layers read float weights, so
+    it runs its own forward (which calls the packed decode kernels)."""
+    from kernelize.quant.model import packed_reason
+
+    name = type(module).__name__
+    if not name.endswith(("Attention", "MLP")):  # a causal LM with a packed `lm_head` is not one
+        return None
+    reason = packed_reason(module)
+    if reason is None:
+        return None
+    kind = "attention" if name.endswith("Attention") else "mlp"
+    return Recognition(kind, None, reason, per_instance=True)
+
+
 # ---- the table ----------------------------------------------------------------------------------------
 # Each rule: module -> Recognition (a layer, or left eager with the reason), or None (not this kind).
 RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (
+    _packed,
     _gated_norm,
     _norm,
     _mlp,
@@ -882,12 +899,27 @@ def _record_verdicts(model: nn.Module, found: Mapping[str, Recognition]) -> None
         record_choice(module, choice)
 
 
+def _prepare(model: nn.Module, mapping: Mapping[str, Any] | None, quantize: str | None) -> Mapping[str, Any]:
+    """The mapping to use (the bundled `default_mapping()` when None), after quantizing the model if asked:
+    before the probe, so the verification's reference is the quantized model's output."""
+    if quantize is not None:
+        from kernelize.quant.model import quantize_for_kernelize
+
+        quantize_for_kernelize(model, quantize)
+    if mapping is None:
+        from kernelize.hub import default_mapping
+
+        return default_mapping()
+    return mapping
+
+
 def kernelize_model(
     model: nn.Module,
     mode: Mode = Mode.INFERENCE,
     mapping: Mapping[str, Any] | None = None,
     device: str | torch.device | None = None,
     verify: bool = True,
+    quantize: str | None = None,
 ) -> nn.Module:
     """Kernelize a transformers model in one call: recognise its layers, mark them, `kernelize`, verify.
 
@@ -901,6 +933,8 @@ def kernelize_model(
             ids, no cache): a kernel forward that raises or whose output differs from the
             module's own (`kernelize.integrations.verify`) is put back to the module's forward, with the
             reason in `inspect`. This also compiles the kernels the probe's shapes need.
+        quantize: `"q8_0"`, `"q4_0"` or `"int8"`: first pack every projection and the LM head
+            (`kernelize.quant.model`); verification then compares with the quantized model's output.
 
     Returns:
         `model`, kernelized in place. `kernelize.inspect(model)` lists every replaced module and every
@@ -914,10 +948,7 @@ def kernelize_model(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize_model: model must be a torch.nn.Module, got {type(model).__name__}.")
-    if mapping is None:
-        from kernelize.hub import default_mapping
-
-        mapping = default_mapping()
+    mapping = _prepare(model, mapping, quantize)
     call = _probe_call(model) if verify else "verify=False"
     want = _model_output(model, call) if verify else None
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)

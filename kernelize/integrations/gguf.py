@@ -1,0 +1,620 @@
+"""GGUF files (llama.cpp's format) in and out of transformers Llama models with packed weights.
+
+* :func:`save` writes a ``LlamaForCausalLM`` as a GGUF file llama.cpp loads: architecture ``llama``, its
+  hyper-parameters, llama.cpp's tensor names, q/k rows permuted as llama.cpp's convert script does for its
+  rotary layout, projections and the LM head as ``Q8_0`` / ``Q4_0`` blocks (a
+  :class:`~kernelize.quant.module.QuantizedLinear` is written as its bytes are, a float layer is quantized
+  first), norms as F32, the token embedding in its float type, and a placeholder vocabulary.
+* :func:`load` builds the model back from a file: the config from the metadata, the model on the meta
+  device, then ``QuantizedLinear`` modules whose packed bytes are the file's tensor bytes as stored (memory
+  mapped, never dequantized; q/k rows un-permuted by moving whole rows of blocks, which is exact since the
+  blocks run along K) and float norms / embeddings.
+
+A file is checked before anything in it is trusted: the whole header is walked with every length and count
+held against the file's size (a 2**60-element array or string is refused before it is read), every tensor's
+type, shape and byte range checked, then the names and shapes held against the config. Any problem is a
+:class:`GGUFError` naming the file, the tensor or key, and what is wrong.
+
+Example:
+    >>> import transformers  # doctest: +SKIP
+    >>> save(model, "tiny.gguf", fmt="q8_0")  # doctest: +SKIP
+    >>> model = load("tiny.gguf")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kernelize.quant.formats import PackedWeight, dequantize, get_format, quantize
+from kernelize.quant.module import QuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+ARCH = "llama"
+PACKED_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}  # our format -> GGMLQuantizationType name
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+# decoder layer submodule -> llama.cpp tensor name (blk.N.<name>.weight)
+LAYER_TENSORS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_NORMS = ("attn_norm", "ffn_norm")
+
+# llama.<key> -> LlamaConfig attribute (as transformers' GGUF_CONFIG_MAPPING["llama"])
+CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "rope.freq_base": "rope_theta",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+}
+_REQUIRED = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be loaded: the message names the file, and the key or tensor at fault."""
+
+
+# ---- saving ---------------------------------------------------------------------------------------------
+def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's ``permute`` of a q/k weight's rows (any trailing layout: floats or rows of blocks): per
+    head, the two rotary halves become interleaved pairs.
+
+    Example:
+        >>> permute_rows(torch.arange(8)[:, None], 1).flatten().tolist()
+        [0, 4, 1, 5, 2, 6, 3, 7]
+    """
+    n = w.shape[0]
+    return w.reshape(n_head, 2, n // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The inverse of :func:`permute_rows`.
+
+    Example:
+        >>> unpermute_rows(permute_rows(torch.arange(8)[:, None], 2), 2).flatten().tolist()
+        [0, 1, 2, 3, 4, 5, 6, 7]
+    """
+    n = w.shape[0]
+    return w.reshape(n_head, n // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _check_saveable(model: nn.Module, fmt: str) -> Any:
+    if type(model).__name__ not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"gguf.save: {type(model).__name__} is not supported; supported architectures: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if fmt not in PACKED_TYPES:
+        raise ValueError(
+            f"gguf.save: fmt must be one of {sorted(PACKED_TYPES)} (GGUF block types), got {fmt!r}"
+        )
+    config = model.config
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise ValueError("gguf.save: projections with biases (attention_bias / mlp_bias) are not written yet")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"gguf.save: rope_type {rope.get('rope_type')!r} is not written yet; only the default rotary"
+        )
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"gguf.save: llama.cpp's llama runs SiLU, the model's hidden_act is {config.hidden_act!r}"
+        )
+    return config
+
+
+def _rope_theta(config: Any) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0))
+
+
+def _packed_of(module: nn.Module, fmt: str, name: str) -> PackedWeight:
+    if isinstance(module, QuantizedLinear):
+        if module.format not in PACKED_TYPES:
+            raise ValueError(
+                f"gguf.save: {name} is packed as {module.format}, which GGUF has no type for; quantize the "
+                f"model to one of {sorted(PACKED_TYPES)}"
+            )
+        if module.bias is not None:
+            raise ValueError(f"gguf.save: {name} has a bias; projections with biases are not written yet")
+        return module.packed
+    if not isinstance(module, nn.Linear):
+        raise ValueError(
+            f"gguf.save: {name} is a {type(module).__name__}, expected nn.Linear or QuantizedLinear"
+        )
+    return quantize(module.weight.detach(), fmt)
+
+
+def _placeholder_vocab(writer: Any, gguf: Any, vocab: int, config: Any) -> None:
+    """A "llama" vocabulary of `vocab` placeholder tokens so the file is complete (no tokenizer is attached
+    to a transformers model), laid out as Llama's SentencePiece vocabularies are: `<unk>`, `<s>`, `</s>`,
+    the byte tokens `<0x00>`..`<0xFF>` (as many as fit: llama.cpp looks up `<0x0A>`), then `<tok_N>`."""
+    special = {0: ("<unk>", gguf.TokenType.UNKNOWN), 1: ("<s>", gguf.TokenType.CONTROL)}
+    special[2] = ("</s>", gguf.TokenType.CONTROL)
+    special |= {3 + b: (f"<0x{b:02X}>", gguf.TokenType.BYTE) for b in range(min(256, max(vocab - 3, 0)))}
+    tokens = [special[i][0] if i in special else f"<tok_{i}>" for i in range(vocab)]
+    types = [int(special[i][1] if i in special else gguf.TokenType.NORMAL) for i in range(vocab)]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types(types)
+    for add, attr, default in (
+        (writer.add_unk_token_id, None, 0),
+        (writer.add_bos_token_id, "bos_token_id", 1),
+        (writer.add_eos_token_id, "eos_token_id", 2),
+    ):
+        value = getattr(config, attr, None) if attr else None
+        value = value if isinstance(value, int) and 0 <= value < vocab else default
+        if value < vocab:
+            add(value)
+
+
+def _float_array(t: torch.Tensor) -> tuple[np.ndarray, Any]:
+    """(array, raw_dtype or None) of a float tensor as GGUF stores it: F32 / F16 as is, BF16 as int16."""
+    import gguf
+
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy(), gguf.GGMLQuantizationType.BF16
+    if t.dtype == torch.float16:
+        return t.numpy(), None
+    return t.float().numpy(), None
+
+
+def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> None:
+    """Write ``model`` (a ``LlamaForCausalLM``, float or quantized) as a GGUF file llama.cpp can load.
+
+    Args:
+        model: the model; its ``QuantizedLinear`` layers are written as they are, float projections are
+            quantized to ``fmt`` (llama.cpp's rounding).
+        path: the file to write.
+        fmt: ``"q8_0"`` or ``"q4_0"``, for the float projections and the file type.
+
+    Example:
+        >>> save(model, "model-q4_0.gguf", fmt="q4_0")  # doctest: +SKIP
+    """
+    import gguf
+
+    config = _check_saveable(model, fmt)
+    writer = gguf.GGUFWriter(os.fspath(path), ARCH)
+    _add_metadata(writer, gguf, config, model.get_input_embeddings().weight.shape[0], fmt)
+    _add_tensors(writer, gguf, model, fmt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    logger.info(
+        "gguf.save: %s (%s, %d layers) -> %s", type(model).__name__, fmt, len(model.model.layers), path
+    )
+
+
+def _add_metadata(writer: Any, gguf: Any, config: Any, vocab: int, fmt: str) -> None:
+    """The hyper-parameters llama.cpp's `llama` reads, the file type and the placeholder vocabulary."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer.add_name(getattr(config, "name_or_path", "") or "kernelize-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(vocab)
+    if head_dim * heads != config.hidden_size:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if fmt == "q8_0" else gguf.LlamaFileType.MOSTLY_Q4_0
+    writer.add_file_type(int(file_type))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _placeholder_vocab(writer, gguf, vocab, config)
+
+
+def _add_tensors(writer: Any, gguf: Any, model: nn.Module, fmt: str) -> None:
+    """Every tensor under llama.cpp's name: packed blocks (q/k rows permuted), F32 norms, the embedding."""
+    heads = {"attn_q": model.config.num_attention_heads, "attn_k": model.config.num_key_value_heads}
+
+    def add_float(name: str, t: torch.Tensor, as_f32: bool = False) -> None:
+        array, raw = _float_array(t.float() if as_f32 else t)
+        writer.add_tensor(name, array, raw_dtype=raw)
+
+    def add_packed(name: str, packed: PackedWeight, n_head: int | None = None) -> None:
+        data = packed.data if n_head is None else permute_rows(packed.data, n_head)
+        raw = getattr(gguf.GGMLQuantizationType, PACKED_TYPES[packed.format.name])
+        writer.add_tensor(name, data.contiguous().numpy(), raw_dtype=raw)
+
+    add_float("token_embd.weight", model.get_input_embeddings().weight)
+    for i, layer in enumerate(model.model.layers):
+        for sub, short in LAYER_TENSORS.items():
+            module = layer.get_submodule(sub)
+            name = f"blk.{i}.{short}.weight"
+            if short in _NORMS:
+                add_float(name, module.weight, as_f32=True)
+            else:
+                add_packed(name, _packed_of(module, fmt, f"model.layers.{i}.{sub}"), heads.get(short))
+    add_float("output_norm.weight", model.model.norm.weight, as_f32=True)
+    add_packed("output.weight", _packed_of(model.lm_head, fmt, "lm_head"))
+
+
+# ---- checking a file before trusting it ------------------------------------------------------------------
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry as checked: name, ggml type name, shape (numpy order: rows first), and the byte
+    range of its data in the file."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+class _Cursor:
+    """Reads the header of a GGUF file, every read and every declared length held against the file's size."""
+
+    def __init__(self, buf: Any, path: str) -> None:
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def fail(self, what: str) -> GGUFError:
+        return GGUFError(f"{self.path}: {what}")
+
+    def take(self, n: int, what: str) -> bytes:
+        if n > self.size - self.pos:
+            raise self.fail(
+                f"truncated file: {what} needs {n} bytes at offset {self.pos}, the file has "
+                f"{self.size - self.pos} left (size {self.size})"
+            )
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, code: str, what: str) -> Any:
+        return struct.unpack("<" + code, self.take(struct.calcsize(code), what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.scalar("Q", f"{what}'s length")
+        if n > self.size - self.pos:
+            raise self.fail(
+                f"truncated file or metadata bomb: {what}: a string of {n} bytes declared at offset "
+                f"{self.pos}, past the end of the file"
+            )
+        try:
+            return self.take(n, what).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.fail(f"{what}: not UTF-8 ({exc})") from None
+
+    def value(self, vtype: int, key: str, depth: int = 0) -> Any:
+        """The value of `key` (arrays of scalars are skipped over, returned as None)."""
+        if vtype in _SCALARS:
+            return self.scalar(_SCALARS[vtype], f"metadata {key!r}")
+        if vtype == _STRING:
+            return self.string(f"metadata {key!r}")
+        if vtype != _ARRAY or depth > 1:
+            raise self.fail(f"metadata {key!r}: unknown value type {vtype}")
+        itype = self.scalar("I", f"metadata {key!r}'s array type")
+        count = self.scalar("Q", f"metadata {key!r}'s array length")
+        if itype in _SCALARS:
+            self.take(count * struct.calcsize(_SCALARS[itype]), f"metadata {key!r}'s array of {count}")
+            return None
+        least = {_STRING: 8, _ARRAY: 12}.get(itype)
+        if least is None:
+            raise self.fail(f"metadata {key!r}: unknown array element type {itype}")
+        if count * least > self.size - self.pos:
+            raise self.fail(
+                f"truncated file or metadata bomb: metadata {key!r}: an array of {count} elements declared "
+                f"at offset {self.pos}, more than the {self.size - self.pos} bytes left in the file can hold"
+            )
+        for _ in range(count):
+            self.value(itype, key, depth + 1)
+        return None
+
+
+def scan(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """Walk a GGUF file's header, checking it against the file: (scalar and string metadata, tensors).
+
+    Raises:
+        GGUFError: not a GGUF file, a truncated one, a length or count larger than the file, an unknown
+            value or tensor type, a tensor whose data lies outside the file.
+    """
+    import gguf
+
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size == 0:
+                raise GGUFError(f"{path}: truncated file: empty")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                return _scan(_Cursor(buf, path), gguf)
+    except OSError as exc:
+        raise GGUFError(f"{path}: cannot read: {exc}") from exc
+
+
+def _scan(c: _Cursor, gguf: Any) -> tuple[dict[str, Any], list[TensorInfo]]:
+    magic = c.take(4, "the magic")
+    if magic != b"GGUF":
+        raise c.fail(f"not a GGUF file: its first bytes are {bytes(magic)!r}, not b'GGUF'")
+    version = c.scalar("I", "the version")
+    if version not in (2, 3):
+        raise c.fail(f"GGUF version {version} is not supported (2 or 3, little-endian)")
+    n_tensors, n_kv = c.scalar("Q", "the tensor count"), c.scalar("Q", "the metadata count")
+    if n_kv * 12 + n_tensors * 24 > c.size - c.pos:
+        raise c.fail(
+            f"truncated file or bad counts: {n_kv} metadata entries and {n_tensors} tensors declared, more "
+            f"than the {c.size - c.pos} bytes left can hold"
+        )
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = c.string("a metadata key")
+        vtype = c.scalar("I", f"metadata {key!r}'s type")
+        if key in meta:
+            raise c.fail(f"metadata {key!r} appears twice")
+        meta[key] = c.value(vtype, key)
+    infos = []
+    for _ in range(n_tensors):
+        name = c.string("a tensor name")
+        n_dims = c.scalar("I", f"tensor {name!r}'s dimension count")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise c.fail(f"tensor {name!r}: {n_dims} dimensions (1 to {_MAX_DIMS})")
+        dims = [c.scalar("Q", f"tensor {name!r}'s dimensions") for _ in range(n_dims)]
+        raw = c.scalar("I", f"tensor {name!r}'s type")
+        offset = c.scalar("Q", f"tensor {name!r}'s offset")
+        try:
+            qtype = gguf.GGMLQuantizationType(raw)
+        except ValueError:
+            raise c.fail(f"tensor {name!r}: unknown ggml type {raw}") from None
+        infos.append((name, dims, qtype, offset))
+    alignment = meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise c.fail(f"general.alignment {alignment!r} is not a power of two")
+    data = -(-c.pos // alignment) * alignment
+    tensors, names = [], set()
+    for name, dims, qtype, offset in infos:
+        if name in names:
+            raise c.fail(f"tensor {name!r} appears twice")
+        names.add(name)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if dims[0] % block:
+            raise c.fail(
+                f"tensor {name!r}: {dims[0]} elements per row, not a multiple of {qtype.name}'s {block}"
+            )
+        nbytes = int(np.prod(dims, dtype=object)) // block * type_size
+        start = data + offset
+        if offset % alignment or start + nbytes > c.size:
+            raise c.fail(
+                f"tensor {name!r}: data at [{start}, {start + nbytes}) lies outside the file (size {c.size}) "
+                f"or is not aligned to {alignment}"
+            )
+        tensors.append(TensorInfo(name, qtype.name, tuple(reversed(dims)), start, nbytes))
+    return meta, tensors
+
+
+# ---- loading --------------------------------------------------------------------------------------------
+def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> Any:
+    import transformers
+
+    arch = meta.get("general.architecture")
+    if arch != ARCH:
+        raise GGUFError(
+            f"{path}: general.architecture is {arch!r}; supported: {ARCH!r} "
+            f"({', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    kwargs: dict[str, Any] = {}
+    for key, attr in CONFIG_KEYS.items():
+        value = meta.get(f"{ARCH}.{key}")
+        if value is None:
+            if key in _REQUIRED:
+                raise GGUFError(f"{path}: metadata {ARCH}.{key} is missing")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise GGUFError(f"{path}: metadata {ARCH}.{key} = {value!r} is not a positive number")
+        kwargs[attr] = value
+    kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
+    for attr in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads"):
+        if not isinstance(kwargs.get(attr, 1), int):
+            raise GGUFError(f"{path}: metadata for {attr} is {kwargs[attr]!r}, not an integer")
+    layers = kwargs["num_hidden_layers"]
+    if layers * len(LAYER_TENSORS) > len(tensors):  # before anything is sized by it
+        raise GGUFError(
+            f"{path}: {ARCH}.block_count = {layers}, but the file has only {len(tensors)} tensors"
+        )
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = meta.get(f"{ARCH}.vocab_size", embd.shape[0])
+    hidden, heads, kv = kwargs["hidden_size"], kwargs["num_attention_heads"], kwargs["num_key_value_heads"]
+    head_dim = meta.get(f"{ARCH}.attention.key_length") or hidden // heads
+    for key, value in (("vocab_size", vocab), ("attention.key_length", head_dim), ("head_count_kv", kv)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise GGUFError(f"{path}: metadata {ARCH}.{key} = {value!r} is not an integer")
+    if heads % kv or head_dim % 2 or head_dim * heads == 0:
+        raise GGUFError(
+            f"{path}: {heads} attention heads, {kv} key/value heads, head size {head_dim}: not Llama's"
+        )
+    rope = {"rope_type": "default", "rope_theta": float(kwargs.pop("rope_theta", 10000.0))}
+    special = {
+        k: meta[f"tokenizer.ggml.{k}"]
+        for k in ("bos_token_id", "eos_token_id")
+        if isinstance(meta.get(f"tokenizer.ggml.{k}"), int)
+    }
+    return transformers.LlamaConfig(
+        vocab_size=int(vocab), head_dim=int(head_dim), rope_parameters=rope,
+        tie_word_embeddings="output.weight" not in tensors and embd.type_name in FLOAT_TYPES,
+        attention_bias=False, mlp_bias=False,
+        hidden_act="silu", **special, **kwargs,
+    )  # fmt: skip
+
+
+def _expected(config: Any) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape (rows first) a file of `config` holds."""
+    h, hd, f = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    per_layer = {
+        "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
+        "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f), "attn_norm": (h,), "ffn_norm": (h,),
+    }  # fmt: skip
+    want = {"token_embd.weight": (config.vocab_size, h), "output_norm.weight": (h,)}
+    want["output.weight"] = (config.vocab_size, h)  # optional: without it the head is the embedding
+    for i in range(config.num_hidden_layers):
+        want |= {f"blk.{i}.{k}.weight": shape for k, shape in per_layer.items()}
+    return want
+
+
+def _check_tensors(path: str, config: Any, tensors: dict[str, TensorInfo]) -> None:
+    want = _expected(config)
+    missing = [n for n in want if n not in tensors and n != "output.weight"]
+    if missing:
+        raise GGUFError(f"{path}: tensors missing for the config: {', '.join(missing[:5])}")
+    extra = [n for n in tensors if n not in want]
+    if extra:
+        raise GGUFError(f"{path}: tensors a Llama of this config has no place for: {', '.join(extra[:5])}")
+    packed = tuple(PACKED_TYPES.values())
+    for name, shape in want.items():
+        info = tensors.get(name)
+        if info is None:
+            continue
+        if info.shape != shape:
+            raise GGUFError(
+                f"{path}: tensor {name!r} has shape {list(info.shape)}, the config says {list(shape)}"
+            )
+        norm = len(shape) == 1
+        allowed = FLOAT_TYPES if norm else (*FLOAT_TYPES, *packed) if name == "token_embd.weight" else packed
+        if info.type_name not in allowed:
+            raise GGUFError(
+                f"{path}: tensor {name!r} is {info.type_name}, which is not supported here; supported: "
+                f"{', '.join(allowed)}"
+            )
+
+
+def _tensor(reader_tensor: Any, info: TensorInfo) -> torch.Tensor:
+    """The file's data of one tensor, memory mapped: floats as their dtype, packed types as uint8 rows."""
+    data = torch.from_numpy(reader_tensor.data)
+    if info.type_name == "BF16":
+        return data.view(torch.bfloat16).reshape(info.shape)
+    return data
+
+
+def _float_param(t: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(t.to(dtype), requires_grad=False)
+
+
+def _quantized(data: torch.Tensor, type_name: str, n: int, k: int) -> QuantizedLinear:
+    fmt = {v: k for k, v in PACKED_TYPES.items()}[type_name]
+    with torch.device("meta"):
+        q = QuantizedLinear(k, n, fmt, bias=False)
+    q.set_packed(PackedWeight(data.reshape(n, -1), get_format(fmt), (n, k)))
+    return q
+
+
+def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A ``LlamaForCausalLM`` from a GGUF file, with ``QuantizedLinear`` projections on the file's bytes.
+
+    Args:
+        path: a GGUF file of architecture ``llama`` whose projections and output are ``Q8_0`` or ``Q4_0``
+            and whose norms are float (the token embedding may be float or ``Q8_0`` / ``Q4_0``: dequantized).
+        dtype: the float type of the embedding and the norms.
+
+    Returns:
+        The model in eval mode; its packed weights are views of the memory-mapped file.
+
+    Raises:
+        GGUFError: the file is not one this can load (the message says which tensor or key, and why).
+
+    Example:
+        >>> model = load("model-q8_0.gguf")  # doctest: +SKIP
+    """
+    import gguf
+    import transformers
+
+    path = os.fspath(path)
+    meta, infos = scan(path)
+    tensors = {t.name: t for t in infos}
+    config = _config(path, meta, tensors)
+    _check_tensors(path, config, tensors)
+    try:
+        reader = gguf.GGUFReader(path, "c")  # copy-on-write: writable arrays for torch, the file untouched
+    except Exception as exc:  # the header was checked; whatever the reader still refuses, name the file
+        raise GGUFError(f"{path}: gguf.GGUFReader refused it: {type(exc).__name__}: {exc}") from exc
+    data = {t.name: t for t in reader.tensors}
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    _install(model, lambda name: _tensor(data[name], tensors[name]), tensors, dtype)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers, on the CPU
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    assert not left, f"gguf.load left tensors on the meta device: {left}"
+    logger.info("gguf.load: %s -> LlamaForCausalLM (%d layers)", path, config.num_hidden_layers)
+    return model.eval()
+
+
+def _install(model: nn.Module, get: Any, tensors: dict[str, TensorInfo], dtype: torch.dtype) -> None:
+    """Put the file's tensors (`get(name)`: memory mapped) into the meta-device `model`: `QuantizedLinear`
+    projections on the packed bytes (q/k rows un-permuted), float norms and embedding. Without an
+    `output.weight` the head is the embedding: packed on its bytes when the embedding is packed."""
+    config = model.config
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    embd = tensors["token_embd.weight"]
+    if embd.type_name in FLOAT_TYPES:
+        weight = get(embd.name)
+    else:
+        fmt = get_format({v: k for k, v in PACKED_TYPES.items()}[embd.type_name])
+        weight = dequantize(PackedWeight(get(embd.name).reshape(embd.shape[0], -1), fmt, embd.shape))
+    model.model.embed_tokens.weight = _float_param(weight, dtype)
+    for i, layer in enumerate(model.model.layers):
+        for sub, short in LAYER_TENSORS.items():
+            name = f"blk.{i}.{short}.weight"
+            parent, _, leaf = sub.rpartition(".")
+            owner = layer.get_submodule(parent) if parent else layer
+            if short in _NORMS:
+                getattr(owner, leaf).weight = _float_param(get(name), dtype)
+                continue
+            t = get(name)
+            if short in heads:
+                t = unpermute_rows(t.reshape(tensors[name].shape[0], -1), heads[short]).contiguous()
+            setattr(owner, leaf, _quantized(t, tensors[name].type_name, *tensors[name].shape))
+    model.model.norm.weight = _float_param(get("output_norm.weight"), dtype)
+    head = tensors.get("output.weight", embd)
+    if head.type_name in FLOAT_TYPES:  # a float embedding as the head: tied, as transformers ties it
+        model.lm_head.weight = model.model.embed_tokens.weight
+    else:
+        model.lm_head = _quantized(get(head.name), head.type_name, *head.shape)
+
+
+__all__ = [
+    "GGUFError",
+    "SUPPORTED_ARCHITECTURES",
+    "TensorInfo",
+    "load",
+    "permute_rows",
+    "save",
+    "scan",
+    "unpermute_rows",
+]

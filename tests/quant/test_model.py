@@ -1,0 +1,96 @@
+"""kernelize_model(model, quantize=...): packed projections on a tiny Llama, kernels around them."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from kernelize.integrations.transformers import kernelize_model
+from kernelize.layer.record import inspect
+from kernelize.quant.model import packed_reason, quantize_for_kernelize
+from kernelize.quant.module import QuantizedLinear
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _bytes(model: nn.Module) -> int:
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+@pytest.mark.parametrize("fmt, floor", [("q8_0", 0.999), ("q4_0", 0.98)])
+def test_quantized_kernelize_model(fmt: str, floor: float) -> None:
+    model = _llama()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    before = _bytes(model)
+    kernelize_model(model, quantize=fmt)
+    assert isinstance(model.lm_head, QuantizedLinear) and isinstance(
+        model.model.layers[0].mlp.up_proj, QuantizedLinear
+    )
+    assert type(model.model.embed_tokens) is nn.Embedding
+    assert _bytes(model) < 0.6 * before  # the float projection weights are gone
+    with torch.no_grad():
+        got = model(ids).logits
+    assert _cosine(got, want) > floor
+    choices = inspect(model)
+    attn, mlp = choices["model.layers.0.self_attn"], choices["model.layers.0.mlp"]
+    assert not attn.uses_kernel and f"packed {fmt} weights" in attn.reason and "q_proj, k_proj" in attn.reason
+    assert not mlp.uses_kernel and "QuantizedLinear projections (gate_proj, up_proj, down_proj)" in mlp.reason
+    assert choices["model.norm"].uses_kernel  # the norms keep their kernels
+    assert not any("withdrawn" in n or "differs" in n for c in choices.values() for n in c.notes)
+    out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 9)
+
+
+def test_state_dict_round_trip() -> None:
+    model = _llama()
+    quantize_for_kernelize(model, "q4_0")
+    fresh = _llama(seed=1)
+    quantize_for_kernelize(fresh, "q8_0")  # another format: the loaded buffers take the stored ones'
+    fresh.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+    assert fresh.model.layers[1].self_attn.q_proj.format == "q4_0"
+
+
+def test_skipped_and_reasons() -> None:
+    model = nn.Module()
+    model.up_proj, model.odd = nn.Linear(64, 8), nn.Linear(40, 8)
+    records: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("kernelize.quant.model")
+    log.addHandler(handler)
+    level, log.level = log.level, logging.INFO
+    try:
+        summary = quantize_for_kernelize(model, "int8")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert summary.replaced == ["up_proj"] and any("odd stays float" in r for r in records)
+    assert (
+        packed_reason(model)
+        == "packed int8 weights: the module runs its QuantizedLinear projections (up_proj)"
+    )
+    assert packed_reason(nn.Linear(4, 4)) is None
+    with pytest.raises(ValueError, match="unknown quantized format 'q5_k'"):
+        quantize_for_kernelize(model, "q5_k")
