@@ -368,3 +368,15 @@ def test_scaled_rotary_tables_from_the_model_feed_the_kernel(rope: dict) -> None
     with kernelized(eager) as fast:
         assert kernelize.inspect(fast)["model.layers.0.self_attn"].uses_kernel
         assert_same_logits_and_tokens(eager, fast, ids, mask)
+
+
+def test_the_mlp_activation_is_the_closest_one_not_the_first_close_one() -> None:
+    """GPT-2's MLP module has no config: erf GELU, first in the table, is within the probe's tolerance of
+    its gelu_new; the layer takes gelu_new and the model keeps the kernel (it was withdrawn by 1e-4)."""
+    from kernelize.models import zoo
+
+    eager = zoo.tiny_causal_lm("gpt2")
+    with kernelized(eager) as fast:
+        mlp = fast.transformer.h[0].mlp
+        assert mlp.kernelize_dense_mlp[2] in ("gelu_new", "gelu_pytorch_tanh")
+        assert kernelize.inspect(fast)["transformer.h.0.mlp"].uses_kernel
