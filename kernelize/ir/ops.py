@@ -324,4 +324,4 @@ class ConcatArgs:
 
 
 # typed op arguments (printed field by field)
-TYPED_ARGS = (AttentionArgs, NormArgs, ConvArgs, PoolArgs, PadArgs, ClampArgs, ConcatArgs)
+TYPED_ARGS = (AttentionArgs, ExpertsArgs, NormArgs, ConvArgs, PoolArgs, PadArgs, ClampArgs, ConcatArgs)

@@ -31,7 +31,8 @@ from kernelize.autokernel.plan import plan
 from kernelize.codegen import cpu, cpu_backend, cpu_build
 from kernelize.codegen.template import load_template
 from kernelize.ir.dtypes import DType
-from kernelize.ir.graph import Op
+from kernelize.ir.graph import Graph, Op
+from kernelize.quant import kernels as quant_kernels
 
 CROSS = "aarch64-linux-gnu-g++"
 needs_cross = pytest.mark.skipif(
@@ -127,6 +128,16 @@ def _planned(g) -> list:
     return [k for k in plan(g, backend.plan_settings).kernels if backend.generates(k)]
 
 
+def experts_graph(dtype: DType):
+    """A gated SiLU experts layer: 8 experts of intermediate 24 over hidden 40, top-2."""
+    g = Graph()
+    x = g.input("x", ("tokens", 40), dtype)
+    index, weights = g.input("index", ("tokens", 2), "i64"), g.input("weights", ("tokens", 2), "f32")
+    up, down = g.input("up", (8, 48, 40), dtype), g.input("down", (8, 40, 24), dtype)
+    g.output(g.experts(x, index, weights, up, down, act="silu"))
+    return g
+
+
 @functools.cache
 def sources() -> dict[str, str]:
     """{name: C++ source} of the representative kernels: each function a kernel compiles to (a matmul: its
@@ -151,9 +162,12 @@ def sources() -> dict[str, str]:
         mp.setattr("kernelize.autokernel.conv.CHAIN_MIN_BYTES", 0)
         graphs["conv_chain"] = conv_chain_graph(1, 9, 8, 48, 8, 3, 1, residual=True)
         kernels = {name: _planned(g) for name, g in graphs.items()}
+    for dt in (DType.F32, DType.BF16):  # the grouped-expert kernel (few-pair path)
+        kernels[f"experts_{dt.name.lower()}"] = _planned(experts_graph(dt))
     kernels["attention_causal_gqa_f32"] = [attention_kernel(4, 1, 64, 64, DType.F32, causal=True)]
     kernels["attention_bool_mask_bf16"] = [attention_kernel(2, 2, 64, 64, DType.BF16, mask="bool")]
     out = {"replay": load_template("cpu_replay.cpp")}
+    out.update({f"quant_{fmt}": quant_kernels.source(fmt) for fmt in ("q8_0", "q4_0", "int8")})
     for name, ks in kernels.items():
         assert ks, f"{name}: no generated kernel"
         for k in ks:
@@ -165,7 +179,7 @@ def sources() -> dict[str, str]:
 
 def test_the_kernels_cover_every_kind_and_cpu_template():
     kinds = {name.rpartition("-")[2] for name in sources()}
-    assert {"pointwise", "row", "matmul", "conv", "conv_chain", "attention"} <= kinds
+    assert {"pointwise", "row", "matmul", "conv", "conv_chain", "attention", "experts"} <= kinds
     matmuls = [name for name in sources() if name.endswith("-matmul")]
     assert any(n.endswith("_epilogue-matmul") for n in matmuls)  # the epilogue after torch's GEMM ...
     assert any(not n.endswith("_epilogue-matmul") for n in matmuls)  # ... and the few-row function
@@ -194,14 +208,17 @@ def test_generated_sources_compile_for_aarch64(tmp_path):
     srcs = sources()
     jobs = [(name, src, aarch64_flags()) for name, src in srcs.items()]
     # one unit of them all without OpenMP, as Apple clang builds them (the prelude's one-thread stand-ins),
-    # where <omp.h> does not exist; attention kernels build alone (CpuBackend.compile_many)
-    kernels = [src for name, src in srcs.items() if name != "replay" and not name.endswith("-attention")]
+    # where <omp.h> does not exist; attention and experts kernels build alone (CpuBackend.compile_many),
+    # and each packed-weight format is a library of its own (kernelize.quant.kernels)
+    alone = [name for name in srcs if name.endswith(("-attention", "-experts")) or name.startswith("quant_")]
+    kernels = [src for name, src in srcs.items() if name != "replay" and name not in alone]
     shared = [load_template(t) for t in ("cpu_prelude.h", "cpu_gemv.h", "cpu_conv.h")]
     (tmp_path / "no_openmp").mkdir()
     (tmp_path / "no_openmp" / "omp.h").write_text('#error "no <omp.h>: Apple clang has no OpenMP"\n')
     no_omp = [*aarch64_flags(openmp=False), "-I", str(tmp_path / "no_openmp")]
     jobs.append(("all_kernels_no_openmp", cpu_build.unit_source(kernels, shared), no_omp))
-    assert "-fopenmp" not in jobs[-1][2] and "-fopenmp" in jobs[0][2]
+    jobs += [(f"{name}_no_openmp", srcs[name], no_omp) for name in alone]
+    assert all("-fopenmp" not in job[2] for job in jobs[len(srcs) :]) and "-fopenmp" in jobs[0][2]
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         failed = [log for log in pool.map(lambda job: _compile(job, tmp_path), jobs) if log]
     assert not failed, f"{len(failed)} of {len(jobs)} sources fail to compile for aarch64:\n" + "\n".join(

@@ -79,7 +79,8 @@ static void kz_quantize_rows(const XT* x, int64_t m, int64_t k, int8_t* xq, floa
             float v[KZ_QK], amax = 0.0f;
             for (int i = 0; i < KZ_QK; ++i) {
                 v[i] = kz_ld(src, i);
-                amax = fmaxf(amax, fabsf(v[i]));
+                const float a = fabsf(v[i]);  // not fmaxf: aarch64 gcc 12's vectoriser crashes on it here
+                amax = a > amax ? a : amax;
             }
             const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
             for (int i = 0; i < KZ_QK; ++i) xq[r * k + b * KZ_QK + i] = (int8_t)rintf(v[i] * id);
