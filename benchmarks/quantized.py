@@ -39,22 +39,11 @@ import torch.nn.functional as F
 
 from kernelize import quant
 
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import interleaved  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 FORMATS = ("q8_0", "q4_0", "int8")
-
-
-def interleaved(fns: dict, repeat: int, inner: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin so load changes hit all alike."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times[name].append((time.perf_counter() - t0) / inner)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def bench_matmul(repeat: int, n: int = 11008, k: int = 4096) -> dict:
@@ -121,7 +110,7 @@ def bench_model(repeat: int, new: int = 32) -> dict:
         for name, m in variants.items():
             fns[name + "/full"] = lambda m=m: gen(m, new)
             fns[name + "/prefill"] = lambda m=m: gen(m, 1)
-        med = interleaved(fns, repeat)
+        med = interleaved(fns, repeat, inner=1)
     for name in variants:
         tok_s = (new - 1) / (med[name + "/full"] - med[name + "/prefill"])
         row = {"tok_s": tok_s, "vs_bf16": None}
@@ -158,7 +147,7 @@ def _decode_tok_s(models: dict, new: int, repeat: int) -> dict[str, float]:
         fns[name + "/full"] = lambda m=m: gen(m, new)
         fns[name + "/prefill"] = lambda m=m: gen(m, 1)
     with torch.inference_mode():
-        med = interleaved(fns, repeat)
+        med = interleaved(fns, repeat, inner=1)
     return {name: (new - 1) / (med[name + "/full"] - med[name + "/prefill"]) for name in models}
 
 
