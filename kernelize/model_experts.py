@@ -20,9 +20,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from kernelize.model_attention import note_fallback
 __all__ = [
     "EXPERTS_LAYER",
     "EXPERTS_NAME",
+    "Routing",
     "experts_activation",
     "experts_blocker",
     "experts_forward",
@@ -232,3 +235,83 @@ def use_experts_function(model: torch.nn.Module, mode: Mode, device: Any = None)
     except (ValueError, KeyError, RuntimeError) as exc:
         return f"experts implementation unchanged: {exc}", None
     return f"experts implementation set to `{EXPERTS_NAME}` ({served} of {len(found)} modules)", previous
+
+
+class Routing:
+    """The routing (``top_k_index``, ``top_k_weights``) each experts module of a model was called with during
+    one forward, replayed in a later one.
+
+    The one call's whole-model check compares the kernelized model's output with the model's own on a
+    probe. Top-k routing is discontinuous: a rounding difference anywhere upstream (a bf16 kernel, a fused
+    norm) flips a near-tie token to another expert and its logits move by far more than the dtype's
+    tolerance, so a correct kernel would be withdrawn. Replaying the reference forward's routing removes
+    the discontinuity and nothing else: a wrong kernel still changes the output it is compared on.
+
+    Example:
+        >>> routing = Routing(model)  # doctest: +SKIP
+        >>> with routing.recording():  # doctest: +SKIP
+        ...     want = model(ids)
+        >>> got = routing.pinning(lambda: model(ids))()  # doctest: +SKIP
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.modules = list(experts_modules(model).values())
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Within: each experts module call's routing is recorded, in call order."""
+
+        def hook(module, args, kwargs):
+            routed = _routing_args(args, kwargs)
+            if routed is not None:
+                self.calls.append((id(module), routed[0].clone(), routed[1].clone()))
+
+        with _hooks(self.modules, hook):
+            yield
+
+    def pinning(self, call: Callable[[], Any]) -> Callable[[], Any]:
+        """``call`` with each experts module call taking the recorded routing (when the calls line up)."""
+        if not self.calls:
+            return call
+
+        def pinned() -> Any:
+            queue = list(self.calls)
+
+            def hook(module, args, kwargs):
+                routed = _routing_args(args, kwargs)
+                if (
+                    routed is None
+                    or not queue
+                    or queue[0][0] != id(module)
+                    or queue[0][1].shape != routed[0].shape
+                ):
+                    return None
+                _, index, weights = queue.pop(0)
+                return (args[0], index, weights.to(routed[1].dtype), *args[3:]), kwargs
+
+            with _hooks(self.modules, hook):
+                return call()
+
+        return pinned
+
+
+def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(top_k_index, top_k_weights) of an experts module call passed positionally, else None."""
+    if (
+        len(args) >= 3
+        and all(isinstance(a, torch.Tensor) for a in args[1:3])
+        and not args[1].is_floating_point()
+    ):
+        return args[1], args[2]
+    return None
+
+
+@contextlib.contextmanager
+def _hooks(modules: list[torch.nn.Module], hook) -> Iterator[None]:
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

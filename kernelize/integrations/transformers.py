@@ -59,6 +59,7 @@ from kernelize.model_attention import KERNEL_UNAVAILABLE, attention_forward, att
 from kernelize.model_experts import (
     EXPERTS_LAYER,
     EXPERTS_NAME,
+    Routing,
     experts_modules,
     keep_experts,
     use_experts_function,
@@ -966,7 +967,10 @@ def kernelize_model(
         raise TypeError(f"kernelize_model: model must be a torch.nn.Module, got {type(model).__name__}.")
     mapping = _prepare(model, mapping, quantize)
     call = _probe_call(model) if verify else "verify=False"
-    want = _model_output(model, call) if verify else None
+    routing = Routing(model)  # the reference forward's routing, replayed by every later probe forward
+    with routing.recording():
+        want = _model_output(model, call) if verify else None
+    call = call if isinstance(call, str) else routing.pinning(call)
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     _adopt_lm_head(model)
     if Mode.TRAINING in mode:  # inference: torch's embedding is a row copy; a kernel call adds ~20 us

@@ -110,3 +110,38 @@ def test_an_experts_kernel_that_changes_the_output_is_withdrawn(monkeypatch) -> 
 )
 def test_the_activation_is_recognised_by_its_values(act, name) -> None:
     assert model_experts.experts_activation(act) == name
+
+
+def test_bf16_routing_flips_do_not_withdraw_a_correct_kernel_but_a_wrong_one_still_goes(monkeypatch) -> None:
+    """The whole-model check replays the reference forward's routing (`model_experts.Routing`): in bf16 a
+    rounding difference upstream flips near-tie tokens to other experts, which moved the logits past the
+    tolerance and withdrew every kernel; with the routing pinned a correct model keeps its kernels and a
+    wrong experts kernel is still caught."""
+    import kernelize.experts
+
+    eager = family("qwen3_moe").to(torch.bfloat16)
+    with kernelized(eager) as fast:
+        assert fast.config._experts_implementation == model_experts.EXPERTS_NAME
+        assert all(c.uses_kernel for c in experts_choices(fast).values())
+    real = kernelize.experts.grouped_experts
+    monkeypatch.setattr(kernelize.experts, "grouped_experts", lambda *a, **k: real(*a, **k) * 1.5)
+    with kernelized(eager) as fast:
+        assert fast.config._experts_implementation != model_experts.EXPERTS_NAME
+
+
+def test_the_routing_replay_pins_what_the_reference_forward_chose() -> None:
+    eager = family("mixtral")
+    ids, mask = zoo.padded_batch(eager.config.vocab_size)
+    routing = model_experts.Routing(eager)
+    with routing.recording(), torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=mask).logits
+    assert len(routing.calls) == len(model_experts.experts_modules(eager))
+    seen = []
+    experts = next(iter(model_experts.experts_modules(eager).values()))
+    handle = experts.register_forward_hook(lambda m, args, out: seen.append(args[1].clone()))
+    try:
+        with torch.no_grad():  # other inputs: the replay still hands the first forward's routing
+            routing.pinning(lambda: eager(input_ids=ids.flip(1), attention_mask=mask))()
+    finally:
+        handle.remove()
+    assert torch.equal(seen[0], routing.calls[0][1]) and want.isfinite().all()
