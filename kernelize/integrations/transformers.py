@@ -930,6 +930,16 @@ def _prepare(model: nn.Module, mapping: Mapping[str, Any] | None, quantize: str 
     return mapping
 
 
+def _reference(model: nn.Module, verify: bool) -> tuple[Callable[[], Any] | str, Any]:
+    """The probe forward (or why there is none) and the model's own output on it. The probe replays the
+    routing of the reference forward (`Routing`): a near-tie token routed elsewhere is no kernel's fault."""
+    call = _probe_call(model) if verify else "verify=False"
+    routing = Routing(model)
+    with routing.recording():
+        want = _model_output(model, call) if verify else None
+    return (call if isinstance(call, str) else routing.pinning(call)), want
+
+
 def kernelize_model(
     model: nn.Module,
     mode: Mode = Mode.INFERENCE,
@@ -966,11 +976,7 @@ def kernelize_model(
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize_model: model must be a torch.nn.Module, got {type(model).__name__}.")
     mapping = _prepare(model, mapping, quantize)
-    call = _probe_call(model) if verify else "verify=False"
-    routing = Routing(model)  # the reference forward's routing, replayed by every later probe forward
-    with routing.recording():
-        want = _model_output(model, call) if verify else None
-    call = call if isinstance(call, str) else routing.pinning(call)
+    call, want = _reference(model, verify)
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     _adopt_lm_head(model)
     if Mode.TRAINING in mode:  # inference: torch's embedding is a row copy; a kernel call adds ~20 us
