@@ -115,8 +115,6 @@ def _check(x, index, weights, up, down, act: str, gated: bool) -> None:
         raise ExpertsUnsupported(f"index dtype {index.dtype}: the kernels take int64 or int32")
     if any(o.device != x.device for o in ops):
         raise ExpertsUnsupported("x, index, weights, up and down must be on one device")
-    if torch.is_grad_enabled() and any(o.requires_grad for o in ops):
-        raise ExpertsUnsupported("the experts kernels have no backward; inputs require grad")
 
 
 # (backend, device, dtypes, static sizes, args) -> (launch function, what ran for kernelize.inspect)
