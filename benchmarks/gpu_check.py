@@ -10,7 +10,9 @@ Every section runs on `--device` (default `cuda`), so the same code runs on the 
 2. `attention`: the generated attention kernel against torch's SDPA (causal, GQA), max difference and times;
 3. `llm`: a ~1 B-parameter transformers Llama (bf16; `--quick`: tiny) through `kernelize_model`: prefill of
    512 tokens and greedy decode of 32, against eager (and `torch.compile` for prefill), same tokens;
-4. `training`: one training step of the demo decoder (`Mode.TRAINING`), gradients against eager, times.
+4. `training`: one training step of the demo decoder (`Mode.TRAINING`), gradients against eager, times;
+5. `moe`: a Qwen3-MoE layout (`benchmarks/moe.py`; bf16, `--quick`: tiny, f32) through `kernelize_model`: the
+   grouped-expert kernel in every MoE layer, prefill and decode against eager (`grouped_mm`), same tokens.
 
 Writes `<out>/<section>.json` (machine, versions, command, date in each) and prints one line per section.
 A section that fails is recorded with its error and the rest still run; the exit code is 1 if any failed.
@@ -231,11 +233,56 @@ def section_training(device: str, quick: bool, repeat: int) -> dict:
     return {"max_rel_grad_diff": worst, "ms": ms}
 
 
+def section_moe(device: str, quick: bool, repeat: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from moe import build
+
+    from kernelize import inspect
+    from kernelize.integrations.transformers import kernelize_model
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    eager = build("tiny" if quick else "qwen3-moe", dtype).to(device)
+    fast = kernelize_model(copy.deepcopy(eager))
+    experts = [c for c in inspect(fast).values() if c.layer_name == "Experts"]
+    served = sum(c.uses_kernel for c in experts)
+    vocab = eager.config.vocab_size
+    prompt = torch.randint(1, vocab, (1, 64 if quick else 512), device=device)
+    short = prompt[:, :16]
+    kw = dict(max_new_tokens=8 if quick else 32, do_sample=False, pad_token_id=0)
+    kw["min_new_tokens"] = kw["max_new_tokens"]
+    with torch.no_grad():
+        same = torch.equal(eager.generate(short, **kw), fast.generate(short, **kw))
+        diff, routed_diff = _pinned_diff(eager, fast, prompt)
+        prefill = timed({"eager": lambda: eager(prompt, logits_to_keep=1),
+                         "kernelize": lambda: fast(prompt, logits_to_keep=1)}, device, repeat)  # fmt: skip
+        runs = {"eager": lambda: eager.generate(short, **kw), "kernelize": lambda: fast.generate(short, **kw)}
+        decode = timed(runs, device, max(2, repeat // 3))
+    assert served == len(experts) > 0, f"the expert kernel serves {served} of {len(experts)} MoE layers"
+    assert diff <= 2e-2, f"logits differ by {diff:.3g} of the largest (eager's routing replayed)"
+    return {"dtype": str(dtype), "experts_layers": len(experts), "served": served, "same_tokens": same,
+            "max_rel_logit_diff": diff, "max_rel_logit_diff_own_routing": routed_diff,
+            "prefill_ms": prefill, "decode_ms": decode}  # fmt: skip
+
+
+def _pinned_diff(eager: torch.nn.Module, fast: torch.nn.Module, prompt: torch.Tensor) -> tuple[float, float]:
+    """The logits' difference with eager's routing replayed in `fast` (top-k is discontinuous: a bf16
+    rounding upstream flips near-tie tokens to other experts), and with `fast`'s own routing."""
+    from kernelize.model_experts import Routing
+
+    want_routing, pinned = Routing(eager), Routing(fast)
+    with want_routing.recording():
+        want = eager(prompt).logits
+    same_module = {id(a): id(b) for a, b in zip(want_routing.modules, pinned.modules, strict=True)}
+    pinned.calls = [(same_module[m], index, weights) for m, index, weights in want_routing.calls]
+    return _max_rel(pinned.pinning(lambda: fast(prompt).logits)(), want), _max_rel(fast(prompt).logits, want)
+
+
 SECTIONS = {
     "layers": section_layers,
     "attention": section_attention,
     "llm": section_llm,
     "training": section_training,
+    "moe": section_moe,
 }
 
 
