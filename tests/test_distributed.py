@@ -122,3 +122,63 @@ def test_two_process_training_matches_single_process(mode: str, family: str, tmp
         assert step_got.keys() == step_want.keys()
         for name, g in step_got.items():
             torch.testing.assert_close(g, step_want[name], rtol=1e-5, atol=1e-6, msg=f"{mode} {name}")
+
+
+def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A tiny Llama sharded with torch's tensor-parallel plans (q, k, v, gate, up colwise; o, down rowwise),
+    then the one call: rank 0 saves the eager and kernelized logits, greedy tokens and `inspect`'s lines."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from kernelize.integrations.transformers import kernelize_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        sizes = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, **sizes)
+        config._attn_implementation = "sdpa"
+        model = transformers.LlamaForCausalLM(config).eval()
+        ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+        kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            want, want_tokens = model(ids).logits, model.generate(ids[:1, :5], **kw)
+        colwise = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+        plan = {name: ColwiseParallel() for name in colwise}
+        plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh, plan)
+        with torch.no_grad():
+            sharded = model(ids).logits
+            fast = kernelize_model(model)
+            got = fast(ids).logits
+            tokens = fast.generate(ids[:1, :5], **kw)
+        lines = [str(choice) for choice in kernelize.inspect(fast).values()]
+        if rank == 0:
+            torch.save({"want": want, "sharded": sharded, "got": got, "tokens": tokens,
+                        "want_tokens": want_tokens, "lines": lines}, out)  # fmt: skip
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes: ~30 s on 2 cores
+def test_tensor_parallel_inference_never_crashes_and_keeps_the_logits(tmp_path: Path) -> None:
+    """Under tensor parallelism the one call keeps each module with DTensor weights on its own forward (the
+    collectives stay torch.distributed's) with the reason, and the logits and tokens stay the model's."""
+    pytest.importorskip("torch.distributed.tensor.parallel", reason="needs torch's tensor-parallel API")
+    out = tmp_path / "tp.pt"
+    args = (2, _free_port(), str(out))
+    mp.start_processes(_tp_worker, args=args, nprocs=2, join=True, start_method="spawn")
+    r = torch.load(out)
+    scale = r["want"].abs().max()
+    assert (r["sharded"] - r["want"]).abs().max() <= 1e-5 * scale
+    assert (r["got"] - r["want"]).abs().max() <= 1e-5 * scale
+    assert torch.equal(r["tokens"], r["want_tokens"]) and r["tokens"].shape == (1, 9)
+    sharded = [line for line in r["lines"] if "is a DTensor (tensor parallelism" in line]
+    assert any("self_attn" in x for x in sharded) and any(".mlp" in x for x in sharded), r["lines"]
+    assert any("RMSNorm" in line and "-> kernel layer" in line for line in r["lines"]), r["lines"]

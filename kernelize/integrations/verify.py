@@ -104,6 +104,7 @@ class _Checked:
         self.probe, self.path = probe, path
         self.kernel, self.own = module.__dict__["forward"], original_forward(module)
         self.__func__ = getattr(self.kernel, "__func__", None)
+        self.module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         probe, path = self.probe, self.path
@@ -115,13 +116,30 @@ class _Checked:
         try:
             got = self.kernel(*args, **kwargs)
         except Exception as exc:  # any failure of the kernel path refuses it; the reference stands
-            probe.refused[path] = f"the kernel forward raised {type(exc).__name__}: {exc}"
+            raised = f"the kernel forward raised {type(exc).__name__}: {exc}"
+            probe.refused[path] = sharded(self.module) or raised
             return want
         why = difference(got, want)
         if why is not None:
             probe.refused[path] = f"the kernel forward {why}"
             return want
         return got
+
+
+def sharded(module: nn.Module) -> str | None:
+    """Why `module` keeps its own forward under tensor parallelism (a DTensor parameter), else None.
+
+    A sharded weight's forward is the DTensor's: local products plus the collectives its placements call
+    for, which a kernel forward reading the parameters would skip."""
+    for name, param in module.named_parameters():
+        if type(param).__name__ == "DTensor" or type(getattr(param, "data", None)).__name__ == "DTensor":
+            placements = ", ".join(map(str, getattr(param, "placements", ()))) or "unknown"
+            return (
+                f"its parameter `{name}` is a DTensor (tensor parallelism, placements {placements}): the "
+                "generated kernels take local tensors, so the module keeps its own forward and the "
+                "collectives torch.distributed places"
+            )
+    return None
 
 
 class _Probe:
