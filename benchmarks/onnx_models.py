@@ -62,11 +62,21 @@ def _bert() -> torch.nn.Module:
     return transformers.BertModel(cfg, add_pooling_layer=False)
 
 
+def _whisper_encoder() -> torch.nn.Module:
+    import transformers
+
+    sizes = dict(encoder_layers=6, encoder_attention_heads=8, encoder_ffn_dim=2048, max_source_positions=1500)
+    sizes |= dict(decoder_layers=1, decoder_attention_heads=8)  # built with the encoder, then dropped
+    cfg = transformers.WhisperConfig(d_model=512, num_mel_bins=80, **sizes)
+    return transformers.WhisperModel(cfg).get_encoder()
+
+
 def _cnn(name: str) -> Callable[[], torch.nn.Module]:
     return lambda: build_cnn(name, 224)
 
 
-# name -> (builder, input kind); vision models take pixel_values [B, 3, 224, 224], BERT token ids [B, 128];
+# name -> (builder, input kind); vision models take pixel_values [B, 3, 224, 224], BERT token ids [B, 128],
+# the Whisper encoder 30 s of log-mel features [B, 80, 3000];
 # "cnn" models are cnn_zoo's: images too, built with calibrated weights, exported in opset 9
 MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
     "resnet50": (_vision("ResNetForImageClassification", "ResNetConfig"), "image"),
@@ -95,7 +105,19 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str]] = {
         "image",
     ),
     "vit_base": (_vision("ViTForImageClassification", "ViTConfig"), "image"),
+    "swin_tiny": (_vision("SwinForImageClassification", "SwinConfig"), "image"),
+    "deit_small": (
+        _vision(
+            "DeiTForImageClassification",
+            "DeiTConfig",
+            hidden_size=384,
+            num_attention_heads=6,
+            intermediate_size=1536,
+        ),
+        "image",
+    ),  # fmt: skip
     "bert_base": (_bert, "text"),
+    "whisper_encoder": (_whisper_encoder, "audio"),
     **{name: (_cnn(name), "cnn") for name in ZOO},
 }
 QUICK = ("resnet50", "bert_base")
@@ -117,6 +139,8 @@ def example_input(kind: str, batch: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     if kind in ("image", "cnn"):
         return torch.randn(batch, 3, 224, 224, generator=gen)
+    if kind == "audio":
+        return torch.randn(batch, 80, 3000, generator=gen)
     return torch.randint(0, 30522, (batch, 128), generator=gen)
 
 
@@ -179,13 +203,24 @@ def load_kernelize(path: Path, batch: int):
     return compile_graph(graph, backend="cpu", device="cpu")
 
 
-def load_ort(path: Path):
+def load_ort(path: Path, threads: int = THREADS):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = THREADS
+    opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def load_openvino(path: Path, threads: int):
+    """OpenVINO's CPU plugin on the same file and thread count (None where `openvino` is not installed)."""
+    try:
+        import openvino as ov
+    except ImportError:
+        return None
+    config = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
+    compiled = ov.Core().compile_model(str(path), "CPU", config)
+    return lambda x: torch.from_numpy(compiled(x.numpy())[0])
 
 
 def compile_seconds(path: Path, batch: int, cache_dir: str) -> float:
@@ -208,13 +243,14 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 IDLE_S = 0.1  # pause before each timed run, so the previous variant's spinning threads have gone idle
 
 
-def bench(name: str, batch: int, rounds: int, compile_times: bool) -> dict:
+def bench(name: str, batch: int, rounds: int, compile_times: bool, threads: int = THREADS) -> dict:
     path = export(name)
     build, kind = MODELS[name]
     x = example_input(kind, batch, seed=1)
     torch.manual_seed(0)
     eager = _Logits(calibrated(build(), kind))
-    row: dict = {"model": name, "batch": batch}
+    torch.set_num_threads(threads)
+    row: dict = {"model": name, "batch": batch, "threads": threads}
     if compile_times:
         cold_dir = tempfile.mkdtemp(prefix="kcold")
         try:
@@ -223,13 +259,16 @@ def bench(name: str, batch: int, rounds: int, compile_times: bool) -> dict:
         finally:
             shutil.rmtree(cold_dir, ignore_errors=True)
     cg = load_kernelize(path, batch)
-    sess = load_ort(path)
+    sess = load_ort(path, threads)
     feed = {"x": x.numpy()}
     runs = {
         "kernelize": lambda: cg(x)[0],
         "onnxruntime": lambda: torch.from_numpy(sess.run(None, feed)[0]),
         "eager": lambda: _Logits.forward(eager, x),
     }
+    openvino = load_openvino(path, threads)
+    if openvino is not None:
+        runs["openvino"] = lambda: openvino(x)
     with torch.inference_mode():
         outs = {k: f() for k, f in runs.items()}  # warm-up
         row["rel_diff_vs_ort"] = rel_diff(outs["kernelize"], outs["onnxruntime"])
@@ -250,6 +289,8 @@ def bench(name: str, batch: int, rounds: int, compile_times: bool) -> dict:
     for k, ts in times.items():
         row[f"{k}_ms"] = statistics.median(ts)
     row["ratio_vs_ort"] = row["kernelize_ms"] / row["onnxruntime_ms"]
+    if "openvino_ms" in row:
+        row["ratio_vs_openvino"] = row["kernelize_ms"] / row["openvino_ms"]
     row["ratio_vs_eager"] = row["kernelize_ms"] / row["eager_ms"]
     return row
 
@@ -284,62 +325,111 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", choices=list(MODELS), help="subset of models")
     ap.add_argument("--batches", nargs="*", type=int, help="batch sizes (default 1 8)")
     ap.add_argument("--rounds", type=int, help="timed rounds per variant (interleaved)")
+    ap.add_argument("--threads", nargs="*", type=int, help=f"thread counts (default {THREADS})")
     ap.add_argument("--no-compile-times", action="store_true", help="skip the cold/warm compile runs")
     ap.add_argument(
         "--compile-times-only",
         action="store_true",
         help="only the cold and warm load + compile seconds (cold once, warm median of --rounds, default 3)",
     )
+    ap.add_argument("--merge", nargs="*", type=Path, help="only combine these runs' JSON files into one")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    out = Path(args.out)
+    if args.merge:
+        runs = [json.loads(f.read_text()) for f in args.merge]
+        write(out, [r for d in runs for r in d["rows"]], [f for d in runs for f in d["failed"]])
+        return
     torch.set_num_threads(THREADS)
     models = args.models or (QUICK if args.quick else list(MODELS))
     batches = args.batches or ([1] if args.quick else [1, 8])
     if args.compile_times_only:
-        compile_times(models, batches[0], args.rounds or 3, Path(args.out))
+        compile_times(models, batches[0], args.rounds or 3, out)
         return
     rounds = args.rounds or (5 if args.quick else 15)
+    rows, failed = measure(models, batches, args.threads or [THREADS], rounds, not args.no_compile_times)
+    write(out, rows, failed)
+
+
+def measure(models: list[str], batches: list[int], threads: list[int], rounds: int, compile_times: bool):
+    """Every (model, batch, threads) row; the models that failed to load, with the error."""
     rows: list[dict] = []
     failed: list[dict] = []
     for name in models:
         for b in batches:
-            # compile times depend little on the batch: measured at the first batch size only
-            timed = not args.no_compile_times and b == batches[0]
-            try:
-                row = bench(name, b, rounds if b == 1 else max(3, rounds // 2), timed)
-            except (ValueError, RuntimeError, NotImplementedError) as e:  # a model kernelize cannot load yet
-                failed.append({"model": name, "batch": b, "error": f"{type(e).__name__}: {e}"})
-                print(f"{name} batch {b}: {failed[-1]['error']}", file=sys.stderr, flush=True)
-                continue
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    print(f"CPU, {THREADS} threads, f32, medians of interleaved rounds (shared machine: ratios only)\n")
-    head = f"{'model':<16} {'batch':>5} {'kernelize':>10} {'ort':>8} {'eager':>8} {'k/ort':>6} {'k/eager':>7}"
-    head += f" {'vs ort':>8} {'k vs f64':>8} {'ort/f64':>8} {'cold s':>7} {'warm s':>7}"
-    print(head)
-    print("-" * len(head))
+            for i, t in enumerate(threads):
+                # compile times depend little on the batch: measured at the first batch and thread count only
+                timed = compile_times and b == batches[0] and i == 0
+                try:
+                    row = bench(name, b, rounds if b == 1 else max(3, rounds // 2), timed, t)
+                except (ValueError, RuntimeError, NotImplementedError) as e:  # kernelize cannot load it yet
+                    failed.append({"model": name, "batch": b, "error": f"{type(e).__name__}: {e}"})
+                    print(f"{name} batch {b}: {failed[-1]['error']}", file=sys.stderr, flush=True)
+                    break
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows, failed
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Geomean and worst kernelize / onnxruntime (and / OpenVINO) per batch and thread count, and each
+    model's 1 -> n thread speedup against onnxruntime's."""
+    summary: dict = {}
+    for b, t in sorted({(r["batch"], r.get("threads", THREADS)) for r in rows}):
+        group = [r for r in rows if r["batch"] == b and r.get("threads", THREADS) == t]
+        ratios = [r["ratio_vs_ort"] for r in group]
+        entry = {
+            "threads": t,
+            "models": len(group),
+            "geomean_vs_ort": geomean(ratios),
+            "worst_vs_ort": max(ratios),
+        }
+        ov = [r["ratio_vs_openvino"] for r in group if "ratio_vs_openvino" in r]
+        if ov:
+            entry["geomean_vs_openvino"] = geomean(ov)
+        summary[f"batch{b}" if t == THREADS else f"batch{b}_threads{t}"] = entry
+    return summary
+
+
+def scaling(rows: list[dict]) -> list[dict]:
+    """Per model and batch with a 1-thread row: kernelize's and onnxruntime's speedup to each other count."""
+    one = {(r["model"], r["batch"]): r for r in rows if r.get("threads") == 1}
+    found = []
+    for r in rows:
+        base = one.get((r["model"], r["batch"]))
+        if base is None or r is base:
+            continue
+        k, o = base["kernelize_ms"] / r["kernelize_ms"], base["onnxruntime_ms"] / r["onnxruntime_ms"]
+        found.append({"model": r["model"], "batch": r["batch"], "threads": r["threads"], "kernelize": k,
+                      "onnxruntime": o, "relative": k / o})  # fmt: skip
+    return found
+
+
+def write(out: Path, rows: list[dict], failed: list[dict]) -> None:
+    """Print the table, write ``onnx_models.json`` and the plot; fail the run on a wrong output."""
+    print("CPU, f32, medians of interleaved rounds (shared machine: ratios only)\n")
+    head = f"{'model':<16} {'batch':>5} {'thr':>3} {'kernelize':>10} {'ort':>8} {'eager':>8} {'k/ort':>6}"
+    print(head + f" {'k/ov':>6} {'vs ort':>8} {'k vs f64':>8} {'ort/f64':>8} {'cold s':>7} {'warm s':>7}")
     for r in rows:
         print(
-            f"{r['model']:<16} {r['batch']:>5} {r['kernelize_ms']:>10.2f} {r['onnxruntime_ms']:>8.2f} "
-            f"{r['eager_ms']:>8.2f} {r['ratio_vs_ort']:>6.2f} {r['ratio_vs_eager']:>7.2f} "
-            f"{r['rel_diff_vs_ort']:>8.1e} {r['rel_diff_vs_f64']:>8.1e} {r['ort_rel_diff_vs_f64']:>8.1e} "
-            f"{r.get('cold_s', float('nan')):>7.1f} "
-            f"{r.get('warm_s', float('nan')):>7.2f}"
+            f"{r['model']:<16} {r['batch']:>5} {r.get('threads', THREADS):>3} {r['kernelize_ms']:>10.2f} "
+            f"{r['onnxruntime_ms']:>8.2f} {r['eager_ms']:>8.2f} {r['ratio_vs_ort']:>6.2f} "
+            f"{r.get('ratio_vs_openvino', float('nan')):>6.2f} {r['rel_diff_vs_ort']:>8.1e} "
+            f"{r['rel_diff_vs_f64']:>8.1e} {r['ort_rel_diff_vs_f64']:>8.1e} "
+            f"{r.get('cold_s', float('nan')):>7.1f} {r.get('warm_s', float('nan')):>7.2f}"
         )
     for f in failed:
         print(f"{f['model']:<16} {f['batch']:>5}  failed: {f['error'][:200]}")
-    summary = {}
-    for b in batches:
-        ratios = [r["ratio_vs_ort"] for r in rows if r["batch"] == b]
-        if not ratios:
-            continue
-        summary[f"batch{b}"] = {"geomean_vs_ort": geomean(ratios), "worst_vs_ort": max(ratios)}
-        print(f"batch {b}: geomean kernelize/onnxruntime {geomean(ratios):.2f}, worst {max(ratios):.2f}")
-    out = Path(args.out)
+    summary = summarize(rows)
+    for key, v in summary.items():
+        print(
+            f"{key}: geomean kernelize/onnxruntime {v['geomean_vs_ort']:.2f}, worst {v['worst_vs_ort']:.2f}"
+        )
     out.mkdir(parents=True, exist_ok=True)
-    data = {"threads": THREADS, "rows": rows, "failed": failed, "summary": summary}
+    data = {"threads": THREADS, "rows": rows, "failed": failed, "summary": summary, "scaling": scaling(rows)}
     (out / "onnx_models.json").write_text(json.dumps(data, indent=1))
-    plot(rows, batches, out / "onnx_models.png")
+    plot([r for r in rows if r.get("threads", THREADS) == THREADS], sorted({r["batch"] for r in rows}),
+         out / "onnx_models.png")  # fmt: skip
     print(f"wrote {out / 'onnx_models.json'} and {out / 'onnx_models.png'}")
     wrong = [f"{r['model']} batch {r['batch']}" for r in rows if not _accurate(r)]
     if wrong:  # a time for a wrong output means nothing: fail the run

@@ -95,15 +95,22 @@ def decode_model_table(r: dict) -> str:
 
 
 def onnx_table(r: dict) -> str:
-    head = ["model", "batch", "kernelize ms", "onnxruntime ms", "kernelize / ort", "kernelize / eager"]
+    threads = any("threads" in x for x in r["rows"])
+    openvino = any("ratio_vs_openvino" in x for x in r["rows"])
+    head = ["model", "batch", *(["threads"] if threads else []), "kernelize ms", "onnxruntime ms"]
+    head += ["kernelize / ort", *(["kernelize / OpenVINO"] if openvino else []), "kernelize / eager"]
     rows = []
     for x in r["rows"]:
-        row = [x["model"], str(x["batch"]), f"{x['kernelize_ms']:.1f}", f"{x['onnxruntime_ms']:.1f}"]
-        row += [f"**{x['ratio_vs_ort']:.2f}**", f"{x['ratio_vs_eager']:.2f}", f"{x['rel_diff_vs_ort']:.1e}"]
+        row = [x["model"], str(x["batch"]), *([str(x.get("threads", "-"))] if threads else [])]
+        row += [f"{x['kernelize_ms']:.1f}", f"{x['onnxruntime_ms']:.1f}", f"**{x['ratio_vs_ort']:.2f}**"]
+        row += [f"{x['ratio_vs_openvino']:.2f}" if "ratio_vs_openvino" in x else "-"] if openvino else []
+        row += [f"{x['ratio_vs_eager']:.2f}", f"{x['rel_diff_vs_ort']:.1e}"]
         rows.append([*row, f"{x['cold_s']:.1f} / {x['warm_s']:.2f}" if "cold_s" in x else "-"])
     for batch, s in r.get("summary", {}).items():
-        worst = f"worst {s['worst_vs_ort']:.2f}"
-        rows.append([f"geomean, {batch}", "", "", "", f"**{s['geomean_vs_ort']:.2f}**", worst, "", ""])
+        row = [f"geomean, {batch}", "", *([str(s.get("threads", ""))] if threads else []), "", ""]
+        ov = [f"{s['geomean_vs_openvino']:.2f}" if "geomean_vs_openvino" in s else "-"] if openvino else []
+        row += [f"**{s['geomean_vs_ort']:.2f}**", *ov]
+        rows.append([*row, f"worst {s['worst_vs_ort']:.2f}", "", ""])
     return md([*head, "rel. diff vs ort", "cold / warm load s"], rows)
 
 
