@@ -145,3 +145,17 @@ def test_the_routing_replay_pins_what_the_reference_forward_chose() -> None:
     finally:
         handle.remove()
     assert torch.equal(seen[0], routing.calls[0][1]) and want.isfinite().all()
+
+
+def test_on_a_gpu_the_one_call_keeps_grouped_mm_unless_asked(monkeypatch) -> None:
+    """The H200 measured transformers' grouped_mm faster than the generated kernel: a model on a GPU keeps
+    it, with the reason and the opt-in; `KERNELIZE_GPU_EXPERTS=1` takes the kernel."""
+    model = family("qwen3_moe")
+    monkeypatch.delenv(model_experts.GPU_EXPERTS_ENV, raising=False)
+    what, previous = model_experts.use_experts_function(model, kernelize.Mode.INFERENCE, device="cuda")
+    assert previous is None and "unchanged" in what
+    reasons = {c.reason for c in experts_choices(model).values()}
+    assert reasons and all("grouped_mm" in r and model_experts.GPU_EXPERTS_ENV in r for r in reasons), reasons
+    monkeypatch.setenv(model_experts.GPU_EXPERTS_ENV, "1")
+    what, previous = model_experts.use_experts_function(model, kernelize.Mode.INFERENCE, device="cuda")
+    assert previous is not None and all(c.uses_kernel for c in experts_choices(model).values()), what
