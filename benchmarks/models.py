@@ -169,6 +169,37 @@ SPEED = {  # family -> config overrides at the realistic size (quick: a small on
         vocab_size=50304,
     ),
     "gpt2": dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257),
+    # gated RMSNorm and gated attention, three linear-attention layers (eager) to each full one: 0.70 B
+    "qwen3_5_text": dict(
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=151936,
+    ),
+    # multi-head latent attention, 32 routed experts (top-4) and a shared one after a dense layer: 0.68 B
+    "deepseek_v3": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        moe_intermediate_size=512,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_routed_experts=32,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_group=4,
+        topk_group=2,
+        vocab_size=32000,
+    ),
 }
 QUICK = {
     "qwen2": dict(
@@ -183,6 +214,34 @@ QUICK = {
         hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4, vocab_size=4096
     ),
     "gpt2": dict(n_embd=256, n_layer=2, n_head=4, vocab_size=4096),
+    "qwen3_5_text": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=4096,
+    ),
+    "deepseek_v3": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_group=2,
+        topk_group=1,
+        vocab_size=4096,
+    ),
 }
 
 
