@@ -2,13 +2,14 @@
 
 ``out = x @ W.T + bias`` with ``W`` a :class:`~kernelize.quant.formats.PackedWeight` read as its raw bytes.
 A format is spelled once, as the body of ``kz_chunk`` (:data:`CHUNKS`): eight consecutive elements of a row
-dequantized into registers. ``<name>_gemv`` (up to ``KZ_MT`` = 8 rows: a warp per output column reading
-the row's blocks in order) serves decode, ``<name>_mm`` (32 x 32 shared-memory tiles, no tensor cores)
-prefill. M, N and K are run-time ``int64_t`` arguments: one cubin per (format, dtype, arch).
+dequantized into registers. ``<name>_gemv1`` / ``_gemv4`` (up to :data:`GEMV_ROWS` rows, 8 a block: a warp
+per 1 or 4 output columns reading the rows' blocks in order) serve decode, ``<name>_mm`` (64 x 64
+shared-memory tiles, a 4 x 4 register tile a thread, f32 FMAs: no tensor cores) prefill. M, N and K are
+run-time ``int64_t`` arguments: one cubin per (format, dtype, arch).
 
 Example:
     >>> source, name = render_quant("q8_0", torch.bfloat16)
-    >>> name, "kz_quant_q8_0_bf16_gemv(" in source
+    >>> name, "kz_quant_q8_0_bf16_gemv1(" in source
     ('kz_quant_q8_0_bf16', True)
 """
 
@@ -44,11 +45,13 @@ CHUNKS: dict[str, str] = {
     "  for (int j = 0; j < 8; ++j) v[j] = d * (float)(int8_t)q[j];",
 }
 _C_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-THREADS, WARPS, MT, BM, BN = 256, 8, 8, 32, 32  # KZ_THREADS, KZ_WARPS, KZ_MT, KZ_BM, KZ_BN of the template
+THREADS, WARPS, MT, BM, BN = 256, 8, 8, 64, 64  # KZ_THREADS, KZ_WARPS, KZ_MT, KZ_BM, KZ_BN of the template
+GEMV_ROWS = 32  # rows up to which gemv (one pass over the weight per KZ_MT rows) beats the tiles
+GEMV1_ROWS = 2  # rows up to which a warp takes one column (more warps), above four (x loads reused)
 
 
 class QuantLaunch(NamedTuple):
-    """One call: the entry point (``gemv`` or ``mm``), pointer values, int64 values and the grid."""
+    """One call: the entry point (``gemv1``, ``gemv4`` or ``mm``), pointer values, int64 values, the grid."""
 
     part: str
     ptrs: list[int]
@@ -86,8 +89,9 @@ def launch_args(
         0 if bias is None else bias.data_ptr(),
         out.data_ptr(),
     ]
-    if m <= MT:
-        return QuantLaunch("gemv", ptrs, [m, n, k], (-(-n // WARPS), 1, 1))
+    if m <= GEMV_ROWS:
+        cols = 1 if m <= GEMV1_ROWS else 4
+        return QuantLaunch(f"gemv{cols}", ptrs, [m, n, k], (-(-n // (WARPS * cols)), -(-m // MT), 1))
     return QuantLaunch("mm", ptrs, [m, n, k], (-(-n // BN), -(-m // BM), 1))
 
 
@@ -97,7 +101,7 @@ def compile_quant(fmt: str, dtype: torch.dtype, arch: str) -> Callable[..., None
 
     source, name = render_quant(fmt, dtype)
     cubin = compile_cubin(source, name, arch)
-    fns = {part: CubinModule(cubin, f"{name}_{part}") for part in ("gemv", "mm")}
+    fns = {part: CubinModule(cubin, f"{name}_{part}") for part in ("gemv1", "gemv4", "mm")}
     p, i64 = ctypes.c_void_p, ctypes.c_int64
 
     def launch(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -109,4 +113,4 @@ def compile_quant(fmt: str, dtype: torch.dtype, arch: str) -> Callable[..., None
     return launch
 
 
-__all__ = ["CHUNKS", "QuantLaunch", "compile_quant", "launch_args", "render_quant"]
+__all__ = ["CHUNKS", "GEMV1_ROWS", "GEMV_ROWS", "QuantLaunch", "compile_quant", "launch_args", "render_quant"]

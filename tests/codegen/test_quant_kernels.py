@@ -40,8 +40,9 @@ def _check(out: torch.Tensor, x: torch.Tensor, p, bias: torch.Tensor | None) -> 
     assert err <= TOL[x.dtype] * ref.abs().max().item(), err
 
 
-# (M, K): decode rows (1, 3: gemv; 8: its largest tile) and prefill (17: the tiled kernels); K 2 or 3 blocks
-SHAPES = [(1, 64), (3, 96), (8, 64), (17, 96)]
+# (M, K), K of 2 or 3 blocks. Triton: 16-row tiles (1, 3), 32 (17), 64 (40). CUDA C: gemv in one pass (1, 3)
+# and three (17), the tiled kernel (40)
+SHAPES = [(1, 64), (3, 96), (17, 64), (40, 96)]
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -54,11 +55,27 @@ def test_triton_interpreter_matches_the_dequantized_product(fmt, m, k, dtype):
     _check(out, x, p, b)
 
 
-@pytest.mark.parametrize("m", [5, 70])
-def test_triton_interpreter_several_tiles_and_float16(m):
-    x, p, b = _case("q4_0", m, 130, 160, torch.float16, seed=m)  # 3 column tiles, 5 blocks: a partial step
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("m,k,split", [(5, 160, 2), (2, 640, 8), (70, 160, 1)])
+def test_triton_interpreter_split_k_several_tiles_and_float16(fmt, m, k, split):
+    from kernelize.codegen.triton_quant import launch_config
+
+    x, p, b = _case(fmt, m, 130, k, torch.float16, seed=m)  # 3 column tiles; K 5 or 20 blocks
+    assert launch_config(m, 130, k, torch.float16, True)[0]["SPLIT"] == split  # 5 blocks: 3 + 2
     out = torch.empty(m, 130, dtype=torch.float16)
-    gpu.launcher("triton", "q4_0", torch.float16, torch.device("cpu"))(x, p, b, out)
+    gpu.launcher("triton", fmt, torch.float16, torch.device("cpu"))(x, p, b, out)
+    _check(out, x, p, b)
+
+
+def test_triton_reads_packed_bytes_at_an_odd_address():
+    x, p, b = _case("q4_0", 2, 9, 64, torch.bfloat16)
+    buf = torch.zeros(p.data.numel() + 1, dtype=torch.uint8)
+    odd = buf[1:].view(p.data.shape)  # a view one byte in: the 16-bit reads take a copy
+    odd.copy_(p.data)
+    assert odd.data_ptr() % 2 == 1
+    p = type(p)(odd, p.format, p.shape)
+    out = torch.empty(2, 9, dtype=torch.bfloat16)
+    gpu.launcher("triton", "q4_0", torch.bfloat16, torch.device("cpu"))(x, p, b, out)
     _check(out, x, p, b)
 
 
@@ -80,8 +97,8 @@ def test_cuda_emulated_matches_the_dequantized_product(fmt, m, k, dtype):
 def test_cuda_emulated_several_tiles_and_float16(fmt):
     from cuda_emu import emulate_quant
 
-    x, p, b = _case(fmt, 40, 70, 160, torch.float16)  # 2 x 3 tiles of 32, K: two steps of 64 and a half
-    out = torch.empty(40, 70, dtype=torch.float16)
+    x, p, b = _case(fmt, 70, 130, 160, torch.float16)  # 2 x 3 tiles of 64, K: five steps of 32
+    out = torch.empty(70, 130, dtype=torch.float16)
     emulate_quant(fmt, x, p, b, out)
     _check(out, x, p, b)
 
@@ -91,10 +108,10 @@ def test_triton_lowers_to_cubins_for_sm80_and_sm90():
 
     results = compile_quant_ahead("q4_0", torch.bfloat16, (80, 90))
     names = [(r["name"], r["arch"]) for r in results]
-    assert names == [(f"kz_quant_q4_0_bf16_{p}", a) for a in (80, 90) for p in ("gemv", "dot")]
+    assert names == [(f"kz_quant_q4_0_bf16_{p}", a) for a in (80, 90) for p in ("mm", "mm", "reduce")]
     for r in results:
         assert r["cubin"][:4] == b"\x7fELF" and f".target sm_{r['arch']}" in r["ptx"]
-    assert all("mma" in r["ptx"] for r in results if r["name"].endswith("_dot"))  # prefill: tensor cores
+    assert all("mma" in r["ptx"] for r in results if r["name"].endswith("_mm"))  # decode too: tensor cores
 
 
 def test_cuda_nvrtc_cubins_for_sm80_and_sm90(tmp_path, monkeypatch):
@@ -171,7 +188,7 @@ def test_gpu_module_moves_and_never_widens_the_weight(backend, monkeypatch):
         torch.cuda.reset_peak_memory_stats()
         y = q(xc)
         torch.cuda.synchronize()
-        assert torch.cuda.max_memory_allocated() - base < 1 << 20  # an f32 copy of W: 8 MiB
+        assert torch.cuda.max_memory_allocated() - base < 1 << 20  # an f32 copy of W: 8 MiB, bf16 4 MiB
         _check(
             y.cpu().reshape(-1, 1024), rows.reshape(-1, 2048).bfloat16(), _to(q.packed, "cpu"), q.bias.cpu()
         )
