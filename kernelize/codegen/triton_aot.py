@@ -15,12 +15,16 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kernelize.autokernel.kernels import Kernel
 from kernelize.codegen.render import gathers
 from kernelize.codegen.triton import KernelSource, launch_config, render
 from kernelize.codegen.triton_base import SIG, interpreting, load_module, module_file
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _aot_job(kernel: Kernel, arch: int, sizes: Mapping[str, int] | None) -> dict:
@@ -177,10 +181,22 @@ def compile_experts_ahead(kernel: Kernel, archs: Sequence[int] = (80, 90), bm: i
     return [{**r, "name": j["name"], "arch": j["arch"]} for j, r in zip(jobs, run_jobs(jobs))]
 
 
+def compile_quant_ahead(fmt: str, dtype: torch.dtype, archs: Sequence[int] = (80, 90)) -> list[dict]:
+    """PTX and cubin of the packed-weight matmul of format ``fmt`` for x of ``dtype`` (``<name>_gemv`` at one
+    row, ``<name>_dot`` at prefill tiles), one result per (function, arch) in the order of
+    :func:`kernelize.codegen.triton_quant.aot_jobs`."""
+    from kernelize.codegen.triton_quant import aot_jobs, kernel_name, render_quant
+
+    path = module_file(render_quant(fmt, dtype), kernel_name(fmt, dtype))  # checked folder, exact content
+    jobs = [j for arch in archs for j in aot_jobs(fmt, dtype, arch, str(path))]
+    return [{**r, "name": j["name"], "arch": j["arch"]} for j, r in zip(jobs, run_jobs(jobs))]
+
+
 __all__ = [
     "compile_ahead",
     "compile_ahead_many",
     "compile_attention_ahead",
     "compile_experts_ahead",
+    "compile_quant_ahead",
     "run_jobs",
 ]

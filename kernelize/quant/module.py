@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 class QuantizedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` packed (:mod:`kernelize.quant.formats`); forward is
-    :func:`kernelize.quant.ops.linear` (CPU, float32 / bfloat16 inputs, output in the input's dtype).
+    :func:`kernelize.quant.ops.linear` (CPU: float32 / bfloat16 inputs; CUDA after ``.to("cuda")``: float16
+    too; output in the input's dtype).
 
     Example:
         >>> q = QuantizedLinear(32, 4, "q8_0")

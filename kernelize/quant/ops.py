@@ -1,9 +1,12 @@
 """``linear(x, packed, bias)``: a matmul against a packed weight, the torch-callable entry.
 
-Up to :data:`FEW_ROWS` rows (decode) run the generated few-row kernel, which reads the packed bytes and
-never widens the weight in memory. More rows (prefill) are compute-bound: the weight is dequantized a panel
-of :data:`PANEL_ROWS` output rows at a time into one f32 scratch and each panel goes through ``torch.mm``
-into its slice of the output, so no full float copy of the weight is ever held.
+On the CPU, up to :data:`FEW_ROWS` rows (decode) run the generated few-row kernel, which reads the packed
+bytes and never widens the weight in memory. More rows (prefill) are compute-bound: the weight is
+dequantized a panel of :data:`PANEL_ROWS` output rows at a time into one f32 scratch and each panel goes
+through ``torch.mm`` into its slice of the output, so no full float copy of the weight is ever held.
+
+On a CUDA device the generated Triton or CUDA C kernels (:mod:`kernelize.quant.gpu`) read the packed bytes
+and dequantize in registers, for decode and prefill alike; x may also be float16 there. Other devices raise.
 
 Example:
     >>> import torch
@@ -17,11 +20,18 @@ from __future__ import annotations
 
 import torch
 
-from kernelize.quant import kernels
+from kernelize.quant import gpu, kernels
 from kernelize.quant.formats import PackedWeight
 
 FEW_ROWS = 8  # rows up to which the packed kernel runs (decode); above, panels of dequantized weight
 PANEL_ROWS = 256  # output rows per dequantized panel (256 x 4096 f32: 4 MiB, stays in the last-level cache)
+
+
+# device type -> the x dtypes its kernels take
+DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "cpu": (torch.float32, torch.bfloat16),
+    "cuda": (torch.float32, torch.bfloat16, torch.float16),
+}
 
 
 def _check(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> None:
@@ -30,14 +40,17 @@ def _check(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
             f"linear: `packed` must be a PackedWeight (from quantize()), got {type(packed).__name__}"
         )
     n, k = packed.shape
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(
-            f"linear: input x has dtype {x.dtype}; the packed kernels take float32 or bfloat16, so "
-            "convert it first (x.float() or x.bfloat16())"
-        )
-    if x.device.type != "cpu":
+    dev = x.device
+    if dev.type not in DTYPES:
         raise ValueError(
-            f"linear: input x is on {x.device}; the packed kernels run on the CPU, move it there"
+            f"linear: input x is on {dev}; the packed kernels run on {' and '.join(DTYPES)}, so move the "
+            "input and the layer there (module.to('cuda') or .to('cpu'))"
+        )
+    if x.dtype not in DTYPES[dev.type]:
+        names = " or ".join(str(d).removeprefix("torch.") for d in DTYPES[dev.type])
+        raise TypeError(
+            f"linear: input x has dtype {x.dtype}; the packed kernels on {dev.type} take {names}, so "
+            "convert it first (x.float() or x.bfloat16())"
         )
     if x.dim() == 0 or x.shape[-1] != k:
         raise ValueError(
@@ -46,19 +59,28 @@ def _check(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> 
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         raise ValueError(f"linear: bias of shape {tuple(bias.shape)} must be 1-d of length N = {n}")
+    held = [("packed weight", packed.data), ("row scales", packed.scales), ("bias", bias)]
+    for what, t in held:
+        if t is not None and t.device != dev:
+            raise ValueError(
+                f"linear: the {what} is on {t.device} but input x is on {dev}; move the layer to x's device "
+                f"(module.to({str(dev)!r}))"
+            )
 
 
 def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` with ``W`` the packed weight's values.
 
     Args:
-        x: ``[..., K]`` float32 or bfloat16 on the CPU.
+        x: ``[..., K]`` float32 or bfloat16 on the CPU; float32, bfloat16 or float16 on a CUDA device
+            (the packed tensors and bias on the same device).
         packed: the weight ``[N, K]`` (:func:`kernelize.quant.formats.quantize`).
         bias: ``[N]`` or None.
 
     Returns:
-        ``[..., N]`` in ``x``'s dtype. Decode rows quantize ``x`` to int8 blocks of 32 (the llama.cpp
-        scheme), so they differ from a float product by that rounding; prefill rows multiply in f32.
+        ``[..., N]`` in ``x``'s dtype. On the CPU, decode rows quantize ``x`` to int8 blocks of 32 (the
+        llama.cpp scheme), so they differ from a float product by that rounding; prefill rows multiply in
+        f32. On CUDA, x is used as it is and products accumulate in f32.
 
     Example:
         >>> from kernelize.quant.formats import quantize
@@ -70,15 +92,19 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
     b = None if bias is None else bias.detach().float().contiguous()
-    if m <= FEW_ROWS:
-        kernels.gemv(x2, packed, b, out)
-    else:
-        _panels(x2.float(), packed, b, out)
+    RUNS[x.device.type](x2, packed, b, out)
     return out.reshape(*lead, n)
+
+
+def _cpu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    if x.shape[0] <= FEW_ROWS:
+        kernels.gemv(x, packed, bias, out)
+    else:
+        _panels(x.float(), packed, bias, out)
 
 
 def _panels(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -96,4 +122,7 @@ def _panels(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, ou
     out.copy_(out_t.T)
 
 
-__all__ = ["FEW_ROWS", "PANEL_ROWS", "linear"]
+# device type -> its kernels: run(x [M, K] contiguous, packed, bias f32 or None, out [M, N]); DTYPES' keys
+RUNS = {"cpu": _cpu, "cuda": gpu.run}
+
+__all__ = ["DTYPES", "RUNS", "FEW_ROWS", "PANEL_ROWS", "linear"]

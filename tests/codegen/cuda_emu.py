@@ -277,3 +277,29 @@ def run_plan(plan, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             emulate(k, reads, writes, {s: env[s] for s in k.symbols})
         vals.update(zip(k.writes, writes))
     return [materialize(o, vals, env) for o in graph.outputs]
+
+
+def emulate_quant(fmt: str, x: torch.Tensor, packed, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Run the packed-weight matmul's generated CUDA C (:mod:`kernelize.codegen.cuda_quant`) on CPU tensors,
+    with the launcher's choice of entry point and grid."""
+    from kernelize.codegen.cuda_quant import THREADS, launch_args, render_quant
+
+    source, name = render_quant(fmt, x.dtype)
+    call = launch_args(x, packed, bias, out)
+    casts = ["(const kz_t*)", "(const uint8_t*)", "(const float*)", "(const float*)", "(kz_t*)"]
+    args = ", ".join([f"{c}p[{i}]" for i, c in enumerate(casts)] + [f"n[{i}]" for i in range(3)])
+    tramp = (
+        '\nextern "C" int kz_emu_quant(int part, void** p, const int64_t* n, unsigned gx, unsigned gy,'
+        " char* err) {\n"
+        f"  int rc = kz_emu::launch(dim3{{gx, gy, 1}}, dim3{{{THREADS}, 1, 1}}, [&] {{ if (part == 2) "
+        f"{name}_mm({args}); else if (part == 1) {name}_gemv4({args}); else {name}_gemv1({args}); }});\n"
+        "  if (rc) std::strcpy(err, kz_emu::error);\n  return rc;\n}\n"
+    )
+    lib = _build_text(load_template("cuda_host_emu.h") + "\n" + source + tramp, name)
+    argv = (ctypes.c_void_p * len(call.ptrs))(*call.ptrs)
+    nums = (ctypes.c_int64 * len(call.ints))(*call.ints)
+    err = ctypes.create_string_buffer(256)
+    part = ("gemv1", "gemv4", "mm").index(call.part)
+    rc = lib.kz_emu_quant(part, argv, nums, ctypes.c_uint(call.grid[0]), ctypes.c_uint(call.grid[1]), err)
+    if rc:
+        raise RuntimeError(f"emulated {name}_{call.part}: {err.value.decode()}")

@@ -54,6 +54,11 @@ inline __half __float2half_rn(float v) {
   std::memcpy(&h.x, &f, 2);
   return h;
 }
+inline __half __ushort_as_half(unsigned short u) {
+  __half h;
+  h.x = u;
+  return h;
+}
 inline float __bfloat162float(__nv_bfloat16 b) {
   uint32_t u = (uint32_t)b.x << 16;
   float f;
