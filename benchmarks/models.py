@@ -433,7 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         print(sweep_table(result["sweep"]))
     if args.speed:
         result.setdefault("commands", {})["speed"] = command
-        result["speed"] = speed(families or list(SPEED), args.quick, args.repeat, args.seq, args.new_tokens)
+        fresh = speed(families or list(SPEED), args.quick, args.repeat, args.seq, args.new_tokens)
+        for r in fresh:
+            r["date"] = result["date"]
+        # families not re-run keep their records (each record's ratios come from one side-by-side run)
+        kept = [r for r in result.get("speed", []) if r["family"] not in {f["family"] for f in fresh}]
+        result["speed"] = kept + fresh
         print(speed_table(result["speed"]))
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
