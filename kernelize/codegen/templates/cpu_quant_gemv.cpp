@@ -1,14 +1,15 @@
 $PRELUDE$
 // kernelize CPU few-row matmul over packed weights (kernelize/quant/kernels.py fills $FORMAT$):
 //     y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]),  W stored as q8_0 / q4_0 blocks, q4_k / q6_k
-// super-blocks or int8 rows, the llama.cpp way. Decode is bound by the weight bytes, so the weights are never widened in memory: the
-// few rows of x are quantized once per call into blocks of 32 int8 values with an f32 scale (round to
-// nearest even, d = max|x| / 127), and each block of W meets them in an integer dot product (AVX2: |w| times
-// x with w's sign, vpmaddubsw to i16 pairs, vpmaddwd to i32), converted to f32 and scaled by the product of
-// the two blocks' scales. Threads split the output columns N; each reads its weight rows once, NB rows side
-// by side, every row of x against each block while it is in registers. A k-quant super-block of 256 is read
-// as 8 sub-blocks of 32, each against one block of x: its scales (per 32 or per 16 elements) and mins are
-// unpacked to f32 once per super-block, and a min enters as min * d_x * sum(x_q) per sub-block.
+// super-blocks or int8 rows, the llama.cpp way. Decode is bound by the weight bytes, so the weights are
+// never widened in memory: the few rows of x are quantized once per call into blocks of 32 int8 values
+// with an f32 scale (round to nearest even, d = max|x| / 127), and each block of W meets them in an integer
+// dot product (AVX2: |w| times x with w's sign, vpmaddubsw to i16 pairs, vpmaddwd to i32), converted to f32
+// and scaled by the product of the two blocks' scales. Threads split the output columns N; each reads its
+// weight rows once, NB rows side by side, every row of x against each block while it is in registers. A
+// k-quant super-block of 256 is read as 8 sub-blocks of 32, each against one block of x: its scales (per 32
+// or per 16 elements) and mins are unpacked to f32 once per super-block, and q4_k's mins enter as
+// min * d_x * sum(x_q), the sums of x taken once per call while it is quantized.
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -37,7 +38,7 @@ KZ_INLINE float kz_h2f(const uint8_t* p) {  // an unaligned f16 scale
 // load(b, s): the AVX2 load of sub-block s. UNSIGNED: the load returns the stored unsigned values u and the
 // value is u - OFFSET (q4_0: 8), so the dot product is u . x - OFFSET * sum(x): vpmaddubsw takes u as it
 // is, no sign fix-ups per column. Signed loads (q8_0, int8) take |w| and x with w's sign instead.
-// row_scale: int8's per-row factor, 1 when the scales are per block.
+// int8's per-row scales are applied to the finished dot products (its block scale is 1).
 struct kz_q8_0 {
     static constexpr int QK = KZ_QK, SG = KZ_QK, OFFSET = 0;
     static constexpr bool UNSIGNED = false, MIN = false;
