@@ -1,4 +1,5 @@
-"""Packed-weight decode: the q8_0 / q4_0 / int8 kernels against bf16, and decode tok/s of a small Llama.
+"""Packed-weight decode: the q8_0 / q4_0 / q4_k / q6_k / int8 kernels against bf16, and decode tok/s of a
+small Llama.
 
     .venv/bin/python benchmarks/quantized.py [--threads 2] [--repeat 21] [--parts matmul,model]
 
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode import interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-FORMATS = ("q8_0", "q4_0", "int8")
+FORMATS = ("q8_0", "q4_0", "q4_k", "q6_k", "int8")
 
 
 def bench_matmul(repeat: int, n: int = 11008, k: int = 4096) -> dict:

@@ -2,7 +2,7 @@
 
 * :func:`save` writes a ``LlamaForCausalLM`` as a GGUF file llama.cpp loads: architecture ``llama``, its
   hyper-parameters, llama.cpp's tensor names, q/k rows permuted as llama.cpp's convert script does for its
-  rotary layout, projections and the LM head as ``Q8_0`` / ``Q4_0`` blocks (a
+  rotary layout, projections and the LM head as ``Q8_0`` / ``Q4_0`` / ``Q4_K`` / ``Q6_K`` blocks (a
   :class:`~kernelize.quant.module.QuantizedLinear` is written as its bytes are, a float layer is quantized
   first), norms as F32, the token embedding in its float type, and a placeholder vocabulary.
 * :func:`load` builds the model back from a file: the config from the metadata, the model on the meta
@@ -41,7 +41,9 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 ARCH = "llama"
-PACKED_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}  # our format -> GGMLQuantizationType name
+# our format -> GGMLQuantizationType name, and the file type (llama_ftype) of a file whose layers are all it
+PACKED_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+FILE_TYPES = {"q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S", "q6_k": "MOSTLY_Q6_K"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # decoder layer submodule -> llama.cpp tensor name (blk.N.<name>.weight)
@@ -190,7 +192,8 @@ def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> N
         model: the model; its ``QuantizedLinear`` layers are written as they are, float projections are
             quantized to ``fmt`` (llama.cpp's rounding).
         path: the file to write.
-        fmt: ``"q8_0"`` or ``"q4_0"``, for the float projections and the file type.
+        fmt: ``"q8_0"``, ``"q4_0"``, ``"q4_k"`` or ``"q6_k"``, for the float projections and the file type
+            (the k-quants take layers whose K is a multiple of 256).
 
     Example:
         >>> save(model, "model-q4_0.gguf", fmt="q4_0")  # doctest: +SKIP
@@ -228,8 +231,7 @@ def _add_metadata(writer: Any, gguf: Any, config: Any, vocab: int, fmt: str) -> 
     if head_dim * heads != config.hidden_size:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if fmt == "q8_0" else gguf.LlamaFileType.MOSTLY_Q4_0
-    writer.add_file_type(int(file_type))
+    writer.add_file_type(int(getattr(gguf.LlamaFileType, FILE_TYPES[fmt])))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _placeholder_vocab(writer, gguf, vocab, config)
 
@@ -539,8 +541,9 @@ def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn
     """A ``LlamaForCausalLM`` from a GGUF file, with ``QuantizedLinear`` projections on the file's bytes.
 
     Args:
-        path: a GGUF file of architecture ``llama`` whose projections and output are ``Q8_0`` or ``Q4_0``
-            and whose norms are float (the token embedding may be float or ``Q8_0`` / ``Q4_0``: dequantized).
+        path: a GGUF file of architecture ``llama`` whose projections and output are ``Q8_0``, ``Q4_0``,
+            ``Q4_K`` or ``Q6_K`` (mixed as llama.cpp's ``Q4_K_M`` mixes them) and whose norms are float (the
+            token embedding may be float or one of those: dequantized).
         dtype: the float type of the embedding and the norms.
 
     Returns:

@@ -1,5 +1,6 @@
-"""Weights that stay packed: GGUF ``q8_0`` / ``q4_0`` and per-channel ``int8`` formats, CPU and CUDA
-kernels that read the packed bytes, and a module / model rewrite that uses them.
+"""Weights that stay packed: GGUF ``q8_0`` / ``q4_0`` / ``q4_k`` / ``q6_k`` and per-channel ``int8``
+formats, CPU kernels for each and CUDA kernels (``q8_0``, ``q4_0``, ``int8``) that read the packed bytes,
+and a module / model rewrite that uses them.
 
 Example:
     >>> import torch

@@ -7,12 +7,17 @@ decode kernels (:mod:`kernelize.quant.kernels`) read as they are:
   values ``q``; the value is ``q * d``. 34 bytes per block.
 * ``q4_0`` (``block_q4_0``): an f16 scale ``d`` and 16 bytes of nibbles: byte ``i`` holds element ``i`` in
   its low nibble and element ``i + 16`` in its high nibble; the value is ``(q - 8) * d``. 18 bytes per block.
+* ``q4_k`` / ``q6_k`` (``block_q4_K`` / ``block_q6_K``): super-blocks of 256 elements with 6-bit scales
+  and mins per 32 (q4_k, 144 bytes) or int8 scales per 16 (q6_k, 210 bytes); see
+  :mod:`kernelize.quant.kquants`.
 * ``int8``: per output row, symmetric int8 (``q * s``) with one f32 scale ``s`` per row, kept apart from the
   bytes (:attr:`PackedWeight.scales`).
 
-The GGUF formats' bytes are laid out ``[N, K / 32 * bytes_per_block]``: row ``n``'s blocks are contiguous,
-which is a GGUF tensor's layout too. Quantization is llama.cpp's reference rounding
-(``quantize_row_q8_0_ref``, ``quantize_row_q4_0_ref``) and agrees with the ``gguf`` package byte for byte.
+The GGUF formats' bytes are laid out ``[N, K / block_size * bytes_per_block]``: row ``n``'s blocks are
+contiguous, which is a GGUF tensor's layout too. Quantization is llama.cpp's reference rounding
+(``quantize_row_q8_0_ref``, ``quantize_row_q4_0_ref``) and agrees with the ``gguf`` package byte for byte;
+the k-quants port ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K_ref`` (the ``gguf`` package only
+dequantizes those), and every format dequantizes bit for bit as the ``gguf`` package does.
 
 Example:
     >>> import torch
@@ -27,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernelize.quant import kquants
+
 BLOCK = 32  # the elements of one block, in every format (and of one block of a quantized activation row)
 
 
@@ -40,7 +47,7 @@ class QuantFormat:
         bits: bits per stored value.
         scale_dtype: the scales' storage type.
         scale_per: ``"block"`` (inside each block's bytes) or ``"row"`` (one per output row, apart).
-        has_min: whether a block also stores an offset (none of the formats here do).
+        has_min: whether a block also stores an offset subtracted from its values (q4_k's mins).
         bytes_per_block: the bytes of one block in the row's data (scales included when per block).
 
     Example:
@@ -64,6 +71,8 @@ class QuantFormat:
 FORMATS: dict[str, QuantFormat] = {
     "q8_0": QuantFormat("q8_0", BLOCK, 8, torch.float16, "block", False, 2 + BLOCK),
     "q4_0": QuantFormat("q4_0", BLOCK, 4, torch.float16, "block", False, 2 + BLOCK // 2),
+    "q4_k": QuantFormat("q4_k", kquants.QK_K, 4, torch.float16, "block", True, 144),
+    "q6_k": QuantFormat("q6_k", kquants.QK_K, 6, torch.float16, "block", False, 210),
     "int8": QuantFormat("int8", BLOCK, 8, torch.float32, "row", False, BLOCK),
 }
 
@@ -108,9 +117,11 @@ def check_weight(w: torch.Tensor, fmt: QuantFormat) -> None:
             f"dtype {w.dtype}; reshape it to [out_features, in_features]"
         )
     if w.shape[1] % fmt.block_size:
+        fits = sorted(f.name for f in FORMATS.values() if w.shape[1] % f.block_size == 0)
         raise ValueError(
             f"quantize: weight of shape {tuple(w.shape)} has K = {w.shape[1]} input features, not a multiple "
-            f"of {fmt.name}'s block of {fmt.block_size}; pad K to a multiple of {fmt.block_size} with zeros "
+            f"of {fmt.name}'s block of {fmt.block_size}; formats that take K = {w.shape[1]}: "
+            f"{', '.join(fits) or 'none'}; or pad K to a multiple of {fmt.block_size} with zeros "
             "(and the input likewise), or leave this layer unquantized"
         )
 
@@ -132,7 +143,7 @@ def quantize(w: torch.Tensor, fmt: str | QuantFormat) -> PackedWeight:
 
     Args:
         w: the weight, any floating dtype (quantized from its f32 values).
-        fmt: ``"q8_0"``, ``"q4_0"``, ``"int8"`` or a :class:`QuantFormat`.
+        fmt: ``"q8_0"``, ``"q4_0"``, ``"q4_k"``, ``"q6_k"``, ``"int8"`` or a :class:`QuantFormat`.
 
     Returns:
         The packed weight (its tensors on ``w``'s device, CPU for the kernels).
@@ -149,6 +160,8 @@ def quantize(w: torch.Tensor, fmt: str | QuantFormat) -> PackedWeight:
         d = wf.abs().amax(-1) / 127
         q = roundf(wf * _inverse(d)[:, None]).to(torch.int8)
         return PackedWeight(q.view(torch.uint8).contiguous(), fmt, (n, k), d.contiguous())
+    if fmt.name in kquants.QUANTIZE:
+        return PackedWeight(kquants.quantize_rows(wf, fmt.name), fmt, (n, k))
     b = wf.reshape(n, k // BLOCK, BLOCK)
     if fmt.name == "q8_0":
         d = b.abs().amax(-1, keepdim=True) / 127
@@ -177,6 +190,8 @@ def dequantize(packed: PackedWeight, rows: slice | None = None) -> torch.Tensor:
     m = data.shape[0]
     if fmt.name == "int8":
         return data.view(torch.int8).float() * packed.scales[rows, None]
+    if fmt.name in kquants.DEQUANTIZE:
+        return kquants.dequantize_rows(data, fmt.name, k)
     b = data.reshape(m, k // BLOCK, fmt.bytes_per_block)
     d = b[..., :2].contiguous().view(torch.float16).float()
     qs = b[..., 2:]

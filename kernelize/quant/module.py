@@ -119,11 +119,12 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()
 
     Args:
         model: the model (its linear layers on the CPU).
-        fmt: ``"q8_0"``, ``"q4_0"`` or ``"int8"``.
+        fmt: ``"q8_0"``, ``"q4_0"``, ``"q4_k"``, ``"q6_k"`` or ``"int8"``.
         skip: qualified names (or their last component, e.g. ``"lm_head"``) of layers to leave as they are.
 
     Returns:
-        A :class:`QuantizeSummary`; layers whose input size is not a multiple of 32 are skipped and named.
+        A :class:`QuantizeSummary`; layers whose input size is not a multiple of the
+        format's block (32; 256 for the k-quants) are skipped and named.
 
     Example:
         >>> m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))

@@ -32,8 +32,11 @@ def _llama(hidden: int = 128) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
     out = {}
-    for fmt in ("q8_0", "q4_0"):
-        model = _llama(128 if fmt == "q8_0" else 64)
+    for fmt in ("q8_0", "q4_0", "q4_k"):
+        model = _llama({"q8_0": 128, "q4_0": 64, "q4_k": 256}[fmt])
+        if fmt == "q4_k":  # mixed as llama.cpp's Q4_K_M: a Q6_K down projection among Q4_K tensors
+            down = model.model.layers[0].mlp.down_proj
+            model.model.layers[0].mlp.down_proj = QuantizedLinear.from_linear(down, "q6_k")
         quantize_for_kernelize(model, fmt)
         path = tmp_path_factory.mktemp("gguf") / f"tiny-{fmt}.gguf"
         kg.save(model, path)  # already packed: written as it is, whatever `fmt` says
@@ -41,14 +44,16 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.
     return out
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k"])
 def test_round_trip(saved: dict, fmt: str) -> None:
     model, path = saved[fmt]
     loaded = kg.load(path)
     for i, layer in enumerate(loaded.model.layers):
         for name in PROJECTIONS:
             got, want = layer.get_submodule(name), model.model.layers[i].get_submodule(name)
-            assert isinstance(got, QuantizedLinear) and got.format == fmt
+            assert isinstance(got, QuantizedLinear) and got.format == want.format
+            mixed = fmt == "q4_k" and (i, name) == (0, "mlp.down_proj")
+            assert got.format == ("q6_k" if mixed else fmt)
             assert torch.equal(got.qweight, want.qweight), name  # the same bytes (q/k un-permuted exactly)
     assert torch.equal(loaded.lm_head.qweight, model.lm_head.qweight)
     assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
@@ -71,19 +76,20 @@ def test_round_trip(saved: dict, fmt: str) -> None:
             torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_float_model_and_transformers_reader(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["q8_0", "q6_k"])
+def test_float_model_and_transformers_reader(tmp_path: Path, fmt: str) -> None:
     """A float model is quantized on save; transformers' own GGUF reader (llama.cpp's names and rotary
     permutation, dequantized) finds the same weights as the packed ones load() installs."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from kernelize.quant.formats import dequantize, quantize
 
-    model = _llama(64)
+    model = _llama(64 if fmt == "q8_0" else 256)
     path = tmp_path / "float.gguf"
-    kg.save(model, path, fmt="q8_0")
+    kg.save(model, path, fmt=fmt)
     loaded = kg.load(path)
     q = loaded.model.layers[1].self_attn.k_proj
-    assert torch.equal(q.qweight, quantize(model.model.layers[1].self_attn.k_proj.weight, "q8_0").data)
+    assert torch.equal(q.qweight, quantize(model.model.layers[1].self_attn.k_proj.weight, fmt).data)
     with torch.device("meta"):
         skeleton = transformers.LlamaForCausalLM(loaded.config)
     theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
@@ -175,6 +181,8 @@ def test_save_refuses() -> None:
         kg.save(transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)), "x")
     with pytest.raises(ValueError, match="fmt must be one of"):
         kg.save(_llama(64), "x", fmt="int8")
+    with pytest.raises(ValueError, match=r"shape \(64, 64\).*q4_k's block of 256"):
+        kg.save(_llama(64), "x", fmt="q4_k")
 
 
 def test_permute_inverse() -> None:

@@ -39,10 +39,21 @@ def test_activation_quantizer_matches_torch() -> None:
 
 
 CASES = [(1, 1, 32), (1, 7, 96), (3, 33, 4096), (8, 33, 96), (2, 4097, 96), (5, 17, 4096), (7, 4, 32)]
+K_CASES = [(1, 1, 256), (1, 7, 768), (3, 33, 4096), (8, 33, 512), (2, 4097, 256), (5, 17, 4096), (7, 4, 256)]
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("m,n,k", CASES)
+def _cases(fmt: str) -> list[tuple[int, int, int]]:
+    """The shapes for ``fmt``: K a multiple of its block (the k-quants' 256)."""
+    return K_CASES if FORMATS[fmt].block_size == 256 else CASES
+
+
+def _k(fmt: str, k: int = 96) -> int:
+    """``k`` rounded up to a multiple of ``fmt``'s block."""
+    b = FORMATS[fmt].block_size
+    return -(-k // b) * b
+
+
+@pytest.mark.parametrize("fmt,m,n,k", [(f, *c) for f in sorted(FORMATS) for c in _cases(f)])
 def test_gemv_matches_quantized_reference(fmt: str, m: int, n: int, k: int) -> None:
     w, x, bias = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
     p = quantize(w, fmt)
@@ -58,8 +69,8 @@ def test_gemv_matches_quantized_reference(fmt: str, m: int, n: int, k: int) -> N
 @pytest.mark.parametrize("xt,ot", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
                                    (torch.float32, torch.bfloat16)])  # fmt: skip
 def test_gemv_dtypes(xt: torch.dtype, ot: torch.dtype) -> None:
-    w, x = torch.randn(33, 96), torch.randn(4, 96).to(xt)
     for fmt in FORMATS:
+        w, x = torch.randn(33, _k(fmt)), torch.randn(4, _k(fmt)).to(xt)
         p = quantize(w, fmt)
         out = torch.empty(4, 33, dtype=ot)
         kernels.gemv(x, p, None, out)
@@ -84,8 +95,9 @@ def test_gemv_zero_and_one_thread_agree() -> None:
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_dequantize_rows_is_exact(fmt: str) -> None:
-    p = quantize(torch.randn(37, 96), fmt)
-    scratch = torch.empty(16 * 96)
+    k = _k(fmt, 768)
+    p = quantize(torch.randn(37, k) * torch.logspace(-3, 3, k), fmt)  # scales over a wide range
+    scratch = torch.empty(16 * k)
     panel = kernels.dequantize_rows(p, 20, 36, scratch)
     assert torch.equal(panel, dequantize(p)[20:36])
 
@@ -102,8 +114,8 @@ def test_portable_fallback_agrees() -> None:
 
     from kernelize.codegen import cpu_build
 
-    w, x = torch.randn(9, 96), torch.randn(3, 96)
-    for fmt in ("q4_0", "int8"):
+    for fmt in ("q4_0", "int8", "q4_k", "q6_k"):
+        w, x = torch.randn(9, _k(fmt, 512)), torch.randn(3, _k(fmt, 512))
         src = "#define KZ_QUANT_PORTABLE\n" + kernels.source(fmt)
         lib = cpu_build.load(cpu_build.build_shared_object(src, f"kz_quant_{fmt}_portable"))
         fn = getattr(lib, f"kz_quant_{fmt}_f32_f32")
@@ -112,6 +124,7 @@ def test_portable_fallback_agrees() -> None:
         p = quantize(w, fmt)
         scales = None if p.scales is None else p.scales.data_ptr()
         a, b = torch.empty(3, 9), torch.empty(3, 9)
-        fn(x.data_ptr(), 3, 96, p.data.data_ptr(), scales, 9, None, a.data_ptr(), 1)
+        fn(x.data_ptr(), 3, x.shape[1], p.data.data_ptr(), scales, 9, None, a.data_ptr(), 1)
         kernels.gemv(x, p, None, b)
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-4)
+        assert (_exact(x, p) - a.double()).abs().max() < 1e-3

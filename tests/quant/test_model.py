@@ -16,10 +16,10 @@ from kernelize.quant.module import QuantizedLinear
 transformers = pytest.importorskip("transformers")
 
 
-def _llama(seed: int = 0) -> nn.Module:
+def _llama(seed: int = 0, hidden: int = 64) -> nn.Module:
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=256,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).eval()
@@ -34,9 +34,9 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
-@pytest.mark.parametrize("fmt, floor", [("q8_0", 0.999), ("q4_0", 0.98)])
+@pytest.mark.parametrize("fmt, floor", [("q8_0", 0.999), ("q4_0", 0.98), ("q4_k", 0.98), ("q6_k", 0.999)])
 def test_quantized_kernelize_model(fmt: str, floor: float) -> None:
-    model = _llama()
+    model = _llama(hidden=256 if fmt.endswith("_k") else 64)  # the k-quants take K a multiple of 256
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits

@@ -12,18 +12,19 @@ from kernelize.quant.module import QuantizedLinear, quantize_model
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_from_linear_and_state_dict_round_trip(fmt: str) -> None:
-    lin = nn.Linear(96, 40)
+    k = 96 if FORMATS[fmt].block_size == 32 else 256
+    lin = nn.Linear(k, 40)
     q = QuantizedLinear.from_linear(lin, fmt)
     assert not hasattr(q, "weight") and q.qweight.dtype == torch.uint8
-    x = torch.randn(3, 96)
+    x = torch.randn(3, k)
     p = quantize(lin.weight, fmt)
     assert torch.equal(q.qweight, p.data)
     torch.testing.assert_close(q(x), x @ dequantize(p).T + lin.bias, rtol=2e-2, atol=2e-2)
     fresh = QuantizedLinear(32, 4, "q4_0" if fmt != "q4_0" else "q8_0")  # another format and shape
     fresh.load_state_dict(q.state_dict())
-    assert (fresh.format, fresh.in_features, fresh.out_features) == (fmt, 96, 40)
+    assert (fresh.format, fresh.in_features, fresh.out_features) == (fmt, k, 40)
     assert torch.equal(fresh(x), q(x))
-    x9 = torch.randn(9, 96).bfloat16()  # prefill path, bf16
+    x9 = torch.randn(9, k).bfloat16()  # prefill path, bf16
     assert torch.equal(fresh(x9), q(x9)) and q(x9).dtype == torch.bfloat16
 
 

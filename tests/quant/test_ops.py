@@ -13,8 +13,9 @@ from kernelize.quant.formats import FORMATS, dequantize, quantize
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_matches_the_float_product(fmt: str, rows: int, dtype: torch.dtype) -> None:
-    w, b = torch.randn(300, 96), torch.randn(300)
-    x = torch.randn(rows, 96).to(dtype)
+    k = 3 * FORMATS[fmt].block_size
+    w, b = torch.randn(300, k), torch.randn(300)
+    x = torch.randn(rows, k).to(dtype)
     p = quantize(w, fmt)
     y = ops.linear(x, p, b)
     assert y.shape == (rows, 300) and y.dtype == dtype

@@ -1,12 +1,15 @@
 $PRELUDE$
 // kernelize CPU few-row matmul over packed weights (kernelize/quant/kernels.py fills $FORMAT$):
-//     y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]),  W stored as q8_0 / q4_0 blocks or int8 rows
-// the llama.cpp way. Decode is bound by the weight bytes, so the weights are never widened in memory: the
-// few rows of x are quantized once per call into blocks of 32 int8 values with an f32 scale (round to
-// nearest even, d = max|x| / 127), and each block of W meets them in an integer dot product (AVX2: |w| times
-// x with w's sign, vpmaddubsw to i16 pairs, vpmaddwd to i32), converted to f32 and scaled by the product of
-// the two blocks' scales. Threads split the output columns N; each reads its weight rows once, NB rows side
-// by side, every row of x against each block while it is in registers.
+//     y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]),  W stored as q8_0 / q4_0 blocks, q4_k / q6_k
+// super-blocks or int8 rows, the llama.cpp way. Decode is bound by the weight bytes, so the weights are
+// never widened in memory: the few rows of x are quantized once per call into blocks of 32 int8 values
+// with an f32 scale (round to nearest even, d = max|x| / 127), and each block of W meets them in an integer
+// dot product (AVX2: |w| times x with w's sign, vpmaddubsw to i16 pairs, vpmaddwd to i32), converted to f32
+// and scaled by the product of the two blocks' scales. Threads split the output columns N; each reads its
+// weight rows once, NB rows side by side, every row of x against each block while it is in registers. A
+// k-quant super-block of 256 is read as 8 sub-blocks of 32, each against one block of x: its scales (per 32
+// or per 16 elements) and mins are unpacked to f32 once per super-block, and q4_k's mins enter as
+// min * d_x * sum(x_q), the sums of x taken once per call while it is quantized.
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -28,23 +31,29 @@ KZ_INLINE float kz_h2f(const uint8_t* p) {  // an unaligned f16 scale
 #endif
 }
 
-// ---- the formats: a block's bytes, its scale, its 32 values as int8 ------------------------------------
-// (row_bytes: a stored row of K elements; row_scale: the per-row factor, 1 when the scales are per block)
-// OFFSET: the AVX2 load returns the stored unsigned values u and the value is u - OFFSET (q4_0: 8), so the
-// dot product is u . x - OFFSET * sum(x): vpmaddubsw takes u as it is, no sign fix-ups per column
+// ---- the formats: a block's bytes, its scales, its values as int8 --------------------------------------
+// A block holds QK elements (32, or a k-quant's super-block of 256) read as QK / 32 sub-blocks of 32, with
+// one f32 scale per SG elements and (MIN) one min per sub-block: the value is sc * q - mn.
+// scales(b, sc, mn): a block's scales and mins as f32; values(b, q): its QK values q as int8;
+// load(b, s): the AVX2 load of sub-block s. UNSIGNED: the load returns the stored unsigned values u and the
+// value is u - OFFSET (q4_0: 8), so the dot product is u . x - OFFSET * sum(x): vpmaddubsw takes u as it
+// is, no sign fix-ups per column. Signed loads (q8_0, int8) take |w| and x with w's sign instead.
+// int8's per-row scales are applied to the finished dot products (its block scale is 1).
 struct kz_q8_0 {
+    static constexpr int QK = KZ_QK, SG = KZ_QK, OFFSET = 0;
+    static constexpr bool UNSIGNED = false, MIN = false;
     static constexpr int64_t BYTES = 2 + KZ_QK;
-    static constexpr int OFFSET = 0;
-    KZ_INLINE float scale(const uint8_t* b) { return kz_h2f(b); }
+    KZ_INLINE void scales(const uint8_t* b, float* sc, float*) { sc[0] = kz_h2f(b); }
     KZ_INLINE void values(const uint8_t* b, int8_t* q) { memcpy(q, b + 2, KZ_QK); }
 #if KZ_QAVX2
-    KZ_INLINE __m256i load(const uint8_t* b) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
+    KZ_INLINE __m256i load(const uint8_t* b, int) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
 #endif
 };
 struct kz_q4_0 {
+    static constexpr int QK = KZ_QK, SG = KZ_QK, OFFSET = 8;
+    static constexpr bool UNSIGNED = true, MIN = false;
     static constexpr int64_t BYTES = 2 + KZ_QK / 2;
-    static constexpr int OFFSET = 8;
-    KZ_INLINE float scale(const uint8_t* b) { return kz_h2f(b); }
+    KZ_INLINE void scales(const uint8_t* b, float* sc, float*) { sc[0] = kz_h2f(b); }
     KZ_INLINE void values(const uint8_t* b, int8_t* q) {
         for (int i = 0; i < KZ_QK / 2; ++i) {
             q[i] = (int8_t)((b[2 + i] & 15) - 8);
@@ -52,27 +61,109 @@ struct kz_q4_0 {
         }
     }
 #if KZ_QAVX2
-    KZ_INLINE __m256i load(const uint8_t* b) {  // low nibbles are elements 0..15, high nibbles 16..31
+    KZ_INLINE __m256i load(const uint8_t* b, int) {  // low nibbles are elements 0..15, high nibbles 16..31
         const __m128i raw = _mm_loadu_si128((const __m128i*)(b + 2));
         const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
         return _mm256_and_si256(both, _mm256_set1_epi8(15));  // unsigned: OFFSET is subtracted in the dot
     }
 #endif
 };
+// q4_k (block_q4_K, 144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales / mins per 32, 128 bytes of
+// nibbles (byte 32 c + l: element 64 c + l low, 64 c + 32 + l high); value d sc_j q - dmin m_j
+struct kz_q4_k {
+    static constexpr int QK = 256, SG = KZ_QK, OFFSET = 0;
+    static constexpr bool UNSIGNED = true, MIN = true;
+    static constexpr int64_t BYTES = 144;
+    KZ_INLINE void scales(const uint8_t* b, float* sc, float* mn) {
+        // llama.cpp's unpacking of get_scale_min_k4 in 32-bit words (little-endian): the bytes of u[0..1]
+        // become the 8 scales, those of u[2..3] the 8 mins
+        uint32_t u[4];
+        memcpy(u, b + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+        const uint32_t low_mins = u[1] & 0x3f3f3f3fu;
+        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+        u[2] = low_mins;
+        u[0] &= 0x3f3f3f3fu;
+        const float d = kz_h2f(b), dmin = kz_h2f(b + 2);
+#if KZ_QAVX2  // as a scalar loop this took half the kernel's time (measured 4.1 against 2.1 ms)
+        const __m128i q = _mm_loadu_si128((const __m128i*)u);
+        const __m256 fs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+        const __m256 fm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+        _mm256_storeu_ps(sc, _mm256_mul_ps(fs, _mm256_set1_ps(d)));
+        _mm256_storeu_ps(mn, _mm256_mul_ps(fm, _mm256_set1_ps(dmin)));
+#else
+        uint8_t q[16];
+        memcpy(q, u, 16);
+        for (int j = 0; j < 8; ++j) {
+            sc[j] = d * (float)q[j];
+            mn[j] = dmin * (float)q[8 + j];
+        }
+#endif
+    }
+    KZ_INLINE void values(const uint8_t* b, int8_t* q) {
+        for (int c = 0; c < 4; ++c)
+            for (int l = 0; l < 32; ++l) {
+                q[64 * c + l] = (int8_t)(b[16 + 32 * c + l] & 15);
+                q[64 * c + 32 + l] = (int8_t)(b[16 + 32 * c + l] >> 4);
+            }
+    }
+#if KZ_QAVX2
+    KZ_INLINE __m256i load(const uint8_t* b, int s) {  // sub-block s: chunk s / 2, nibble s % 2
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (s >> 1)));
+        return _mm256_and_si256(s & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
+    }
+#endif
+};
+// q6_k (block_q6_K, 210 bytes): ql[128] low 4 bits, qh[64] high 2 bits, int8 scales[16] per 16, f16 d;
+// in half h of 128: element 32 i + l (i < 4) is ql[64 h + 32 (i & 1) + l] >> 4 (i >> 1) | qh[32 h + l] >> 2 i
+// (2 bits) << 4; value d scales_g (u - 32)
+struct kz_q6_k {
+    static constexpr int QK = 256, SG = 16, OFFSET = 32;
+    static constexpr bool UNSIGNED = true, MIN = false;
+    static constexpr int64_t BYTES = 210;
+    KZ_INLINE void scales(const uint8_t* b, float* sc, float*) {
+        const float d = kz_h2f(b + 208);
+        for (int g = 0; g < 16; ++g) sc[g] = d * (float)(int8_t)b[192 + g];
+    }
+    KZ_INLINE void values(const uint8_t* b, int8_t* q) {
+        for (int h = 0; h < 2; ++h)
+            for (int i = 0; i < 4; ++i)
+                for (int l = 0; l < 32; ++l) {
+                    const int lo = (b[64 * h + 32 * (i & 1) + l] >> (4 * (i >> 1))) & 15;
+                    const int hi = (b[128 + 32 * h + l] >> (2 * i)) & 3;
+                    q[128 * h + 32 * i + l] = (int8_t)((lo | (hi << 4)) - 32);
+                }
+    }
+#if KZ_QAVX2
+    KZ_INLINE __m256i load(const uint8_t* b, int s) {
+        const int h = s >> 2, i = s & 3;
+        const __m256i ql = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (i & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+        const __m256i lo = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (i >> 1))), _mm256_set1_epi8(15));
+        const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * i)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
+#endif
+};
 struct kz_int8 {  // per-row scales: a "block" is 32 int8 values and its scale is 1
+    static constexpr int QK = KZ_QK, SG = KZ_QK, OFFSET = 0;
+    static constexpr bool UNSIGNED = false, MIN = false;
     static constexpr int64_t BYTES = KZ_QK;
-    static constexpr int OFFSET = 0;
-    KZ_INLINE float scale(const uint8_t*) { return 1.0f; }
+    KZ_INLINE void scales(const uint8_t*, float* sc, float*) { sc[0] = 1.0f; }
     KZ_INLINE void values(const uint8_t* b, int8_t* q) { memcpy(q, b, KZ_QK); }
 #if KZ_QAVX2
-    KZ_INLINE __m256i load(const uint8_t* b) { return _mm256_loadu_si256((const __m256i*)b); }
+    KZ_INLINE __m256i load(const uint8_t* b, int) { return _mm256_loadu_si256((const __m256i*)b); }
 #endif
 };
 typedef $FORMAT$ kz_fmt;
+#define KZ_NSUB (kz_fmt::QK / KZ_QK)  // sub-blocks of 32 per block
+#define KZ_NSG (kz_fmt::QK / kz_fmt::SG)  // scales per block
+static_assert(!kz_fmt::MIN || KZ_NSUB == 8, "the AVX2 kernel takes a block's mins as the 8 lanes of a vector");
 
 // ---- the activations: rows of x as int8 blocks and f32 scales ------------------------------------------
+// xs (formats with mins, else null): each block's d * sum(q), what a min multiplies
 template <class XT>
-static void kz_quantize_rows(const XT* x, int64_t m, int64_t k, int8_t* xq, float* xd) {
+static void kz_quantize_rows(const XT* x, int64_t m, int64_t k, int8_t* xq, float* xd, float* xs) {
     for (int64_t r = 0; r < m; ++r)
         for (int64_t b = 0; b < k / KZ_QK; ++b) {
             const XT* src = x + r * k + b * KZ_QK;
@@ -83,8 +174,14 @@ static void kz_quantize_rows(const XT* x, int64_t m, int64_t k, int8_t* xq, floa
                 amax = a > amax ? a : amax;
             }
             const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            for (int i = 0; i < KZ_QK; ++i) xq[r * k + b * KZ_QK + i] = (int8_t)rintf(v[i] * id);
+            int32_t sum = 0;
+            for (int i = 0; i < KZ_QK; ++i) {
+                const int8_t q = (int8_t)rintf(v[i] * id);
+                xq[r * k + b * KZ_QK + i] = q;
+                sum += q;
+            }
             xd[r * (k / KZ_QK) + b] = d;
+            if (xs) xs[r * (k / KZ_QK) + b] = d * (float)sum;
         }
 }
 
@@ -97,9 +194,10 @@ KZ_INLINE float kz_hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 template <int MB, int NB>
-KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, int64_t k,
-                       float* out, int64_t ldo, const char* pf) {
+KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+                       int64_t k, float* out, int64_t ldo, const char* pf) {
     kz_fmt f;
+    const int64_t nx = k / KZ_QK;  // x's blocks per row
     __m256 acc[MB][NB];
     for (int m = 0; m < MB; ++m)
         for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
@@ -107,25 +205,38 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
     for (int64_t b = 0; b < nb; ++b) {
         if (pf)  // the next column block's bytes, as fast as this one's are read
             for (int64_t o = 0; o < NB * kz_fmt::BYTES; o += 64) __builtin_prefetch(pf + b * NB * kz_fmt::BYTES + o, 0, 2);
-        __m256i wv[NB], wa[NB];
-        float ws[NB];
-        for (int j = 0; j < NB; ++j) {
-            const uint8_t* blk = w[j] + b * kz_fmt::BYTES;
-            wv[j] = f.load(blk);
-            if constexpr (!kz_fmt::OFFSET) wa[j] = _mm256_sign_epi8(wv[j], wv[j]);  // |w|: vpmaddubsw's unsigned operand
-            ws[j] = f.scale(blk);
+        float ws[NB][KZ_NSG], wm[NB][KZ_NSUB];
+        for (int j = 0; j < NB; ++j) f.scales(w[j] + b * kz_fmt::BYTES, ws[j], wm[j]);
+        if constexpr (kz_fmt::MIN) {  // sum over the sub-blocks of min_s * d_x * sum(x_q): one lane each
+            for (int m = 0; m < MB; ++m) {
+                const __m256 xsv = _mm256_loadu_ps(xs + m * nx + b * KZ_NSUB);
+                for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fnmadd_ps(_mm256_loadu_ps(wm[j]), xsv, acc[m][j]);
+            }
         }
-        for (int m = 0; m < MB; ++m) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * k + b * KZ_QK));
-            const float s = xd[m * nb + b];
-            __m256i xo;  // OFFSET * (x[2i] + x[2i+1]), what the offset takes off each pair
-            if constexpr (kz_fmt::OFFSET) xo = _mm256_maddubs_epi16(_mm256_set1_epi8(kz_fmt::OFFSET), xv);
+#pragma GCC unroll 8  // constant sub-block offsets and shift counts; q4_k's two loads of one chunk merge
+        for (int s = 0; s < KZ_NSUB; ++s) {
+            __m256i wv[NB], wa[NB];
             for (int j = 0; j < NB; ++j) {
-                const __m256i p16 = kz_fmt::OFFSET
-                    ? _mm256_sub_epi16(_mm256_maddubs_epi16(wv[j], xv), xo)
-                    : _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, wv[j]));
-                const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-                acc[m][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(ws[j] * s), acc[m][j]);
+                wv[j] = f.load(w[j] + b * kz_fmt::BYTES, s);
+                if constexpr (!kz_fmt::UNSIGNED) wa[j] = _mm256_sign_epi8(wv[j], wv[j]);  // |w|: vpmaddubsw's unsigned operand
+            }
+            for (int m = 0; m < MB; ++m) {
+                const int64_t xb = b * KZ_NSUB + s;
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * k + xb * KZ_QK));
+                const float dx = xd[m * nx + xb];
+                __m256i xo;  // OFFSET * (x[2i] + x[2i+1]), what the offset takes off each pair
+                if constexpr (kz_fmt::OFFSET != 0) xo = _mm256_maddubs_epi16(_mm256_set1_epi8(kz_fmt::OFFSET), xv);
+                for (int j = 0; j < NB; ++j) {
+                    __m256i p16;
+                    if constexpr (!kz_fmt::UNSIGNED) p16 = _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, wv[j]));
+                    else if constexpr (kz_fmt::OFFSET != 0) p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wv[j], xv), xo);
+                    else p16 = _mm256_maddubs_epi16(wv[j], xv);
+                    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+                    __m256 sv;  // lanes 0..3 hold elements 0..15, lanes 4..7 elements 16..31
+                    if constexpr (kz_fmt::SG == KZ_QK) sv = _mm256_set1_ps(ws[j][s] * dx);
+                    else sv = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(ws[j][2 * s + 1]), _mm_set1_ps(ws[j][2 * s])), _mm256_set1_ps(dx));
+                    acc[m][j] = _mm256_fmadd_ps(p, sv, acc[m][j]);
+                }
             }
         }
     }
@@ -134,21 +245,28 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
 }
 #else
 template <int MB, int NB>
-KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, int64_t k,
-                       float* out, int64_t ldo, const char* pf) {
+KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+                       int64_t k, float* out, int64_t ldo, const char*) {
     kz_fmt f;
+    const int64_t nx = k / KZ_QK;
     float acc[MB][NB] = {};
-    int8_t q[KZ_QK];
+    int8_t q[kz_fmt::QK];
+    float ws[KZ_NSG], wm[KZ_NSUB];
     for (int64_t b = 0; b < nb; ++b)
         for (int j = 0; j < NB; ++j) {
             const uint8_t* blk = w[j] + b * kz_fmt::BYTES;
             f.values(blk, q);
-            const float ws = f.scale(blk);
+            f.scales(blk, ws, wm);
             for (int m = 0; m < MB; ++m) {
-                const int8_t* xb = xq + m * k + b * KZ_QK;
-                int32_t s = 0;
-                for (int i = 0; i < KZ_QK; ++i) s += (int32_t)q[i] * xb[i];
-                acc[m][j] += (float)s * (ws * xd[m * nb + b]);
+                const int8_t* xr = xq + m * k + b * kz_fmt::QK;
+                const float* dx = xd + m * nx + b * KZ_NSUB;
+                for (int g = 0; g < KZ_NSG; ++g) {
+                    int32_t s = 0;
+                    for (int i = g * kz_fmt::SG; i < (g + 1) * kz_fmt::SG; ++i) s += (int32_t)q[i] * xr[i];
+                    acc[m][j] += (float)s * (ws[g] * dx[g * kz_fmt::SG / KZ_QK]);
+                }
+                if constexpr (kz_fmt::MIN)
+                    for (int sb = 0; sb < KZ_NSUB; ++sb) acc[m][j] -= wm[sb] * xs[m * nx + b * KZ_NSUB + sb];
             }
         }
     for (int m = 0; m < MB; ++m)
@@ -166,23 +284,24 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
 // each end before the hardware prefetcher gets ahead, so the first pass over a block prefetches the next
 // one into L2 (measured: see benchmarks/quantized.py).
 static void kz_qcols(const uint8_t* w, int64_t rb, int64_t c0, int64_t cn, int64_t nb, int64_t m,
-                     const int8_t* xq, const float* xd, int64_t k, float* out, const char* pf) {
+                     const int8_t* xq, const float* xd, const float* xs, int64_t k, float* out, const char* pf) {
     const uint8_t* wr[KZ_QNB];
     for (int j = 0; j < KZ_QNB; ++j) wr[j] = w + (c0 + (j < cn ? j : cn - 1)) * rb;
+    const int64_t nx = k / KZ_QK;  // x's blocks per row
     int64_t r = 0;
     for (; r + 4 <= m; r += 4) {  // 4 rows x 2 columns: 8 accumulators, as 2 x 4 (the second reads cache)
-        kz_qdot<4, 2>(wr, nb, xq + r * k, xd + r * nb, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
-        kz_qdot<4, 2>(wr + 2, nb, xq + r * k, xd + r * nb, k, out + r * KZ_QNB + 2, KZ_QNB, r || !pf ? 0 : pf + KZ_QNB / 2 * rb);
+        kz_qdot<4, 2>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * nx : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
+        kz_qdot<4, 2>(wr + 2, nb, xq + r * k, xd + r * nx, xs ? xs + r * nx : 0, k, out + r * KZ_QNB + 2, KZ_QNB, r || !pf ? 0 : pf + KZ_QNB / 2 * rb);
     }
     for (; r + 2 <= m; r += 2)
-        kz_qdot<2, KZ_QNB>(wr, nb, xq + r * k, xd + r * nb, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
-    for (; r < m; ++r) kz_qdot<1, KZ_QNB>(wr, nb, xq + r * k, xd + r * nb, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
+        kz_qdot<2, KZ_QNB>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * nx : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
+    for (; r < m; ++r) kz_qdot<1, KZ_QNB>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * nx : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
 }
 
 template <class OT>
-static int kz_qgemv(const int8_t* xq, const float* xd, int64_t m, int64_t k, const uint8_t* w,
+static int kz_qgemv(const int8_t* xq, const float* xd, const float* xs, int64_t m, int64_t k, const uint8_t* w,
                     const float* wscale, int64_t n, const float* bias, OT* y, int nthreads) {
-    const int64_t nb = k / KZ_QK, rb = nb * kz_fmt::BYTES, nblk = (n + KZ_QNB - 1) / KZ_QNB;
+    const int64_t nb = k / kz_fmt::QK, rb = nb * kz_fmt::BYTES, nblk = (n + KZ_QNB - 1) / KZ_QNB;
     const kz_team_t tm = kz_team_open(nthreads, m * n * k >= 32768);
     return kz_parallel_for(tm, [=](int t, int tn) KZ_BODY {
         int64_t lo, hi;
@@ -193,7 +312,8 @@ static int kz_qgemv(const int8_t* xq, const float* xd, int64_t m, int64_t k, con
             for (int64_t r0 = 0; r0 < m; r0 += 8) {
                 const int64_t mr = m - r0 < 8 ? m - r0 : 8;
                 const char* pf = r0 == 0 && c + 1 < hi && KZ_PREFETCH ? (const char*)(w + (c0 + KZ_QNB) * rb) : 0;
-                kz_qcols(w, rb, c0, cn, nb, mr, xq + r0 * k, xd + r0 * nb, k, blk, pf);
+                const int64_t x0 = r0 * (k / KZ_QK);
+                kz_qcols(w, rb, c0, cn, nb, mr, xq + r0 * k, xd + x0, xs ? xs + x0 : 0, k, blk, pf);
                 for (int64_t r = 0; r < mr; ++r)
                     for (int64_t j = 0; j < cn; ++j) {
                         float v = blk[r * KZ_QNB + j];
@@ -213,8 +333,9 @@ static int kz_qgemv(const int8_t* xq, const float* xd, int64_t m, int64_t k, con
                                       const float* wscale, int64_t n, const float* bias, OT* y, int nthreads) { \
         int8_t* xq = kz_scratch<int8_t>(0, m * k);                                                         \
         float* xd = kz_scratch<float>(1, m * (k / KZ_QK));                                                 \
-        kz_quantize_rows(x, m, k, xq, xd);                                                                 \
-        return kz_qgemv(xq, xd, m, k, w, wscale, n, bias, y, nthreads);                                    \
+        float* xs = kz_fmt::MIN ? kz_scratch<float>(2, m * (k / KZ_QK)) : 0;                               \
+        kz_quantize_rows(x, m, k, xq, xd, xs);                                                             \
+        return kz_qgemv(xq, xd, xs, m, k, w, wscale, n, bias, y, nthreads);                                \
     }
 KZ_QGEMV_ENTRY(f32, float, f32, float)
 KZ_QGEMV_ENTRY(f32, float, bf16, kz_bf16)
@@ -223,25 +344,32 @@ KZ_QGEMV_ENTRY(bf16, kz_bf16, bf16, kz_bf16)
 
 // the quantized activations as the kernel sees them (for tests): xq [m, k] int8, xd [m, k / 32]
 extern "C" void $NAME$_quantize_x(const float* x, int64_t m, int64_t k, int8_t* xq, float* xd) {
-    kz_quantize_rows(x, m, k, xq, xd);
+    kz_quantize_rows(x, m, k, xq, xd, (float*)0);
 }
 
-// rows [n0, n1) of W as f32 into out [n1 - n0, k] (prefill: a panel of the weight for a library GEMM)
+// rows [n0, n1) of W as f32 into out [n1 - n0, k] (prefill: a panel of the weight for a library GEMM). The
+// values equal formats.dequantize's bit for bit: a k-quant's sc * q is exact in f32 (an f16 times a 6-bit
+// scale times a 4-bit q, or a single product for q6_k), so a fused multiply-subtract rounds the same.
 extern "C" int $NAME$_dequant(const uint8_t* w, const float* wscale, int64_t n0, int64_t n1, int64_t k,
                               float* out, int nthreads) {
-    const int64_t nb = k / KZ_QK, rb = nb * kz_fmt::BYTES;
+    const int64_t nb = k / kz_fmt::QK, rb = nb * kz_fmt::BYTES;
     return kz_parallel_for(kz_team_open(nthreads, (n1 - n0) * k >= 32768), [=](int t, int tn) KZ_BODY {
         kz_fmt f;
         int64_t lo, hi;
         kz_range(n1 - n0, t, tn, lo, hi);
-        int8_t q[KZ_QK];
+        int8_t q[kz_fmt::QK];
+        float sc[KZ_NSG], mn[KZ_NSUB];
         for (int64_t r = lo; r < hi; ++r) {
             const float rs = wscale ? wscale[n0 + r] : 1.0f;
             for (int64_t b = 0; b < nb; ++b) {
                 const uint8_t* blk = w + (n0 + r) * rb + b * kz_fmt::BYTES;
                 f.values(blk, q);
-                const float s = f.scale(blk) * rs;
-                for (int i = 0; i < KZ_QK; ++i) out[r * k + b * KZ_QK + i] = (float)q[i] * s;
+                f.scales(blk, sc, mn);
+                float* o = out + r * k + b * kz_fmt::QK;
+                for (int i = 0; i < kz_fmt::QK; ++i) {
+                    const float v = (float)q[i] * (sc[i / kz_fmt::SG] * rs);
+                    o[i] = kz_fmt::MIN ? v - mn[i / KZ_QK] : v;
+                }
             }
         }
         return 0;
