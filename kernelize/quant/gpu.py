@@ -55,6 +55,9 @@ _LAUNCHERS: dict[tuple, Launch] = {}
 _LOCK = threading.Lock()
 
 
+GPU_FORMATS = ("q8_0", "q4_0", "int8")  # the formats the Triton and CUDA C kernels read
+
+
 def launcher(backend: str, fmt: str, dtype: torch.dtype, device: torch.device) -> Launch:
     """The launch of ``backend`` for format ``fmt``, x of ``dtype`` on ``device`` (built once)."""
     key = (backend, fmt, dtype, device)
@@ -77,9 +80,14 @@ def run(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: t
     out ``[M, N]`` in x's dtype, the packed tensors on the same device (checked by the caller)."""
     from kernelize.hub import backend_for
 
+    if packed.format.name not in GPU_FORMATS:
+        raise ValueError(
+            f"quant.linear: format {packed.format.name!r} has no GPU kernels yet (the GPU kernels take "
+            f"{', '.join(GPU_FORMATS)}); run this layer on the CPU, or quantize it to one of those"
+        )
     fn = launcher(backend_for(x.device), packed.format.name, x.dtype, x.device)
     with torch.cuda.device(x.device):  # Triton launches on the current device
         fn(x, packed, bias, out)
 
 
-__all__ = ["BUILDERS", "launcher", "run"]
+__all__ = ["BUILDERS", "GPU_FORMATS", "launcher", "run"]

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kernelize.quant import QuantizedLinear, gpu, ops
-from kernelize.quant.formats import FORMATS, dequantize, quantize
+from kernelize.quant.formats import dequantize, quantize
+from kernelize.quant.gpu import GPU_FORMATS
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # of max |ref|: the output's rounding
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="host emulation needs g++")
@@ -45,7 +46,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, p, bias: torch.Tensor | None) -> 
 SHAPES = [(1, 64), (3, 96), (17, 64), (40, 96)]
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(GPU_FORMATS))
 @pytest.mark.parametrize("m,k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_interpreter_matches_the_dequantized_product(fmt, m, k, dtype):
@@ -55,7 +56,7 @@ def test_triton_interpreter_matches_the_dequantized_product(fmt, m, k, dtype):
     _check(out, x, p, b)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(GPU_FORMATS))
 @pytest.mark.parametrize("m,k,split", [(5, 160, 2), (2, 640, 8), (70, 160, 1)])
 def test_triton_interpreter_split_k_several_tiles_and_float16(fmt, m, k, split):
     from kernelize.codegen.triton_quant import launch_config
@@ -80,7 +81,7 @@ def test_triton_reads_packed_bytes_at_an_odd_address():
 
 
 @needs_gxx
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", sorted(GPU_FORMATS))
 @pytest.mark.parametrize("m,k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_emulated_matches_the_dequantized_product(fmt, m, k, dtype):
@@ -120,7 +121,7 @@ def test_cuda_nvrtc_cubins_for_sm80_and_sm90(tmp_path, monkeypatch):
     from kernelize.codegen.cuda_quant import render_quant
 
     monkeypatch.setenv("KERNELIZE_CACHE_DIR", str(tmp_path))
-    cases = [(f, torch.bfloat16) for f in sorted(FORMATS)] + [
+    cases = [(f, torch.bfloat16) for f in sorted(GPU_FORMATS)] + [
         ("q4_0", torch.float32),
         ("int8", torch.float16),
     ]
@@ -150,7 +151,7 @@ def test_linear_refuses_devices_without_kernels():
 
 # -- on a real GPU (each backend well under 10 s) -----------------------------------------------------------
 
-GPU_CASES = [(f, torch.bfloat16, m) for f in sorted(FORMATS) for m in (1, 300)] + [
+GPU_CASES = [(f, torch.bfloat16, m) for f in sorted(GPU_FORMATS) for m in (1, 300)] + [
     ("q8_0", torch.float32, 5),
     ("q4_0", torch.float16, 1),
     ("int8", torch.float16, 64),
@@ -192,3 +193,15 @@ def test_gpu_module_moves_and_never_widens_the_weight(backend, monkeypatch):
         _check(
             y.cpu().reshape(-1, 1024), rows.reshape(-1, 2048).bfloat16(), _to(q.packed, "cpu"), q.bias.cpu()
         )
+
+
+def test_the_gpu_formats_are_the_ones_both_generators_spell_and_others_are_refused_by_name() -> None:
+    from kernelize.codegen.cuda_quant import CHUNKS
+    from kernelize.codegen.triton_quant import SPELLING
+    from kernelize.quant import gpu
+    from kernelize.quant.formats import quantize
+
+    assert set(gpu.GPU_FORMATS) == set(SPELLING) == set(CHUNKS)
+    packed = quantize(torch.randn(8, 256), "q4_k")
+    with pytest.raises(ValueError, match="'q4_k' has no GPU kernels yet.*q8_0, q4_0, int8"):
+        gpu.run(torch.randn(1, 256), packed, None, torch.empty(1, 8))
