@@ -178,14 +178,20 @@ def _rss() -> int:
     return 0
 
 
-def _llama_cpp(path: str, threads: int, new: int) -> dict:
-    """llama.cpp's greedy decode tok/s on the GGUF file (the optional comparison)."""
+def _llama_cpp(path: str, threads: int, new: int, prompt: list[int], ours: torch.Tensor) -> dict:
+    """llama.cpp on the GGUF file: greedy decode tok/s, and the cosine of its last-position logits on
+    ``prompt`` with ``ours`` (the kernelized model the file was saved from)."""
     try:
         import llama_cpp
     except ImportError:
         return {"status": "llama.cpp not installed (pip install llama-cpp-python to compare)"}
-    llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=64, verbose=False)
-    prompt = list(range(3, 11))
+    try:
+        llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=64, verbose=False)
+    except (ValueError, RuntimeError) as exc:  # the file is not one llama.cpp loads: that is the finding
+        return {"status": f"llama.cpp did not load the file: {type(exc).__name__}: {exc}"}
+    llm.eval(prompt)
+    theirs = torch.tensor(llm.scores[len(prompt) - 1]).float()
+    cosine = torch.nn.functional.cosine_similarity(theirs, ours, dim=0).item()
 
     def run(n: int) -> float:
         llm.reset()
@@ -198,7 +204,28 @@ def _llama_cpp(path: str, threads: int, new: int) -> dict:
     run(2)
     full = statistics.median(run(new) for _ in range(3))
     first = statistics.median(run(1) for _ in range(3))
-    return {"status": "ran", "tok_s": (new - 1) / (full - first)}
+    same = int(theirs.argmax()) == int(ours.argmax())
+    return {
+        "status": "ran",
+        "tok_s": (new - 1) / (full - first),
+        "logits_cosine": cosine,
+        "same_argmax": same,
+    }
+
+
+def _load_fresh(path: str, threads: int) -> dict:
+    """``gguf.load`` of the file in a fresh process: its RSS increase against the file size, its tok/s."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_SCRIPT, path, str(threads), root],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    loaded["rss_load_over_file"] = loaded["rss_load_MB"] / (os.path.getsize(path) / 1e6)
+    return loaded
 
 
 def bench_kernelize(threads: int, repeat: int = 3, new: int = 32) -> dict:
@@ -228,28 +255,26 @@ def bench_kernelize(threads: int, repeat: int = 3, new: int = 32) -> dict:
         if name in setup:
             out[name]["kernelize_model_s"] = setup[name]
         print(f"{name:15} {value:7.2f} tok/s ({value / tok_s['bf16_eager']:.2f}x eager bf16)", flush=True)
+    prompt = torch.arange(3, 11).view(1, -1)  # the prompt llama.cpp is given below (token ids, no BOS)
+    with torch.no_grad():
+        ours = {f: models[f"{f}_kernelize"](prompt).logits[0, -1].float() for f in ("q8_0", "q4_0")}
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "llama-q8_0.gguf")
-        t0 = time.perf_counter()
-        gguf.save(models["q8_0_kernelize"], path)
-        size = os.path.getsize(path)
-        out["gguf_q8_0"] = {"save_s": time.perf_counter() - t0, "file_MB": size / 1e6}
+        for fmt in ("q8_0", "q4_0"):
+            path = os.path.join(tmp, f"llama-{fmt}.gguf")
+            t0 = time.perf_counter()
+            gguf.save(models[f"{fmt}_kernelize"], path)
+            out[f"gguf_{fmt}"] = {"save_s": time.perf_counter() - t0, "file_MB": os.path.getsize(path) / 1e6}
         del models
-        root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run(
-            [sys.executable, "-c", _LOAD_SCRIPT, path, str(threads), root],
-            capture_output=True, text=True, env=env, check=False,
-        )  # fmt: skip
-        if done.returncode == 0:
-            loaded = json.loads(done.stdout.strip().splitlines()[-1])
-            loaded["rss_load_over_file"] = loaded["rss_load_MB"] / (size / 1e6)
-            out["gguf_q8_0"]["load"] = loaded
-        else:
-            out["gguf_q8_0"]["load"] = {"error": done.stderr[-2000:]}
+        out["gguf_q8_0"]["load"] = _load_fresh(os.path.join(tmp, "llama-q8_0.gguf"), threads)
         print(f"gguf q8_0       {out['gguf_q8_0']}", flush=True)
-        out["llama_cpp"] = _llama_cpp(path, threads, new)
-        print(f"llama.cpp       {out['llama_cpp']}", flush=True)
+        for fmt in ("q8_0", "q4_0"):
+            ran = _llama_cpp(
+                os.path.join(tmp, f"llama-{fmt}.gguf"), threads, new, prompt[0].tolist(), ours[fmt]
+            )
+            out[f"llama_cpp_{fmt}"] = ran
+            if "tok_s" in ran:
+                ran["kernelize_vs_llama_cpp"] = out[f"{fmt}_kernelize"]["tok_s"] / ran["tok_s"]
+            print(f"llama.cpp {fmt}  {ran}", flush=True)
     return out
 
 

@@ -174,6 +174,24 @@ def gpu_table(sections: dict) -> str:
     return caption + "\n\n" + md(head, rows)
 
 
+def quantized_table(r: dict) -> str:
+    """Packed-weight decode (benchmarks/quantized.py --parts kernelize): tok/s per variant, against eager bf16
+    and against llama.cpp on the same GGUF file, with the logits' agreement."""
+    k = r["kernelize"]
+    rows = []
+    for name in ("bf16_eager", "bf16_kernelize", "q8_0_kernelize", "q4_0_kernelize"):
+        fmt = name.split("_kernelize")[0]
+        cpp = k.get(f"llama_cpp_{fmt}", {})
+        label = name.replace("_kernelize", " kernelize").replace("_eager", " eager")
+        row = [label, f"{k[name]['tok_s']:.1f}", f"**{k[name]['vs_bf16_eager']:.2f}x**"]
+        row += [f"{cpp['tok_s']:.1f}" if "tok_s" in cpp else cpp.get("status", "-")[:60]]
+        row += [f"**{cpp['kernelize_vs_llama_cpp']:.2f}x**" if "kernelize_vs_llama_cpp" in cpp else "-"]
+        rows.append(row + [f"{cpp['logits_cosine']:.4f}" if "logits_cosine" in cpp else "-"])
+    head = ["model", "decode tok/s", "vs eager bf16", "llama.cpp tok/s (same file)", "vs llama.cpp"]
+    caption = f"{k['threads']} threads, random-weight Llama hidden {k['config']['hidden_size']}"
+    return caption + ":\n\n" + md([*head, "logits cosine vs llama.cpp"], rows)
+
+
 def fenced(text: str) -> str:
     return f"```text\n{text}\n```"
 
@@ -236,6 +254,9 @@ TABLES: dict[str, Table] = {
     "onnx_models.json:models": Table("onnx_models.json", _cmd("onnx_models.py"), onnx_table),
     "gpu/*.json:sections": Table("gpu/*.json", "make gpu-check", gpu_table),
     "moe.json:models": Table("moe.json", _cmd("moe.py"), _bench_table("moe", "table", "records")),
+    "quantized_kernelize.json:kernelize": Table(
+        "quantized_kernelize.json", _cmd("quantized.py", "--parts kernelize"), quantized_table, "kernelize"
+    ),
     "threads.json:scaling": Table(
         "threads.json", _cmd("threads.py", "--out benchmarks/results/threads.json"), threads_table
     ),
