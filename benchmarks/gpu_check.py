@@ -8,11 +8,12 @@ Every section runs on `--device` (default `cuda`), so the same code runs on the 
    on the CPU the C++ one), against its eager self: max logit difference, eager / ours / `torch.compile`
    forward times;
 2. `attention`: the generated attention kernel against torch's SDPA (causal, GQA), max difference and times;
-3. `llm`: a ~1 B-parameter transformers Llama (bf16; `--quick`: tiny) through `kernelize_model`: prefill of
+3. `llm`: a ~1 B-parameter transformers Llama (bf16; `--quick`: tiny) through `kernelize_model` (with
+   `KERNELIZE_GPU_MODEL=1`: on a GPU the one call otherwise leaves the model as it is): prefill of
    512 tokens and greedy decode of 32, against eager (and `torch.compile` for prefill), same tokens;
 4. `training`: one training step of the demo decoder (`Mode.TRAINING`), gradients against eager, times;
 5. `moe`: a Qwen3-MoE layout (`benchmarks/moe.py`; bf16, `--quick`: tiny, f32) through `kernelize_model` with
-   `KERNELIZE_GPU_EXPERTS=1` (the one call keeps `grouped_mm` on a GPU otherwise): the grouped-expert kernel
+   `KERNELIZE_GPU_MODEL=1` and `KERNELIZE_GPU_EXPERTS=1`: the grouped-expert kernel
    in every MoE layer, prefill and decode against eager (`grouped_mm`), logits with eager's routing.
 
 Writes `<out>/<section>.json` (machine, versions, command, date in each) and prints one line per section.
@@ -177,7 +178,8 @@ def section_llm(device: str, quick: bool, repeat: int) -> dict:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     eager = transformers.LlamaForCausalLM(config).to(device, dtype).eval()
     params = sum(p.numel() for p in eager.parameters())
-    fast = kernelize_model(copy.deepcopy(eager))
+    with _env("KERNELIZE_GPU_MODEL", "1"):  # the one call leaves a GPU model as it is unless asked
+        fast = kernelize_model(copy.deepcopy(eager))
     prompt = torch.randint(1, sizes["vocab_size"], (1, 64 if quick else 512), device=device)
     short = prompt[:, :16]
     kw = dict(max_new_tokens=8 if quick else 32, do_sample=False, pad_token_id=0)
@@ -243,7 +245,8 @@ def section_moe(device: str, quick: bool, repeat: int) -> dict:
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     eager = build("tiny" if quick else "qwen3-moe", dtype).to(device)
-    with _env("KERNELIZE_GPU_EXPERTS", "1"):  # the one call keeps grouped_mm on a GPU; measure the kernel
+    # the one call leaves a GPU model as it is and keeps grouped_mm there unless asked: measure the kernels
+    with _env("KERNELIZE_GPU_MODEL", "1"), _env("KERNELIZE_GPU_EXPERTS", "1"):
         fast = kernelize_model(copy.deepcopy(eager))
     experts = [c for c in inspect(fast).values() if c.layer_name == "Experts"]
     served = sum(c.uses_kernel for c in experts)

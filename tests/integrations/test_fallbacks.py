@@ -237,3 +237,20 @@ def test_attention_sinks_and_alternating_windows_run_in_the_kernel(monkeypatch) 
             notes = attention_choice(fast, layer).notes
             assert not any(n.startswith("eager attention") for n in notes), notes
     assert with_sinks and all(with_sinks), with_sinks
+
+
+def test_a_gpu_model_keeps_its_own_forward_unless_asked_and_still_gets_packed_weights(monkeypatch) -> None:
+    """The whole-model path measured slower than eager on an H200: the one call leaves a GPU model as it is,
+    says why (and how to opt in) in `inspect` and the log, and still packs the weights it was asked to."""
+    from kernelize.integrations import transformers as integration
+    from kernelize.quant import QuantizedLinear
+
+    monkeypatch.delenv(integration.GPU_MODEL_ENV, raising=False)
+    model = tiny_model()
+    forward = type(model.model.layers[0].mlp).forward
+    out = integration.kernelize_model(model, device="cuda", quantize="q8_0")
+    assert out is model
+    choice = kernelize.inspect(model)[""]  # the root: other modules' classes may be marked by earlier tests
+    assert not choice.uses_kernel and integration.GPU_MODEL_ENV in choice.reason and "cuda" in choice.reason
+    assert type(model.model.layers[0].mlp).forward is forward  # no class was marked, no forward swapped
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantizedLinear)
