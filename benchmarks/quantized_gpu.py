@@ -18,7 +18,8 @@ import sys
 import torch
 
 from kernelize.quant import ops
-from kernelize.quant.formats import FORMATS, quantize
+from kernelize.quant.formats import quantize
+from kernelize.quant.gpu import GPU_FORMATS
 
 
 def graph_us(fn, reps: int = 5, calls: int = 50) -> float:
@@ -63,7 +64,7 @@ def main() -> None:
         rows.append({"backend": "torch", "format": "bf16", "rows": m, "us": t, "bytes": wb.numel() * 2})
         for backend in ("triton", "cuda"):
             os.environ["KERNELIZE_CUDA_BACKEND"] = backend
-            for fmt in sorted(FORMATS):
+            for fmt in sorted(GPU_FORMATS):
                 p = quantize(w, fmt)
                 t = graph_us(lambda: ops.linear(x, p))  # noqa: B023
                 rows.append({"backend": backend, "format": fmt, "rows": m, "us": t, "bytes": p.nbytes})
