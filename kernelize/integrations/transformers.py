@@ -18,7 +18,7 @@ implementation with transformers, switches the model to it, and calls `kernelize
 | q/k/v/o or qkv/o linears + rotary (probed: neox or interleaved) | `CausalSelfAttention` | `kernelize/llm` |
 | fused `query_key_value`, `dense`; forward takes `alibi` (BLOOM) | `ResidualAlibiAttention` | (same) |
 | fused `Wqkv`, `out_proj`; forward takes `position_bias` (MPT) | `AlibiAttention` | (same) |
-| fused `c_attn` (`Conv1D` or linear: q, k, v side by side), `c_proj`; GPT-2's forward | `FusedQKVAttention` | (same) |
+| fused `c_attn` (`Conv1D` or linear: q, k, v), `c_proj`; GPT-2's forward | `FusedQKVAttention` | (same) |
 | source order: [norm] attn [norm] `residual +`, [norm] mlp [norm] `+` | `PreNormDecoderLayer` | (same) |
 | same, `position_embeddings` second (Gemma 2 / 3) | `EmbeddingsFirstDecoderLayer` | (same) |
 | the model's `lm_head`, a plain `nn.Linear` (its class becomes `LMHead`) | `Linear` | `kernelize/linear` |
@@ -499,7 +499,8 @@ def _fused_qkv_blocker(module: nn.Module) -> str | None:
     if not isinstance(getattr(module, "layer_idx", None), int):
         return "no int layer_idx to update the cache with"
     (width, fused), (out_in, _) = _width(module.c_attn), _width(module.c_proj)
-    heads = getattr(module, "num_heads", getattr(getattr(module, "config", None), "num_attention_heads", None))
+    config_heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    heads = getattr(module, "num_heads", config_heads)
     if fused != 3 * width or out_in != width or heads is None or heads * head_dim != width:
         return f"c_attn {width} -> {fused}, c_proj {out_in} in: not q|k|v of {heads} heads of {head_dim} each"
     if attention_kernel() is None:

@@ -34,8 +34,8 @@ from kernelize.model_attention import attention_forward
 from .alibi import AlibiAttention as AlibiAttention  # layers of this repository
 from .alibi import ResidualAlibiAttention as ResidualAlibiAttention
 from .block import block_of, norms_of, run_block
-from .fused_qkv import FusedQKVAttention as FusedQKVAttention  # a layer of this repository
 from .causal_lm import CausalLMWithLoss as CausalLMWithLoss  # a layer of this repository
+from .fused_qkv import FusedQKVAttention as FusedQKVAttention  # a layer of this repository
 
 
 @functools.cache
