@@ -37,6 +37,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
         "CausalSelfAttention": "CausalSelfAttention",
         "AlibiAttention": "AlibiAttention",
         "ResidualAlibiAttention": "ResidualAlibiAttention",
+        "FusedQKVAttention": "FusedQKVAttention",
         "PreNormDecoderLayer": "PreNormDecoderLayer",
         "EmbeddingsFirstDecoderLayer": "EmbeddingsFirstDecoderLayer",
         "CausalLMWithLoss": "CausalLMWithLoss",

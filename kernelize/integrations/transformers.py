@@ -18,6 +18,7 @@ implementation with transformers, switches the model to it, and calls `kernelize
 | q/k/v/o or qkv/o linears + rotary (probed: neox or interleaved) | `CausalSelfAttention` | `kernelize/llm` |
 | fused `query_key_value`, `dense`; forward takes `alibi` (BLOOM) | `ResidualAlibiAttention` | (same) |
 | fused `Wqkv`, `out_proj`; forward takes `position_bias` (MPT) | `AlibiAttention` | (same) |
+| fused `c_attn` (`Conv1D` or linear: q, k, v), `c_proj`; GPT-2's forward | `FusedQKVAttention` | (same) |
 | source order: [norm] attn [norm] `residual +`, [norm] mlp [norm] `+` | `PreNormDecoderLayer` | (same) |
 | same, `position_embeddings` second (Gemma 2 / 3) | `EmbeddingsFirstDecoderLayer` | (same) |
 | the model's `lm_head`, a plain `nn.Linear` (its class becomes `LMHead`) | `Linear` | `kernelize/linear` |
@@ -452,6 +453,62 @@ def _alibi_attention(module: nn.Module) -> Recognition | None:
     return Recognition("attention", family.layer, detail, {"kernelize_alibi": mod}, per_instance=True)
 
 
+# ---- fused q|k|v attention without rotary (GPT-2): `c_attn` -> heads -> attention -> `c_proj` ------------
+_FUSED_QKV_PARAMS = (
+    *("hidden_states", "cache", "attention_mask", "encoder_hidden_states", "encoder_attention_mask"),
+    "output_attentions",
+)
+
+
+def _width(proj: nn.Module) -> tuple[int, int]:
+    """(in, out) features of an `nn.Linear` or a `Conv1D` (whose weight is stored `(in, out)`)."""
+    weight = proj.weight
+    return tuple(weight.shape) if type(proj).__name__ == "Conv1D" else tuple(weight.shape[::-1])
+
+
+def _fused_qkv_attention(module: nn.Module) -> Recognition | None:
+    """GPT-2's attention (and look-alikes): `c_attn` projecting q | k | v, each `heads * head_dim` wide,
+    `c_proj`, the scale in `scaling`, the forward GPT-2's. Recognised by structure; the probe verifies it."""
+    if not all(_projection(getattr(module, n, None)) for n in ("c_attn", "c_proj")):
+        return None
+    kind, why = "attention", _fused_qkv_blocker(module)
+    if why:
+        return Recognition(kind, None, why, per_instance=True)
+    heads = _width(module.c_attn)[0] // module.head_dim
+    detail = f"fused c_attn ({type(module.c_attn).__name__}), {heads} heads, no rotary"
+    if getattr(module, "reorder_and_upcast_attn", False):  # the kernel's scores and softmax are f32 anyway
+        detail += "; reorder_and_upcast_attn: the kernel's scores and softmax are f32"
+    return Recognition(kind, "FusedQKVAttention", detail, per_instance=True)
+
+
+def _fused_qkv_blocker(module: nn.Module) -> str | None:
+    """Why `FusedQKVAttention` cannot stand in for a module with `c_attn` / `c_proj` (None: it can)."""
+    try:
+        params = tuple(pyinspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return "the forward's signature is not available"
+    params = tuple("cache" if p == "past_key_values" else p for p in params if p != "kwargs")
+    if params != _FUSED_QKV_PARAMS:  # GPT-BigCode (per-head q|k|v, multi-query), OpenAI GPT (no cache)
+        return f"a c_attn attention whose forward parameters {params} differ from GPT-2's {_FUSED_QKV_PARAMS}"
+    if getattr(module, "is_cross_attention", False) or hasattr(module, "q_attn"):
+        return "cross-attention (queries from q_attn, keys and values from the encoder): not in the layer"
+    if not getattr(module, "is_causal", True):
+        return "not causal attention"
+    head_dim, scaling = getattr(module, "head_dim", None), getattr(module, "scaling", None)
+    if not isinstance(head_dim, int) or not isinstance(scaling, float):
+        return "no int head_dim and float scaling: not GPT-2's attention"
+    if not isinstance(getattr(module, "layer_idx", None), int):
+        return "no int layer_idx to update the cache with"
+    (width, fused), (out_in, _) = _width(module.c_attn), _width(module.c_proj)
+    config_heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+    heads = getattr(module, "num_heads", config_heads)
+    if fused != 3 * width or out_in != width or heads is None or heads * head_dim != width:
+        return f"c_attn {width} -> {fused}, c_proj {out_in} in: not q|k|v of {heads} heads of {head_dim} each"
+    if attention_kernel() is None:
+        return KERNEL_UNAVAILABLE
+    return None
+
+
 def _attention_blocker(module: nn.Module) -> str | None:
     """Why the attention layer cannot stand in for this module (None: it can)."""
     config = module.config
@@ -652,6 +709,7 @@ RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (
     _norm,
     _mlp,
     _alibi_attention,
+    _fused_qkv_attention,
     _attention,
     _decoder,
     _lm_head,

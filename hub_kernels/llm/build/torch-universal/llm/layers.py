@@ -35,6 +35,7 @@ from .alibi import AlibiAttention as AlibiAttention  # layers of this repository
 from .alibi import ResidualAlibiAttention as ResidualAlibiAttention
 from .block import block_of, norms_of, run_block
 from .causal_lm import CausalLMWithLoss as CausalLMWithLoss  # a layer of this repository
+from .fused_qkv import FusedQKVAttention as FusedQKVAttention  # a layer of this repository
 
 
 @functools.cache
