@@ -875,20 +875,24 @@ def _model_output(model: nn.Module, call: Callable[[], Any] | str) -> Any:
 GPU_MODEL_ENV = "KERNELIZE_GPU_MODEL"
 
 
-def _gpu_held_back(model: nn.Module, mode: Mode, device: str | torch.device | None) -> KernelChoice | None:
-    """The record for a model on a GPU that the one call leaves as it is (not opted in), else None."""
+def _gpu_held_back(model: nn.Module, mode: Mode, device: str | torch.device | None) -> bool:
+    """Whether the one call leaves `model` as it is (on a GPU, not opted in): then the reason is recorded on
+    the root for `inspect`, and logged."""
     if device is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     kind = torch.device(device).type
     if kind == "cpu" or os.environ.get(GPU_MODEL_ENV, "") == "1":
-        return None
+        return False
     reason = (
         f"the model is on {kind}, where the generated kernels measured slower than its own forward in whole "
         f"models (H200, 1 B Llama bf16: prefill 0.66x, decode 0.63x): it keeps its own forward; set "
         f"{GPU_MODEL_ENV}=1 to kernelize it there"
     )
     name, fallback = type(model).__qualname__, FallbackReason.CONDITION
-    return KernelChoice("", "kernelize_model", name, kind, mode, fallback=fallback, reason=reason)
+    choice = KernelChoice("", "kernelize_model", name, kind, mode, fallback=fallback, reason=reason)
+    record_choice(model, choice)
+    logger.warning("kernelize_model: %s", reason)
+    return True
 
 
 def _verify(
@@ -1041,12 +1045,12 @@ def kernelize_model(
             ids, no cache): a kernel forward that raises or whose output differs from the
             module's own (`kernelize.integrations.verify`) is put back to the module's forward, with the
             reason in `inspect`. This also compiles the kernels the probe's shapes need.
-        quantize: `"q8_0"`, `"q4_0"` or `"int8"`: first pack every projection and the LM head
-            (`kernelize.quant.model`); verification then compares with the quantized model's output.
+        quantize: a packed format (`kernelize.quant.FORMATS`: q8_0, q4_0, q4_k, q6_k, int8): first pack
+            every projection and the LM head; verification compares with the quantized model's output.
 
     Returns:
-        `model`, kernelized in place. `kernelize.inspect(model)` lists every replaced module and every
-        recognised module left eager, with the reason. It never raises for a module it cannot serve.
+        `model`, kernelized in place (on a GPU: as it is, unless `KERNELIZE_GPU_MODEL=1`); `inspect` lists
+        every replaced module and every one left eager, with the reason. Never raises for a module.
 
     Example:
         >>> import transformers  # doctest: +SKIP
@@ -1056,13 +1060,9 @@ def kernelize_model(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize_model: model must be a torch.nn.Module, got {type(model).__name__}.")
-    held = _gpu_held_back(model, mode, device)
-    if held is not None:
-        _prepare(model, mapping, quantize)  # packed weights still: they were asked for, and save memory
-        logger.warning("kernelize_model: %s", held.reason)
-        record_choice(model, held)
+    mapping = _prepare(model, mapping, quantize)  # packed weights even on a GPU: asked for, and save memory
+    if _gpu_held_back(model, mode, device):
         return model
-    mapping = _prepare(model, mapping, quantize)
     call, want = _reference(model, verify)
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     _adopt_lm_head(model)
@@ -1081,8 +1081,6 @@ def kernelize_model(
     trim_heap()  # what the probe's merges freed (the old q/k/v, gate/up storages) goes back to the system
     replaced = sum(1 for p in found if (c := recorded_choice(model.get_submodule(p))) and c.uses_kernel)
     if replaced == 0:  # a family the table does not know: one clear line, never an exception
-        logger.info(
-            "kernelize_model: no layer of %s is served: it runs its own forward", type(model).__name__
-        )
+        logger.info("kernelize_model: no layer of %s is served: it runs its own forward", model.__class__)
     logger.info("kernelize_model: %d of %d recognised modules replaced; %s", replaced, len(found), status)
     return model
