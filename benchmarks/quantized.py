@@ -186,7 +186,7 @@ def _llama_cpp(path: str, threads: int, new: int, prompt: list[int], ours: torch
     except ImportError:
         return {"status": "llama.cpp not installed (pip install llama-cpp-python to compare)"}
     try:
-        llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=64, verbose=False)
+        llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=64, logits_all=True, verbose=False)
     except (ValueError, RuntimeError) as exc:  # the file is not one llama.cpp loads: that is the finding
         return {"status": f"llama.cpp did not load the file: {type(exc).__name__}: {exc}"}
     llm.eval(prompt)
