@@ -346,7 +346,10 @@ def _train(r: dict) -> str:
 
 def _onnx(r: dict) -> str:
     by_batch = ", ".join(
-        f"batch {k.removeprefix('batch')}: {v['geomean_vs_ort']:.2f}" for k, v in r["summary"].items()
+        f"batch {k.removeprefix('batch').split('_')[0]}"
+        + (f" at {v['threads']} threads" if "threads" in v else "")
+        + f": {v['geomean_vs_ort']:.2f}"
+        for k, v in r["summary"].items()
     )
     return (
         f"kernelize / onnxruntime time, geomean of {len({x['model'] for x in r['rows']})} models: {by_batch}"
