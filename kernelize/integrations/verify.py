@@ -131,9 +131,13 @@ def sharded(module: nn.Module) -> str | None:
 
     A sharded weight's forward is the DTensor's: local products plus the collectives its placements call
     for, which a kernel forward reading the parameters would skip."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed: no parameter is a DTensor
+        return None
     for name, param in module.named_parameters():
-        if type(param).__name__ == "DTensor" or type(getattr(param, "data", None)).__name__ == "DTensor":
-            placements = ", ".join(map(str, getattr(param, "placements", ()))) or "unknown"
+        if isinstance(param, DTensor):
+            placements = ", ".join(map(str, param.placements))
             return (
                 f"its parameter `{name}` is a DTensor (tensor parallelism, placements {placements}): the "
                 "generated kernels take local tensors, so the module keeps its own forward and the "
