@@ -24,12 +24,7 @@ from torch import nn
 
 from kernelize.model_attention import attention_forward
 
-
-def _project(owner: nn.Module, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`proj(x)`: a generated matmul kernel in inference, torch's (with a backward) otherwise."""
-    from .layers import project_out  # imported when called: layers.py imports this module
-
-    return project_out(owner, x, proj)
+from .fused_qkv import project as _project  # Linear or Conv1D: a matmul kernel in inference
 
 
 class ResidualAlibiAttention(nn.Module):
