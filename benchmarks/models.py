@@ -346,7 +346,12 @@ def docs_page(result: dict) -> str:
         "in `make test`), on a left-padded batch, f32.",
         "",
         f"- Measured with: `{commands.get('sweep', '')}` (transformers {versions.get('transformers', '?')}, "
-        f"torch {versions.get('torch', '?')}).",
+        f"torch {versions.get('torch', '?')})"
+        + (
+            f"; families re-run since with `{commands['sweep_update']}`."
+            if "sweep_update" in commands
+            else "."
+        ),
         f"- {len(records)} classes: {counts['ok']} equal logits (max difference <= 1e-4 of the largest "
         "logit), "
         f"{counts['wrong']} changed, {counts['crash']} crashed, {counts['skipped']} skipped (transformers "
@@ -428,8 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python", *sys.argv])
     result["date"] = time.strftime("%Y-%m-%d")
     if args.sweep:
-        result["sweep"] = sweep(families)
-        result.setdefault("commands", {})["sweep"] = command
+        fresh = sweep(families)
+        # with --families, the other families keep their records, in the sweep's order
+        key = lambda r: (r["family"], r["class"])  # noqa: E731
+        kept = {key(r): r for r in result.get("sweep", []) if families}
+        result["sweep"] = sorted((kept | {key(r): r for r in fresh}).values(), key=key)
+        # a partial re-run is merged: the docs name it beside the whole sweep's command
+        result.setdefault("commands", {})["sweep_update" if families else "sweep"] = command
         print(sweep_table(result["sweep"]))
     if args.speed:
         result.setdefault("commands", {})["speed"] = command

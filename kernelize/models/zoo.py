@@ -46,6 +46,17 @@ TINY: dict[str, Any] = dict(
     n_group=1,
     topk_group=1,
     first_k_dense_replace=1,  # DeepSeek / GLM-MoE: of the 2 layers, one dense and one MoE
+    # state-space layers (Mamba / Mamba2 hybrids): small states and chunks (the reference scan pads the
+    # sequence to a whole chunk), heads x head size = expand x hidden
+    chunk_size=16,
+    mamba_chunk_size=16,
+    state_size=16,
+    ssm_state_size=16,
+    mamba_d_state=16,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_headdim=16,
+    mamba_d_ssm=128,
     # encoder-decoder and GPT-style names
     d_model=64,
     decoder_attention_heads=4,
@@ -92,12 +103,12 @@ def causal_lm_families() -> list[tuple[str, str]]:
     return sorted((model_type, name) for name, model_type in by_class.items())
 
 
-def _layer_kinds(config: Any) -> list[str] | None:
+def _layer_kinds(config: Any, repeat: int = 1) -> list[str] | None:
     kinds = getattr(config, "layer_types", None)
     if not isinstance(kinds, list | tuple) or not kinds:
         return None
     unique = list(dict.fromkeys(kinds))
-    return (unique * LAYERS)[: max(LAYERS, len(unique))]
+    return (unique * LAYERS * repeat)[: max(LAYERS, len(unique)) * repeat]
 
 
 def _has(config: Any, key: str) -> bool:
@@ -111,11 +122,12 @@ def _has(config: Any, key: str) -> bool:
     return value is not None and not isinstance(value, bool)
 
 
-def _shrunk(config: Any, layers: bool = True) -> Any:
+def _shrunk(config: Any, layers: bool = True, repeat: int = 1) -> Any:
     """`config` rebuilt with the tiny widths (and, with `layers`, layer count), and so every sub-config.
 
     Rebuilt through the constructor, not patched: configs derive fields (head_dim, KV heads, layer types)
-    from the ones given.
+    from the ones given. `repeat` > 1 keeps each layer kind that many times (Zamba ties weights across
+    its hybrid layers, so it needs two of them).
     """
     from transformers import PretrainedConfig
 
@@ -131,14 +143,15 @@ def _shrunk(config: Any, layers: bool = True) -> Any:
         kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
     if layers:
         kwargs |= {key: LAYERS for key in _LAYER_COUNTS if _has(config, key)}
-        kinds = _layer_kinds(config)
-        if kinds and "layer_types" in vars(config):
-            kwargs["layer_types"] = kinds
+        kinds = _layer_kinds(config, repeat)
+        key = getattr(config, "attribute_map", {}).get("layer_types", "layer_types")  # Zamba: an alias
+        if kinds and key in vars(config):
+            kwargs[key] = kinds
         if _has(config, "num_hidden_layers"):
             kwargs["num_hidden_layers"] = len(kinds) if kinds else LAYERS
     for name, value in vars(config).items():
         if isinstance(value, PretrainedConfig):
-            kwargs[name] = _shrunk(value, layers)
+            kwargs[name] = _shrunk(value, layers, repeat)
     try:
         return type(config)(**kwargs)
     except Exception:  # the constructor wants the sub-configs as dicts
@@ -146,8 +159,8 @@ def _shrunk(config: Any, layers: bool = True) -> Any:
         return type(config)(**(kwargs | subs))
 
 
-def tiny_config(model_type: str, class_name: str | None = None) -> Any:
-    """The family's default config with 2 (or one per layer kind) layers and the `TINY` widths."""
+def tiny_config(model_type: str, class_name: str | None = None, repeat: int = 1) -> Any:
+    """The family's default config with 2 (or `repeat` per layer kind) layers and the `TINY` widths."""
     import transformers
     from transformers import AutoConfig
 
@@ -155,7 +168,7 @@ def tiny_config(model_type: str, class_name: str | None = None) -> Any:
     config_class = getattr(getattr(transformers, name), "config_class", None)
     default = config_class() if config_class is not None else AutoConfig.for_model(model_type)
     try:
-        config = _shrunk(default)
+        config = _shrunk(default, repeat=repeat)
     except Exception:  # the family validates its layer pattern against its own layer count: keep both
         config = _shrunk(default, layers=False)
     text = config.get_text_config()
@@ -169,30 +182,38 @@ def tiny_config(model_type: str, class_name: str | None = None) -> Any:
     return config
 
 
+def _build(name: str, model_type: str, repeat: int) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = tiny_config(model_type, name, repeat)
+    with torch.device("meta"):  # count first: a family whose sizes have other names stays large
+        size = sum(p.numel() for p in getattr(transformers, name)(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise Unbuildable(
+            f"{name} keeps {size / 1e6:.0f} M parameters at the tiny widths (its sizes have other names)"
+        )
+    torch.manual_seed(0)
+    return getattr(transformers, name)(config)
+
+
 def tiny_causal_lm(model_type: str, class_name: str | None = None, dtype: torch.dtype = torch.float32):
     """A tiny random eval-mode model of the family; norm weights drawn around their init (not all ones).
 
     Raises:
         Unbuildable: transformers cannot build this configuration.
     """
-    import transformers
-
     name = class_name or dict(causal_lm_families())[model_type]
-    torch.manual_seed(0)
-    try:
-        config = tiny_config(model_type, name)
-        with torch.device("meta"):  # count first: a family whose sizes have other names stays large
-            size = sum(p.numel() for p in getattr(transformers, name)(config).parameters())
-        if size > MAX_PARAMETERS:
-            raise Unbuildable(
-                f"{name} keeps {size / 1e6:.0f} M parameters at the tiny widths (its sizes have other names)"
-            )
-        torch.manual_seed(0)
-        model = getattr(transformers, name)(config)
-    except Unbuildable:
-        raise
-    except Exception as exc:  # a config the family's own code rejects at these sizes
-        raise Unbuildable(f"transformers cannot build {name}: {type(exc).__name__}: {exc}") from exc
+    for repeat in (1, 2):  # 2: a family that ties weights across two layers of one kind (Zamba)
+        try:
+            model = _build(name, model_type, repeat)
+            break
+        except Unbuildable:
+            raise
+        except Exception as exc:  # a config the family's own code rejects at these sizes
+            error = exc
+    else:
+        raise Unbuildable(f"transformers cannot build {name}: {type(error).__name__}: {error}") from error
     model = model.to(dtype).eval()
     with torch.no_grad():
         for param_name, p in model.named_parameters():
