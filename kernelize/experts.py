@@ -50,10 +50,15 @@ def grouped_experts(
     act: str = "silu",
     gated: bool = True,
     *,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
     owner: torch.nn.Module | None = None,
+    **form: float | bool | None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum per token (see the module docstring) by the generated kernel
-    (``owner``: a module whose ``kernelize.inspect`` record then lists the kernel).
+    (``owner``: a module whose ``kernelize.inspect`` record then lists the kernel). ``up_bias`` ``[E, N]``
+    and ``down_bias`` ``[E, H]`` (both or neither) and ``form`` (``interleaved`` rows, the gate's clamps:
+    :class:`~kernelize.ir.ops.ExpertsArgs`) describe gpt-oss-style experts.
 
     Raises:
         ExpertsUnsupported: inputs the kernels do not handle, with the reason.
@@ -65,22 +70,43 @@ def grouped_experts(
         >>> torch.allclose(out[0], down[1] @ h, atol=1e-4)
         True
     """
+    if (up_bias is None) != (down_bias is None):
+        raise ExpertsUnsupported("give both biases (up_bias [E, N] and down_bias [E, H]) or neither")
+    try:
+        args = ExpertsArgs(act, gated, bias=up_bias is not None, **form)
+    except (TypeError, ValueError) as exc:
+        raise ExpertsUnsupported(str(exc)) from exc
+    ops = (x, index, weights, up, down) + (() if up_bias is None else (up_bias, down_bias))
     # a signature seen before was checked then: per call, only what its key does not pin down
-    seen = _cheap_ok(x, index, weights, up, down)
-    built = _LAUNCHERS.get(_key(x, index, weights, up, down, act, gated)) if seen else None
+    built = _LAUNCHERS.get(_key(ops, args)) if _cheap_ok(*ops[:5]) else None
     if built is None:
-        _check(x, index, weights, up, down, act, gated)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, up, down)):
+        _check(*ops[:5], act, gated)
+        _check_biases(ops)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ops if t.is_floating_point()):
         raise ExpertsUnsupported("the experts kernels have no backward; inputs require grad")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel():
-        launch, record = built or _launcher(x, index, weights, up, down, ExpertsArgs(act, gated))
+        launch, record = built or _launcher(ops, args)
         if owner is not None:
             from kernelize.hub import note_kernels
 
             note_kernels(owner, record)
-        launch([x, index, weights, up, down], [out], {"tokens": x.shape[0]})
+        launch(list(ops), [out], {"tokens": x.shape[0]})
     return out
+
+
+def _check_biases(ops: tuple) -> None:
+    if len(ops) == 5:
+        return
+    x, _, _, up, _, up_bias, down_bias = ops
+    (e, n, h) = up.shape
+    if tuple(up_bias.shape) != (e, n) or tuple(down_bias.shape) != (e, h):
+        raise ExpertsUnsupported(
+            f"biases {list(up_bias.shape)} and {list(down_bias.shape)}: expected up [E, N] = [{e}, {n}] and "
+            f"down [E, H] = [{e}, {h}]"
+        )
+    if up_bias.dtype != x.dtype or down_bias.dtype != x.dtype or any(b.device != x.device for b in ops[5:]):
+        raise ExpertsUnsupported("the biases must have x's dtype and device")
 
 
 def _check(x, index, weights, up, down, act: str, gated: bool) -> None:
@@ -135,10 +161,12 @@ def _cheap_ok(x, index, weights, up, down) -> bool:
     )
 
 
-def _key(x, index, weights, up, down, act: str, gated: bool) -> tuple:
-    """What one compiled launcher serves: the backend, the devices, the dtypes and every static size."""
+def _key(ops: tuple, args: ExpertsArgs) -> tuple:
+    """What one compiled launcher serves: the backend, the devices, the dtypes, every static size, the
+    node's attributes."""
     from kernelize.hub import backend_for
 
+    x, index, weights = ops[:3]
     return (
         backend_for(x.device),
         x.device,
@@ -147,30 +175,24 @@ def _key(x, index, weights, up, down, act: str, gated: bool) -> tuple:
         weights.dtype,
         x.shape[1],
         index.shape[1],
-        up.shape,
-        up.dtype,
-        up.device,
-        down.shape,
-        down.dtype,
-        down.device,
-        act,
-        gated,
+        *((t.shape, t.dtype, t.device) for t in ops[3:]),
+        args,
     )
 
 
-def _launcher(x, index, weights, up, down, args: ExpertsArgs):
-    key = _key(x, index, weights, up, down, args.act, args.gated)
+def _launcher(ops: tuple, args: ExpertsArgs):
+    key = _key(ops, args)
     backend = key[0]
     fn = _LAUNCHERS.get(key)
     if fn is None:
         with _LOCK:
             fn = _LAUNCHERS.get(key)
             if fn is None:
-                fn = _LAUNCHERS[key] = _build(backend, x, index, weights, up, down, args)
+                fn = _LAUNCHERS[key] = _build(backend, *ops, args=args)
     return fn
 
 
-def _build(backend: str, x, index, weights, up, down, args: ExpertsArgs):
+def _build(backend: str, x, index, weights, up, down, *biases, args: ExpertsArgs):
     """Graph of one experts node -> plan -> one compiled EXPERTS kernel: (launch, record)."""
     from kernelize.hub import KernelRecord
 
@@ -182,7 +204,7 @@ def _build(backend: str, x, index, weights, up, down, args: ExpertsArgs):
     if backend == "reference":
 
         def launch(operands, writes, sizes):
-            writes[0].copy_(reference_experts(*operands, args))
+            writes[0].copy_(reference_experts(*operands[:5], args, *operands[5:]))
 
         return launch, KernelRecord("reference", (), sig)
     from kernelize.autokernel.kernels import ExpertsKernel
@@ -201,9 +223,11 @@ def _build(backend: str, x, index, weights, up, down, args: ExpertsArgs):
             ("weights", ("tokens", index.shape[1]), weights),
             ("up", tuple(up.shape), up),
             ("down", tuple(down.shape), down),
+            *((name, tuple(b.shape), b) for name, b in zip(("up_bias", "down_bias"), biases, strict=False)),
         )
     ]
-    g.output(g.experts(*nodes, act=args.act, gated=args.gated))
+    biased = dict(zip(("up_bias", "down_bias"), nodes[5:], strict=False))
+    g.output(g.experts(*nodes[:5], act=args.act, gated=args.gated, **biased, **args.form))
     (kernel,) = plan(g, impl.plan_settings).kernels
     assert isinstance(kernel, ExpertsKernel), kernel
     try:

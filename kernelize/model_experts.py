@@ -51,13 +51,15 @@ __all__ = [
 EXPERTS_NAME = "kernelize"  # the name in transformers' ExpertsInterface
 # the implementation a module falls back to, per module (the model's own choice before the switch)
 _FALLBACK: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-# the layout flags `use_experts_implementation` sets, with the value the kernel takes
+# the layout flags `use_experts_implementation` sets, with the value the kernel takes (transposed weights
+# are read through strides, biases are operands, interleaved rows and own gates are probed: see gate_form)
 _LAYOUT = {
-    "has_bias": (False, "expert biases"),
-    "is_transposed": (False, "transposed expert weights"),
-    "is_concatenated": (True, "interleaved gate/up rows"),
     "has_post_expert_norm": (False, "a norm after each expert"),
 }
+# attribute names of the clamp limit and the sigmoid scale of the clamped SwiGLU gates (gpt-oss, MiniMax,
+# DeepSeek-V4, HY-V4, Step-3): the probe tries the gate forms these values allow
+_LIMITS = ("limit", "swiglu_limit")
+_ALPHAS = ("alpha", "swiglu_alpha")
 
 
 def register_experts() -> None:
@@ -111,11 +113,53 @@ def experts_blocker(module: torch.nn.Module) -> str | None:
         or down.dim() != 3
     ):
         return "no 3-D gate_up_proj / up_proj and down_proj weights"
-    if gated and getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        return f"{type(module).__name__} has its own gate (_apply_gate), not act(gate) * up"
-    if experts_activation(getattr(module, "act_fn", None)) is None:
+    own_gate = gated and getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate
+    if own_gate and gate_form(module) is None:
+        return (
+            f"{type(module).__name__} has its own gate (_apply_gate) that matches none of the kernel's forms "
+            "(act(g) * u with optional clamps, sigmoid scale and up shift, concatenated or interleaved)"
+        )
+    if not own_gate and experts_activation(getattr(module, "act_fn", None)) is None:
         act = type(getattr(module, "act_fn", None)).__name__
         return f"activation {act} is not one of the kernel's {EXPERT_ACTIVATIONS}"
+    return None
+
+
+def _numbers(module: torch.nn.Module, names: tuple[str, ...]) -> set[float]:
+    values = (getattr(module, n, None) for n in names)
+    return {float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def gate_form(module: torch.nn.Module) -> dict | None:
+    """The ``ExpertsArgs`` fields (act, interleaved, the gate form) that reproduce a gated experts module's
+    ``_apply_gate``, found by probing it on values that cross every clamp (f32); None: no form matches."""
+    import itertools
+
+    from kernelize.ir.experts import split_gate
+    from kernelize.ir.ops import ExpertsArgs
+
+    act = experts_activation(getattr(module, "act_fn", None))
+    limits, alphas = _numbers(module, _LIMITS), _numbers(module, _ALPHAS) | {1.0}
+    span = 2 * max(limits, default=0.0) + 8
+    gen = torch.Generator().manual_seed(0)
+    probe = (torch.rand(64, 2 * 12, generator=gen) * 2 - 1) * span
+    try:
+        with torch.no_grad():
+            want = module._apply_gate(probe.clone())
+    except Exception:  # a gate that wants other inputs
+        return None
+    options = [None, *sorted(limits)]
+    for interleaved, alpha, gl, al, ul, shift in itertools.product(
+        (False, True), sorted(alphas), options, options, options, (0.0, 1.0)
+    ):
+        try:
+            form = dict(interleaved=interleaved, alpha=alpha, gate_limit=gl, act_limit=al, up_limit=ul)
+            args = ExpertsArgs(act or "silu", True, up_shift=shift, **form)
+        except ValueError:  # alpha with another activation
+            continue
+        got = split_gate(probe, args)
+        if got.shape == want.shape and torch.allclose(got, want.float(), rtol=1e-6, atol=1e-6):
+            return {"act": args.act, "up_shift": shift, **form}
     return None
 
 
@@ -130,19 +174,18 @@ def experts_forward(
     from kernelize.experts import ExpertsUnsupported, grouped_experts
 
     plan = _PLANS.get(module)
-    if plan is None:  # the module's structure decides once: (why not, activation, gated)
+    if plan is None:  # the module's structure decides once: (why not, the kernel's keywords)
         reason = experts_blocker(module)
-        gated = getattr(module, "has_gate", True)
-        plan = _PLANS[module] = (reason, None if reason else experts_activation(module.act_fn), gated)
-    reason, act, gated = plan
+        plan = _PLANS[module] = (reason, None if reason else _kernel_keywords(module))
+    reason, keywords = plan
     if reason is None:
-        up = module.gate_up_proj if gated else module.up_proj
+        up, down, biases = _operands(module, keywords["gated"])
         if torch.is_grad_enabled() and (hidden_states.requires_grad or up.requires_grad):
             reason = "the call needs gradients; the grouped-expert kernel has no backward"
     if reason is None:
         try:
             return grouped_experts(
-                hidden_states, top_k_index, top_k_weights, up, module.down_proj, act, gated, owner=module
+                hidden_states, top_k_index, top_k_weights, up, down, **biases, owner=module, **keywords
             )
         except ExpertsUnsupported as exc:
             reason = f"the experts kernel declined the call: {exc}"
@@ -151,10 +194,40 @@ def experts_forward(
     return fallback_forward(module, fallback)(module, hidden_states, top_k_index, top_k_weights)
 
 
-# per experts module: (why the kernel cannot serve it or None, the activation, gated), decided on first use
-_PLANS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str | None, str | None, bool]] = (
-    weakref.WeakKeyDictionary()
-)
+def _kernel_keywords(module: torch.nn.Module) -> dict:
+    """`grouped_experts`' act, gated and gate form for a module `experts_blocker` passed."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    gated = getattr(module, "has_gate", True)
+    if gated and getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return {"gated": True, **gate_form(module)}
+    return {"act": experts_activation(module.act_fn), "gated": gated}
+
+
+def _rows_contiguous(module: torch.nn.Module) -> None:
+    """Store a transposed module's weights ([E, H, N] and [E, I, H]) with unit stride along H and I, the
+    axis the kernel reads: the same tensors (values, shapes, state_dict), laid out once as the kernel's
+    [E, N, H] and [E, H, I] (the previous storage is freed; kernelize_model trims the heap after)."""
+    for name in ("gate_up_proj", "up_proj", "down_proj"):
+        p = getattr(module, name, None)
+        if isinstance(p, torch.Tensor) and p.dim() == 3 and p.stride(1) != 1:
+            with torch.no_grad():
+                p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _operands(module: torch.nn.Module, gated: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The module's up [E, N, H] and down [E, H, I] weights (views of transposed ones) and its biases."""
+    up, down = module.gate_up_proj if gated else module.up_proj, module.down_proj
+    if getattr(module, "is_transposed", False):
+        up, down = up.transpose(1, 2), down.transpose(1, 2)
+    if not getattr(module, "has_bias", False):
+        return up, down, {}
+    up_bias = module.gate_up_proj_bias if gated else module.up_proj_bias
+    return up, down, {"up_bias": up_bias, "down_bias": module.down_proj_bias}
+
+
+# per experts module: (why the kernel cannot serve it or None, the kernel's keywords), decided on first use
+_PLANS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def fallback_forward(module: torch.nn.Module, implementation: str):
@@ -226,6 +299,8 @@ def use_experts_function(model: torch.nn.Module, mode: Mode, device: Any = None)
         )
         set_fallback(module, previous)
         served += blocker is None
+        if blocker is None and getattr(module, "is_transposed", False):
+            _rows_contiguous(module)
     if not served:
         return (
             f"experts implementation unchanged (`{previous}`): {why or 'no experts module fits the kernel'}",

@@ -29,7 +29,7 @@ from kernelize.codegen.cpu_attention import C_TYPES, unit_last
 from kernelize.codegen.render import c_name
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
-from kernelize.ir.experts import ACTIVATIONS
+from kernelize.ir.experts import split_gate
 from kernelize.ir.ops import ExpertsArgs
 
 # the activation in C++ (the formulas of kernelize.ir.experts.ACTIVATIONS)
@@ -40,18 +40,48 @@ C_ACTIVATIONS = {
     "relu": "v > 0.0f ? v : 0.0f",
     "relu2": "v > 0.0f ? v * v : 0.0f",
 }
+
+
+def c_glu(args: ExpertsArgs, act: str = "kz_act") -> str:
+    """The body of ``float kz_glu(float g, float u)`` in C (the CPU and CUDA kernels): the node's gate form
+    (:func:`kernelize.ir.experts.split_gate`); a NaN passes the clamps as it does torch's."""
+
+    def lit(v: float) -> str:
+        return f"{float(v)!r}f"
+
+    lines = []
+    if args.gate_limit is not None:
+        lines.append(f"g = g > {lit(args.gate_limit)} ? {lit(args.gate_limit)} : g;")
+    alpha = f"g * kz_sigmoid({lit(args.alpha)} * g)" if args.alpha != 1.0 else f"{act}(g)"
+    lines.append(f"float a = {alpha};")
+    if args.act_limit is not None:
+        lines.append(f"a = a > {lit(args.act_limit)} ? {lit(args.act_limit)} : a;")
+    if args.up_limit is not None:
+        hi, lo = lit(args.up_limit), lit(-args.up_limit)
+        lines.append(f"u = u > {hi} ? {hi} : (u < {lo} ? {lo} : u);")
+    if args.up_shift:
+        lines.append(f"u += {lit(args.up_shift)};")
+    return " ".join([*lines, "return a * u;"])
+
+
 INDEX_TYPES = {DType.I64: "int64_t", DType.I32: "int32_t", DType.I16: "int16_t", DType.U8: "uint8_t"}
 # Routed pairs up to which the generated kernel runs the call: its dot-product blocks read each weight
 # once per 16 rows, which is what decode needs; a GEMM's register tiles win once experts have many rows.
 FEW_PAIRS = 64
 PARALLEL_MIN = 1 << 16  # multiply-adds below which one thread beats waking the team
-ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
 ERRORS = {1: "out of memory for its scratch", 2: "an expert index outside [0, {experts}]"}
 
 
-def check_experts_kernel(kernel: ExpertsKernel) -> ExpertsArgs:
-    """The node's args, after checking the generated kernels support its dtypes."""
-    x, index, weights, _, _ = kernel.node.src
+def check_experts_kernel(kernel: ExpertsKernel, plain_only: str | None = None) -> ExpertsArgs:
+    """The node's args, after checking the generated kernels support its dtypes (and, for a backend named
+    by ``plain_only``, that the node has no interleaved rows, biases or gate form)."""
+    if plain_only and not kernel.node.arg.plain:
+        raise ValueError(
+            f"experts kernel {kernel.name}: the {plain_only} kernel takes only concatenated gate|up rows "
+            f"without biases and the gate act(g) * u, not {kernel.node.arg!r}; the CPU kernel runs them"
+        )
+    x, index, weights, _, _ = kernel.node.src[:5]
     if x.dtype not in (DType.F32, DType.F16, DType.BF16) or weights.dtype not in C_TYPES:
         raise ValueError(
             f"experts kernel {kernel.name}: dtypes {x.dtype} (x, weights of the experts) and {weights.dtype} "
@@ -65,7 +95,7 @@ def check_experts_kernel(kernel: ExpertsKernel) -> ExpertsArgs:
 def render_experts(kernel: ExpertsKernel, prelude: str) -> tuple[str, str]:
     """The C++ source of an ``EXPERTS`` kernel and its exported function name."""
     args = check_experts_kernel(kernel)
-    x, index, weights, up, down = kernel.node.src
+    x, index, weights, up, down = kernel.node.src[:5]
     name = c_name(kernel.name)
     source = fill(
         load_template("cpu_experts.cpp"),
@@ -82,6 +112,9 @@ def render_experts(kernel: ExpertsKernel, prelude: str) -> tuple[str, str]:
         GATED="true" if args.gated else "false",
         PAIRS="true" if x.dtype is DType.BF16 else "false",
         ACT=C_ACTIVATIONS[args.act],
+        GLU=c_glu(args),
+        BIAS="true" if args.bias else "false",
+        INTERLEAVED="true" if args.interleaved else "false",
         PARALLEL_MIN=str(PARALLEL_MIN),
     )
     return source, name
@@ -97,23 +130,24 @@ def experts_launcher(fn, kernel: ExpertsKernel):
     def launch(
         reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int] | None = None
     ) -> None:
-        x, index, weights, up, down = reads
+        x, index, weights, up, down, *biases = reads
         (out,) = writes
         assert out.is_contiguous(), "experts output must be contiguous"
         if index.numel() > FEW_PAIRS:
-            out.copy_(gemm_experts(x, index, weights, up, down, args))
+            out.copy_(gemm_experts(x, index, weights, up, down, args, *biases))
             return
         up, down = unit_last(up), unit_last(down)
+        ub, db = biases or (None, None)
         st = (*x.stride(), *index.stride(), *weights.stride(), *up.stride()[:2], *down.stride()[:2])
+        st += (*ub.stride(), *db.stride()) if biases else (0,) * 4
+        ptrs = (t.data_ptr() for t in (x, index, weights, up, down))
         rc = fn(
-            x.data_ptr(),
-            index.data_ptr(),
-            weights.data_ptr(),
-            up.data_ptr(),
-            down.data_ptr(),
+            *ptrs,
+            ub.data_ptr() if biases else None,
+            db.data_ptr() if biases else None,
             out.data_ptr(),
             x.shape[0],
-            (ctypes.c_int64 * 10)(*st),
+            (ctypes.c_int64 * 14)(*st),
             get_threads(),
         )
         if rc:
@@ -130,6 +164,8 @@ def gemm_experts(
     up: torch.Tensor,
     down: torch.Tensor,
     args: ExpertsArgs,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The many-row path: the pairs sorted by expert, then per selected expert ``act(x @ up^T) @ down^T``
     by library GEMMs in f32 (or f64), the weighted rows summed per token. Bitwise independent of the thread
@@ -143,16 +179,18 @@ def gemm_experts(
     counts = torch.bincount(flat, minlength=experts + 1).tolist()
     rows = x.index_select(0, order // k).to(acc)
     out = torch.zeros(flat.numel(), x.shape[1], dtype=acc)
-    act, start = ACTIVATIONS[args.act], 0
+    start = 0
     for e, n in enumerate(counts[:experts]):
         if n:
             h = rows[start : start + n] @ up[e].to(acc).T
-            h = act(h[:, : h.shape[1] // 2]) * h[:, h.shape[1] // 2 :] if args.gated else act(h)
+            h = split_gate(h if up_bias is None else h + up_bias[e].to(acc), args)
             torch.mm(h, down[e].to(acc).T, out=out[start : start + n])
+            if down_bias is not None:
+                out[start : start + n] += down_bias[e].to(acc)
         start += n
     out[:start] *= weights.reshape(-1)[order[:start]].to(acc)[:, None]
     summed = torch.zeros_like(out).index_copy_(0, order, out)  # back to (token, slot) order
     return summed.view(x.shape[0], k, -1).sum(1).to(x.dtype)
 
 
-__all__ = ["FEW_PAIRS", "check_experts_kernel", "experts_launcher", "gemm_experts", "render_experts"]
+__all__ = ["FEW_PAIRS", "c_glu", "check_experts_kernel", "experts_launcher", "gemm_experts", "render_experts"]

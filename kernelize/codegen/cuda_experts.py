@@ -45,8 +45,8 @@ class ExpertsLaunch(NamedTuple):
 def render_experts(kernel: ExpertsKernel) -> tuple[str, str]:
     """The CUDA C source of an ``EXPERTS`` kernel and its name (entry points ``<name>_up`` and
     ``<name>_down``)."""
-    args = check_experts_kernel(kernel)
-    x, index, weights, up, down = kernel.node.src
+    args = check_experts_kernel(kernel, plain_only="CUDA C")
+    x, index, weights, up, down = kernel.node.src[:5]
     name = c_name(kernel.name)
     source = fill(
         load_template("cuda_experts.cu"),

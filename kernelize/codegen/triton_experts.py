@@ -52,8 +52,8 @@ def block_m(pairs: int, experts: int) -> int:
 
 def render_experts(kernel: ExpertsKernel) -> str:
     """The Triton module source of an ``EXPERTS`` kernel (functions ``<name>_up`` and ``<name>_down``)."""
-    args = check_experts_kernel(kernel)
-    x, index, _, up, down = kernel.node.src
+    args = check_experts_kernel(kernel, plain_only="Triton")
+    x, index, _, up, down = kernel.node.src[:5]
     return fill(
         load_template("triton_experts.py.tmpl"),
         PRELUDE=fill(load_template("triton_prelude.py.tmpl"), KERNEL=kernel.name),
@@ -85,7 +85,7 @@ def compile_experts(kernel: ExpertsKernel, interpret: bool) -> CompiledKernel:
     except Exception as e:
         raise KernelCompileError(kernel.name, key[0], f"{type(e).__name__}: {e}", source, "triton") from e
     up_fn, down_fn = getattr(module, f"{kernel.name}_up"), getattr(module, f"{kernel.name}_down")
-    x_node, index_node, _, up_node, _ = kernel.node.src
+    x_node, index_node, _, up_node, _ = kernel.node.src[:5]
     hidden, k, experts = int(x_node.shape[1]), int(index_node.shape[1]), int(up_node.shape[0])
     inter = int(kernel.node.src[4].shape[2])
     bk = BK[kernel.node.dtype]
@@ -117,7 +117,7 @@ def aot_jobs(kernel: ExpertsKernel, arch: int, path: str, bm: int = 16) -> list[
     """``triton.compile`` jobs (see :mod:`kernelize.codegen.triton_aot`) for both kernels at ``BM = bm``."""
     from kernelize.codegen.triton_base import SIG
 
-    x, _, weights, _, _ = kernel.node.src
+    x, _, weights, _, _ = kernel.node.src[:5]
     t = "*" + SIG[x.dtype]
     consts = {"BM": bm, "BN": BN, "BK": BK[x.dtype], "UPCAST": x.dtype is DType.F32}
     ptrs = {

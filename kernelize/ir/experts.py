@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -51,24 +51,42 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def build_experts(
-    g: Graph, x: Node, index: Node, weights: Node, up: Node, down: Node, *, act: str, gated: bool = True
+    g: Graph,
+    x: Node,
+    index: Node,
+    weights: Node,
+    up: Node,
+    down: Node,
+    *,
+    act: str,
+    gated: bool = True,
+    up_bias: Node | None = None,
+    down_bias: Node | None = None,
+    **form: Any,
 ) -> Node:
-    """Append an ``EXPERTS`` node (see the module docstring); checks shapes and dtypes as it builds."""
-    args = ExpertsArgs(act, gated)
+    """Append an ``EXPERTS`` node (see the module docstring); checks shapes and dtypes as it builds.
+
+    ``up_bias`` ``[E, N]`` and ``down_bias`` ``[E, H]`` come together or not at all; ``form``: the other
+    fields of :class:`~kernelize.ir.ops.ExpertsArgs` (interleaved rows, the gate's clamps).
+    """
+    if (up_bias is None) != (down_bias is None):
+        raise ShapeError("experts: give both biases (up [E, N] and down [E, H]) or neither")
+    args = ExpertsArgs(act, gated, bias=up_bias is not None, **form)
+    biases = () if up_bias is None else (up_bias, down_bias)
 
     def where() -> str:
-        ops = (x, index, weights, up, down)
-        return "experts of " + ", ".join(
-            f"{n} {shape_str(o.shape)}" for n, o in zip(_NAMES, ops, strict=True)
-        )
+        ops = (x, index, weights, up, down, *biases)
+        named = zip(_NAMES, ops, strict=False)
+        return "experts of " + ", ".join(f"{n} {shape_str(o.shape)}" for n, o in named)
 
     if (x.rank, index.rank, weights.rank, up.rank, down.rank) != (2, 2, 2, 3, 3):
         raise ShapeError(
             f"{where()}: expected x [T, H], index and weights [T, K], up [E, N, H], down [E, H, I]"
         )
-    if not x.dtype.is_float or up.dtype != x.dtype or down.dtype != x.dtype:
+    if not x.dtype.is_float or any(o.dtype != x.dtype for o in (up, down, *biases)):
         raise DTypeError(
-            f"{where()}: x, up and down must share one float dtype, got {x.dtype}, {up.dtype}, {down.dtype}"
+            f"{where()}: x, up, down (and the biases) must share one float dtype, got "
+            f"{', '.join(str(o.dtype) for o in (x, up, down, *biases))}"
         )
     if not index.dtype.is_int or not weights.dtype.is_float:
         raise DTypeError(
@@ -81,10 +99,30 @@ def build_experts(
         raise ShapeError(f"{where()}: the hidden size, K, the expert count and the MLP sizes must be static")
     if not (t == ti == tw and k == kw and e == ed and h == hu == hd and n == (2 * i if gated else i)):
         raise ShapeError(f"{where()}: sizes disagree (up's rows must be {'2 * ' if gated else ''}down's I)")
-    return g.push(Op.EXPERTS, x.dtype, x.shape, (x, index, weights, up, down), args)
+    if biases and (tuple(up_bias.shape) != (e, n) or tuple(down_bias.shape) != (e, h)):
+        raise ShapeError(f"{where()}: the biases must be up [E, N] = [{e}, {n}] and down [E, H] = [{e}, {h}]")
+    return g.push(Op.EXPERTS, x.dtype, x.shape, (x, index, weights, up, down, *biases), args)
 
 
-_NAMES = ("x", "index", "weights", "up", "down")
+_NAMES = ("x", "index", "weights", "up", "down", "up_bias", "down_bias")
+
+
+def split_gate(h: torch.Tensor, args: ExpertsArgs) -> torch.Tensor:
+    """The activations of the up projection's output ``h`` ``[..., N]`` (bias added): ``act(h)`` ungated,
+    else the gate half against the up half in the node's gate form (see
+    :class:`~kernelize.ir.ops.ExpertsArgs`)."""
+    act = ACTIVATIONS[args.act]
+    if not args.gated:
+        return act(h)
+    gate, lin = (h[..., 0::2], h[..., 1::2]) if args.interleaved else h.chunk(2, dim=-1)
+    if args.gate_limit is not None:
+        gate = gate.clamp(max=args.gate_limit)
+    a = gate * torch.sigmoid(gate * args.alpha) if args.alpha != 1.0 else act(gate)
+    if args.act_limit is not None:
+        a = a.clamp(max=args.act_limit)
+    if args.up_limit is not None:
+        lin = lin.clamp(-args.up_limit, args.up_limit)
+    return a * (lin + args.up_shift) if args.up_shift else a * lin
 
 
 def reference_experts(
@@ -94,12 +132,14 @@ def reference_experts(
     up: torch.Tensor,
     down: torch.Tensor,
     args: ExpertsArgs,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The oracle: each expert's MLP over its tokens in f32 (f64 stays f64), the sum in x's dtype."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf, wf = x.to(acc), weights.to(acc)
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
-    act, experts = ACTIVATIONS[args.act], up.shape[0]
+    experts = up.shape[0]
     for e in torch.unique(index).tolist():
         if e == experts:  # the expert-parallel sentinel
             continue
@@ -107,12 +147,9 @@ def reference_experts(
             raise IndexError(f"experts: expert index {e} is outside [0, {experts}]")
         tok, slot = torch.where(index == e)
         h = xf[tok] @ up[e].to(acc).T
-        if args.gated:
-            gate, lin = h.chunk(2, dim=-1)
-            h = act(gate) * lin
-        else:
-            h = act(h)
-        out.index_add_(0, tok, (h @ down[e].to(acc).T) * wf[tok, slot, None])
+        y = split_gate(h if up_bias is None else h + up_bias[e].to(acc), args) @ down[e].to(acc).T
+        y = y if down_bias is None else y + down_bias[e].to(acc)
+        out.index_add_(0, tok, y * wf[tok, slot, None])
     return out.to(x.dtype)
 
 
@@ -128,4 +165,4 @@ def expert_bytes(index: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> i
     return chosen * per_expert
 
 
-__all__ = ["ACTIVATIONS", "build_experts", "expert_bytes", "expert_flops", "reference_experts"]
+__all__ = ["ACTIVATIONS", "build_experts", "expert_bytes", "expert_flops", "reference_experts", "split_gate"]

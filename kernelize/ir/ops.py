@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from kernelize._compat import StrEnum
@@ -179,18 +179,69 @@ class ExpertsArgs:
         act: the MLPs' activation, one of ``EXPERT_ACTIVATIONS``.
         gated: the up weight is ``[gate; up]`` (``act(x @ gate^T) * (x @ up^T)``, Llama-style experts);
             False: one up weight (``act(x @ up^T)``).
+        interleaved: the gate and up rows alternate (gate row j is row 2j, up row j is 2j + 1: gpt-oss)
+            instead of the gate rows then the up rows.
+        bias: the node has two more operands, the up bias ``[E, N]`` (rows as the up weight's) and the down
+            bias ``[E, H]``, added before the gate and before the routing weight.
+        alpha, gate_limit, act_limit, up_limit, up_shift: the gate's form (gated experts):
+            ``h = min(act(min(g, gate_limit)), act_limit) * (clamp(u, -up_limit, up_limit) + up_shift)``, a
+            limit of None being no clamp and ``alpha`` scaling silu's sigmoid (``v * sigmoid(alpha * v)``).
+            The defaults give ``act(g) * u``; gpt-oss clamps g and u at 7 with alpha 1.702 and shift 1.
 
     Example:
         >>> ExpertsArgs("silu")
         ExpertsArgs(act='silu', gated=True)
+        >>> oss = ExpertsArgs("silu", interleaved=True, gate_limit=7.0, up_limit=7.0, alpha=1.702, up_shift=1)
+        >>> oss.plain, oss.gate_form
+        (False, (1.702, 7.0, None, 7.0, 1.0))
     """
 
     act: str
     gated: bool = True
+    interleaved: bool = field(default=False, metadata=OPTIONAL)
+    bias: bool = field(default=False, metadata=OPTIONAL)
+    alpha: float = field(default=1.0, metadata=OPTIONAL)
+    gate_limit: float | None = field(default=None, metadata=OPTIONAL)
+    act_limit: float | None = field(default=None, metadata=OPTIONAL)
+    up_limit: float | None = field(default=None, metadata=OPTIONAL)
+    up_shift: float = field(default=0.0, metadata=OPTIONAL)
 
     def __post_init__(self) -> None:
         if self.act not in EXPERT_ACTIVATIONS:
             raise ValueError(f"ExpertsArgs.act must be one of {EXPERT_ACTIVATIONS}, got {self.act!r}")
+        for name in ("alpha", "up_shift", "gate_limit", "act_limit", "up_limit"):  # one spelling per value
+            value = getattr(self, name)
+            object.__setattr__(self, name, None if value is None else float(value))
+        if self.alpha != 1.0 and self.act != "silu":
+            raise ValueError(f"ExpertsArgs.alpha scales silu's sigmoid; act is {self.act!r}")
+        if not self.gated and (self.interleaved or self.gate_form != _PLAIN_GATE):
+            raise ValueError("ExpertsArgs: interleaved rows and a gate form need gated experts")
+
+    @property
+    def gate_form(self) -> tuple:
+        """(alpha, gate_limit, act_limit, up_limit, up_shift)."""
+        return (self.alpha, self.gate_limit, self.act_limit, self.up_limit, self.up_shift)
+
+    @property
+    def form(self) -> dict:
+        """The keywords of ``Graph.experts`` beside act, gated and the biases: interleaving, the gate form."""
+        return {f.name: getattr(self, f.name) for f in fields(self)[2:] if f.name != "bias"}
+
+    @property
+    def plain(self) -> bool:
+        """No interleaving, biases or gate form: what every backend's kernel runs."""
+        return not (self.interleaved or self.bias) and self.gate_form == _PLAIN_GATE
+
+    def __repr__(self) -> str:
+        more = "".join(
+            f", {f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)[2:]
+            if getattr(self, f.name) != f.default
+        )
+        return f"ExpertsArgs(act={self.act!r}, gated={self.gated!r}{more})"
+
+
+_PLAIN_GATE = (1.0, None, None, None, 0.0)
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,7 @@ EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tensor
     Op.CONV: _conv,
     Op.POOL: _pool,
     Op.ATTENTION: lambda n, xs, env: _attention(n.arg, *split_operands(xs, n.arg)),
-    Op.EXPERTS: lambda n, xs, env: reference_experts(*xs, n.arg),
+    Op.EXPERTS: lambda n, xs, env: reference_experts(*xs[:5], n.arg, *xs[5:]),
     Op.ABS: _unary(torch.abs),
     Op.NEG: _unary(torch.neg),
     Op.EXP: _unary(torch.exp),

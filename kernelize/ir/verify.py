@@ -321,8 +321,9 @@ def _experts(g: Graph, s: list[Node], n: Node) -> Any:
     a = n.arg
     if not isinstance(a, ExpertsArgs):
         return f"arg {a!r} is not ExpertsArgs"
-    _nsrc(n, 5)
-    return g.experts(*s, act=a.act, gated=a.gated)
+    _nsrc(n, 7 if a.bias else 5)
+    biases = dict(zip(("up_bias", "down_bias"), s[5:], strict=False))
+    return g.experts(*s[:5], act=a.act, gated=a.gated, **biases, **a.form)
 
 
 _RULES: dict[Op, Callable[[Graph, list[Node], Node], Any]] = {

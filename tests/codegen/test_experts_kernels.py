@@ -21,6 +21,7 @@ from kernelize.experts import grouped_experts
 from kernelize.ir.dtypes import DType
 from kernelize.ir.experts import reference_experts
 from kernelize.ir.graph import Graph
+from kernelize.ir.ops import ExpertsArgs
 
 TOL = {DType.F32: 1e-4, DType.F16: 4e-3, DType.BF16: 2e-2}
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="host emulation needs g++")
@@ -139,6 +140,48 @@ def test_cpu_index_outside_the_experts_is_a_value_error(t, bad):
     ins[1][t // 2, 0] = bad
     with pytest.raises(ValueError, match="expert index outside"):
         grouped_experts(*ins)
+
+
+# gpt-oss's experts: interleaved gate/up rows, biases, gate and up clamped (low limits: many values cross
+# them), silu with a sigmoid scale, up shifted by one
+OSS = dict(interleaved=True, alpha=1.702, gate_limit=0.5, up_limit=0.4, up_shift=1.0)
+
+
+def _biased(kernel: ExpertsKernel, t: int, seed: int):
+    ins = _inputs(kernel, t, seed=seed, views=t == 7)
+    gen = torch.Generator().manual_seed(seed + 1)
+    (e, n, h), dt = ins[3].shape, ins[0].dtype
+    up_bias, down_bias = torch.randn(e, n, generator=gen).to(dt), torch.randn(e, h, generator=gen).to(dt)
+    return ins, up_bias, down_bias
+
+
+@pytest.mark.parametrize("t", [1, 7, FEW_PAIRS // 2 + 1])
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+def test_cpu_biases_interleaved_rows_and_a_clamped_gate_match_reference(t, dtype):
+    kernel = _kernel(40, 72, 5, 2, dtype)
+    ins, up_bias, down_bias = _biased(kernel, t, seed=t)
+    got = grouped_experts(*ins, up_bias=up_bias, down_bias=down_bias, **OSS)
+    args = ExpertsArgs("silu", bias=True, **OSS)
+    ref = reference_experts(*ins, args, up_bias, down_bias)
+    plain = reference_experts(*ins, ExpertsArgs("silu"))
+    assert (ref.float() - plain.float()).abs().max() > 0.1  # the form and the biases change the result
+    err = (got.float() - ref.float()).abs().max().item()
+    assert err <= TOL[dtype] * max(1.0, ref.float().abs().max().item()), err
+
+
+def test_gpu_backends_refuse_what_only_the_cpu_kernel_runs():
+    from kernelize.codegen.cuda_experts import render_experts as cuda_render
+
+    g = Graph()
+    x, idx = g.input("x", ("tokens", 40), DType.F32), g.input("index", ("tokens", 2), DType.I64)
+    w = g.input("weights", ("tokens", 2), DType.F32)
+    up, down = g.input("up", (5, 48, 40), DType.F32), g.input("down", (5, 40, 24), DType.F32)
+    ub, db = g.input("up_bias", (5, 48), DType.F32), g.input("down_bias", (5, 40), DType.F32)
+    g.output(g.experts(x, idx, w, up, down, act="silu", up_bias=ub, down_bias=db, **OSS))
+    (kernel,) = plan(g).kernels
+    for render, name in ((TritonBackend().render, "Triton"), (cuda_render, "CUDA C")):
+        with pytest.raises(ValueError, match=f"the {name} kernel takes only concatenated"):
+            render(kernel)
 
 
 def test_align_pairs_sorts_and_pads_each_expert_to_whole_blocks():

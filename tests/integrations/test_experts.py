@@ -16,7 +16,8 @@ from .test_transformers import kernelized
 
 transformers = pytest.importorskip("transformers")
 
-SERVED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3")
+# gpt-oss: transposed weights, biases, interleaved gate/up rows, a clamped SwiGLU; HY-V4: clamps before silu
+SERVED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss", "hy_v4")
 
 
 def experts_choices(model) -> dict:
@@ -51,18 +52,96 @@ def test_moe_families_run_the_grouped_expert_kernel_with_their_own_logits(model_
             assert torch.equal(fast.generate(ids, **kw), eager.generate(ids, **kw))
 
 
-def test_an_experts_layout_the_kernel_lacks_keeps_the_models_implementation_with_the_reason() -> None:
-    eager = family("gpt_oss")  # biases, interleaved gate/up rows, its own clamped gate
+def test_a_gate_the_kernel_lacks_keeps_the_models_implementation_with_the_reason(monkeypatch) -> None:
+    eager = family("qwen3_moe")
+    experts = type(next(iter(model_experts.experts_modules(eager).values())))
+
+    def tanh_gate(self, gate_up):  # a gate none of the kernel's forms computes
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gate * torch.tanh(up)
+
+    monkeypatch.setattr(experts, "_apply_gate", tanh_gate)
     ids, mask = zoo.padded_batch(eager.config.vocab_size)
     want = zoo.logits(eager, ids, mask)
     with kernelized(eager) as fast:
         choices = experts_choices(fast)
         assert choices and not any(c.uses_kernel for c in choices.values())
-        assert all("expert biases" in c.reason for c in choices.values()), choices
+        assert all("matches none of the kernel's forms" in c.reason for c in choices.values()), choices
         assert fast.config._experts_implementation != model_experts.EXPERTS_NAME
         torch.testing.assert_close(
             zoo.logits(fast, ids, mask)[mask.bool()], want[mask.bool()], atol=1e-4, rtol=1e-4
         )
+
+
+class _Gate(torch.nn.Module):
+    """An experts module's `_apply_gate` alone, with the attributes the probe reads."""
+
+    def __init__(self, gate, **attributes) -> None:
+        super().__init__()
+        self.gate, self.act_fn = gate, torch.nn.SiLU()
+        self.__dict__.update(attributes)
+
+    def _apply_gate(self, gate_up):
+        return self.gate(self, gate_up)
+
+
+def _oss(self, gate_up):
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+    return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
+def _clamp_after_act(self, gate_up):  # Step-3.7
+    gate, up = gate_up.chunk(2, dim=-1)
+    return self.act_fn(gate).clamp(max=self.limit) * up.clamp(min=-self.limit, max=self.limit)
+
+
+def _clamp_before_act(self, gate_up):  # DeepSeek-V4, HY-V4
+    gate, up = gate_up.chunk(2, dim=-1)
+    return self.act_fn(gate.clamp(max=self.swiglu_limit)) * up.clamp(-self.swiglu_limit, self.swiglu_limit)
+
+
+@pytest.mark.parametrize(
+    "gate, attributes, interleaved",
+    [(_oss, dict(limit=7.0, alpha=1.702), True), (_clamp_after_act, dict(limit=5.0), False)]
+    + [(_clamp_before_act, dict(swiglu_limit=20.0), False)],
+    ids=["gpt-oss", "clamp-after-act", "clamp-before-act"],
+)
+def test_own_gates_are_recognised_by_probing(gate, attributes, interleaved) -> None:
+    from kernelize.ir.experts import split_gate
+    from kernelize.ir.ops import ExpertsArgs
+
+    module = _Gate(gate, **attributes)
+    form = model_experts.gate_form(module)
+    assert form is not None and form["interleaved"] == interleaved
+    limit = max(attributes.values())
+    assert limit in (form["gate_limit"], form["act_limit"]) and form["up_limit"] == limit
+    # forms equal in f32 may be told apart by neither the probe nor this check (silu(min(g, 20)) and
+    # min(silu(g), 20)): what matters is that the kernel computes the module's values, past every clamp
+    gate_up = torch.linspace(-3 * limit, 3 * limit, 50 * 24).reshape(24, 50).T.contiguous()
+    args = ExpertsArgs(form.pop("act"), True, **form)
+    torch.testing.assert_close(split_gate(gate_up, args), module._apply_gate(gate_up), rtol=1e-6, atol=1e-6)
+
+
+def test_a_gate_with_other_inputs_or_values_is_not_recognised() -> None:
+    assert (
+        model_experts.gate_form(_Gate(lambda self, gu: gu.chunk(2, -1)[0] * torch.tanh(gu.chunk(2, -1)[1])))
+        is None
+    )
+    assert model_experts.gate_form(_Gate(lambda self, gu, other: gu)) is None
+
+
+def test_transposed_experts_are_stored_once_in_the_kernels_layout_with_their_values() -> None:
+    eager = family("gpt_oss")
+    before = {k: v.clone() for k, v in eager.state_dict().items() if "experts" in k}
+    with kernelized(eager) as fast:
+        after = {k: v for k, v in fast.state_dict().items() if "experts" in k}
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        module = next(iter(model_experts.experts_modules(fast).values()))
+        assert (
+            module.gate_up_proj.stride(1) == 1 and module.down_proj.stride(1) == 1
+        )  # [E, H, N]: H unit-stride
 
 
 def test_training_keeps_the_models_experts_implementation() -> None:

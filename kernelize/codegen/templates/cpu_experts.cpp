@@ -2,7 +2,9 @@ $PRELUDE$
 $GEMV_LIB$
 
 // $NAME$: routed mixture-of-experts MLPs and their weighted combine (kernelize.ir.experts):
-//   out[t] = sum_k w[t, k] * down[e] @ (act(up[e][:I] @ x[t]) * up[e][I:] @ x[t]),  e = index[t, k]
+//   out[t] = sum_k w[t, k] * (down[e] @ glu(gate[e] @ x[t] + bg, up[e] @ x[t] + bu) + bd),  e = index[t, k]
+// with the gate and up rows of `up` one after the other (or interleaved, GS = 2), the biases optional and
+// glu(g, u) = act(g) * u, or the clamped forms of kernelize.ir.ops.ExpertsArgs.
 // 1. the (token, slot) pairs are sorted by expert (a counting sort) and the rows of x they read are packed
 //    once, as f32, in that order: each expert's rows are contiguous;
 // 2. stage one: a work item is (expert, block of CB intermediate columns); it reads those columns of the
@@ -25,9 +27,12 @@ typedef $TW$ kz_tw;  // routing weight storage
 constexpr int64_t H = $H$, I = $I$, E = $E$, K = $K$;
 constexpr int64_t NU = $GATED$ ? 2 * I : I;  // rows of an expert's up weight
 constexpr bool GATED = $GATED$;
+constexpr bool BIAS = $BIAS$;
+constexpr int64_t GS = $INTERLEAVED$ ? 2 : 1, UOFF = $INTERLEAVED$ ? 1 : I;  // gate row j: GS*j; up: UOFF+GS*j
 constexpr bool PAIRS = $PAIRS$;  // 16-bit weights read as bf16 pairs, the f32 rows packed to match
 constexpr int64_t CB = 4 * KZ_NB;  // columns per work item
 KZ_INLINE float kz_act(float v) { return $ACT$; }
+KZ_INLINE float kz_glu(float g, float u) { $GLU$ }
 
 // rows [s0, s0 + nr) of the packed rows `xs` (ldx apart) against columns [j, j + KZ_NB) of the K-contiguous
 // rows of `wt` (`ldw` apart, `n` of them: a column past the end reads the last row, its result unused).
@@ -43,10 +48,11 @@ KZ_INLINE void kz_cols(const float* xs, int64_t ldx, int nr, const kz_t* wt, int
 }  // namespace
 
 // strides (elements): x (token, hidden), index (token, slot), weights (token, slot), up (expert, row),
-// down (expert, row); the weights' last axes are unit-stride. Returns 1: out of memory, 2: an index outside
-// [0, E] (E itself: a sentinel, skipped).
+// down (expert, row), up bias (expert, row), down bias (expert, column); the weights' last axes are
+// unit-stride. Returns 1: out of memory, 2: an index outside [0, E] (E itself: a sentinel, skipped).
 extern "C" int $NAME$(const kz_t* x, const kz_ti* index, const kz_tw* weights, const kz_t* up, const kz_t* down,
-                      kz_t* out, int64_t T, const int64_t* st, int kz_nthreads) {
+                      const kz_t* ubias, const kz_t* dbias, kz_t* out, int64_t T, const int64_t* st,
+                      int kz_nthreads) {
     if (T <= 0) return 0;
     const int64_t S = T * K;
     int64_t* cnt = kz_scratch<int64_t>(0, E + 2 + 2 * S);
@@ -97,12 +103,15 @@ extern "C" int $NAME$(const kz_t* x, const kz_ti* index, const kz_tw* weights, c
             for (int64_t s0 = cnt[e]; s0 < cnt[e + 1]; s0 += KZ_MAXR) {
                 const int nr = (int)(cnt[e + 1] - s0 < KZ_MAXR ? cnt[e + 1] - s0 : KZ_MAXR);
                 for (int64_t j = j0; j < j0 + CB && j < I; j += KZ_NB) {
-                    kz_cols(xs + s0 * ldx, ldx, nr, wu, st[7], j, I, H, gate);
-                    if (GATED) kz_cols(xs + s0 * ldx, ldx, nr, wu + I * st[7], st[7], j, I, H, part);
+                    kz_cols(xs + s0 * ldx, ldx, nr, wu, GS * st[7], j, I, H, gate);
+                    if (GATED) kz_cols(xs + s0 * ldx, ldx, nr, wu + UOFF * st[7], GS * st[7], j, I, H, part);
                     for (int r = 0; r < nr; ++r)
                         for (int c = 0; c < KZ_NB && j + c < I; ++c) {
-                            const float g = kz_act(gate[r * KZ_NB + c]);
-                            hs[(s0 + r) * ldh + kz_xpos<PAIRS>(j + c, ifull)] = GATED ? g * part[r * KZ_NB + c] : g;
+                            const int64_t bg = e * st[10] + GS * (j + c) * st[11];
+                            const float g = gate[r * KZ_NB + c] + (BIAS ? kz_ld(ubias, bg) : 0.0f);
+                            const float u = GATED ? part[r * KZ_NB + c] + (BIAS ? kz_ld(ubias, bg + UOFF * st[11]) : 0.0f)
+                                                  : 0.0f;
+                            hs[(s0 + r) * ldh + kz_xpos<PAIRS>(j + c, ifull)] = GATED ? kz_glu(g, u) : kz_act(g);
                         }
                 }
             }
@@ -118,8 +127,10 @@ extern "C" int $NAME$(const kz_t* x, const kz_ti* index, const kz_tw* weights, c
                     for (int64_t j = n0; j < n0 + CB && j < H; j += KZ_NB) {
                         kz_cols(hs + s0 * ldh, ldh, nr, wd, st[9], j, H, I, part);
                         for (int r = 0; r < nr; ++r)
-                            for (int c = 0; c < KZ_NB && j + c < H; ++c)
-                                acc[tok[s0 + r] * H + j + c] += ws[s0 + r] * part[r * KZ_NB + c];
+                            for (int c = 0; c < KZ_NB && j + c < H; ++c) {
+                                const float b = BIAS ? kz_ld(dbias, e * st[12] + (j + c) * st[13]) : 0.0f;
+                                acc[tok[s0 + r] * H + j + c] += ws[s0 + r] * (part[r * KZ_NB + c] + b);
+                            }
                     }
                 }
             }
