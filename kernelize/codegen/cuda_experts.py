@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from kernelize.autokernel.kernels import ExpertsKernel
-from kernelize.codegen.cpu_experts import C_ACTIVATIONS, check_experts_kernel
+from kernelize.codegen.cpu_experts import C_ACTIVATIONS, c_glu, check_experts_kernel
 from kernelize.codegen.cuda_attention import C_TYPES
 from kernelize.codegen.experts_align import align_pairs
 from kernelize.codegen.render import c_name
@@ -45,7 +45,7 @@ class ExpertsLaunch(NamedTuple):
 def render_experts(kernel: ExpertsKernel) -> tuple[str, str]:
     """The CUDA C source of an ``EXPERTS`` kernel and its name (entry points ``<name>_up`` and
     ``<name>_down``)."""
-    args = check_experts_kernel(kernel, plain_only="CUDA C")
+    args = check_experts_kernel(kernel)
     x, index, weights, up, down = kernel.node.src[:5]
     name = c_name(kernel.name)
     source = fill(
@@ -61,13 +61,18 @@ def render_experts(kernel: ExpertsKernel) -> tuple[str, str]:
         E=str(up.shape[0]),
         GATED="true" if args.gated else "false",
         ACT=C_ACTIVATIONS[args.act],
+        GLU=c_glu(args),
+        BIAS="true" if args.bias else "false",
+        INTERLEAVED="true" if args.interleaved else "false",
     )
     return source, name
 
 
 def launch_args(kernel: ExpertsKernel, reads: Sequence[torch.Tensor]) -> ExpertsLaunch:
     """Sort and pad the pairs (no host sync), allocate h and y, and spell both launches' arguments."""
-    x, index, weights, up, down = reads
+    x, index, weights, up, down, *biases = reads
+    ub, db = biases or (None, None)
+    bias_strides = (*ub.stride(), *db.stride()) if biases else (0, 0, 0, 0)
     experts, inter = int(kernel.node.src[3].shape[0]), int(kernel.node.src[4].shape[2])
     pairs, hidden = index.numel(), x.shape[1]
     al = align_pairs(index, experts, BM)
@@ -75,13 +80,15 @@ def launch_args(kernel: ExpertsKernel, reads: Sequence[torch.Tensor]) -> Experts
     y = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
     ids, bexp = al.sorted_pair_ids, al.block_expert_ids
     up_call = (
-        [x.data_ptr(), up.data_ptr(), h.data_ptr(), ids.data_ptr(), bexp.data_ptr()],
-        [pairs, *x.stride(), *up.stride()],
+        [x.data_ptr(), up.data_ptr(), h.data_ptr(), ids.data_ptr(), bexp.data_ptr()]
+        + [ub.data_ptr() if biases else 0],
+        [pairs, *x.stride(), *up.stride(), *bias_strides[:2]],
         (al.blocks, -(-inter // BN), 1),
     )
     down_call = (
-        [h.data_ptr(), down.data_ptr(), weights.data_ptr(), y.data_ptr(), ids.data_ptr(), bexp.data_ptr()],
-        [pairs, *weights.stride(), *down.stride()],
+        [h.data_ptr(), down.data_ptr(), weights.data_ptr(), y.data_ptr(), ids.data_ptr(), bexp.data_ptr()]
+        + [db.data_ptr() if biases else 0],
+        [pairs, *weights.stride(), *down.stride(), *bias_strides[2:]],
         (al.blocks, -(-hidden // BN), 1),
     )
     return ExpertsLaunch(up_call, down_call, (h, ids, bexp), y)

@@ -30,6 +30,7 @@ from kernelize.codegen.cpu_experts import check_experts_kernel
 from kernelize.codegen.experts_align import align_pairs
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
+from kernelize.ir.ops import ExpertsArgs
 from kernelize.runtime.backend import CompiledKernel, KernelCompileError
 
 # the activation of an f32 tile `v` (the formulas of kernelize.ir.experts.ACTIVATIONS; kz_*: the prelude)
@@ -44,6 +45,22 @@ BN, NUM_WARPS = 64, 4
 BK = {DType.F32: 32, DType.F16: 64, DType.BF16: 64}  # reduction step: 16-bit tiles take twice the elements
 
 
+def triton_glu(args: ExpertsArgs, act: str) -> str:
+    """The body of ``<name>_glu(g, u)`` (f32 tiles; ``act``: the name of the kernel's activation function):
+    the node's gate form, as ``cpu_experts.c_glu`` spells it in C."""
+    lines = []
+    if args.gate_limit is not None:
+        lines.append(f"g = tl.minimum(g, {args.gate_limit!r})")
+    lines.append(f"a = g * tl.sigmoid({args.alpha!r} * g)" if args.alpha != 1.0 else f"a = {act}(g)")
+    if args.act_limit is not None:
+        lines.append(f"a = tl.minimum(a, {args.act_limit!r})")
+    if args.up_limit is not None:
+        lines.append(f"u = tl.minimum(tl.maximum(u, {-args.up_limit!r}), {args.up_limit!r})")
+    if args.up_shift:
+        lines.append(f"u = u + {args.up_shift!r}")
+    return "\n".join(f"    {line}" for line in [*lines, "return a * u"])
+
+
 def block_m(pairs: int, experts: int) -> int:
     """Rows per block: 16 (tl.dot's least) while experts get few pairs each (decode), more for prefill."""
     per_expert = pairs / max(1, min(experts, pairs))
@@ -52,7 +69,7 @@ def block_m(pairs: int, experts: int) -> int:
 
 def render_experts(kernel: ExpertsKernel) -> str:
     """The Triton module source of an ``EXPERTS`` kernel (functions ``<name>_up`` and ``<name>_down``)."""
-    args = check_experts_kernel(kernel, plain_only="Triton")
+    args = check_experts_kernel(kernel)
     x, index, _, up, down = kernel.node.src[:5]
     return fill(
         load_template("triton_experts.py.tmpl"),
@@ -64,6 +81,10 @@ def render_experts(kernel: ExpertsKernel) -> str:
         E=str(up.shape[0]),
         GATED=str(args.gated),
         ACT=TRITON_ACTIVATIONS[args.act],
+        GLU=triton_glu(args, f"{kernel.name}_act"),
+        BIAS=str(args.bias),
+        GS="2" if args.interleaved else "1",
+        UOFF="1" if args.interleaved else str(down.shape[2]),
         PRECISION=', input_precision="ieee"' if x.dtype is DType.F32 else "",
     )
 
@@ -94,7 +115,9 @@ def compile_experts(kernel: ExpertsKernel, interpret: bool) -> CompiledKernel:
     def launch(
         reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int] | None
     ) -> None:
-        x, index, weights, up, down = reads
+        x, index, weights, up, down, *biases = reads
+        ub, db = biases or (x, x)  # without biases: never read (BIAS is False), any pointer will do
+        bias_strides = (*ub.stride(), *db.stride()) if biases else (0, 0, 0, 0)
         (out,) = writes
         pairs = index.numel()
         if pairs == 0:
@@ -104,9 +127,22 @@ def compile_experts(kernel: ExpertsKernel, interpret: bool) -> CompiledKernel:
         y = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
         meta = {"BM": al.block_m, "BN": BN, "BK": bk, "UPCAST": upcast, "num_warps": NUM_WARPS}
         ids, bexp = al.sorted_pair_ids, al.block_expert_ids
-        up_fn[(al.blocks, -(-inter // BN))](x, up, h, ids, bexp, pairs, *x.stride(), *up.stride(), **meta)
+        up_fn[(al.blocks, -(-inter // BN))](
+            x, up, h, ids, bexp, ub, pairs, *x.stride(), *up.stride(), *bias_strides[:2], **meta
+        )
         down_fn[(al.blocks, -(-hidden // BN))](
-            h, down, weights, y, ids, bexp, pairs, *weights.stride(), *down.stride(), **meta
+            h,
+            down,
+            weights,
+            y,
+            ids,
+            bexp,
+            db,
+            pairs,
+            *weights.stride(),
+            *down.stride(),
+            *bias_strides[2:],
+            **meta,
         )
         out.copy_(y.view(x.shape[0], k, hidden).sum(1))
 
@@ -124,10 +160,14 @@ def aot_jobs(kernel: ExpertsKernel, arch: int, path: str, bm: int = 16) -> list[
         "up": {"x_ptr": t, "up_ptr": t, "h_ptr": t},
         "down": {"h_ptr": t, "down_ptr": t, "w_ptr": "*" + SIG[weights.dtype], "y_ptr": "*fp32"},
     }
-    ints = {"up": ("sxt", "sxh", "sue", "sun", "suh"), "down": ("swt", "swk", "sde", "sdn", "sdi")}
+    bias = {"up": {"ub_ptr": t}, "down": {"db_ptr": t}}
+    ints = {
+        "up": ("sxt", "sxh", "sue", "sun", "suh", "sbe", "sbn"),
+        "down": ("swt", "swk", "sde", "sdn", "sdi", "sbe", "sbn"),
+    }
     jobs = []
     for part in ("up", "down"):
-        sig = {**ptrs[part], "ids_ptr": "*i32", "bexp_ptr": "*i32", "S": "i32"}
+        sig = {**ptrs[part], "ids_ptr": "*i32", "bexp_ptr": "*i32", **bias[part], "S": "i32"}
         sig.update(dict.fromkeys(ints[part], "i32"))
         sig.update(dict.fromkeys(consts, "constexpr"))
         jobs.append(
@@ -143,4 +183,4 @@ def aot_jobs(kernel: ExpertsKernel, arch: int, path: str, bm: int = 16) -> list[
     return jobs
 
 
-__all__ = ["TRITON_ACTIVATIONS", "aot_jobs", "block_m", "compile_experts", "render_experts"]
+__all__ = ["TRITON_ACTIVATIONS", "aot_jobs", "block_m", "compile_experts", "render_experts", "triton_glu"]

@@ -144,7 +144,7 @@ def emulate_experts(kernel: Kernel, reads: Sequence[torch.Tensor], out: torch.Te
     if reads[1].numel() == 0:
         return
     call = launch_args(kernel, reads)
-    up_casts = ["(const kz_t*)", "(const kz_t*)", "(float*)", "(const int*)", "(const int*)"]
+    up_casts = ["(const kz_t*)", "(const kz_t*)", "(float*)", "(const int*)", "(const int*)", "(const kz_t*)"]
     down_casts = [
         "(const float*)",
         "(const kz_t*)",
@@ -152,6 +152,7 @@ def emulate_experts(kernel: Kernel, reads: Sequence[torch.Tensor], out: torch.Te
         "(float*)",
         "(const int*)",
         "(const int*)",
+        "(const kz_t*)",
     ]
 
     def spell(fn: str, casts: list[str], n_ints: int) -> str:

@@ -44,7 +44,7 @@ def _inputs(kernel: ExpertsKernel, t: int, seed: int = 0, views: bool = False) -
     """x, index (distinct experts per token, some slots the sentinel E), weights, up, down; ``views``: x,
     weights and up as strided views (x and up transposed in memory, weights a column slice)."""
     gen = torch.Generator().manual_seed(seed)
-    x_n, idx_n, _, up_n, down_n = kernel.node.src
+    x_n, idx_n, _, up_n, down_n = kernel.node.src[:5]
     (h,), (k,), (e, n, _), i = x_n.shape[1:], idx_n.shape[1:], up_n.shape, down_n.shape[2]
     dt = kernel.node.dtype.torch
     index = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
@@ -169,19 +169,49 @@ def test_cpu_biases_interleaved_rows_and_a_clamped_gate_match_reference(t, dtype
     assert err <= TOL[dtype] * max(1.0, ref.float().abs().max().item()), err
 
 
-def test_gpu_backends_refuse_what_only_the_cpu_kernel_runs():
-    from kernelize.codegen.cuda_experts import render_experts as cuda_render
-
+def _oss_kernel(dtype: DType) -> ExpertsKernel:
     g = Graph()
-    x, idx = g.input("x", ("tokens", 40), DType.F32), g.input("index", ("tokens", 2), DType.I64)
+    x, idx = g.input("x", ("tokens", 40), dtype), g.input("index", ("tokens", 2), DType.I64)
     w = g.input("weights", ("tokens", 2), DType.F32)
-    up, down = g.input("up", (5, 48, 40), DType.F32), g.input("down", (5, 40, 24), DType.F32)
-    ub, db = g.input("up_bias", (5, 48), DType.F32), g.input("down_bias", (5, 40), DType.F32)
+    up, down = g.input("up", (5, 48, 40), dtype), g.input("down", (5, 40, 24), dtype)
+    ub, db = g.input("up_bias", (5, 48), dtype), g.input("down_bias", (5, 40), dtype)
     g.output(g.experts(x, idx, w, up, down, act="silu", up_bias=ub, down_bias=db, **OSS))
     (kernel,) = plan(g).kernels
-    for render, name in ((TritonBackend().render, "Triton"), (cuda_render, "CUDA C")):
-        with pytest.raises(ValueError, match=f"the {name} kernel takes only concatenated"):
-            render(kernel)
+    assert isinstance(kernel, ExpertsKernel) and kernel.node.arg.bias
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+def test_triton_and_cuda_biases_interleaved_rows_and_a_clamped_gate_match_reference(dtype):
+    from cuda_emu import emulate_experts
+
+    kernel = _oss_kernel(dtype)
+    ins, up_bias, down_bias = _biased(kernel, 7, seed=5)
+    ref = reference_experts(*ins, kernel.node.arg, up_bias, down_bias)
+    for run in (
+        lambda out: TritonBackend().compile(kernel).launch([*ins, up_bias, down_bias], [out], {"tokens": 7}),
+        lambda out: emulate_experts(kernel, [*ins, up_bias, down_bias], out),
+    ):
+        out = torch.full((7, 40), float("nan"), dtype=dtype.torch)
+        run(out)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= TOL[dtype] * max(1.0, ref.float().abs().max().item()), err
+
+
+def test_the_gate_forms_compile_to_sm80_and_sm90_cubins(tmp_path, monkeypatch):
+    from kernelize.codegen.triton_aot import compile_experts_ahead
+
+    kernel = _oss_kernel(DType.BF16)
+    assert all(r["cubin"][:4] == b"\x7fELF" for r in compile_experts_ahead(kernel, (80, 90), bm=16))
+    nvrtc = pytest.importorskip("kernelize.codegen.nvrtc")
+    pytest.importorskip("cuda.bindings.nvrtc", reason="the cuda backend needs cuda-python")
+    from kernelize.codegen.cuda_experts import render_experts
+
+    monkeypatch.setenv("KERNELIZE_CACHE_DIR", str(tmp_path))
+    source, name = render_experts(kernel)
+    assert "1.702f" in source and "0.4f" in source  # the gate form is in the source
+    for arch in ("sm_80", "sm_90"):
+        assert nvrtc.compile_cubin(source, name, arch, cache=False)[:4] == b"\x7fELF"
 
 
 def test_align_pairs_sorts_and_pads_each_expert_to_whole_blocks():

@@ -3,8 +3,10 @@
 // expert and pads each expert's segment to whole blocks of KZ_BM rows (ids: the pair of each sorted row, S
 // for padding; bexp: the expert of each block, E for a block without work). Two grouped GEMMs, a block per
 // (KZ_BM sorted pairs, KZ_BN columns), shared-memory tiles over KZ_BK-long steps, f32 accumulation:
-//   $NAME$_up:   h[row] = act(x[tok] @ gate[e]^T) * (x[tok] @ up[e]^T)   (the token's row of x gathered)
-//   $NAME$_down: y[pair] = w[pair] * (h[row] @ down[e]^T)                (per pair; the launcher sums over K)
+//   $NAME$_up:   h[row] = glu(x[tok] @ gate[e]^T + bg, x[tok] @ up[e]^T + bu)   (the token's row of x gathered)
+//   $NAME$_down: y[pair] = w[pair] * (h[row] @ down[e]^T + bd)                 (per pair; the launcher sums over K)
+// glu(g, u) = act(g) * u or a clamped form (kernelize.ir.ops.ExpertsArgs); gate row n of `up` is GS * n, up
+// row n is UOFF + GS * n (concatenated or interleaved); the biases are optional (BIAS).
 // Thread (tx, ty) of a block owns column tx of rows ty, ty + 8, ty + 16, ty + 24. Every output element has
 // one writer (no atomics), so the result does not depend on the schedule.
 $PRELUDE$
@@ -16,12 +18,15 @@ $PRELUDE$
 typedef $T$ kz_t;    // x, up, down storage
 typedef $TW$ kz_tw;  // routing weight storage
 constexpr int64_t H = $H$, I = $I$, K = $K$, E = $E$;  // E itself: the sentinel expert
-constexpr bool GATED = $GATED$;
+constexpr bool GATED = $GATED$, BIAS = $BIAS$;
+constexpr int64_t GS = $INTERLEAVED$ ? 2 : 1, UOFF = $INTERLEAVED$ ? 1 : I;
 KZ float kz_act(float v) { return $ACT$; }
+KZ float kz_glu(float g, float u) { $GLU$ }
 
 extern "C" __global__ void __launch_bounds__(KZ_THREADS) $NAME$_up(
     const kz_t* __restrict__ x, const kz_t* __restrict__ up, float* __restrict__ h, const int* __restrict__ ids,
-    const int* __restrict__ bexp, int64_t S, int64_t sxt, int64_t sxh, int64_t sue, int64_t sun, int64_t suh) {
+    const int* __restrict__ bexp, const kz_t* __restrict__ ub, int64_t S, int64_t sxt, int64_t sxh, int64_t sue,
+    int64_t sun, int64_t suh, int64_t sbe, int64_t sbn) {
   __shared__ float xs[KZ_BM][KZ_BK + 1];  // +1: the column reads of a warp fall in distinct banks
   __shared__ float gs[KZ_BK][KZ_BN + 1];
   __shared__ float us[KZ_BK][KZ_BN + 1];
@@ -48,8 +53,8 @@ extern "C" __global__ void __launch_bounds__(KZ_THREADS) $NAME$_up(
       const int c = l / KZ_BK, kk = l % KZ_BK;
       const int64_t n = n0 + c;
       const bool ok = n < I && k0 + kk < H;
-      gs[kk][c] = ok ? kz_ld(w[n * sun + (k0 + kk) * suh]) : 0.0f;
-      if (GATED) us[kk][c] = ok ? kz_ld(w[(n + I) * sun + (k0 + kk) * suh]) : 0.0f;
+      gs[kk][c] = ok ? kz_ld(w[GS * n * sun + (k0 + kk) * suh]) : 0.0f;
+      if (GATED) us[kk][c] = ok ? kz_ld(w[(UOFF + GS * n) * sun + (k0 + kk) * suh]) : 0.0f;
     }
     __syncthreads();
     for (int kk = 0; kk < KZ_BK; ++kk) {
@@ -67,15 +72,16 @@ extern "C" __global__ void __launch_bounds__(KZ_THREADS) $NAME$_up(
   for (int j = 0; j < KZ_RPT; ++j) {
     const int r = ty + j * (KZ_THREADS / KZ_BN);
     if (toks[r] < 0) continue;
-    const float v = kz_act(ag[j]);
-    h[(row0 + r) * I + n] = GATED ? v * au[j] : v;
+    const float g = ag[j] + (BIAS ? kz_ld(ub[e * sbe + GS * n * sbn]) : 0.0f);
+    const float u = au[j] + (BIAS && GATED ? kz_ld(ub[e * sbe + (UOFF + GS * n) * sbn]) : 0.0f);
+    h[(row0 + r) * I + n] = GATED ? kz_glu(g, u) : kz_act(g);
   }
 }
 
 extern "C" __global__ void __launch_bounds__(KZ_THREADS) $NAME$_down(
     const float* __restrict__ h, const kz_t* __restrict__ down, const kz_tw* __restrict__ wt, float* __restrict__ y,
-    const int* __restrict__ ids, const int* __restrict__ bexp, int64_t S, int64_t swt, int64_t swk, int64_t sde,
-    int64_t sdn, int64_t sdi) {
+    const int* __restrict__ ids, const int* __restrict__ bexp, const kz_t* __restrict__ db, int64_t S, int64_t swt,
+    int64_t swk, int64_t sde, int64_t sdn, int64_t sdi, int64_t sbe, int64_t sbn) {
   __shared__ float hs[KZ_BM][KZ_BK + 1];
   __shared__ float ds[KZ_BK][KZ_BN + 1];
   __shared__ int64_t pairs[KZ_BM];
@@ -112,6 +118,7 @@ extern "C" __global__ void __launch_bounds__(KZ_THREADS) $NAME$_down(
   if (n >= H) return;
   for (int j = 0; j < KZ_RPT; ++j) {  // the routing weight, in the epilogue
     const int64_t p = pairs[ty + j * (KZ_THREADS / KZ_BN)];
-    if (p >= 0) y[p * H + n] = (float)kz_ld(wt[(p / K) * swt + (p % K) * swk]) * acc[j];
+    const float b = BIAS ? kz_ld(db[e * sbe + n * sbn]) : 0.0f;
+    if (p >= 0) y[p * H + n] = (float)kz_ld(wt[(p / K) * swt + (p % K) * swk]) * (acc[j] + b);
   }
 }
