@@ -347,11 +347,8 @@ def docs_page(result: dict) -> str:
         "",
         f"- Measured with: `{commands.get('sweep', '')}` (transformers {versions.get('transformers', '?')}, "
         f"torch {versions.get('torch', '?')})"
-        + (
-            f"; families re-run since with `{commands['sweep_update']}`."
-            if "sweep_update" in commands
-            else "."
-        ),
+        + "".join(f"; families re-run since with `{c}`" for c in commands.get("sweep_updates", []))
+        + ".",
         f"- {len(records)} classes: {counts['ok']} equal logits (max difference <= 1e-4 of the largest "
         "logit), "
         f"{counts['wrong']} changed, {counts['crash']} crashed, {counts['skipped']} skipped (transformers "
@@ -439,7 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         kept = {key(r): r for r in result.get("sweep", []) if families}
         result["sweep"] = sorted((kept | {key(r): r for r in fresh}).values(), key=key)
         # a partial re-run is merged: the docs name it beside the whole sweep's command
-        result.setdefault("commands", {})["sweep_update" if families else "sweep"] = command
+        commands = result.setdefault("commands", {})  # partial re-runs merge: the docs name each of them
+        if families:
+            commands["sweep_updates"] = [*commands.get("sweep_updates", []), command]
+        else:
+            commands["sweep"], commands["sweep_updates"] = command, []
         print(sweep_table(result["sweep"]))
     if args.speed:
         result.setdefault("commands", {})["speed"] = command

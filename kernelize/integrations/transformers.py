@@ -318,22 +318,30 @@ def _activation_candidates(module: nn.Module, table: Mapping[str, Any]) -> list[
 
 # ---- attention --------------------------------------------------------------------------------------------
 def _rotary_style(module: nn.Module) -> tuple[bool | None, str]:
-    """(is_neox_style, detail) of the model file's `apply_rotary_pos_emb`, probed on random tensors."""
+    """(is_neox_style, detail) of the model file's `apply_rotary_pos_emb`, probed on random tensors: cos/sin
+    tables of the head's width, or of half of it (gpt-oss: each half's angle once, "half tables")."""
     rotary = _rotary_layers()
     apply = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
     if apply is None:
         return None, f"`{type(module).__module__}` has no apply_rotary_pos_emb"
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 1, 3, 8, generator=gen)
-    cos, sin = torch.randn(1, 3, 8, generator=gen), torch.randn(1, 3, 8, generator=gen)
-    try:
-        got = apply(q, k, cos, sin)
-    except Exception as exc:  # a rotary with another signature: not the layout the kernel knows
-        return None, f"apply_rotary_pos_emb(q, k, cos, sin) failed on a probe: {type(exc).__name__}: {exc}"
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    for neox, one in ((True, rotary.rotary_neox_one), (False, rotary.rotary_interleaved_one)):
-        if all(torch.allclose(g, one(t, c, s), atol=1e-6) for g, t in zip(got, (q, k))):
-            return neox, "neox" if neox else "interleaved"
+    failure = ""
+    for width in (8, 4):
+        cos, sin = torch.randn(1, 3, width, generator=gen), torch.randn(1, 3, width, generator=gen)
+        try:
+            got = apply(q, k, cos, sin)
+        except Exception as exc:  # a rotary with another signature or table width
+            failure = failure or f"{type(exc).__name__}: {exc}"
+            continue
+        c, s = (t.unsqueeze(1).repeat(1, 1, 1, 8 // width) for t in (cos, sin))
+        for neox, one in ((True, rotary.rotary_neox_one), (False, rotary.rotary_interleaved_one)):
+            if width == 4 and not neox:
+                continue
+            if all(torch.allclose(g, one(t, c, s), atol=1e-6) for g, t in zip(got, (q, k))):
+                return neox, ("neox" if neox else "interleaved") + (", half tables" if width == 4 else "")
+    if failure:
+        return None, f"apply_rotary_pos_emb(q, k, cos, sin) failed on a probe: {failure}"
     return None, "apply_rotary_pos_emb is neither the neox nor the interleaved layout (probed)"
 
 
@@ -373,7 +381,10 @@ def _attention(module: nn.Module) -> Recognition | None:
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap:
         detail += f"; logit soft-capping {softcap}"
-    return Recognition("attention", "CausalSelfAttention", detail, {"is_neox_style": neox}, per_instance=True)
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):
+        detail += "; attention sinks"
+    setup = {"is_neox_style": neox, "rotary_half_tables": style.endswith("half tables")}
+    return Recognition("attention", "CausalSelfAttention", detail, setup, per_instance=True)
 
 
 # ---- ALiBi attention written out by the family (BLOOM, MPT): one hub layer per forward signature ---------

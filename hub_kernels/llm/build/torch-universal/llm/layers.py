@@ -169,6 +169,8 @@ class CausalSelfAttention(nn.Module):
         qk, value = project_qkv(self, hidden_states)
         qk = norm_qk(self, qk, heads, head_dim)
         cos, sin = position_embeddings
+        if getattr(self, "rotary_half_tables", False):  # gpt-oss: each angle once; the kernel: twice
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         rotated = _rotary().apply_rotary_qk(
             qk, cos, sin, heads + kv_heads, head_dim, bool(getattr(self, "is_neox_style", True)), owner=self
         )
@@ -191,6 +193,9 @@ def attend(
     `(out (batch, seq, heads * head_dim), attention weights or None)`."""
     if cache is not None:
         key, value = cache.update(key, value, module.layer_idx)
+    sinks = getattr(module, "sinks", None)
+    if isinstance(sinks, torch.Tensor) and "s_aux" not in kwargs:  # gpt-oss: a logit per head beside the keys
+        kwargs = {**kwargs, "s_aux": sinks}
     out, weights = attention_forward(
         module,
         query,
