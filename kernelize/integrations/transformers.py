@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect as pyinspect
+import itertools
 import logging
 import os
 import re
@@ -317,13 +318,15 @@ def _activation_candidates(module: nn.Module, table: Mapping[str, Any]) -> list[
 
 
 # ---- attention --------------------------------------------------------------------------------------------
-def _rotary_style(module: nn.Module) -> tuple[bool | None, str]:
-    """(is_neox_style, detail) of the model file's `apply_rotary_pos_emb`, probed on random tensors: cos/sin
-    tables of the head's width, or of half of it (gpt-oss: each half's angle once, "half tables")."""
-    rotary = _rotary_layers()
+def _rotary_style(module: nn.Module) -> tuple[bool | None, str, str]:
+    """(is_neox_style, tables, detail) of the model file's `apply_rotary_pos_emb`, probed on random tensors:
+    how it reads the cos/sin tables it is given (`ROTARY_TABLES` of the llm layers: as they are, each angle
+    once for both halves as gpt-oss, the first half's angles per pair as GLM) and rotates the first dims they
+    cover (partial rotary) in the neox or the interleaved layout."""
+    rotary, tables = _hub_layers("rotary"), _hub_layers("llm").ROTARY_TABLES
     apply = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
     if apply is None:
-        return None, f"`{type(module).__module__}` has no apply_rotary_pos_emb"
+        return None, "", f"`{type(module).__module__}` has no apply_rotary_pos_emb"
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 1, 3, 8, generator=gen)
     failure = ""
@@ -334,21 +337,24 @@ def _rotary_style(module: nn.Module) -> tuple[bool | None, str]:
         except Exception as exc:  # a rotary with another signature or table width
             failure = failure or f"{type(exc).__name__}: {exc}"
             continue
-        c, s = (t.unsqueeze(1).repeat(1, 1, 1, 8 // width) for t in (cos, sin))
-        for neox, one in ((True, rotary.rotary_neox_one), (False, rotary.rotary_interleaved_one)):
-            if width == 4 and not neox:
+        for (name, table), neox in itertools.product(tables.items(), (True, False)):
+            c, s = table(cos).unsqueeze(1), table(sin).unsqueeze(1)
+            one, r = rotary.rotary_neox_one if neox else rotary.rotary_interleaved_one, c.shape[-1]
+            if r > 8:
                 continue
-            if all(torch.allclose(g, one(t, c, s), atol=1e-6) for g, t in zip(got, (q, k))):
-                return neox, ("neox" if neox else "interleaved") + (", half tables" if width == 4 else "")
+            want = [torch.cat((one(t[..., :r], c, s), t[..., r:]), dim=-1) for t in (q, k)]
+            if all(g.shape == w.shape and torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want)):
+                layout = "neox" if neox else "interleaved"
+                return neox, name, layout + ("" if name == "same" else f", {name}")
     if failure:
-        return None, f"apply_rotary_pos_emb(q, k, cos, sin) failed on a probe: {failure}"
-    return None, "apply_rotary_pos_emb is neither the neox nor the interleaved layout (probed)"
+        return None, "", f"apply_rotary_pos_emb(q, k, cos, sin) failed on a probe: {failure}"
+    return None, "", "apply_rotary_pos_emb is neither the neox nor the interleaved layout (probed)"
 
 
-def _rotary_layers() -> Any:
+def _hub_layers(name: str) -> Any:
     from kernelize.layer.hub import get_kernel
 
-    return get_kernel("kernelize/rotary", version=1).layers
+    return get_kernel(f"kernelize/{name}", version=1).layers
 
 
 _ATTENTION_ATTRS = ("head_dim", "scaling", "layer_idx", "config")
@@ -371,7 +377,7 @@ def _attention(module: nn.Module) -> Recognition | None:
     reason = _attention_blocker(module)
     if reason:
         return Recognition("attention", None, reason, per_instance=True)
-    neox, style = _rotary_style(module)
+    neox, tables, style = _rotary_style(module)
     if neox is None:
         return Recognition("attention", None, style, per_instance=True)
     window = getattr(module, "sliding_window", getattr(module.config, "sliding_window", None))
@@ -383,7 +389,7 @@ def _attention(module: nn.Module) -> Recognition | None:
         detail += f"; logit soft-capping {softcap}"
     if isinstance(getattr(module, "sinks", None), torch.Tensor):
         detail += "; attention sinks"
-    setup = {"is_neox_style": neox, "rotary_half_tables": style.endswith("half tables")}
+    setup = {"is_neox_style": neox, "rotary_tables": tables}
     return Recognition("attention", "CausalSelfAttention", detail, setup, per_instance=True)
 
 

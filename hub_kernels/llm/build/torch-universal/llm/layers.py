@@ -145,6 +145,15 @@ def sliding_window_of(module: nn.Module) -> int | None:
     return getattr(module.config, "sliding_window", None)
 
 
+# How a model's `apply_rotary_pos_emb` reads the cos/sin tables its rotary embedding makes, as the tables the
+# rotary kernel reads (one angle per rotated dim: the neox halves or the interleaved pairs)
+ROTARY_TABLES = {
+    "same": lambda t: t,
+    "half tables": lambda t: torch.cat((t, t), dim=-1),  # gpt-oss: each angle once, for both halves
+    "pairs from the first half": lambda t: t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1),  # GLM
+}
+
+
 class CausalSelfAttention(nn.Module):
     """Llama-style self-attention: projections, fused rotary, KV cache update, the attention kernel."""
 
@@ -169,8 +178,8 @@ class CausalSelfAttention(nn.Module):
         qk, value = project_qkv(self, hidden_states)
         qk = norm_qk(self, qk, heads, head_dim)
         cos, sin = position_embeddings
-        if getattr(self, "rotary_half_tables", False):  # gpt-oss: each angle once; the kernel: twice
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        tables = ROTARY_TABLES[getattr(self, "rotary_tables", "same")]
+        cos, sin = tables(cos), tables(sin)
         rotated = _rotary().apply_rotary_qk(
             qk, cos, sin, heads + kv_heads, head_dim, bool(getattr(self, "is_neox_style", True)), owner=self
         )
