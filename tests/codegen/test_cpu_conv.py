@@ -10,6 +10,7 @@ import torch
 from kernelize.autokernel import KernelKind, PlanSettings, plan
 from kernelize.codegen import cpu_conv
 from kernelize.codegen.cpu import CpuRenderer
+from kernelize.codegen.cpu_build import build_shared_object, load
 from kernelize.ir import Graph, Op, evaluate
 from kernelize.runtime.compiled import compile_graph
 
@@ -159,10 +160,29 @@ def test_packed_weights_hold_every_weight_once():
     k = _conv_kernel(_graph((1, 64, 6, 6), 40, 3, groups=2, pad=(1, 1, 1, 1)))
     w = k.node.src[1].arg.tensor
     packed = cpu_conv.pack_weight(w, k)
-    # [groups][panels][kh][kw][cig][PANEL]: 20 outputs per group pad to one panel of 32
-    assert packed.shape == (2, 1, 3, 3, 32, cpu_conv.PANEL)
-    assert torch.equal(packed[1, 0, 2, 1, 5, :20], w[20:40, 5, 2, 1])
-    assert not packed[..., 20:].any()
+    # [groups][panels][kh][kw][cig][panel]: 20 outputs per group pad to whole panels (of 16 or 32)
+    nr = cpu_conv.panel()
+    panels = -(-20 // nr)
+    assert packed.shape == (2, panels, 3, 3, 32, nr)
+    flat = packed.permute(0, 2, 3, 4, 1, 5).reshape(2, 3, 3, 32, panels * nr)  # the panels side by side
+    assert torch.equal(flat[1, 2, 1, 5, :20], w[20:40, 5, 2, 1])
+    assert not flat[..., 20:].any()
+
+
+def test_panel_width_matches_the_kernels():
+    """The packer's width is the compiled kernel's KZ_NR: a conv packed with another width is refused."""
+    k = _conv_kernel(_graph((1, 16, 8, 8), 32, 1, bias=False, act="none"))
+    src, name = cpu_conv.render(k, CpuRenderer())
+    fn = getattr(load(build_shared_object(src, name)), name)
+    call = cpu_conv.ConvCall(fn, k)
+    x = torch.randn(1, 16, 8, 8).contiguous(memory_format=torch.channels_last)
+    w = k.node.src[1].arg.tensor
+    (y,) = call.fresh([x, w, None, None])
+    torch.testing.assert_close(y, torch.nn.functional.conv2d(x, w), rtol=1e-4, atol=1e-4)
+    d = cpu_conv.dims(k, x.shape, y.shape)
+    d[16] = 48 - cpu_conv.panel()  # the other width
+    ptrs = [x.data_ptr(), call.packed(w).data_ptr(), 0, 0, y.data_ptr()]
+    assert call.fn(*ptrs, d, 1) == 1
 
 
 # ---- conv chains ---------------------------------------------------------------------------------------
