@@ -53,8 +53,10 @@ DRIVERS = {"dense": "kz_conv_dense", "depthwise": "kz_conv_depthwise"}
 # oneDNN's: side by side in the models (1 thread, min of 20 runs), the 27 such convs of ResNet-50,
 # MobileNetV2, EfficientNet-B0, RegNetY-400MF and ConvNeXt-tiny took 1.07x oneDNN's time generated, the
 # 135 smaller ones 0.97x (the depthwise ones 0.6-0.8x). Compute-bound, oneDNN's kernels run at ~97% of this
-# core's FMA peak and ours at ~90%.
-LIBRARY_K = 1024
+# core's FMA peak and ours at ~90%. That was with AVX-512; on AVX2 (6 x 16 tiles, see cpu_conv.h) the
+# generated form of those convs took 0.83-1.0x oneDNN's time (ResNet-50's, 1 thread, Zen 3, thread CPU
+# time: 1024 -> 256 1x1 at 14 x 14 1.21 -> 1.01x onnxruntime's time), so there every size stays generated.
+LIBRARY_K = {32: 1024, 16: None}  # by panel width (the ISA): None, no limit
 
 
 def algorithm(kernel: Kernel) -> str | None:
@@ -73,7 +75,8 @@ def algorithm(kernel: Kernel) -> str | None:
         return None
     if cig == 1 and co == groups:
         return "depthwise"
-    if cig * kh * kw >= LIBRARY_K:
+    limit = LIBRARY_K[panel()]
+    if limit is not None and cig * kh * kw >= limit:
         return None
     # many groups of few output channels each fill a fraction of a panel: RegNet's 8-wide groups ran 4x
     # slower than oneDNN's grouped conv
