@@ -44,7 +44,6 @@ from kernelize.ir.graph import Node, Op
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import CCall
 
-MIN_GROUP_OUT = 16  # output channels per group below which grouped convs stay the library's
 MAX_TAPS = 128  # KZ_MAX_TAPS
 MAX_GROUP_CHANNELS = 8192  # KZ_ZERO_ROW: input channels per group
 
@@ -79,8 +78,10 @@ def algorithm(kernel: Kernel) -> str | None:
     if limit is not None and cig * kh * kw >= limit:
         return None
     # many groups of few output channels each fill a fraction of a panel: RegNet's 8-wide groups ran 4x
-    # slower than oneDNN's grouped conv
-    return "dense" if groups == 1 or co // groups >= MIN_GROUP_OUT else None
+    # slower than oneDNN's grouped conv with 32-wide panels (AVX-512); so at least half a panel a group. On
+    # AVX2 that takes ShuffleNet's 10-wide groups: oneDNN took 0.45 ms for its 120 -> 30 (3 groups, 28 x 28),
+    # 7x onnxruntime's time
+    return "dense" if groups == 1 or co // groups >= panel() // 2 else None
 
 
 def panel() -> int:
@@ -420,7 +421,6 @@ class ChainCall:
 
 __all__ = [
     "MAX_TAPS",
-    "MIN_GROUP_OUT",
     "ChainCall",
     "ConvCall",
     "algorithm",

@@ -67,6 +67,7 @@ CASES = [  # (input shape, out channels, kernel, options): awkward sizes, every 
     ((1, 5, 4, 4), 7, 5, dict(pad=(2, 2, 2, 2))),  # a kernel larger than the image
     ((1, 2, 12, 40), 80, 7, dict(stride=2, pad=(3, 3, 3, 3))),  # 49 taps
     ((2, 64, 5, 5), 64, 3, dict(groups=2, pad=(1, 1, 1, 1))),  # groups of 32 channels
+    ((1, 60, 7, 9), 48, 1, dict(groups=3)),  # ShuffleNet's groups of 16 outputs
 ]
 
 
@@ -127,8 +128,10 @@ def test_a_batch_of_zero_and_a_symbolic_batch():
 
 
 def test_narrow_groups_and_16_bit_convs_stay_with_the_library(monkeypatch):
-    narrow = _graph((1, 48, 8, 8), 48, 3, groups=6, pad=(1, 1, 1, 1))  # 8 output channels per group
+    narrow = _graph((1, 48, 8, 8), 48, 3, groups=12, pad=(1, 1, 1, 1))  # 4 output channels per group
     _check(narrow, [torch.randn(1, 48, 8, 8)], generated=False)
+    ten = _graph((1, 30, 8, 8), 30, 1, groups=3)  # 10 per group: generated where a panel is 16 wide
+    _check(ten, [torch.randn(1, 30, 8, 8)], generated=cpu_conv.panel() == 16)
     monkeypatch.setenv("KERNELIZE_CPU_CONV", "library")
     _check(_graph((1, 16, 8, 8), 32, 1), [torch.randn(1, 16, 8, 8)], generated=False)
     monkeypatch.setenv("KERNELIZE_CPU_CONV", "fast")

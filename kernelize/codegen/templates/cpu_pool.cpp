@@ -53,18 +53,22 @@ extern "C" int kz_pool(const float* x, float* y, const int64_t* dims, int nthrea
     kz_pool_dims d;
     memcpy(&d, dims, sizeof d);
     if (d.kind == 1 && (d.dh != 1 || d.dw != 1)) return 1;
-    const int64_t pixels = d.n * d.oh * d.ow;
-    const kz_team_t team = kz_team_open(nthreads, pixels * d.c * d.kh * d.kw >= (1 << 17));
+    const int64_t rows = d.n * d.oh;
+    const kz_team_t team = kz_team_open(nthreads, rows * d.ow * d.c * d.kh * d.kw >= (1 << 17));
     return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
         int64_t lo, hi;
-        kz_range(pixels, t, tn, lo, hi);
-        for (int64_t p = lo; p < hi; ++p) {
-            const int64_t ox = p % d.ow, oy = (p / d.ow) % d.oh, n = p / (d.ow * d.oh);
-            const int64_t iy0 = oy * d.sh - d.pt, ix0 = ox * d.sw - d.pl;
-            if (d.kind == 0)
-                kz_pool_max(d, x, y + p * d.c, n, iy0, ix0);
-            else
-                kz_pool_avg(d, x, y + p * d.c, n, iy0, ix0);
+        kz_range(rows, t, tn, lo, hi);
+        // (perf) by output rows: the divisions finding a pixel's coordinates cost more than a small
+        // pixel's taps (the 24-channel stem pool of ShuffleNet ran 0.39 ms per pixel, 0.1 by rows)
+        for (int64_t r = lo; r < hi; ++r) {
+            const int64_t n = r / d.oh, iy0 = (r % d.oh) * d.sh - d.pt;
+            float* yr = y + r * d.ow * d.c;
+            for (int64_t ox = 0; ox < d.ow; ++ox) {
+                if (d.kind == 0)
+                    kz_pool_max(d, x, yr + ox * d.c, n, iy0, ox * d.sw - d.pl);
+                else
+                    kz_pool_avg(d, x, yr + ox * d.c, n, iy0, ox * d.sw - d.pl);
+            }
         }
         return 0;
     });
