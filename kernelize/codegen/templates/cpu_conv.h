@@ -295,8 +295,8 @@ static __attribute__((noinline)) void kz_conv_tile(const kz_conv_dims& d, const 
 template <int MR, int NV, class Epi>
 static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                                const Epi& epi) {
-    const int64_t cig = d.c / d.g, cog = d.co / d.g, taps = d.kh * d.kw;
-    const int64_t units = d.g * ((cog + KZ_NR - 1) / KZ_NR);
+    const int64_t cig = d.c / d.g, cog = d.co / d.g, taps = d.kh * d.kw, panels = (cog + KZ_NR - 1) / KZ_NR;
+    const int64_t units = d.g * panels;
     const int64_t pixels = d.n * d.oh * d.ow, whole = pixels / MR, rest = pixels - whole * MR;
     const int64_t tiles = whole + (rest > 0);
     constexpr int SMALL = MR / 3 > 0 ? MR / 3 : 1, MEDIUM = 2 * MR / 3 > 0 ? 2 * MR / 3 : 1;
@@ -316,7 +316,11 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
             kz_range(tiles * nu, t, tn, lo, hi);
             for (int64_t item = lo; item < hi; ++item) {
                 const int64_t tile = item / nu, unit = u0 + item % nu, p0 = tile * MR;
-                if (tile < whole || rest > MEDIUM)
+                // (perf) a group's last panel holding at most half a panel of channels (ShuffleNet's groups
+                // of 20: 16 + 4) multiplies half the vectors
+                if (NV >= 2 && cog - (unit % panels) * KZ_NR <= KZ_NR / 2 && (tile < whole || rest > MEDIUM))
+                    kz_conv_tile<MR, (NV >= 2 ? NV / 2 : 1)>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
+                else if (tile < whole || rest > MEDIUM)
                     kz_conv_tile<MR, NV>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
                 else if (rest > SMALL)
                     kz_conv_tile<MEDIUM, NV>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
@@ -355,7 +359,7 @@ static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, co
     kz_conv_acc_init<1>(&init, c0, nc, epi);
     for (int64_t ox = 0; ox < d.ow; ox += R) {
         const int64_t ix0 = ox * SW - d.pl;
-        const bool inside = ix0 >= 0 && ix0 + NCOL <= d.w && nc == KZ_VW;
+        const bool inside = ix0 >= 0 && ix0 + NCOL <= d.w;
         kz_vec acc[R];
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) acc[i] = init;
@@ -363,8 +367,15 @@ static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, co
             kz_vec in[NCOL];
             if (inside) {
                 const float* q = rows[ky] + ix0 * d.c;
+                // (perf) a partial channel block (60 channels: 7 blocks of 8 and one of 4) loads masked
+                // here rather than taking the per-column bounds tests below
+                if (nc == KZ_VW) {
 #pragma GCC unroll 32
-                for (int j = 0; j < NCOL; ++j, q += d.c) in[j] = kz_vload(q);
+                    for (int j = 0; j < NCOL; ++j, q += d.c) in[j] = kz_vload(q);
+                } else {
+#pragma GCC unroll 32
+                    for (int j = 0; j < NCOL; ++j, q += d.c) in[j] = kz_vload_n(q, nc);
+                }
             } else {
 #pragma GCC unroll 32
                 for (int j = 0; j < NCOL; ++j) {
