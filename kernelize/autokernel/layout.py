@@ -111,16 +111,14 @@ def _nhwc_product(group, b: Node) -> bool:
 def channels_inner(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
     """A pointwise kernel storing an NHWC buffer, with its domain reordered so that the store is
     contiguous along the innermost axis (the generated loop runs over channels; an elementwise kernel over
-    NHWC operands becomes one flat loop). Other kernels, and kernels whose masks, gathers or concats name
-    domain axes, are returned as they are."""
+    NHWC operands becomes one flat loop); masks and concats follow their axes. Other kernels, and kernels
+    with gathers, are returned as they are."""
     if not isinstance(k, PointwiseKernel):
         return k
     store = next((s for s in k.stores if s.buffer in nhwc), None)
     if store is None:
         return k
-    if any(isinstance(e, Load) and (e.mask or e.indirect) for e in k.body) or any(
-        isinstance(e, Compute) and e.op is Op.CONCAT for e in k.body
-    ):
+    if any(isinstance(e, Load) and e.indirect for e in k.body):
         return k
     if not all(isinstance(s, int) for s in store.strides):
         return k
@@ -132,9 +130,22 @@ def channels_inner(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
     def permuted(strides: tuple) -> tuple:
         return tuple(strides[d] for d in perm)
 
-    body = tuple(replace(e, strides=permuted(e.strides)) if isinstance(e, Load) else e for e in k.body)
+    body = tuple(_moved(e, perm.index, permuted) for e in k.body)
     stores = tuple(replace(s, strides=permuted(s.strides)) for s in k.stores)
     return replace(k, domain=permuted(k.domain), body=body, stores=stores)
+
+
+def _moved(e: Load | Compute, axis, permuted) -> Load | Compute:
+    """A body entry with its domain axes renamed by ``axis`` (old -> new index): a load's strides and mask
+    axes, a concat's axis. (A concat of NHWC values along the channels then tests the innermost index,
+    which the generated loop splits at the static bounds: DenseNet's BN-ReLU over the concat of a block's
+    features ran 8.5 ms of 23 with the channel axis outer and pixels strided inner, at 1 thread.)"""
+    if isinstance(e, Load):
+        mask = tuple((axis(a), lo, hi) for a, lo, hi in e.mask)
+        return replace(e, strides=permuted(e.strides), mask=mask)
+    if e.op is Op.CONCAT:
+        return replace(e, arg=replace(e.arg, axis=axis(e.arg.axis)))
+    return e
 
 
 def channel_rows(k: Kernel, nhwc: frozenset[Node]) -> Kernel | Rejection:

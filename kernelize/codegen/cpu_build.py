@@ -112,6 +112,23 @@ def flags() -> tuple[str, ...]:
     return tuple(shlex.split(env)) if env else platform_flags(compiler_version=compiler()[1])
 
 
+def macros() -> frozenset[str]:
+    """The macros the compiler predefines under :func:`flags` (``__AVX2__``, ``__AVX512F__``...): what the
+    templates' ``#if`` see, for Python that must agree with them (the conv packer's panel width)."""
+    return _macros(os.environ.get("KERNELIZE_CXX"), os.environ.get("CXX"), flags())
+
+
+@functools.cache
+def _macros(cxx: str | None, cc: str | None, flags: tuple[str, ...]) -> frozenset[str]:
+    args = [f for f in flags if f not in ("-shared", "-fPIC")]
+    out = subprocess.run(
+        [compiler()[0], *args, "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True, text=True
+    )
+    if out.returncode:
+        raise KernelCompileError("<predefined macros>", "", out.stderr, "", "cpu")
+    return frozenset(line.split()[1] for line in out.stdout.splitlines() if line.startswith("#define "))
+
+
 _LOADED: dict[str, ctypes.CDLL] = {}
 _LOCK = threading.Lock()
 
@@ -253,6 +270,7 @@ __all__ = [
     "flags",
     "last_level_cache",
     "load",
+    "macros",
     "platform_flags",
     "same_source_groups",
     "stream_threshold",

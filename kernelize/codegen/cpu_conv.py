@@ -6,7 +6,7 @@ epilogue (bias, residual, activation: the graph nodes of its :class:`ConvEpilogu
 shared render table into a function applied to every output value while it is in cache:
 
 * ``dense``: any group size, kernel size, stride, padding and dilation, as an implicit GEMM. A tile of
-  ``KZ_MR`` output pixels x :data:`PANEL` output channels accumulates in registers; the input rows of each
+  ``KZ_MR`` output pixels x :func:`panel` output channels accumulates in registers; the input rows of each
   tap are read through row pointers (taps in the padding read a zero row), so nothing is padded or copied.
 * ``depthwise``: one input channel per output channel, vectorised over channels.
 
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from kernelize.autokernel.conv import channel_bias
 from kernelize.autokernel.kernels import Compute, ConvChainKernel, ConvKernel, Kernel
+from kernelize.codegen import cpu_build
 from kernelize.codegen.render import Renderer, c_name
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -43,7 +44,6 @@ from kernelize.ir.graph import Node, Op
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import CCall
 
-PANEL = 32  # output channels per packed weight panel (KZ_NR in cpu_conv.h)
 MAX_TAPS = 128  # KZ_MAX_TAPS
 MAX_GROUP_CHANNELS = 8192  # KZ_ZERO_ROW: input channels per group
 
@@ -52,8 +52,10 @@ DRIVERS = {"dense": "kz_conv_dense", "depthwise": "kz_conv_depthwise"}
 # oneDNN's: side by side in the models (1 thread, min of 20 runs), the 27 such convs of ResNet-50,
 # MobileNetV2, EfficientNet-B0, RegNetY-400MF and ConvNeXt-tiny took 1.07x oneDNN's time generated, the
 # 135 smaller ones 0.97x (the depthwise ones 0.6-0.8x). Compute-bound, oneDNN's kernels run at ~97% of this
-# core's FMA peak and ours at ~90%.
-LIBRARY_K = 1024
+# core's FMA peak and ours at ~90%. That was with AVX-512; on AVX2 (6 x 16 tiles, see cpu_conv.h) the
+# generated form of those convs took 0.83-1.0x oneDNN's time (ResNet-50's, 1 thread, Zen 3, thread CPU
+# time: 1024 -> 256 1x1 at 14 x 14 1.21 -> 1.01x onnxruntime's time), so there every size stays generated.
+LIBRARY_K = {32: 1024, 16: None}  # by panel width (the ISA): None, no limit
 
 
 def algorithm(kernel: Kernel) -> str | None:
@@ -72,11 +74,21 @@ def algorithm(kernel: Kernel) -> str | None:
         return None
     if cig == 1 and co == groups:
         return "depthwise"
-    if cig * kh * kw >= LIBRARY_K:
+    limit = LIBRARY_K[panel()]
+    if limit is not None and cig * kh * kw >= limit:
         return None
     # many groups of few output channels each fill a fraction of a panel: RegNet's 8-wide groups ran 4x
-    # slower than oneDNN's grouped conv
-    return "dense" if groups == 1 or co // groups >= PANEL // 2 else None
+    # slower than oneDNN's grouped conv with 32-wide panels (AVX-512); so at least half a panel a group. On
+    # AVX2 that takes ShuffleNet's 10-wide groups: oneDNN took 0.45 ms for its 120 -> 30 (3 groups, 28 x 28),
+    # 7x onnxruntime's time
+    return "dense" if groups == 1 or co // groups >= panel() // 2 else None
+
+
+def panel() -> int:
+    """Output channels per packed weight panel: ``KZ_NR`` of ``cpu_conv.h`` for the instructions the kernels
+    are built with (the same predefined macros decide): 16 with AVX2 and FMA but no AVX-512, else 32."""
+    m = cpu_build.macros()
+    return 16 if {"__AVX2__", "__FMA__"} <= m and "__AVX512F__" not in m else 32
 
 
 def chains_enabled() -> bool:
@@ -229,27 +241,30 @@ def _indent(lines: Sequence[str], n: int) -> str:
 def pack_weight(w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
     """``w`` (``[co, cig, kh, kw]``) in the layout the kernel's driver reads (see ``cpu_conv.h``)."""
     co, cig, kh, kw = w.shape
+    nr = panel()
     if algorithm(kernel) == "depthwise":
-        cpad = -(-co // PANEL) * PANEL
+        cpad = -(-co // nr) * nr
         return F.pad(w.reshape(co, kh * kw).t(), (0, cpad - co)).contiguous()
     groups = kernel.node.arg.groups
     cog = co // groups
-    panels = -(-cog // PANEL)
-    wg = F.pad(w.reshape(groups, cog, cig, kh, kw), (0, 0, 0, 0, 0, 0, 0, panels * PANEL - cog))
-    return wg.reshape(groups, panels, PANEL, cig, kh, kw).permute(0, 1, 4, 5, 3, 2).contiguous()
+    panels = -(-cog // nr)
+    wg = F.pad(w.reshape(groups, cog, cig, kh, kw), (0, 0, 0, 0, 0, 0, 0, panels * nr - cog))
+    return wg.reshape(groups, panels, nr, cig, kh, kw).permute(0, 1, 4, 5, 3, 2).contiguous()
 
 
 ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int]
+DIMS = 17  # values in a kz_conv_dims
 
 
 def dims(kernel: Kernel, x_shape: Sequence[int], y_shape: Sequence[int]) -> ctypes.Array:
-    """The ``kz_conv_dims`` array for an input and output of these (NCHW) shapes."""
+    """The ``kz_conv_dims`` array for an input and output of these (NCHW) shapes (the last value: the panel
+    width the weights were packed with, which the kernel checks against its own)."""
     a = kernel.node.arg
     n, c, h, w = x_shape
     _, co, oh, ow = y_shape
     kh, kw = kernel.node.src[1].shape[2:]
     top, left = a.padding[:2]
-    values = (n, h, w, c, oh, ow, co, kh, kw, *a.stride, top, left, *a.dilation, a.groups)
+    values = (n, h, w, c, oh, ow, co, kh, kw, *a.stride, top, left, *a.dilation, a.groups, panel())
     return (ctypes.c_int64 * len(values))(*values)
 
 
@@ -323,7 +338,10 @@ class ConvCall:
         return d
 
     def _error(self, d: ctypes.Array) -> str:
-        return f"cpu conv kernel {self.kernel.name} rejected its sizes {tuple(d)}"
+        return (
+            f"cpu conv kernel {self.kernel.name} rejected its sizes {tuple(d)} (the last: the weights' panel "
+            "width, which must be the kernel's KZ_NR)"
+        )
 
 
 class ChainCall:
@@ -372,12 +390,12 @@ class ChainCall:
             values, shape = [], tuple(x_shape)
             for s in self.stages:
                 if s is None:
-                    values += [0] * 16
+                    values += [0] * DIMS
                     continue
                 out = output_shape(s, shape)
                 values += list(dims(s, shape, out))
                 shape = out
-            d = self._dims[key] = (ctypes.c_int64 * 48)(*values)
+            d = self._dims[key] = (ctypes.c_int64 * (3 * DIMS))(*values)
         return d
 
     def launch(self, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes=None) -> None:
@@ -403,7 +421,6 @@ class ChainCall:
 
 __all__ = [
     "MAX_TAPS",
-    "PANEL",
     "ChainCall",
     "ConvCall",
     "algorithm",
@@ -411,5 +428,6 @@ __all__ = [
     "dims",
     "output_shape",
     "pack_weight",
+    "panel",
     "render",
 ]

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from kernelize.autokernel.kernels import Kernel
+from kernelize.codegen import cpu_pool
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
@@ -226,6 +227,8 @@ def _ticking(bar: Any, every_s: float = 0.25) -> Iterator[None]:
 
 
 _BOUND_CACHE_MAX = 256  # distinct input signatures remembered per compiled graph
+# library ops the CPU runs with kernelize's own compiled functions where they apply: (applies(node, x), run)
+CPU_LIBRARY = {Op.POOL: (cpu_pool.supports, cpu_pool.pool)}
 # runs of generated steps go to C in one call (kernelize.runtime.replay); KERNELIZE_REPLAY=0 keeps Python
 REPLAY = os.environ.get("KERNELIZE_REPLAY", "1") != "0"
 
@@ -498,7 +501,10 @@ class CompiledGraph:
     def _library(self, k: Kernel, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
         node = k.node
         args = [materialize(s, vals, env) for s in node.src]
-        if node.op is Op.MATMUL and node.dtype.is_float and self.device.type == "cuda":
+        own = CPU_LIBRARY.get(node.op)
+        if own is not None and own[0](node, args[0]):
+            out = own[1](node, args[0], env)
+        elif node.op is Op.MATMUL and node.dtype.is_float and self.device.type == "cuda":
             out = torch.matmul(*args)  # cuBLAS accumulates 16-bit inputs in f32 already
         else:
             out = EVAL[node.op](node, args, env)

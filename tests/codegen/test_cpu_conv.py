@@ -10,6 +10,7 @@ import torch
 from kernelize.autokernel import KernelKind, PlanSettings, plan
 from kernelize.codegen import cpu_conv
 from kernelize.codegen.cpu import CpuRenderer
+from kernelize.codegen.cpu_build import build_shared_object, load
 from kernelize.ir import Graph, Op, evaluate
 from kernelize.runtime.compiled import compile_graph
 
@@ -66,6 +67,7 @@ CASES = [  # (input shape, out channels, kernel, options): awkward sizes, every 
     ((1, 5, 4, 4), 7, 5, dict(pad=(2, 2, 2, 2))),  # a kernel larger than the image
     ((1, 2, 12, 40), 80, 7, dict(stride=2, pad=(3, 3, 3, 3))),  # 49 taps
     ((2, 64, 5, 5), 64, 3, dict(groups=2, pad=(1, 1, 1, 1))),  # groups of 32 channels
+    ((1, 60, 7, 9), 48, 1, dict(groups=3)),  # ShuffleNet's groups of 16 outputs
 ]
 
 
@@ -126,8 +128,10 @@ def test_a_batch_of_zero_and_a_symbolic_batch():
 
 
 def test_narrow_groups_and_16_bit_convs_stay_with_the_library(monkeypatch):
-    narrow = _graph((1, 48, 8, 8), 48, 3, groups=6, pad=(1, 1, 1, 1))  # 8 output channels per group
+    narrow = _graph((1, 48, 8, 8), 48, 3, groups=12, pad=(1, 1, 1, 1))  # 4 output channels per group
     _check(narrow, [torch.randn(1, 48, 8, 8)], generated=False)
+    ten = _graph((1, 30, 8, 8), 30, 1, groups=3)  # 10 per group: generated where a panel is 16 wide
+    _check(ten, [torch.randn(1, 30, 8, 8)], generated=cpu_conv.panel() == 16)
     monkeypatch.setenv("KERNELIZE_CPU_CONV", "library")
     _check(_graph((1, 16, 8, 8), 32, 1), [torch.randn(1, 16, 8, 8)], generated=False)
     monkeypatch.setenv("KERNELIZE_CPU_CONV", "fast")
@@ -159,10 +163,29 @@ def test_packed_weights_hold_every_weight_once():
     k = _conv_kernel(_graph((1, 64, 6, 6), 40, 3, groups=2, pad=(1, 1, 1, 1)))
     w = k.node.src[1].arg.tensor
     packed = cpu_conv.pack_weight(w, k)
-    # [groups][panels][kh][kw][cig][PANEL]: 20 outputs per group pad to one panel of 32
-    assert packed.shape == (2, 1, 3, 3, 32, cpu_conv.PANEL)
-    assert torch.equal(packed[1, 0, 2, 1, 5, :20], w[20:40, 5, 2, 1])
-    assert not packed[..., 20:].any()
+    # [groups][panels][kh][kw][cig][panel]: 20 outputs per group pad to whole panels (of 16 or 32)
+    nr = cpu_conv.panel()
+    panels = -(-20 // nr)
+    assert packed.shape == (2, panels, 3, 3, 32, nr)
+    flat = packed.permute(0, 2, 3, 4, 1, 5).reshape(2, 3, 3, 32, panels * nr)  # the panels side by side
+    assert torch.equal(flat[1, 2, 1, 5, :20], w[20:40, 5, 2, 1])
+    assert not flat[..., 20:].any()
+
+
+def test_panel_width_matches_the_kernels():
+    """The packer's width is the compiled kernel's KZ_NR: a conv packed with another width is refused."""
+    k = _conv_kernel(_graph((1, 16, 8, 8), 32, 1, bias=False, act="none"))
+    src, name = cpu_conv.render(k, CpuRenderer())
+    fn = getattr(load(build_shared_object(src, name)), name)
+    call = cpu_conv.ConvCall(fn, k)
+    x = torch.randn(1, 16, 8, 8).contiguous(memory_format=torch.channels_last)
+    w = k.node.src[1].arg.tensor
+    (y,) = call.fresh([x, w, None, None])
+    torch.testing.assert_close(y, torch.nn.functional.conv2d(x, w), rtol=1e-4, atol=1e-4)
+    d = cpu_conv.dims(k, x.shape, y.shape)
+    d[16] = 48 - cpu_conv.panel()  # the other width
+    ptrs = [x.data_ptr(), call.packed(w).data_ptr(), 0, 0, y.data_ptr()]
+    assert call.fn(*ptrs, d, 1) == 1
 
 
 # ---- conv chains ---------------------------------------------------------------------------------------

@@ -34,3 +34,27 @@ def test_nonzero_value_batch_pad_and_crop_stay():
     ]:
         out = conv_pad(_graph(pads, value))
         assert out.outputs[0].src[0].op is not Op.INPUT, pads  # the pad (or crop) stays
+
+
+POOL_CASES = [  # (kind, pad value, pool padding, count_include_pad, ceil_mode, folds)
+    ("avg", 0.0, (0, 0, 0, 0), False, False, True),  # torch's opset-9 count_include_pad export
+    ("avg", 0.0, (1, 0, 1, 0), True, False, True),
+    ("avg", 0.0, (1, 0, 1, 0), False, False, False),  # its own padding is not counted, the pad's is
+    ("avg", 1.0, (0, 0, 0, 0), True, False, False),
+    ("avg", 0.0, (0, 0, 0, 0), True, True, False),  # ceil mode
+    ("max", -float("inf"), (1, 1, 0, 0), False, False, True),
+    ("max", 0.0, (0, 0, 0, 0), False, False, False),  # a zero pad changes a maximum of negatives
+]
+
+
+def test_pads_fold_into_pools_that_pad_the_same_way():
+    for kind, value, padding, count, ceil, folds in POOL_CASES:
+        g = Graph()
+        x = g.input("x", (2, 3, 7, 8), "f32")
+        p = g.pad(x, ((0, 0), (0, 0), (1, 2), (0, 1)), value)
+        g.output(g.pool(p, kind, (3, 3), (2, 2), padding, ceil_mode=ceil, count_include_pad=count))
+        out = conv_pad(g)
+        verify(out)
+        assert (out.outputs[0].src[0].op is Op.INPUT) == folds, (kind, value, padding, count, ceil)
+        xi = torch.randn(2, 3, 7, 8) - 1  # mostly negative: a zero pad would change a maximum
+        torch.testing.assert_close(evaluate(out, [xi])[0], evaluate(g, [xi])[0], rtol=1e-6, atol=1e-6)

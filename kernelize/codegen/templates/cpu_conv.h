@@ -13,10 +13,12 @@
 #include <immintrin.h>  // the AVX-512 / AVX2 forms below; elsewhere (aarch64) the GCC vector form
 #endif
 
-#define KZ_NR 32  // output channels per panel (cpu_conv.PANEL, the packer's width)
+// KZ_NR: output channels per panel (cpu_conv.panel(), the packer's width, reads the same macros). A tile is
+// KZ_MR pixels x KZ_NR channels: MR x NV accumulators, NV weight vectors and one broadcast in registers
 #if defined(__AVX512F__)
 typedef __m512 kz_vec;
 #define KZ_VW 16
+#define KZ_NR 32
 #define KZ_MR 12  // 12 x 2 accumulators + 2 weight vectors + 1 broadcast of the 32 zmm registers
 KZ_INLINE kz_vec kz_vzero() { return _mm512_setzero_ps(); }
 KZ_INLINE kz_vec kz_vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -34,7 +36,11 @@ KZ_INLINE kz_vec kz_vclamp(kz_vec x, float lo, float hi) {
 #elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 kz_vec;
 #define KZ_VW 8
-#define KZ_MR 3  // 3 x 4 accumulators + 4 weight vectors of the 16 ymm registers
+// (perf) 6 x 2 accumulators + 2 weight vectors + 1 broadcast: 15 of the 16 ymm registers. The 3 x 32 tile
+// this replaced needed 17, so gcc read every weight vector from memory once per pixel (15 loads per 12
+// FMAs); on Zen 3 a 1x1 conv ran at 37 GFLOPS that way and 60-80 with this tile
+#define KZ_NR 16
+#define KZ_MR 6
 KZ_INLINE kz_vec kz_vzero() { return _mm256_setzero_ps(); }
 KZ_INLINE kz_vec kz_vload(const float* p) { return _mm256_loadu_ps(p); }
 KZ_INLINE kz_vec kz_vload_n(const float* p, int n) {
@@ -54,6 +60,7 @@ KZ_INLINE kz_vec kz_vclamp(kz_vec x, float lo, float hi) {
 #else
 typedef float kz_vec __attribute__((vector_size(16)));
 #define KZ_VW 4
+#define KZ_NR 32
 #define KZ_MR 2
 KZ_INLINE kz_vec kz_vzero() { return (kz_vec){0, 0, 0, 0}; }
 KZ_INLINE kz_vec kz_vload(const float* p) { kz_vec v; memcpy(&v, p, sizeof v); return v; }
@@ -100,6 +107,7 @@ KZ_INLINE kz_vec kz_vld(const float* p, int n) { return n >= KZ_VW ? kz_vload(p)
 // sizes as the launcher passes them (one int64 array, in this order)
 struct kz_conv_dims {
     int64_t n, h, w, c, oh, ow, co, kh, kw, sh, sw, pt, pl, dh, dw, g;
+    int64_t nr;  // the panel width the weights were packed with: KZ_NR, else the call is refused
 };
 
 // what taps that fall into the padding read
@@ -287,8 +295,8 @@ static __attribute__((noinline)) void kz_conv_tile(const kz_conv_dims& d, const 
 template <int MR, int NV, class Epi>
 static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                                const Epi& epi) {
-    const int64_t cig = d.c / d.g, cog = d.co / d.g, taps = d.kh * d.kw;
-    const int64_t units = d.g * ((cog + KZ_NR - 1) / KZ_NR);
+    const int64_t cig = d.c / d.g, cog = d.co / d.g, taps = d.kh * d.kw, panels = (cog + KZ_NR - 1) / KZ_NR;
+    const int64_t units = d.g * panels;
     const int64_t pixels = d.n * d.oh * d.ow, whole = pixels / MR, rest = pixels - whole * MR;
     const int64_t tiles = whole + (rest > 0);
     constexpr int SMALL = MR / 3 > 0 ? MR / 3 : 1, MEDIUM = 2 * MR / 3 > 0 ? 2 * MR / 3 : 1;
@@ -308,7 +316,11 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
             kz_range(tiles * nu, t, tn, lo, hi);
             for (int64_t item = lo; item < hi; ++item) {
                 const int64_t tile = item / nu, unit = u0 + item % nu, p0 = tile * MR;
-                if (tile < whole || rest > MEDIUM)
+                // (perf) a group's last panel holding at most half a panel of channels (ShuffleNet's groups
+                // of 20: 16 + 4) multiplies half the vectors
+                if (NV >= 2 && cog - (unit % panels) * KZ_NR <= KZ_NR / 2 && (tile < whole || rest > MEDIUM))
+                    kz_conv_tile<MR, (NV >= 2 ? NV / 2 : 1)>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
+                else if (tile < whole || rest > MEDIUM)
                     kz_conv_tile<MR, NV>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
                 else if (rest > SMALL)
                     kz_conv_tile<MEDIUM, NV>(d, x, wp, y, p0, unit, segments, rc, epi, pixels);
@@ -323,8 +335,8 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
 template <class Epi>
 static int kz_conv_dense(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                          const Epi& epi) {
+    if (d.nr != KZ_NR || d.c / d.g > KZ_ZERO_ROW || d.kh * d.kw > KZ_MAX_TAPS) return 1;
     if (d.n * d.oh * d.ow == 0 || d.co == 0) return 0;
-    if (d.c / d.g > KZ_ZERO_ROW || d.kh * d.kw > KZ_MAX_TAPS) return 1;
     // (perf) groups of at most half a panel of output channels (a 1x1 projection to 16 channels) use half
     // the vectors and twice the pixels per tile: the same registers, no multiply-adds on padding
     if (KZ_NV >= 2 && d.co / d.g <= KZ_NR / 2) return kz_conv_dense_tiles<2 * KZ_MR, KZ_NV / 2>(d, x, wp, y, nthreads, epi);
@@ -347,7 +359,7 @@ static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, co
     kz_conv_acc_init<1>(&init, c0, nc, epi);
     for (int64_t ox = 0; ox < d.ow; ox += R) {
         const int64_t ix0 = ox * SW - d.pl;
-        const bool inside = ix0 >= 0 && ix0 + NCOL <= d.w && nc == KZ_VW;
+        const bool inside = ix0 >= 0 && ix0 + NCOL <= d.w;
         kz_vec acc[R];
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) acc[i] = init;
@@ -355,8 +367,15 @@ static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, co
             kz_vec in[NCOL];
             if (inside) {
                 const float* q = rows[ky] + ix0 * d.c;
+                // (perf) a partial channel block (60 channels: 7 blocks of 8 and one of 4) loads masked
+                // here rather than taking the per-column bounds tests below
+                if (nc == KZ_VW) {
 #pragma GCC unroll 32
-                for (int j = 0; j < NCOL; ++j, q += d.c) in[j] = kz_vload(q);
+                    for (int j = 0; j < NCOL; ++j, q += d.c) in[j] = kz_vload(q);
+                } else {
+#pragma GCC unroll 32
+                    for (int j = 0; j < NCOL; ++j, q += d.c) in[j] = kz_vload_n(q, nc);
+                }
             } else {
 #pragma GCC unroll 32
                 for (int j = 0; j < NCOL; ++j) {
@@ -442,6 +461,7 @@ template <class Epi>
 static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                              const Epi& epi) {
     const int64_t rows = d.n * d.oh, cblocks = (d.c + KZ_VW - 1) / KZ_VW;
+    if (d.nr != KZ_NR) return 1;
     if (rows * d.ow == 0 || d.c == 0) return 0;
     const kz_team_t team = kz_team_open(nthreads, rows * d.ow * d.c * d.kh * d.kw >= KZ_CONV_PARALLEL_MIN);
     return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
@@ -552,8 +572,8 @@ static int kz_conv_chain(const kz_conv_dims* d, const float* x, const float* con
                          const E0& e0, const E1& e1, const E2& e2) {
     const kz_conv_dims& db = d[1];
     const int64_t rows = db.n * db.oh, e = db.c;
+    if (db.kh > 16 || db.nr != KZ_NR || (A && d[0].nr != KZ_NR) || (C && d[2].nr != KZ_NR)) return 1;
     if (rows * db.ow == 0) return 0;
-    if (db.kh > 16) return 1;
     const int64_t group = (KZ_CHAIN_PIXELS + db.ow - 1) / db.ow;
     const int64_t work = rows * db.ow * e * (db.kh * db.kw + (A ? d[0].c : 0) + (C ? d[2].co : 0));
     return kz_parallel_for(kz_team_open(nthreads, work >= KZ_CONV_PARALLEL_MIN), [=](int t, int tn) KZ_BODY {
