@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernelize.shards import local
+
 __all__ = ["merged_parameter", "merge_cost_bytes"]
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ def _parts(owner: nn.Module, names: Sequence[str], attr: str) -> list[torch.Tens
     parts = []
     for name in names:
         sub = getattr(owner, name, None)
-        t = getattr(sub, attr, None) if sub is not None else None
+        t = local(getattr(sub, attr, None)) if sub is not None else None  # a DTensor: this rank's shard
         if not isinstance(t, torch.Tensor):
             raise ValueError(
                 f"merged_parameter: `{type(owner).__name__}.{name}` has no tensor `{attr}`; merge only "
@@ -123,7 +125,7 @@ def merge_cost_bytes(owner: nn.Module) -> int:
     """Extra bytes the merged tensors of ``owner`` hold beyond its parameters (0 while views are intact)."""
     extra = 0
     for (names, attr), m in owner.__dict__.get(_ATTR, {}).items():
-        parts = [getattr(getattr(owner, n), attr) for n in names]
+        parts = [local(getattr(getattr(owner, n), attr)) for n in names]
         if not _intact(m, parts):
             extra += m.tensor.numel() * m.tensor.element_size()
     return extra

@@ -67,8 +67,9 @@ from kernelize.model_experts import (
     use_experts_function,
 )
 from kernelize.runtime.memory import trim_heap
+from kernelize.shards import Shards, shards_of
 
-from .verify import difference, evaluating, verify_replacements
+from .verify import difference, evaluating, sharded, verify_replacements
 
 __all__ = [
     "ATTENTION_NAME",
@@ -221,6 +222,8 @@ def _mlp(module: nn.Module) -> Recognition | None:
         )
     if module.down_proj.weight.is_meta:
         return _eager("mlp", "weights on the meta device: cannot probe the MLP")
+    if why := sharded(module):
+        return Recognition("mlp", None, why, per_instance=True)
     layers = _activation_layers()
     table = layers.GATED_PAIR_MATH if fused else layers.GATED_MATH
     w = module.down_proj.weight
@@ -237,7 +240,8 @@ def _mlp(module: nn.Module) -> Recognition | None:
         act = _closest_activation(got, _activation_candidates(module, table), want)
         if act is not None:
             name = "FusedGatedMLP" if fused else "GatedMLP"
-            return Recognition("mlp", name, f"down_proj({act}(gate) * up) (probed)", {"hidden_act": act})
+            reason = f"down_proj({act}(gate) * up) (probed){_on_shards(module)}"
+            return Recognition("mlp", name, reason, {"hidden_act": act})
     config = getattr(module, "config", None)
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     known = ", ".join(dict.fromkeys(table))
@@ -360,7 +364,7 @@ def _attention(module: nn.Module) -> Recognition | None:
             if type(module).__name__.endswith("Attention")
             else None
         )
-    reason = _attention_blocker(module)
+    reason = _attention_blocker(module) or sharded(module)
     if reason:
         return Recognition("attention", None, reason, per_instance=True)
     neox, style = _rotary_style(module)
@@ -373,6 +377,7 @@ def _attention(module: nn.Module) -> Recognition | None:
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap:
         detail += f"; logit soft-capping {softcap}"
+    detail += _on_shards(module)
     return Recognition("attention", "CausalSelfAttention", detail, {"is_neox_style": neox}, per_instance=True)
 
 
@@ -507,6 +512,14 @@ def _fused_qkv_blocker(module: nn.Module) -> str | None:
     if attention_kernel() is None:
         return KERNEL_UNAVAILABLE
     return None
+
+
+def _on_shards(module: nn.Module) -> str:
+    """What `inspect` adds for a module whose kernels run on tensor-parallel shards ("" for a whole one)."""
+    found = shards_of(module)
+    if not isinstance(found, Shards):
+        return ""
+    return f"; on its tensor-parallel local shards ({found.world} ranks, Megatron split, one all-reduce)"
 
 
 def _attention_blocker(module: nn.Module) -> str | None:
