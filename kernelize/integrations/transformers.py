@@ -240,8 +240,7 @@ def _mlp(module: nn.Module) -> Recognition | None:
         act = _closest_activation(got, _activation_candidates(module, table), want)
         if act is not None:
             name = "FusedGatedMLP" if fused else "GatedMLP"
-            reason = f"down_proj({act}(gate) * up) (probed){_on_shards(module)}"
-            return Recognition("mlp", name, reason, {"hidden_act": act})
+            return Recognition("mlp", name, f"down_proj({act}(gate) * up) (probed)", {"hidden_act": act})
     config = getattr(module, "config", None)
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     known = ", ".join(dict.fromkeys(table))
@@ -377,7 +376,6 @@ def _attention(module: nn.Module) -> Recognition | None:
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap:
         detail += f"; logit soft-capping {softcap}"
-    detail += _on_shards(module)
     return Recognition("attention", "CausalSelfAttention", detail, {"is_neox_style": neox}, per_instance=True)
 
 
@@ -515,11 +513,11 @@ def _fused_qkv_blocker(module: nn.Module) -> str | None:
 
 
 def _on_shards(module: nn.Module) -> str:
-    """What `inspect` adds for a module whose kernels run on tensor-parallel shards ("" for a whole one)."""
+    """The note `inspect` shows on a module whose kernels run on tensor-parallel shards ("": a whole one)."""
     found = shards_of(module)
     if not isinstance(found, Shards):
         return ""
-    return f"; on its tensor-parallel local shards ({found.world} ranks, Megatron split, one all-reduce)"
+    return f"on its tensor-parallel local shards ({found.world} ranks, Megatron split, one all-reduce)"
 
 
 def _attention_blocker(module: nn.Module) -> str | None:
@@ -1011,6 +1009,8 @@ def _record_verdicts(model: nn.Module, found: Mapping[str, Recognition]) -> None
             choice = dataclasses.replace(choice, reason=verdict.reason)
         elif choice.uses_kernel and verdict.kind == "attention" and verdict.reason not in choice.notes:
             choice = dataclasses.replace(choice, notes=(verdict.reason, *choice.notes))
+        if choice.uses_kernel and (shards := _on_shards(module)) and shards not in choice.notes:
+            choice = dataclasses.replace(choice, notes=(*choice.notes, shards))
         record_choice(module, choice)
 
 
