@@ -124,35 +124,51 @@ def test_two_process_training_matches_single_process(mode: str, family: str, tmp
             torch.testing.assert_close(g, step_want[name], rtol=1e-5, atol=1e-6, msg=f"{mode} {name}")
 
 
-def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
-    """A tiny Llama sharded with torch's tensor-parallel plans (q, k, v, gate, up colwise; o, down rowwise),
-    then the one call: rank 0 saves the eager and kernelized logits, greedy tokens and `inspect`'s lines."""
+def _tp_config():
     import transformers
+
+    sizes = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, **sizes)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _tp_models(style: str, world: int, saved: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the whole tiny Llama, the same Llama sharded): by torch's tensor-parallel plans (q, k, v, gate, up
+    colwise; o, down rowwise) or by transformers' `from_pretrained(..., tp_plan="auto")` (the same split)."""
+    import transformers
+
+    if style == "transformers":
+        load = transformers.LlamaForCausalLM.from_pretrained
+        return load(saved).eval(), load(saved, tp_plan="auto").eval()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    whole, model = (transformers.LlamaForCausalLM.from_pretrained(saved).eval() for _ in range(2))
+    colwise = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    plan = {name: ColwiseParallel() for name in colwise}
+    plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    return whole, model
+
+
+def _tp_worker(rank: int, world: int, port: int, style: str, saved: str, out: str) -> None:
+    """The tiny Llama sharded (`_tp_models`), then the one call: rank 0 saves the whole model's and the
+    sharded model's logits (eager and kernelized), greedy tokens and `inspect`'s lines."""
     from kernelize.integrations.transformers import kernelize_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(env, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # as torchrun sets them
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        sizes = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
-        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, **sizes)
-        config._attn_implementation = "sdpa"
-        model = transformers.LlamaForCausalLM(config).eval()
+        whole, model = _tp_models(style, world, saved)
         ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(1))
         kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
         with torch.no_grad():
-            want, want_tokens = model(ids).logits, model.generate(ids[:1, :5], **kw)
-        colwise = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-        plan = {name: ColwiseParallel() for name in colwise}
-        plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
-            parallelize_module(layer, mesh, plan)
-        with torch.no_grad():
+            want, want_tokens = whole(ids).logits, whole.generate(ids[:1, :5], **kw)
             sharded = model(ids).logits
             fast = kernelize_model(model)
             got = fast(ids).logits
@@ -167,13 +183,18 @@ def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.slow  # two spawned processes: ~30 s on 2 cores
-def test_tensor_parallel_inference_runs_the_kernels_on_the_local_shards(tmp_path: Path) -> None:
+@pytest.mark.parametrize("style", ["torch", "transformers"])
+def test_tensor_parallel_inference_runs_the_kernels_on_the_local_shards(style: str, tmp_path: Path) -> None:
     """Under tensor parallelism (the Megatron split) the one call runs the attention, MLP and decoder-block
     kernels on each rank's local shards, one all-reduce after o_proj and down_proj, and the logits and greedy
     tokens stay the single process's."""
     pytest.importorskip("torch.distributed.tensor.parallel", reason="needs torch's tensor-parallel API")
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(_tp_config()).save_pretrained(tmp_path / "llama")
     out = tmp_path / "tp.pt"
-    args = (2, _free_port(), str(out))
+    args = (2, _free_port(), style, str(tmp_path / "llama"), str(out))
     mp.start_processes(_tp_worker, args=args, nprocs=2, join=True, start_method="spawn")
     r = torch.load(out)
     scale = r["want"].abs().max()
@@ -181,7 +202,8 @@ def test_tensor_parallel_inference_runs_the_kernels_on_the_local_shards(tmp_path
     assert (r["got"] - r["want"]).abs().max() <= 1e-5 * scale
     assert torch.equal(r["tokens"], r["want_tokens"]) and r["tokens"].shape == (1, 9)
     lines = r["lines"]
-    assert not any("DTensor" in line or "placements" in line for line in lines), lines
+    kept = [line for line in lines if "is a DTensor" in line]  # transformers' plan shards lm_head (gathered)
+    assert [line.split()[0] for line in kept] == (["`lm_head`"] if style == "transformers" else []), lines
     for layer in ("CausalSelfAttention", "GatedMLP", "PreNormDecoderLayer"):  # each ran its kernels
         served = [line for line in lines if f"-> kernel layer `{layer}`" in line and " ran on cpu: " in line]
         assert len(served) == 2, (layer, lines)
