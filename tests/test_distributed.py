@@ -220,9 +220,10 @@ def test_tensor_parallel_inference_runs_the_kernels_on_the_local_shards(style: s
 
 @pytest.mark.slow  # two spawned processes: ~30 s on 2 cores
 def test_tensor_parallel_uneven_split_keeps_the_modules_own_forward(tmp_path: Path) -> None:
-    """An intermediate size the ranks do not divide (DTensor shards it unevenly): the MLPs keep their own
-    forwards with the reason, the attention still runs its kernels on the shards, the logits stay."""
-    lines = _tensor_parallel(tmp_path, "torch", intermediate=97)["lines"]
+    """An intermediate size the ranks do not divide (transformers' plan shards it unevenly; torch's own
+    row-parallel forward fails there): the MLPs keep their own forwards with the reason, the attention still
+    runs its kernels on the shards, the logits stay."""
+    lines = _tensor_parallel(tmp_path, "transformers", intermediate=97)["lines"]
     mlps = [line for line in lines if ".mlp` (LlamaMLP" in line]
     assert len(mlps) == 2 and all("97 do not divide by the 2 ranks" in line for line in mlps), lines
     assert len(_served(lines, "CausalSelfAttention")) == 2 and not _served(lines, "GatedMLP"), lines
