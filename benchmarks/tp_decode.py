@@ -1,11 +1,14 @@
 """Tensor-parallel decode on the CPU: eager TP vs kernelized TP, side by side in the same processes.
 
     .venv/bin/python benchmarks/tp_decode.py [--world 2] [--hidden 1024] [--layers 8] [--new-tokens 32]
-                                             [--repeat 7] [--vocab 32000] [--out /tmp/tp_decode.json]
+                                             [--repeat 7] [--vocab 32000] [--style torch|transformers]
+                                             [--out /tmp/tp_decode.json]
 
-`--world` processes (gloo, one thread each) build the same Llama (f32, batch 1, heads = hidden / 64, a
-quarter as many key/value heads, intermediate 8/3 hidden) twice, shard both with torch's `parallelize_module`
-(q, k, v, gate, up `ColwiseParallel`; o, down `RowwiseParallel`), and run `kernelize_model` on the second:
+`--world` processes (gloo, one thread each) load the same Llama (f32, batch 1, heads = hidden / 64, a
+quarter as many key/value heads, intermediate 8/3 hidden, saved once under /tmp) twice, sharded by torch's
+`parallelize_module` (q, k, v, gate, up `ColwiseParallel`; o, down `RowwiseParallel`) or, `--style
+transformers`, by `from_pretrained(..., tp_plan="auto")` (the same split, its linears' local fast path,
+and its lm_head colwise with a gathered output), and run `kernelize_model` on the second:
 its attention, MLP and decoder-block kernels read the local shards and all-reduce once after o_proj and
 down_proj (`kernelize.shards`). Round-robin over the repeats, each rank times `generate` of `new` tokens and
 of one (the prefill), eager and kernelized alternately; decode tokens/s = (new - 1) / (median full - median
@@ -29,12 +32,14 @@ import torch.multiprocessing as mp
 
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+STYLES = {
+    "torch": "torch parallelize_module (ColwiseParallel / RowwiseParallel)",
+    "transformers": 'transformers from_pretrained(tp_plan="auto") (its lm_head colwise, gathered: eager)',
+}
 
 
-def build(args: argparse.Namespace, mesh) -> torch.nn.Module:
-    """The benchmark's Llama, sharded the Megatron way over `mesh`."""
+def config(args: argparse.Namespace):
     import transformers
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     heads = args.hidden // 64
     config = transformers.LlamaConfig(
@@ -47,8 +52,19 @@ def build(args: argparse.Namespace, mesh) -> torch.nn.Module:
         max_position_embeddings=512,
     )
     config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    return config
+
+
+def build(args: argparse.Namespace, mesh) -> torch.nn.Module:
+    """The benchmark's Llama (the weights `main` saved), sharded the Megatron way: by torch's
+    `parallelize_module` over `mesh`, or by transformers' `from_pretrained(..., tp_plan="auto")`."""
+    import transformers
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    load = transformers.LlamaForCausalLM.from_pretrained
+    if args.style == "transformers":
+        return load(args.saved, tp_plan="auto", attn_implementation="sdpa").eval()
+    model = load(args.saved, attn_implementation="sdpa").eval()
     plan = {n: ColwiseParallel() for n in COLWISE} | {n: RowwiseParallel() for n in ROWWISE}
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
@@ -62,7 +78,8 @@ def run(rank: int, args: argparse.Namespace, port: int) -> None:
     import kernelize
     from kernelize.integrations.transformers import kernelize_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world))
+    os.environ.update(env, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.world))  # as torchrun sets them
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     try:
@@ -110,7 +127,7 @@ def report(args, times, tokens, kernelize_s: float, on_shards: int) -> None:
         "batch": 1,
         "new_tokens": args.new_tokens,
         "repeat": args.repeat,
-        "tp_style": "torch parallelize_module (ColwiseParallel / RowwiseParallel)",
+        "tp_style": STYLES[args.style],
         "modules_on_local_shards": on_shards,
         "kernelize_model_s": kernelize_s,
         "same_tokens": bool(torch.equal(tokens["eager"], tokens["kernelized"])),
@@ -121,8 +138,9 @@ def report(args, times, tokens, kernelize_s: float, on_shards: int) -> None:
     }
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(
-        f"TP decode, {args.world} ranks x 1 thread, Llama hidden {args.hidden}, {args.layers} layers, f32, "
-        f"batch 1: eager {tok_s['eager']:.1f} tok/s, kernelized {tok_s['kernelized']:.1f} tok/s "
+        f"TP decode ({args.style}), {args.world} ranks x 1 thread, Llama hidden {args.hidden}, "
+        f"{args.layers} layers, f32, batch 1: eager {tok_s['eager']:.1f} tok/s, "
+        f"kernelized {tok_s['kernelized']:.1f} tok/s "
         f"({out['kernelized_vs_eager']:.2f}x), same tokens {out['same_tokens']}, "
         f"{on_shards} modules on local shards -> {args.out}",
         flush=True,
@@ -137,12 +155,24 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--style", choices=tuple(STYLES), default="torch", help="who shards the model")
     ap.add_argument("--out", default="/tmp/tp_decode.json")
     args = ap.parse_args()
+    import tempfile
+
+    import transformers
+
+    torch.manual_seed(0)
+    saved = tempfile.TemporaryDirectory(prefix="tp_decode_")  # the weights both variants load, under /tmp
+    transformers.LlamaForCausalLM(config(args)).save_pretrained(saved.name)
+    args.saved = saved.name
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(run, args=(args, port), nprocs=args.world, join=True, start_method="spawn")
+    try:
+        mp.start_processes(run, args=(args, port), nprocs=args.world, join=True, start_method="spawn")
+    finally:
+        saved.cleanup()
 
 
 if __name__ == "__main__":

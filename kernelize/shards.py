@@ -96,15 +96,17 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
 def shards_of(module: nn.Module) -> Shards | str | None:
     """`module`'s tensor-parallel layout (see the module doc): None without DTensor parameters, a `Shards`
     for the Megatron split the kernels handle, else the reason it keeps its own forward. Cached per module
-    on the identity of its parameters."""
-    params = list(module.named_parameters())
-    cls = _dtensor()
-    if cls is None or not any(isinstance(p, cls) for _, p in params):
+    on the identity of its and its children's parameters (a kernel forward asks on every call)."""
+    if _dtensor() is None:
         return None
-    key = tuple(id(p) for _, p in params)
+    key = tuple(
+        id(p) for m in (module, *module._modules.values()) if m is not None for p in m._parameters.values()
+    )
     cached = module.__dict__.get(_CACHE)
     if cached is None or cached[0] != key:
-        cached = module.__dict__[_CACHE] = (key, _layout(module, params))
+        params = list(module.named_parameters())
+        found = _layout(module, params) if any(isinstance(p, _dtensor()) for _, p in params) else None
+        cached = module.__dict__[_CACHE] = (key, found)
     return cached[1]
 
 
