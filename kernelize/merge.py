@@ -11,7 +11,9 @@ the original parameters into views of it, so merging costs no memory:
 * ``load_state_dict`` copies into the parameters, i.e. into the merged storage, so the kernels read the
   loaded values at once; anything that *replaces* a parameter's tensor (``load_state_dict(assign=True)``,
   ``model.to(dtype)``, ``param.data = ...``) is noticed on the next call (the views' addresses no longer
-  match) and the weight is merged again from the new tensors.
+  match) and the weight is merged again from the new tensors;
+* DTensor parameters (tensor parallelism, see :mod:`kernelize.shards`): each rank merges its local shards,
+  and the tensors the DTensors hold become the views.
 
 Example:
     >>> mlp = torch.nn.Module(); mlp.gate = torch.nn.Linear(8, 4, bias=False); mlp.up = torch.nn.Linear(8, 4, bias=False)

@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["LAYOUTS", "Shards", "heads_of", "local", "shards_of"]
+__all__ = ["LAYOUTS", "Shards", "heads_of", "local", "require", "shards_of"]
 
-_CACHE = "_kernelize_shards"  # on a module: (ids of its DTensor weights, what shards_of found)
+_CACHE = "_kernelize_shards"  # on a module: (ids of its and its children's parameters, what shards_of found)
 
 
 @dataclass(frozen=True)
@@ -225,8 +224,3 @@ def require(module: nn.Module) -> Shards | None:
     if isinstance(shards, str):
         raise ValueError(f"{type(module).__name__}: {shards}")
     return shards
-
-
-def why_not(modules: Sequence[nn.Module]) -> str | None:
-    """The first reason one of `modules` cannot run the kernels on its shards, or None."""
-    return next((s for m in modules if isinstance(s := shards_of(m), str)), None)
