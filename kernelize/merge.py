@@ -11,7 +11,9 @@ the original parameters into views of it, so merging costs no memory:
 * ``load_state_dict`` copies into the parameters, i.e. into the merged storage, so the kernels read the
   loaded values at once; anything that *replaces* a parameter's tensor (``load_state_dict(assign=True)``,
   ``model.to(dtype)``, ``param.data = ...``) is noticed on the next call (the views' addresses no longer
-  match) and the weight is merged again from the new tensors.
+  match) and the weight is merged again from the new tensors;
+* DTensor parameters (tensor parallelism, see :mod:`kernelize.shards`): each rank merges its local shards,
+  and the tensors the DTensors hold become the views.
 
 Example:
     >>> mlp = torch.nn.Module(); mlp.gate = torch.nn.Linear(8, 4, bias=False); mlp.up = torch.nn.Linear(8, 4, bias=False)
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from kernelize.shards import local
 
 __all__ = ["merged_parameter", "merge_cost_bytes"]
 
@@ -48,7 +52,7 @@ def _parts(owner: nn.Module, names: Sequence[str], attr: str) -> list[torch.Tens
     parts = []
     for name in names:
         sub = getattr(owner, name, None)
-        t = getattr(sub, attr, None) if sub is not None else None
+        t = local(getattr(sub, attr, None)) if sub is not None else None  # a DTensor: this rank's shard
         if not isinstance(t, torch.Tensor):
             raise ValueError(
                 f"merged_parameter: `{type(owner).__name__}.{name}` has no tensor `{attr}`; merge only "
@@ -123,7 +127,7 @@ def merge_cost_bytes(owner: nn.Module) -> int:
     """Extra bytes the merged tensors of ``owner`` hold beyond its parameters (0 while views are intact)."""
     extra = 0
     for (names, attr), m in owner.__dict__.get(_ATTR, {}).items():
-        parts = [getattr(getattr(owner, n), attr) for n in names]
+        parts = [local(getattr(getattr(owner, n), attr)) for n in names]
         if not _intact(m, parts):
             extra += m.tensor.numel() * m.tensor.element_size()
     return extra

@@ -124,35 +124,51 @@ def test_two_process_training_matches_single_process(mode: str, family: str, tmp
             torch.testing.assert_close(g, step_want[name], rtol=1e-5, atol=1e-6, msg=f"{mode} {name}")
 
 
-def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
-    """A tiny Llama sharded with torch's tensor-parallel plans (q, k, v, gate, up colwise; o, down rowwise),
-    then the one call: rank 0 saves the eager and kernelized logits, greedy tokens and `inspect`'s lines."""
+def _tp_config(intermediate: int = 96):
     import transformers
+
+    sizes = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=128, num_hidden_layers=2)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=intermediate, **sizes)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _tp_models(style: str, world: int, saved: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the whole tiny Llama, the same Llama sharded): by torch's tensor-parallel plans (q, k, v, gate, up
+    colwise; o, down rowwise) or by transformers' `from_pretrained(..., tp_plan="auto")` (the same split)."""
+    import transformers
+
+    if style == "transformers":
+        load = transformers.LlamaForCausalLM.from_pretrained
+        return load(saved).eval(), load(saved, tp_plan="auto").eval()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    whole, model = (transformers.LlamaForCausalLM.from_pretrained(saved).eval() for _ in range(2))
+    colwise = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    plan = {name: ColwiseParallel() for name in colwise}
+    plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    return whole, model
+
+
+def _tp_worker(rank: int, world: int, port: int, style: str, saved: str, out: str) -> None:
+    """The tiny Llama sharded (`_tp_models`), then the one call: rank 0 saves the whole model's and the
+    sharded model's logits (eager and kernelized), greedy tokens and `inspect`'s lines."""
     from kernelize.integrations.transformers import kernelize_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(env, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # as torchrun sets them
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        sizes = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
-        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, **sizes)
-        config._attn_implementation = "sdpa"
-        model = transformers.LlamaForCausalLM(config).eval()
+        whole, model = _tp_models(style, world, saved)
         ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(1))
         kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
         with torch.no_grad():
-            want, want_tokens = model(ids).logits, model.generate(ids[:1, :5], **kw)
-        colwise = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-        plan = {name: ColwiseParallel() for name in colwise}
-        plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
-            parallelize_module(layer, mesh, plan)
-        with torch.no_grad():
+            want, want_tokens = whole(ids).logits, whole.generate(ids[:1, :5], **kw)
             sharded = model(ids).logits
             fast = kernelize_model(model)
             got = fast(ids).logits
@@ -166,19 +182,128 @@ def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two spawned processes: ~30 s on 2 cores
-def test_tensor_parallel_inference_never_crashes_and_keeps_the_logits(tmp_path: Path) -> None:
-    """Under tensor parallelism the one call keeps each module with DTensor weights on its own forward (the
-    collectives stay torch.distributed's) with the reason, and the logits and tokens stay the model's."""
+def _tensor_parallel(tmp_path: Path, style: str, intermediate: int = 96) -> dict:
+    """What rank 0 of `_tp_worker` saw; the logits and greedy tokens checked against the whole model's."""
     pytest.importorskip("torch.distributed.tensor.parallel", reason="needs torch's tensor-parallel API")
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(_tp_config(intermediate)).save_pretrained(tmp_path / "llama")
     out = tmp_path / "tp.pt"
-    args = (2, _free_port(), str(out))
+    args = (2, _free_port(), style, str(tmp_path / "llama"), str(out))
     mp.start_processes(_tp_worker, args=args, nprocs=2, join=True, start_method="spawn")
     r = torch.load(out)
     scale = r["want"].abs().max()
     assert (r["sharded"] - r["want"]).abs().max() <= 1e-5 * scale
     assert (r["got"] - r["want"]).abs().max() <= 1e-5 * scale
     assert torch.equal(r["tokens"], r["want_tokens"]) and r["tokens"].shape == (1, 9)
-    sharded = [line for line in r["lines"] if "is a DTensor (tensor parallelism" in line]
-    assert any("self_attn" in x for x in sharded) and any(".mlp" in x for x in sharded), r["lines"]
-    assert any("RMSNorm" in line and "-> kernel layer" in line for line in r["lines"]), r["lines"]
+    return r
+
+
+def _served(lines: list[str], layer: str) -> list[str]:
+    return [line for line in lines if f"-> kernel layer `{layer}`" in line and " ran on cpu: " in line]
+
+
+@pytest.mark.slow  # two spawned processes: ~30 s on 2 cores
+@pytest.mark.parametrize("style", ["torch", "transformers"])
+def test_tensor_parallel_inference_runs_the_kernels_on_the_local_shards(style: str, tmp_path: Path) -> None:
+    """Under tensor parallelism (the Megatron split, torch's plans or transformers' `tp_plan="auto"`) the one
+    call runs the attention, MLP and decoder-block kernels on each rank's local shards, one all-reduce after
+    o_proj and down_proj, and the logits and greedy tokens stay the single process's."""
+    lines = _tensor_parallel(tmp_path, style)["lines"]
+    kept = [line for line in lines if "is a DTensor" in line]  # transformers' plan shards lm_head (gathered)
+    assert [line.split()[0] for line in kept] == (["`lm_head`"] if style == "transformers" else []), lines
+    for layer in ("CausalSelfAttention", "GatedMLP", "PreNormDecoderLayer"):  # each ran its kernels
+        assert len(_served(lines, layer)) == 2, (layer, lines)
+    assert sum("tensor-parallel local shards (2 ranks" in line for line in lines) == 4, lines
+
+
+@pytest.mark.slow  # two spawned processes: ~30 s on 2 cores
+def test_tensor_parallel_uneven_split_keeps_the_modules_own_forward(tmp_path: Path) -> None:
+    """An intermediate size the ranks do not divide (transformers' plan shards it unevenly; torch's own
+    row-parallel forward fails there): the MLPs keep their own forwards with the reason, the attention still
+    runs its kernels on the shards, the logits stay."""
+    lines = _tensor_parallel(tmp_path, "transformers", intermediate=97)["lines"]
+    mlps = [line for line in lines if ".mlp` (LlamaMLP" in line]
+    assert len(mlps) == 2 and all("97 do not divide by the 2 ranks" in line for line in mlps), lines
+    assert len(_served(lines, "CausalSelfAttention")) == 2 and not _served(lines, "GatedMLP"), lines
+
+
+def _status_kib(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def _memory_worker(rank: int, world: int, port: int, variant: str, out: str) -> None:
+    """One FSDP2 step's peak extra resident memory on this rank (as benchmarks/train.py measures it: the
+    high-water mark reset after two warm-up steps and `zero_grad`, plus what kernelize's runtime holds
+    between steps), for a Llama with a 32k vocabulary: eager, or the one call with the fused loss."""
+    import transformers
+
+    from kernelize.integrations.transformers import kernelize_model
+    from kernelize.runtime.memory import held_bytes
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        sizes = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=32000)
+        config = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, **sizes)
+        config._attn_implementation = "sdpa"
+        model = transformers.LlamaForCausalLM(config).train()
+        if variant == "kernelized":
+            model = kernelize_model(model, mode=Mode.TRAINING)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        gen = torch.Generator().manual_seed(rank)
+        ids, labels = (torch.randint(0, 32000, (4, 256), generator=gen) for _ in range(2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            out = model(input_ids=ids, labels=labels)
+            assert (out.logits is None) == (variant == "kernelized")  # the fused loss ran under FSDP2
+            out.loss.backward()
+            opt.step()
+
+        step(), step()
+        opt.zero_grad(set_to_none=True)
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+        before = _status_kib("VmRSS") - held_bytes() // 1024
+        step()
+        peaks = [None] * world
+        dist.all_gather_object(peaks, (_status_kib("VmHWM") - before) / 1024)
+        if rank == 0:
+            torch.save(peaks, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # four spawned processes: ~1 min on 2 cores
+def test_fsdp2_step_peak_memory_of_the_one_call_is_at_most_eager(tmp_path: Path) -> None:
+    """Per rank, an FSDP2 step of the one call (fused loss: no (tokens, 32k) logits) peaks no higher than
+    the eager model's step; the numbers are printed (`pytest -s`)."""
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed.fsdp.fully_shard")
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the resident-set high-water mark")
+    peaks = {}
+    malloc = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}  # freed blocks leave
+    saved = {k: os.environ.get(k) for k in malloc}
+    os.environ.update(malloc)  # the spawned children's glibc reads them at start
+    try:
+        for variant in ("eager", "kernelized"):
+            out = tmp_path / f"{variant}.pt"
+            args = (2, _free_port(), variant, str(out))
+            mp.start_processes(_memory_worker, args=args, nprocs=2, join=True, start_method="spawn")
+            peaks[variant] = torch.load(out)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    print(f"FSDP2 step peak MiB per rank: eager {peaks['eager']}, kernelized {peaks['kernelized']}")
+    for rank, (fast, eager) in enumerate(zip(peaks["kernelized"], peaks["eager"], strict=True)):
+        assert fast <= eager, f"rank {rank}: kernelized {fast:.1f} MiB > eager {eager:.1f} MiB"

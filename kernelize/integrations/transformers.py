@@ -68,8 +68,9 @@ from kernelize.model_experts import (
     use_experts_function,
 )
 from kernelize.runtime.memory import trim_heap
+from kernelize.shards import Shards, shards_of
 
-from .verify import difference, evaluating, verify_replacements
+from .verify import difference, evaluating, sharded, verify_replacements
 
 __all__ = [
     "ATTENTION_NAME",
@@ -222,6 +223,8 @@ def _mlp(module: nn.Module) -> Recognition | None:
         )
     if module.down_proj.weight.is_meta:
         return _eager("mlp", "weights on the meta device: cannot probe the MLP")
+    if why := sharded(module):
+        return Recognition("mlp", None, why, per_instance=True)
     layers = _activation_layers()
     table = layers.GATED_PAIR_MATH if fused else layers.GATED_MATH
     w = module.down_proj.weight
@@ -374,7 +377,7 @@ def _attention(module: nn.Module) -> Recognition | None:
             if type(module).__name__.endswith("Attention")
             else None
         )
-    reason = _attention_blocker(module)
+    reason = _attention_blocker(module) or sharded(module)
     if reason:
         return Recognition("attention", None, reason, per_instance=True)
     neox, tables, style = _rotary_style(module)
@@ -524,6 +527,14 @@ def _fused_qkv_blocker(module: nn.Module) -> str | None:
     if attention_kernel() is None:
         return KERNEL_UNAVAILABLE
     return None
+
+
+def _on_shards(module: nn.Module) -> str:
+    """The note `inspect` shows on a module whose kernels run on tensor-parallel shards ("": a whole one)."""
+    found = shards_of(module)
+    if not isinstance(found, Shards):
+        return ""
+    return f"on its tensor-parallel local shards ({found.world} ranks, Megatron split, one all-reduce)"
 
 
 def _attention_blocker(module: nn.Module) -> str | None:
@@ -1015,6 +1026,8 @@ def _record_verdicts(model: nn.Module, found: Mapping[str, Recognition]) -> None
             choice = dataclasses.replace(choice, reason=verdict.reason)
         elif choice.uses_kernel and verdict.kind == "attention" and verdict.reason not in choice.notes:
             choice = dataclasses.replace(choice, notes=(verdict.reason, *choice.notes))
+        if choice.uses_kernel and (shards := _on_shards(module)) and shards not in choice.notes:
+            choice = dataclasses.replace(choice, notes=(*choice.notes, shards))
         record_choice(module, choice)
 
 

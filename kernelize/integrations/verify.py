@@ -27,6 +27,7 @@ from torch import nn
 
 from kernelize.layer.kernelize import original_forward
 from kernelize.model_attention import reference_attention
+from kernelize.shards import shards_of
 
 __all__ = ["TOLERANCE", "difference", "evaluating", "verify_replacements"]
 
@@ -127,23 +128,10 @@ class _Checked:
 
 
 def sharded(module: nn.Module) -> str | None:
-    """Why `module` keeps its own forward under tensor parallelism (a DTensor parameter), else None.
-
-    A sharded weight's forward is the DTensor's: local products plus the collectives its placements call
-    for, which a kernel forward reading the parameters would skip."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without distributed: no parameter is a DTensor
-        return None
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor):
-            placements = ", ".join(map(str, param.placements))
-            return (
-                f"its parameter `{name}` is a DTensor (tensor parallelism, placements {placements}): the "
-                "generated kernels take local tensors, so the module keeps its own forward and the "
-                "collectives torch.distributed places"
-            )
-    return None
+    """Why `module` keeps its own forward under tensor parallelism (DTensor parameters not in the Megatron
+    split whose local shards the kernels take, see `kernelize.shards`), else None."""
+    found = shards_of(module)
+    return found if isinstance(found, str) else None
 
 
 class _Probe:

@@ -15,6 +15,7 @@ from torch import nn
 
 from kernelize import hub
 from kernelize.merge import merged_parameter
+from kernelize.shards import local, require
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -251,9 +252,10 @@ class GatedMLP(nn.Module):
     matmul kernel computes `act(x @ gate.T) * (x @ up.T)` (on the CPU, up to 16 rows, the few-row kernel
     with both accumulators and the product fused), and down_proj is a second matmul kernel. With
     gradients, or biased projections, the projections stay torch matmuls and `act(gate) * up` runs as one
-    kernel. State read from the replaced module: `gate_proj`, `up_proj`, `down_proj`, and the activation
-    from `config.hidden_act` (or `hidden_act`), default silu. An activation without gated math here
-    falls back to the module's own `act_fn`.
+    kernel. Under tensor parallelism (the Megatron split, `kernelize.shards`) the kernels read the local
+    shards and the down_proj product is all-reduced. State read from the replaced module: `gate_proj`,
+    `up_proj`, `down_proj`, and the activation from `config.hidden_act` (or `hidden_act`), default silu. An
+    activation without gated math here falls back to the module's own `act_fn`.
     """
 
     has_backward = True
@@ -268,9 +270,11 @@ class GatedMLP(nn.Module):
         if _training(x, gate_proj, up_proj, down_proj) or not _bias_free(gate_proj, up_proj, down_proj):
             gate, up = hub.project(gate_proj, x), hub.project(up_proj, x)
             return hub.project(down_proj, hub.run(self, math_fn, [gate, up]))
+        shards = require(self)  # tensor parallelism: this rank's slice of the intermediate size
         gate_up = merged_parameter(self, ("gate_proj", "up_proj"))
         h = hub.run(self, GATE_UP_MATH[math_fn], [x], [gate_up])
-        return hub.run(self, down_math, [h], [down_proj.weight])
+        y = hub.run(self, down_math, [h], [local(down_proj.weight)])
+        return y if shards is None else shards.reduce(y)  # the row-parallel partial sums, all-reduced
 
 
 def _training(x: torch.Tensor, *linears: nn.Module) -> bool:

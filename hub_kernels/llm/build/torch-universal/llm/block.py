@@ -24,8 +24,11 @@ takes the norms of its slots:
 The block runs when the layer's attention runs this hub's `CausalSelfAttention` (without query / key
 norms), its MLP the activation hub's `GatedMLP` / `FusedGatedMLP` with bias-free projections and a gated
 activation the table knows, each of its norms an RMSNorm kernel layer of the `kernelize/layer_norm` hub,
-and nothing needs gradients (nor dropout: eval mode). Otherwise the submodules run their own forwards and
-`kernelize.inspect` notes why on the decoder layer.
+and nothing needs gradients (nor dropout: eval mode). Under tensor parallelism (the Megatron split of
+`kernelize.shards`) the graphs read the local weight shards and local heads, and the o_proj and down_proj
+products are all-reduced before their residual adds: graph 3 becomes the o_proj matmul, the all-reduce and the
+residual add + norm; graph 4 the MLP's partial sum, the all-reduce and the residual add. Otherwise the
+submodules run their own forwards and `kernelize.inspect` notes why on the decoder layer.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from torch.nn.modules import module as module_hooks
 
 from kernelize import hub
 from kernelize.model_attention import note_fallback
+from kernelize.shards import Shards, heads_of, local, shards_of
 
 
 @functools.cache
@@ -84,17 +88,37 @@ def post_attention_math(
     `weights`: the o_proj bias (when `bias`), the post-attention norm's weight, the pre-MLP norm's."""
     w = iter(weights)
     o = attn @ o_weight.t() + next(w) if bias else attn @ o_weight.t()
+    return residual_norm_math(o, residual, *w, norm_post=norm_post, eps_post=eps_post, norm=norm, eps=eps)
+
+
+def residual_norm_math(o, residual, *weights, norm_post=None, eps_post=0.0, norm, eps):
+    """`post_attention_math` after the o_proj product `o` (tensor parallelism: after its all-reduce)."""
+    w = iter(weights)
     o = _normed(o, w, norm_post, eps_post)
     if norm is None:
         return o + residual
     return _hubs()[0].FUSED_ADD_MATH[norm](o, residual, next(w), eps=eps)
 
 
-def mlp_math(x, residual, gate_up, down, *weights, act, norm=None, eps=0.0):
-    """`[norm](act(x @ gate.T) * (x @ up.T) @ W_down.T) + residual` (gate|up merged along dim 0)."""
+def mlp_partial_math(x, gate_up, down, *, act):
+    """`act(x @ gate.T) * (x @ up.T) @ W_down.T` (gate|up merged along dim 0); under tensor parallelism,
+    this rank's partial sum of the MLP's output."""
     activation = _hubs()[1]
-    y = activation.GATE_UP_MATH[activation.GATED_MATH[act]](x, gate_up) @ down.t()
+    return activation.GATE_UP_MATH[activation.GATED_MATH[act]](x, gate_up) @ down.t()
+
+
+def mlp_math(x, residual, gate_up, down, *weights, act, norm=None, eps=0.0):
+    """`[norm](act(x @ gate.T) * (x @ up.T) @ W_down.T) + residual`."""
+    return after_mlp_math(mlp_partial_math(x, gate_up, down, act=act), residual, *weights, norm=norm, eps=eps)
+
+
+def after_mlp_math(y, residual, *weights, norm=None, eps=0.0):
+    """`[norm](y) + residual` for the MLP's output `y`."""
     return _normed(y, iter(weights), norm, eps) + residual
+
+
+def matmul_math(x, weight):
+    return x @ weight.t()
 
 
 # ---- when the block runs ----------------------------------------------------------------------------------
@@ -112,6 +136,8 @@ class Block:
     mlp: dict[str, Any]
     norms: dict[str, str]
     fused_gate_up: bool  # Phi-3's gate_up_proj (else gate_proj and up_proj, merged on first use)
+    attn_shards: Shards | None = None  # tensor parallelism: the attention's and the MLP's (None: whole)
+    mlp_shards: Shards | None = None
 
 
 def _installed(module: nn.Module) -> Any:
@@ -151,19 +177,24 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
         if style[slot] is None:
             return f"{name} does not run an RMSNorm kernel layer"
         eps[slot] = norms.eps_of(getattr(layer, name))
-    attn, cfg = layer.self_attn, layer.self_attn.config
+    attn = layer.self_attn
+    shards = (shards_of(attn), shards_of(mlp))
+    if why := next((s for s in shards if isinstance(s, str)), None):
+        return why
+    heads, kv_heads = heads_of(attn, shards[0])
     pre = dict(
         norm=style["input"],
         eps=eps["input"],
-        heads=cfg.num_attention_heads,
-        kv_heads=cfg.num_key_value_heads,
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=attn.head_dim,
         neox=bool(getattr(attn, "is_neox_style", True)),
     )
     post = dict(
         norm_post=style["post_attn"], eps_post=eps["post_attn"], norm=style["pre_ff"], eps=eps["pre_ff"]
     )
-    return Block(pre, post, dict(act=act, norm=style["post_ff"], eps=eps["post_ff"]), dict(slots), fused)
+    mlp_kw = dict(act=act, norm=style["post_ff"], eps=eps["post_ff"])
+    return Block(pre, post, mlp_kw, dict(slots), fused, *shards)
 
 
 def block_of(layer: nn.Module, x: torch.Tensor, attention_layer: type) -> Block | None:
@@ -234,12 +265,31 @@ def run_block(
     q, k, v = hub.run(attn, pre_attention_math, [x, cos, sin], pre_w, bias=bias is not None, **block.pre)
     out = attend(q, k, v)
     o = attn.o_proj
-    post_w = [o.weight, *([] if o.bias is None else [o.bias])]
-    post_w += _weights(weight_of, "post_attn", "pre_ff")
-    h = hub.run(layer, post_attention_math, [out, x], post_w, bias=o.bias is not None, **block.post)
+    norms_w = _weights(weight_of, "post_attn", "pre_ff")
+    if block.attn_shards is None:
+        post_w = [o.weight, *([] if o.bias is None else [o.bias]), *norms_w]
+        h = hub.run(layer, post_attention_math, [out, x], post_w, bias=o.bias is not None, **block.post)
+    else:  # the all-reduce of the o_proj product comes between it and the residual add
+        o_out = row_parallel(attn, block.attn_shards, out, o)
+        h = hub.run(layer, residual_norm_math, [o_out, x], norms_w, **block.post)
     h, residual = (h, h) if block.post["norm"] is None else h
-    mlp_w = [_gate_up(mlp, block), mlp.down_proj.weight, *_weights(weight_of, "post_ff")]
-    return hub.run(mlp, mlp_math, [h, residual], mlp_w, **block.mlp)
+    post_ff = _weights(weight_of, "post_ff")
+    if block.mlp_shards is None:
+        mlp_w = [_gate_up(mlp, block), mlp.down_proj.weight, *post_ff]
+        return hub.run(mlp, mlp_math, [h, residual], mlp_w, **block.mlp)
+    act, norm, eps = block.mlp["act"], block.mlp["norm"], block.mlp["eps"]
+    y = hub.run(mlp, mlp_partial_math, [h], [_gate_up(mlp, block), local(mlp.down_proj.weight)], act=act)
+    y = block.mlp_shards.reduce(y)
+    if norm is None:
+        return y + residual
+    return hub.run(mlp, after_mlp_math, [y, residual], post_ff, norm=norm, eps=eps)
+
+
+def row_parallel(owner: nn.Module, shards: Shards, x: torch.Tensor, proj: nn.Module) -> torch.Tensor:
+    """A row-parallel `proj(x)` on this rank's shards: the local product (one generated matmul kernel), the
+    all-reduce of the ranks' partial sums (as the linear's own hook does), then the replicated bias."""
+    y = shards.reduce(hub.run(owner, matmul_math, [x], [local(proj.weight)]))
+    return y if proj.bias is None else y + local(proj.bias)
 
 
 def _weights(weight_of: dict[str, torch.Tensor], *slots: str) -> list[torch.Tensor]:

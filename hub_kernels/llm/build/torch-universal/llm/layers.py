@@ -18,6 +18,9 @@ Phi-3...). State comes from the replaced module: `q_proj`/`k_proj`/`v_proj` or a
    eager attention with the reason noted for `kernelize.inspect`; a call that needs gradients takes torch's
    `scaled_dot_product_attention` (it has a backward; the generated kernel has none);
 5. `o_proj` (in inference, a generated matmul kernel too).
+
+Under tensor parallelism (the Megatron split, `kernelize.shards`) each rank runs the same steps on its local
+heads and weight shards, and all-reduces the `o_proj` product before its bias.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from torch import nn
 
 from kernelize import hub
 from kernelize.model_attention import attention_forward
+from kernelize.shards import heads_of, require
 
 from .alibi import AlibiAttention as AlibiAttention  # layers of this repository
 from .alibi import ResidualAlibiAttention as ResidualAlibiAttention
-from .block import block_of, norms_of, run_block
+from .block import block_of, norms_of, row_parallel, run_block
 from .causal_lm import CausalLMWithLoss as CausalLMWithLoss  # a layer of this repository
 from .fused_qkv import FusedQKVAttention as FusedQKVAttention  # a layer of this repository
 
@@ -95,7 +99,7 @@ def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.T
 
     Keeping q and k in one tensor lets one rotary kernel rotate both.
     """
-    n_qk = (module.config.num_attention_heads + module.config.num_key_value_heads) * module.head_dim
+    n_qk = sum(heads_of(module, require(module))) * module.head_dim
     projs = (
         [module.qkv_proj] if hasattr(module, "qkv_proj") else [module.q_proj, module.k_proj, module.v_proj]
     )
@@ -133,9 +137,12 @@ def _norm_heads(norm: nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tensor
 def project_out(module: nn.Module, out: torch.Tensor, proj: nn.Linear | None = None) -> torch.Tensor:
     """`proj(out)` (default: `module.o_proj`): a generated matmul kernel in inference."""
     proj = module.o_proj if proj is None else proj
-    if _inference(out, proj):
+    if not _inference(out, proj):
+        return hub.project(proj, out)  # under tensor parallelism its own hooks all-reduce
+    shards = require(module)
+    if shards is None:
         return linear(module, out, proj.weight, proj.bias)
-    return hub.project(proj, out)
+    return row_parallel(module, shards, out, proj)
 
 
 def sliding_window_of(module: nn.Module) -> int | None:
@@ -170,11 +177,7 @@ class CausalSelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         batch, seq = hidden_states.shape[:2]
-        heads, kv_heads, head_dim = (
-            self.config.num_attention_heads,
-            self.config.num_key_value_heads,
-            self.head_dim,
-        )
+        (heads, kv_heads), head_dim = heads_of(self, require(self)), self.head_dim  # this rank's heads
         qk, value = project_qkv(self, hidden_states)
         qk = norm_qk(self, qk, heads, head_dim)
         cos, sin = position_embeddings
