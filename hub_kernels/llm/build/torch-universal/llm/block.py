@@ -132,6 +132,11 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
         return "self_attn does not run the CausalSelfAttention kernel layer"
     if hasattr(layer.self_attn, "q_norm") or hasattr(layer.self_attn, "k_norm"):
         return "the attention's query/key norms are not in the block's math"
+    packed = [n for s in (layer.self_attn, layer.mlp) for n, c in s.named_children() if hasattr(c, "qweight")]
+    if packed:
+        return (
+            f"packed projections ({', '.join(packed)}): the attention and MLP layers run the packed kernels"
+        )
     q_k_v = [getattr(layer.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if len({getattr(p, "bias", None) is None for p in q_k_v if p is not None}) > 1:
         return "some but not all of q_proj, k_proj, v_proj have a bias: they cannot be merged"
