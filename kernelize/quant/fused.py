@@ -48,15 +48,39 @@ def is_packed(*modules: nn.Module) -> bool:
     return any(isinstance(m, QuantizedLinear) for m in modules)
 
 
+_CACHE = "_kernelize_packed"  # on the owner: {names: (the parts' buffers' addresses, the merged weight)}
+
+
+def _addresses(mods: list[nn.Module]) -> tuple[int, ...]:
+    """Where the parts' buffers start: replacing one (load_state_dict, set_packed) moves it."""
+    out = []
+    for m in mods:
+        b = m._buffers
+        out += [
+            id(m),
+            b["qweight"].data_ptr(),
+            b["qscales"].data_ptr(),
+            0 if m.bias is None else m.bias.data_ptr(),
+        ]
+    return tuple(out)
+
+
 def merged_packed(
     owner: nn.Module, names: tuple[str, ...]
 ) -> tuple[PackedWeight, torch.Tensor | None] | None:
     """``owner``'s packed projections ``names`` as one packed weight (rows in ``names``' order) and the merged
-    f32 bias (None: none has one), or None when they cannot be merged (not all packed in one format and
-    input size, or some but not all with a bias)."""
-    mods = [getattr(owner, n, None) for n in names]
+    f32 bias (None: none has one; one name: that projection's own), or None when they cannot be merged (not
+    all packed in one format and input size, or some but not all with a bias). Built once and kept while
+    the parts' buffers stay where the merge put them (a decode step pays one address check)."""
+    mods = [owner._modules.get(n) for n in names]
     if not all(isinstance(m, QuantizedLinear) for m in mods):
         return None
+    if len(mods) == 1:  # already one projection (Phi-3's qkv_proj, gate_up_proj)
+        return mods[0].packed, mods[0].bias
+    cache = owner.__dict__.setdefault(_CACHE, {})
+    hit = cache.get(names)
+    if hit is not None and hit[0] == _addresses(mods):
+        return hit[1]
     if len({(m.format, m.in_features) for m in mods}) != 1:
         return None
     has_bias = {m.bias is not None for m in mods}
@@ -66,7 +90,9 @@ def merged_packed(
     data = merged_parameter(owner, names, "qweight")
     scales = merged_parameter(owner, names, "qscales") if f.scale_per == "row" else None
     bias = merged_parameter(owner, names, "bias") if has_bias == {True} else None
-    return PackedWeight(data, f, (data.shape[0], mods[0].in_features), scales), bias
+    merged = PackedWeight(data, f, (data.shape[0], mods[0].in_features), scales), bias
+    cache[names] = (_addresses(mods), merged)
+    return merged
 
 
 def glu(x: torch.Tensor, packed: PackedWeight, act: str, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,10 +115,7 @@ def glu(x: torch.Tensor, packed: PackedWeight, act: str, bias: torch.Tensor | No
 def packed_mlp(owner: nn.Module, x: torch.Tensor, gate_up: tuple[str, ...], act: str) -> torch.Tensor | None:
     """``down_proj(act(gate) * up)`` of a packed gated MLP (``gate_up``: the merged projections' names, one
     for a fused ``gate_up_proj``), or None when its projections cannot be merged."""
-    merged = merged_packed(owner, gate_up) if len(gate_up) > 1 else None
-    if len(gate_up) == 1:
-        proj = getattr(owner, gate_up[0])
-        merged = (proj.packed, proj.bias) if isinstance(proj, QuantizedLinear) else None
+    merged = merged_packed(owner, gate_up)
     if merged is None or act not in GLU_MATH:
         return None
     return owner.down_proj(glu(x, merged[0], act, merged[1]))

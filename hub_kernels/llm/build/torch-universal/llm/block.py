@@ -84,17 +84,38 @@ def post_attention_math(
     `weights`: the o_proj bias (when `bias`), the post-attention norm's weight, the pre-MLP norm's."""
     w = iter(weights)
     o = attn @ o_weight.t() + next(w) if bias else attn @ o_weight.t()
+    return residual_math(o, residual, *w, norm_post=norm_post, eps_post=eps_post, norm=norm, eps=eps)
+
+
+def residual_math(o, residual, *weights, norm_post=None, eps_post=0.0, norm, eps):
+    """`post_attention_math` after its matmul (the packed block's o_proj is a packed call)."""
+    w = iter(weights)
     o = _normed(o, w, norm_post, eps_post)
     if norm is None:
         return o + residual
     return _hubs()[0].FUSED_ADD_MATH[norm](o, residual, next(w), eps=eps)
 
 
+def norm_math(x, weight, *, norm, eps):
+    """`norm(x)`: the packed block's input norm (its q|k|v matmul is a packed call)."""
+    return _hubs()[0].NORM_MATH[norm](x, weight, eps=eps)
+
+
+def rotate_math(qkv, cos, sin, *, heads, kv_heads, head_dim, neox):
+    """(q, k, v) of the merged projection `qkv` (a packed call's output), q and k rotated."""
+    return _rotate(qkv, cos, sin, qkv, heads=heads, kv_heads=kv_heads, head_dim=head_dim, neox=neox)
+
+
+def mlp_tail_math(y, residual, *weights, norm, eps):
+    """`[norm](y) + residual` of the MLP's output `y`."""
+    return _normed(y, iter(weights), norm, eps) + residual
+
+
 def mlp_math(x, residual, gate_up, down, *weights, act, norm=None, eps=0.0):
     """`[norm](act(x @ gate.T) * (x @ up.T) @ W_down.T) + residual` (gate|up merged along dim 0)."""
     activation = _hubs()[1]
     y = activation.GATE_UP_MATH[activation.GATED_MATH[act]](x, gate_up) @ down.t()
-    return _normed(y, iter(weights), norm, eps) + residual
+    return mlp_tail_math(y, residual, *weights, norm=norm, eps=eps)
 
 
 # ---- when the block runs ----------------------------------------------------------------------------------
@@ -112,6 +133,7 @@ class Block:
     mlp: dict[str, Any]
     norms: dict[str, str]
     fused_gate_up: bool  # Phi-3's gate_up_proj (else gate_proj and up_proj, merged on first use)
+    packed: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # packed: the q|k|v and gate|up names
 
 
 def _installed(module: nn.Module) -> Any:
@@ -132,11 +154,9 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
         return "self_attn does not run the CausalSelfAttention kernel layer"
     if hasattr(layer.self_attn, "q_norm") or hasattr(layer.self_attn, "k_norm"):
         return "the attention's query/key norms are not in the block's math"
-    packed = [n for s in (layer.self_attn, layer.mlp) for n, c in s.named_children() if hasattr(c, "qweight")]
-    if packed:
-        return (
-            f"packed projections ({', '.join(packed)}): the attention and MLP layers run the packed kernels"
-        )
+    packed = _packed_names(layer)
+    if isinstance(packed, str):
+        return packed
     q_k_v = [getattr(layer.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if len({getattr(p, "bias", None) is None for p in q_k_v if p is not None}) > 1:
         return "some but not all of q_proj, k_proj, v_proj have a bias: they cannot be merged"
@@ -146,7 +166,8 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
         return "mlp does not run the GatedMLP / FusedGatedMLP kernel layer"
     act = activation.hidden_act_of(mlp)
     names = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
-    if act not in activation.GATED_MATH or not activation.bias_free(*(getattr(mlp, n) for n in names)):
+    biased = packed is None and not activation.bias_free(*(getattr(mlp, n) for n in names))
+    if act not in activation.GATED_MATH or biased:
         return f"the MLP's activation {act!r} or its projection biases are not in the block's math"
     by_forward = {getattr(norms, name).forward: name for name in norms.NORM_MATH}
     slots = norms_of(layer)
@@ -168,7 +189,25 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     post = dict(
         norm_post=style["post_attn"], eps_post=eps["post_attn"], norm=style["pre_ff"], eps=eps["pre_ff"]
     )
-    return Block(pre, post, dict(act=act, norm=style["post_ff"], eps=eps["post_ff"]), dict(slots), fused)
+    mlp_p = dict(act=act, norm=style["post_ff"], eps=eps["post_ff"])
+    return Block(pre, post, mlp_p, dict(slots), fused, packed)
+
+
+def _packed_names(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]] | str | None:
+    """The merged projections' names ((q|k|v), (gate|up)) when the layer's projections are packed
+    (`QuantizedLinear`), None when none is, or why the packed block cannot run them."""
+    from kernelize.quant.fused import is_packed, merged_packed
+
+    attn, mlp = layer.self_attn, layer.mlp
+    children = [c for s in (attn, mlp) for c in s.children()]
+    if not is_packed(*children):
+        return None
+    qkv = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
+    gate_up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
+    ready = merged_packed(attn, qkv) and merged_packed(mlp, gate_up)
+    if not (ready and is_packed(attn.o_proj) and is_packed(mlp.down_proj)):
+        return "packed and float projections mixed, or packed ones in formats that do not merge"
+    return qkv, gate_up
 
 
 def block_of(layer: nn.Module, x: torch.Tensor, attention_layer: type) -> Block | None:
@@ -231,6 +270,8 @@ def run_block(
 ) -> torch.Tensor:
     """The decoder layer's output for `x`; `attend(q, k, v) -> (batch, seq, heads * head_dim)` updates the
     cache and runs attention, `qkv_params(attn) -> (weight, bias | None)` gives the merged q|k|v."""
+    if block.packed is not None:
+        return _run_packed(layer, block, x, position_embeddings, attend)
     attn, mlp = layer.self_attn, layer.mlp
     weight_of = {slot: getattr(layer, name).weight for slot, name in block.norms.items()}
     cos, sin = position_embeddings
@@ -258,3 +299,32 @@ def _gate_up(mlp: nn.Module, block: Block) -> torch.Tensor:
     from kernelize.merge import merged_parameter
 
     return merged_parameter(mlp, ("gate_proj", "up_proj"))
+
+
+def _run_packed(
+    layer: nn.Module, block: Block, x: torch.Tensor, position_embeddings: Any, attend: Any
+) -> torch.Tensor:
+    """`run_block` with packed projections: [norm] -> one packed q|k|v call -> rotary -> attention -> packed
+    o_proj -> residual and norms -> one packed gate|up call (`act(gate) * up` in its epilogue) -> packed
+    down_proj -> [norm] + residual; the submodules' forwards are not called (no module dispatch per step)."""
+    from kernelize.quant.fused import glu, merged_packed
+    from kernelize.quant.ops import linear
+
+    attn, mlp = layer.self_attn, layer.mlp
+    weight_of = {slot: getattr(layer, name).weight for slot, name in block.norms.items()}
+    pre, (qkv_names, gate_up_names) = block.pre, block.packed
+    h = x
+    if pre["norm"] is not None:
+        h = hub.run(layer, norm_math, [x], [weight_of["input"]], norm=pre["norm"], eps=pre["eps"])
+    qkv = linear(h, *merged_packed(attn, qkv_names))
+    rotary = {name: pre[name] for name in ("heads", "kv_heads", "head_dim", "neox")}
+    q, k, v = hub.run(attn, rotate_math, [qkv, *position_embeddings], **rotary)
+    o = attn.o_proj(attend(q, k, v))
+    h = hub.run(layer, residual_math, [o, x], _weights(weight_of, "post_attn", "pre_ff"), **block.post)
+    h, residual = (h, h) if block.post["norm"] is None else h
+    packed, bias = merged_packed(mlp, gate_up_names)
+    y = mlp.down_proj(glu(h, packed, block.mlp["act"], bias))
+    if block.mlp["norm"] is None:
+        return y + residual
+    tail = {"norm": block.mlp["norm"], "eps": block.mlp["eps"]}
+    return hub.run(mlp, mlp_tail_math, [y, residual], _weights(weight_of, "post_ff"), **tail)

@@ -119,7 +119,7 @@ def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.T
 
     Keeping q and k in one tensor lets one rotary kernel rotate both.
     """
-    n_qk = (module.config.num_attention_heads + module.config.num_key_value_heads) * module.head_dim
+    n_qk = sum(heads_of(module)) * module.head_dim
     projs = (
         [module.qkv_proj] if hasattr(module, "qkv_proj") else [module.q_proj, module.k_proj, module.v_proj]
     )
@@ -133,6 +133,16 @@ def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.T
     else:
         qkv = torch.cat([hub.project(p, hidden_states) for p in projs], dim=-1)
     return qkv[..., :n_qk], qkv[..., n_qk:]
+
+
+def heads_of(module: nn.Module) -> tuple[int, int]:
+    """(query heads, key/value heads) from the module's config, read once: a transformers config's attribute
+    reads go through its `__getattribute__` (a few microseconds each, several per layer and token)."""
+    held = module.__dict__.get("_kernelize_heads")
+    if held is None:
+        config = module.config
+        held = module.__dict__["_kernelize_heads"] = (config.num_attention_heads, config.num_key_value_heads)
+    return held
 
 
 def norm_qk(module: nn.Module, qk: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -189,11 +199,7 @@ class CausalSelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         batch, seq = hidden_states.shape[:2]
-        heads, kv_heads, head_dim = (
-            self.config.num_attention_heads,
-            self.config.num_key_value_heads,
-            self.head_dim,
-        )
+        (heads, kv_heads), head_dim = heads_of(self), self.head_dim
         qk, value = project_qkv(self, hidden_states)
         qk = norm_qk(self, qk, heads, head_dim)
         cos, sin = position_embeddings
