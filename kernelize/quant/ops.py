@@ -113,7 +113,9 @@ def _few_rows_cpu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     m = x.numel() // k if x.shape[-1] == k else 0
     if not 0 < m <= FEW_ROWS or x.dtype not in DTYPES["cpu"]:
         return None
-    if bias is not None and not (bias.is_cpu and bias.dtype == torch.float32 and bias.shape == (n,)):
+    if bias is not None and not (
+        bias.is_cpu and bias.dtype == torch.float32 and bias.shape == (n,) and bias.is_contiguous()
+    ):
         return None
     out = torch.empty(m, n, dtype=x.dtype)
     kernels.gemv(x.reshape(m, k).contiguous(), packed, bias, out)

@@ -21,6 +21,11 @@ takes the norms of its slots:
 4. `mlp_math`: `act(x @ gate.T) * (x @ up.T)` over the merged gate|up weight -> down_proj -> [post-MLP
    norm] -> + residual.
 
+With packed projections (`kernelize_model(quantize=...)`: `QuantizedLinear`) the matmuls are packed calls
+instead (`_run_packed`): [input norm] graph, one packed q|k|v call over the merged bytes, the rotary graph
+(`rotate_math`), attention, the packed o_proj, the residual/norm graph (`residual_math`), one packed
+gate|up call with `act(gate) * up` in its epilogue, the packed down_proj, and `[norm] + residual`.
+
 The block runs when the layer's attention runs this hub's `CausalSelfAttention` (without query / key
 norms), its MLP the activation hub's `GatedMLP` / `FusedGatedMLP` with bias-free projections and a gated
 activation the table knows, each of its norms an RMSNorm kernel layer of the `kernelize/layer_norm` hub,
