@@ -211,10 +211,15 @@ def _sizes_blocker(module: nn.Module, lay: Layout, world: int) -> str | None:
 
 
 def heads_of(module: nn.Module, shards: Shards | None) -> tuple[int, int]:
-    """(query heads, key/value heads) this rank computes: the config's, divided by the ranks when sharded."""
+    """(query heads, key/value heads) this rank computes: the config's, divided by the ranks when sharded.
+    The config is read once per module: a transformers config's attribute reads go through its
+    `__getattribute__` (a few microseconds each, several per layer and token)."""
     world = 1 if shards is None else shards.world
-    config = module.config
-    return config.num_attention_heads // world, config.num_key_value_heads // world
+    held = module.__dict__.get("_kernelize_heads")
+    if held is None:
+        config = module.config
+        held = module.__dict__["_kernelize_heads"] = (config.num_attention_heads, config.num_key_value_heads)
+    return held[0] // world, held[1] // world
 
 
 def require(module: nn.Module) -> Shards | None:

@@ -207,10 +207,8 @@ def _activation_layers() -> Any:
 
 
 def _mlp(module: nn.Module) -> Recognition | None:
-    fused = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_up_proj", "down_proj"))
-    split = all(
-        isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")
-    )
+    fused = all(_linear(getattr(module, n, None)) for n in ("gate_up_proj", "down_proj"))
+    split = all(_linear(getattr(module, n, None)) for n in ("gate_proj", "up_proj", "down_proj"))
     if not (fused or split):
         dense = _dense_mlp(module)
         if dense is not None:
@@ -221,13 +219,15 @@ def _mlp(module: nn.Module) -> Recognition | None:
             if looks_like
             else None
         )
-    if module.down_proj.weight.is_meta:
+    w = getattr(module.down_proj, "weight", None)
+    if w is None:  # packed (QuantizedLinear): probed in f32, which its kernels take
+        w = module.down_proj.qweight.new_empty(0, dtype=torch.float32)
+    if w.is_meta:
         return _eager("mlp", "weights on the meta device: cannot probe the MLP")
     if why := sharded(module):
         return Recognition("mlp", None, why, per_instance=True)
     layers = _activation_layers()
     table = layers.GATED_PAIR_MATH if fused else layers.GATED_MATH
-    w = module.down_proj.weight
     with torch.no_grad():
         x = torch.randn(2, module.down_proj.out_features, generator=torch.Generator().manual_seed(2))
         x = x.to(w.device, w.dtype)
@@ -370,7 +370,7 @@ _FORWARD_CALLS = (
 
 
 def _attention(module: nn.Module) -> Recognition | None:
-    has = lambda *names: all(isinstance(getattr(module, n, None), nn.Linear) for n in names)  # noqa: E731
+    has = lambda *names: all(_linear(getattr(module, n, None)) for n in names)  # noqa: E731
     if not (has("q_proj", "k_proj", "v_proj", "o_proj") or has("qkv_proj", "o_proj")):
         return (
             _eager("attention", "no q/k/v/o projections")
@@ -714,16 +714,33 @@ def _causal_lm(module: nn.Module) -> Recognition | None:
 
 
 # ---- packed projections (kernelize_model(quantize=...)) -------------------------------------------------
+def _linear(module: nn.Module | None) -> bool:
+    """An `nn.Linear`, or its packed stand-in `QuantizedLinear` (the attention and MLP layers take both)."""
+    from kernelize.quant.module import QuantizedLinear
+
+    return isinstance(module, nn.Linear | QuantizedLinear)
+
+
+# the projections of the layers that serve packed weights: Llama-style attention, gated MLPs
+_PACKED_SERVED = (
+    ("q_proj", "k_proj", "v_proj", "o_proj"),
+    ("qkv_proj", "o_proj"),
+    ("gate_proj", "up_proj", "down_proj"),
+    ("gate_up_proj", "down_proj"),
+)
+
+
 def _packed(module: nn.Module) -> Recognition | None:
-    """An attention or MLP whose projections are `QuantizedLinear`: the kernel layers read float weights, so
-    it runs its own forward (which calls the packed decode kernels)."""
+    """An attention or MLP with `QuantizedLinear` projections that no kernel layer serves packed (only the
+    Llama-style attention and the gated MLPs do): it runs its own forward, which calls the packed kernels.
+    Those the layers serve go on to the attention / MLP rules."""
     from kernelize.quant.model import packed_reason
 
     name = type(module).__name__
     if not name.endswith(("Attention", "MLP")):  # a causal LM with a packed `lm_head` is not one
         return None
     reason = packed_reason(module)
-    if reason is None:
+    if reason is None or any(all(_linear(getattr(module, n, None)) for n in s) for s in _PACKED_SERVED):
         return None
     kind = "attention" if name.endswith("Attention") else "mlp"
     return Recognition(kind, None, reason, per_instance=True)

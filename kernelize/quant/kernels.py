@@ -48,7 +48,7 @@ def library(fmt: str) -> ctypes.CDLL:
     for xn in _DTYPES.values():
         for on in _DTYPES.values():
             fn = getattr(lib, f"kz_quant_{name}_{xn}_{on}")
-            fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int]
+            fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int, _I64, ctypes.c_int]
             fn.restype = ctypes.c_int
     getattr(lib, f"kz_quant_{name}_dequant").argtypes = [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
     getattr(lib, f"kz_quant_{name}_quantize_x").argtypes = [_P, _I64, _I64, _P, _P]
@@ -59,15 +59,35 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def gemv(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+# a gated activation's name -> the kernel's code for it (the template's KZ_SILU ...)
+GLU_ACTS = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "gelu_new": 2}
+
+
+@functools.cache
+def _entry(name: str, x_dtype: torch.dtype, out_dtype: torch.dtype) -> ctypes._CFuncPtr:
+    return getattr(library(name), f"kz_quant_{name}_{_DTYPES[x_dtype]}_{_DTYPES[out_dtype]}")
+
+
+def gemv(
+    x: torch.Tensor,
+    packed: PackedWeight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    act: str | None = None,
+) -> None:
     """``out = x @ W.T (+ bias)`` by the few-row kernel; every tensor contiguous on the CPU, ``x`` [m, k]
-    f32 / bf16, ``bias`` f32 [n] or None, ``out`` [m, n] f32 / bf16 (checked by the caller)."""
-    name = packed.format.name
-    fn = getattr(library(name), f"kz_quant_{name}_{_DTYPES[x.dtype]}_{_DTYPES[out.dtype]}")
+    f32 / bf16, ``bias`` f32 [n] or None, ``out`` [m, n] f32 / bf16 (checked by the caller).
+
+    ``act`` (a :data:`GLU_ACTS` name): ``W`` is a merged gate|up weight [2I, k] and ``out`` [m, I] gets
+    ``act(x @ gate.T) * (x @ up.T)``, both halves read in one pass, the product in the kernel's epilogue.
+    """
     m, k = x.shape
     n = packed.shape[0]
-    fn(x.data_ptr(), m, k, packed.data.data_ptr(), _ptr(packed.scales), n, _ptr(bias), out.data_ptr(),
-       torch.get_num_threads())  # fmt: skip
+    up = 0 if act is None else n // 2
+    _entry(packed.format.name, x.dtype, out.dtype)(
+        x.data_ptr(), m, k, packed.data.data_ptr(), _ptr(packed.scales), n - up, _ptr(bias), out.data_ptr(),
+        torch.get_num_threads(), up, GLU_ACTS.get(act, 0),
+    )  # fmt: skip
 
 
 def dequantize_rows(packed: PackedWeight, n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
@@ -101,4 +121,4 @@ def quantize_activations(x: torch.Tensor, fmt: str = "q8_0") -> tuple[torch.Tens
     return q, d
 
 
-__all__ = ["dequantize_rows", "gemv", "library", "quantize_activations", "source"]
+__all__ = ["GLU_ACTS", "dequantize_rows", "gemv", "library", "quantize_activations", "source"]

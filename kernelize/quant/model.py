@@ -2,10 +2,11 @@
 recognition gives for the modules whose projections are packed.
 
 Every ``nn.Linear`` (the attention and MLP projections, the LM head) becomes a
-:class:`~kernelize.quant.module.QuantizedLinear`; embeddings and norms stay float. The attention / MLP kernel
-layers read float ``.weight`` tensors (they merge q|k|v and gate|up), so a module whose projections are packed
-runs its own forward, which calls the packed decode kernels; norms, the attention function and the model's
-other kernels are unaffected.
+:class:`~kernelize.quant.module.QuantizedLinear`; embeddings and norms stay float. The Llama-style attention
+and gated MLP kernel layers take packed projections (:mod:`kernelize.quant.fused`: q|k|v and gate|up merged as
+bytes, rotary and the attention kernel as for float models, ``act(gate) * up`` in the gate|up kernel's
+epilogue); any other module whose projections are packed runs its own forward, which calls the packed decode
+kernels, with :func:`packed_reason` as the reason.
 
 Example:
     >>> import torch

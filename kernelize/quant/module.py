@@ -71,11 +71,18 @@ class QuantizedLinear(nn.Module):
 
     @property
     def packed(self) -> PackedWeight:
-        """The weight as a :class:`PackedWeight` (a view of the buffers)."""
-        scales = self.qscales if self.qscales.numel() else None
-        return PackedWeight(
-            self.qweight, get_format(self.format), (self.out_features, self.in_features), scales
-        )
+        """The weight as a :class:`PackedWeight` (a view of the buffers; made once while they stay put)."""
+        qweight, qscales = self._buffers["qweight"], self._buffers["qscales"]
+        key = (id(qweight), qweight.data_ptr(), id(qscales), qscales.data_ptr(), self.format)
+        held = self.__dict__.get("_packed")
+        if held is None or held[0] != key:
+            scales = qscales if qscales.numel() else None
+            shape = (self.out_features, self.in_features)
+            held = self.__dict__["_packed"] = (
+                key,
+                PackedWeight(qweight, get_format(self.format), shape, scales),
+            )
+        return held[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.packed, self.bias)

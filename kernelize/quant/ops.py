@@ -87,6 +87,9 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
         >>> linear(torch.ones(1, 32), quantize(torch.ones(4, 32), "int8")).tolist()  # doctest: +SKIP
         [[32.0, 32.0, 32.0, 32.0]]
     """
+    fast = _few_rows_cpu(x, packed, bias)
+    if fast is not None:
+        return fast
     _check(x, packed, bias)
     n, k = packed.shape
     lead = x.shape[:-1]
@@ -98,6 +101,25 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     b = None if bias is None else bias.detach().float().contiguous()
     RUNS[x.device.type](x2, packed, b, out)
     return out.reshape(*lead, n)
+
+
+def _few_rows_cpu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """Decode on the CPU, the common call, with the few checks it needs (None: anything else, which takes
+    the full checks): a decode step makes dozens of these calls, and each microsecond of Python is paid
+    by every one of them."""
+    if not (isinstance(packed, PackedWeight) and x.is_cpu and packed.data.is_cpu and x.dim() > 1):
+        return None
+    n, k = packed.shape
+    m = x.numel() // k if x.shape[-1] == k else 0
+    if not 0 < m <= FEW_ROWS or x.dtype not in DTYPES["cpu"]:
+        return None
+    if bias is not None and not (
+        bias.is_cpu and bias.dtype == torch.float32 and bias.shape == (n,) and bias.is_contiguous()
+    ):
+        return None
+    out = torch.empty(m, n, dtype=x.dtype)
+    kernels.gemv(x.reshape(m, k).contiguous(), packed, bias, out)
+    return out.view(*x.shape[:-1], n)
 
 
 def _cpu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:

@@ -119,12 +119,29 @@ def test_portable_fallback_agrees() -> None:
         src = "#define KZ_QUANT_PORTABLE\n" + kernels.source(fmt)
         lib = cpu_build.load(cpu_build.build_shared_object(src, f"kz_quant_{fmt}_portable"))
         fn = getattr(lib, f"kz_quant_{fmt}_f32_f32")
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [
-            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int, i64, ctypes.c_int]
         p = quantize(w, fmt)
         scales = None if p.scales is None else p.scales.data_ptr()
         a, b = torch.empty(3, 9), torch.empty(3, 9)
-        fn(x.data_ptr(), 3, x.shape[1], p.data.data_ptr(), scales, 9, None, a.data_ptr(), 1)
+        fn(x.data_ptr(), 3, x.shape[1], p.data.data_ptr(), scales, 9, None, a.data_ptr(), 1, 0, 0)
         kernels.gemv(x, p, None, b)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-4)
         assert (_exact(x, p) - a.double()).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("fmt,act", [("q8_0", "silu"), ("q4_0", "gelu"), ("int8", "gelu_pytorch_tanh"),
+                                     ("q4_k", "silu"), ("q6_k", "gelu_new")])  # fmt: skip
+@pytest.mark.parametrize("m,i", [(1, 7), (3, 33), (8, 4)])
+def test_gemv_gate_up_epilogue(fmt: str, act: str, m: int, i: int) -> None:
+    """act(x @ gate.T) * (x @ up.T) over a merged gate|up weight, against the exact products (odd I: a
+    column block that repeats its last column in both halves)."""
+    from kernelize.quant.fused import GLU_MATH
+
+    k = _k(fmt)
+    w, x, bias = torch.randn(2 * i, k), torch.randn(m, k), torch.randn(2 * i)
+    p = quantize(w, fmt)
+    out = torch.empty(m, i)
+    kernels.gemv(x, p, bias, out, act)
+    gate, up = _exact(x, p, bias).chunk(2, dim=-1)
+    torch.testing.assert_close(out.double(), GLU_MATH[act](gate) * up, rtol=1e-5, atol=1e-4)

@@ -298,27 +298,48 @@ static void kz_qcols(const uint8_t* w, int64_t rb, int64_t c0, int64_t cn, int64
     for (; r < m; ++r) kz_qdot<1, KZ_QNB>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * nx : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
 }
 
+// the gated activations of the fused gate|up epilogue (ACT's values: kernels.py's GLU_ACTS)
+enum { KZ_SILU = 0, KZ_GELU = 1, KZ_GELU_TANH = 2 };
+KZ_INLINE float kz_glu_act(float g, int act) {
+    if (act == KZ_SILU) return g / (1.0f + expf(-g));
+    if (act == KZ_GELU) return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
+    return 0.5f * g * (1.0f + tanhf(0.79788456080286536f * (g + 0.044715f * g * g * g)));
+}
+
+// y = x W^T, or (up > 0: W's rows [0, n) are gate, [up, up + n) up) y = act(x Wg^T) * (x Wu^T): a merged
+// gate|up weight read once per column block, both halves' rows side by side, the product in the epilogue
 template <class OT>
 static int kz_qgemv(const int8_t* xq, const float* xd, const float* xs, int64_t m, int64_t k, const uint8_t* w,
-                    const float* wscale, int64_t n, const float* bias, OT* y, int nthreads) {
+                    const float* wscale, int64_t n, const float* bias, OT* y, int nthreads, int64_t up, int act) {
     const int64_t nb = k / kz_fmt::QK, rb = nb * kz_fmt::BYTES, nblk = (n + KZ_QNB - 1) / KZ_QNB;
-    const kz_team_t tm = kz_team_open(nthreads, m * n * k >= 32768);
+    const kz_team_t tm = kz_team_open(nthreads, m * n * k * (up ? 2 : 1) >= 32768);
     return kz_parallel_for(tm, [=](int t, int tn) KZ_BODY {
         int64_t lo, hi;
         kz_range(nblk, t, tn, lo, hi);
-        float blk[8 * KZ_QNB];
+        float blk[8 * KZ_QNB], blu[8 * KZ_QNB];
         for (int64_t c = lo; c < hi; ++c) {
             const int64_t c0 = c * KZ_QNB, cn = n - c0 < KZ_QNB ? n - c0 : KZ_QNB;
             for (int64_t r0 = 0; r0 < m; r0 += 8) {
                 const int64_t mr = m - r0 < 8 ? m - r0 : 8;
-                const char* pf = r0 == 0 && c + 1 < hi && KZ_PREFETCH ? (const char*)(w + (c0 + KZ_QNB) * rb) : 0;
+                const bool first = r0 == 0 && c + 1 < hi && KZ_PREFETCH;
                 const int64_t x0 = r0 * (k / KZ_QK);
+                const char* pf = first ? (const char*)(w + (c0 + KZ_QNB) * rb) : 0;
                 kz_qcols(w, rb, c0, cn, nb, mr, xq + r0 * k, xd + x0, xs ? xs + x0 : 0, k, blk, pf);
+                if (up) {
+                    const char* pu = first ? (const char*)(w + (up + c0 + KZ_QNB) * rb) : 0;
+                    kz_qcols(w, rb, up + c0, cn, nb, mr, xq + r0 * k, xd + x0, xs ? xs + x0 : 0, k, blu, pu);
+                }
                 for (int64_t r = 0; r < mr; ++r)
                     for (int64_t j = 0; j < cn; ++j) {
                         float v = blk[r * KZ_QNB + j];
                         if (wscale) v *= wscale[c0 + j];
                         if (bias) v += bias[c0 + j];
+                        if (up) {
+                            float u = blu[r * KZ_QNB + j];
+                            if (wscale) u *= wscale[up + c0 + j];
+                            if (bias) u += bias[up + c0 + j];
+                            v = kz_glu_act(v, act) * u;
+                        }
                         kz_st(y, (r0 + r) * n + c0 + j, v);
                     }
             }
@@ -327,15 +348,17 @@ static int kz_qgemv(const int8_t* xq, const float* xd, const float* xs, int64_t 
     });
 }
 
-// x [m, k] (XT) times the packed W [n, k]^T into y [m, n] (OT); wscale: int8's row scales, else null
+// x [m, k] (XT) times the packed W [n, k]^T into y [m, n] (OT); wscale: int8's row scales, else null.
+// up > 0: W holds gate rows [0, n) and up rows [up, up + n), y = act(gate) * up (see kz_qgemv)
 #define KZ_QGEMV_ENTRY(XN, XT, ON, OT)                                                                      \
     extern "C" int $NAME$_##XN##_##ON(const XT* x, int64_t m, int64_t k, const uint8_t* w,                  \
-                                      const float* wscale, int64_t n, const float* bias, OT* y, int nthreads) { \
+                                      const float* wscale, int64_t n, const float* bias, OT* y, int nthreads, \
+                                      int64_t up, int act) {                                                \
         int8_t* xq = kz_scratch<int8_t>(0, m * k);                                                         \
         float* xd = kz_scratch<float>(1, m * (k / KZ_QK));                                                 \
         float* xs = kz_fmt::MIN ? kz_scratch<float>(2, m * (k / KZ_QK)) : 0;                               \
         kz_quantize_rows(x, m, k, xq, xd, xs);                                                             \
-        return kz_qgemv(xq, xd, xs, m, k, w, wscale, n, bias, y, nthreads);                                \
+        return kz_qgemv(xq, xd, xs, m, k, w, wscale, n, bias, y, nthreads, up, act);                       \
     }
 KZ_QGEMV_ENTRY(f32, float, f32, float)
 KZ_QGEMV_ENTRY(f32, float, bf16, kz_bf16)

@@ -255,7 +255,9 @@ class GatedMLP(nn.Module):
     kernel. Under tensor parallelism (the Megatron split, `kernelize.shards`) the kernels read the local
     shards and the down_proj product is all-reduced. State read from the replaced module: `gate_proj`,
     `up_proj`, `down_proj`, and the activation from `config.hidden_act` (or `hidden_act`), default silu. An
-    activation without gated math here falls back to the module's own `act_fn`.
+    activation without gated math here falls back to the module's own `act_fn`. Packed projections
+    (`QuantizedLinear`, from `kernelize_model(quantize=...)`): gate|up merged as bytes, one packed call with
+    `act(gate) * up` in its epilogue, then down_proj's packed call (`kernelize.quant.fused`).
     """
 
     has_backward = True
@@ -267,6 +269,9 @@ class GatedMLP(nn.Module):
         if math_fn is None:
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         gate_proj, up_proj, down_proj = self.gate_proj, self.up_proj, self.down_proj
+        if _packed(gate_proj, up_proj, down_proj):
+            y = _packed_mlp(self, x, ("gate_proj", "up_proj"), act)
+            return self.down_proj(self.act_fn(gate_proj(x)) * up_proj(x)) if y is None else y
         if _training(x, gate_proj, up_proj, down_proj) or not _bias_free(gate_proj, up_proj, down_proj):
             gate, up = hub.project(gate_proj, x), hub.project(up_proj, x)
             return hub.project(down_proj, hub.run(self, math_fn, [gate, up]))
@@ -275,6 +280,19 @@ class GatedMLP(nn.Module):
         h = hub.run(self, GATE_UP_MATH[math_fn], [x], [gate_up])
         y = hub.run(self, down_math, [h], [local(down_proj.weight)])
         return y if shards is None else shards.reduce(y)  # the row-parallel partial sums, all-reduced
+
+
+def _packed(*linears: nn.Module) -> bool:
+    """Packed projections (`kernelize_model(quantize=...)`): gate|up as one packed call, the product fused."""
+    from kernelize.quant.fused import is_packed
+
+    return is_packed(*linears)
+
+
+def _packed_mlp(owner: nn.Module, x: torch.Tensor, gate_up: tuple[str, ...], act: str) -> torch.Tensor | None:
+    from kernelize.quant.fused import packed_mlp
+
+    return packed_mlp(owner, x, gate_up, act)
 
 
 def _training(x: torch.Tensor, *linears: nn.Module) -> bool:
@@ -310,6 +328,13 @@ class FusedGatedMLP(nn.Module):
         act = _hidden_act(self)
         math_fn = GATED_PAIR_MATH.get(act) if isinstance(act, str) else None
         fused, down_proj = self.gate_up_proj, self.down_proj
+        if math_fn is not None and _packed(fused, down_proj):
+            y = _packed_mlp(self, hidden_states, ("gate_up_proj",), act)
+            if y is not None:
+                return y
+        if _packed(fused, down_proj):
+            gate, up = fused(hidden_states).chunk(2, dim=-1)
+            return down_proj(up * self.activation_fn(gate))
         merged = not _training(hidden_states, fused, down_proj) and _bias_free(fused, down_proj)
         if math_fn is not None and merged:
             h = hub.run(self, GATE_UP_MATH[GATED_MATH[act]], [hidden_states], [fused.weight])

@@ -21,6 +21,11 @@ takes the norms of its slots:
 4. `mlp_math`: `act(x @ gate.T) * (x @ up.T)` over the merged gate|up weight -> down_proj -> [post-MLP
    norm] -> + residual.
 
+With packed projections (`kernelize_model(quantize=...)`: `QuantizedLinear`) the matmuls are packed calls
+instead (`_run_packed`): [input norm] graph, one packed q|k|v call over the merged bytes, the rotary graph
+(`rotate_math`), attention, the packed o_proj, the residual/norm graph (`residual_norm_math`), one packed
+gate|up call with `act(gate) * up` in its epilogue, the packed down_proj, and `[norm] + residual`.
+
 The block runs when the layer's attention runs this hub's `CausalSelfAttention` (without query / key
 norms), its MLP the activation hub's `GatedMLP` / `FusedGatedMLP` with bias-free projections and a gated
 activation the table knows, each of its norms an RMSNorm kernel layer of the `kernelize/layer_norm` hub,
@@ -117,8 +122,33 @@ def after_mlp_math(y, residual, *weights, norm=None, eps=0.0):
     return _normed(y, iter(weights), norm, eps) + residual
 
 
+def norm_math(x, weight, *, norm, eps):
+    """`norm(x)`: the packed block's input norm (its q|k|v matmul is a packed call)."""
+    return _hubs()[0].NORM_MATH[norm](x, weight, eps=eps)
+
+
+def rotate_math(qkv, cos, sin, *, heads, kv_heads, head_dim, neox):
+    """(q, k, v) of the merged projection `qkv` (a packed call's output), q and k rotated."""
+    return _rotate(qkv, cos, sin, qkv, heads=heads, kv_heads=kv_heads, head_dim=head_dim, neox=neox)
+
+
 def matmul_math(x, weight):
     return x @ weight.t()
+
+
+# How a model's `apply_rotary_pos_emb` reads the cos/sin tables its rotary embedding makes, as the tables the
+# rotary kernel reads (one angle per rotated dim: the neox halves or the interleaved pairs)
+ROTARY_TABLES = {
+    "same": lambda t: t,
+    "half tables": lambda t: torch.cat((t, t), dim=-1),  # gpt-oss: each angle once, for both halves
+    "pairs from the first half": lambda t: t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1),  # GLM
+}
+
+
+def rotary_tables(attn: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary kernel's cos/sin tables from the model's (`attn.rotary_tables`, set by the one call)."""
+    tables = ROTARY_TABLES[getattr(attn, "rotary_tables", "same")]
+    return tables(cos), tables(sin)
 
 
 # ---- when the block runs ----------------------------------------------------------------------------------
@@ -138,6 +168,7 @@ class Block:
     fused_gate_up: bool  # Phi-3's gate_up_proj (else gate_proj and up_proj, merged on first use)
     attn_shards: Shards | None = None  # tensor parallelism: the attention's and the MLP's (None: whole)
     mlp_shards: Shards | None = None
+    packed: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # packed: the q|k|v and gate|up names
 
 
 def _installed(module: nn.Module) -> Any:
@@ -158,6 +189,9 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
         return "self_attn does not run the CausalSelfAttention kernel layer"
     if hasattr(layer.self_attn, "q_norm") or hasattr(layer.self_attn, "k_norm"):
         return "the attention's query/key norms are not in the block's math"
+    packed = _packed_names(layer)
+    if isinstance(packed, str):
+        return packed
     q_k_v = [getattr(layer.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if len({getattr(p, "bias", None) is None for p in q_k_v if p is not None}) > 1:
         return "some but not all of q_proj, k_proj, v_proj have a bias: they cannot be merged"
@@ -167,7 +201,8 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
         return "mlp does not run the GatedMLP / FusedGatedMLP kernel layer"
     act = activation.hidden_act_of(mlp)
     names = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
-    if act not in activation.GATED_MATH or not activation.bias_free(*(getattr(mlp, n) for n in names)):
+    biased = packed is None and not activation.bias_free(*(getattr(mlp, n) for n in names))
+    if act not in activation.GATED_MATH or biased:
         return f"the MLP's activation {act!r} or its projection biases are not in the block's math"
     by_forward = {getattr(norms, name).forward: name for name in norms.NORM_MATH}
     slots = norms_of(layer)
@@ -194,7 +229,24 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
         norm_post=style["post_attn"], eps_post=eps["post_attn"], norm=style["pre_ff"], eps=eps["pre_ff"]
     )
     mlp_kw = dict(act=act, norm=style["post_ff"], eps=eps["post_ff"])
-    return Block(pre, post, mlp_kw, dict(slots), fused, *shards)
+    return Block(pre, post, mlp_kw, dict(slots), fused, *shards, packed=packed)
+
+
+def _packed_names(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]] | str | None:
+    """The merged projections' names ((q|k|v), (gate|up)) when the layer's projections are packed
+    (`QuantizedLinear`), None when none is, or why the packed block cannot run them."""
+    from kernelize.quant.fused import is_packed, merged_packed
+
+    attn, mlp = layer.self_attn, layer.mlp
+    children = [c for s in (attn, mlp) for c in s.children()]
+    if not is_packed(*children):
+        return None
+    qkv = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
+    gate_up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
+    ready = merged_packed(attn, qkv) and merged_packed(mlp, gate_up)
+    if not (ready and is_packed(attn.o_proj) and is_packed(mlp.down_proj)):
+        return "packed and float projections mixed, or packed ones in formats that do not merge"
+    return qkv, gate_up
 
 
 def block_of(layer: nn.Module, x: torch.Tensor, attention_layer: type) -> Block | None:
@@ -257,9 +309,11 @@ def run_block(
 ) -> torch.Tensor:
     """The decoder layer's output for `x`; `attend(q, k, v) -> (batch, seq, heads * head_dim)` updates the
     cache and runs attention, `qkv_params(attn) -> (weight, bias | None)` gives the merged q|k|v."""
+    if block.packed is not None:
+        return _run_packed(layer, block, x, position_embeddings, attend)
     attn, mlp = layer.self_attn, layer.mlp
     weight_of = {slot: getattr(layer, name).weight for slot, name in block.norms.items()}
-    cos, sin = position_embeddings
+    cos, sin = rotary_tables(attn, *position_embeddings)
     weight, bias = qkv_params(attn)
     pre_w = [*_weights(weight_of, "input"), weight, *([] if bias is None else [bias])]
     q, k, v = hub.run(attn, pre_attention_math, [x, cos, sin], pre_w, bias=bias is not None, **block.pre)
@@ -303,3 +357,32 @@ def _gate_up(mlp: nn.Module, block: Block) -> torch.Tensor:
     from kernelize.merge import merged_parameter
 
     return merged_parameter(mlp, ("gate_proj", "up_proj"))
+
+
+def _run_packed(
+    layer: nn.Module, block: Block, x: torch.Tensor, position_embeddings: Any, attend: Any
+) -> torch.Tensor:
+    """`run_block` with packed projections: [norm] -> one packed q|k|v call -> rotary -> attention -> packed
+    o_proj -> residual and norms -> one packed gate|up call (`act(gate) * up` in its epilogue) -> packed
+    down_proj -> [norm] + residual; the submodules' forwards are not called (no module dispatch per step)."""
+    from kernelize.quant.fused import glu, merged_packed
+    from kernelize.quant.ops import linear
+
+    attn, mlp = layer.self_attn, layer.mlp
+    weight_of = {slot: getattr(layer, name).weight for slot, name in block.norms.items()}
+    pre, (qkv_names, gate_up_names) = block.pre, block.packed
+    h = x
+    if pre["norm"] is not None:
+        h = hub.run(layer, norm_math, [x], [weight_of["input"]], norm=pre["norm"], eps=pre["eps"])
+    qkv = linear(h, *merged_packed(attn, qkv_names))
+    rotary = {name: pre[name] for name in ("heads", "kv_heads", "head_dim", "neox")}
+    q, k, v = hub.run(attn, rotate_math, [qkv, *rotary_tables(attn, *position_embeddings)], **rotary)
+    o = attn.o_proj(attend(q, k, v))
+    h = hub.run(layer, residual_norm_math, [o, x], _weights(weight_of, "post_attn", "pre_ff"), **block.post)
+    h, residual = (h, h) if block.post["norm"] is None else h
+    packed, bias = merged_packed(mlp, gate_up_names)
+    y = mlp.down_proj(glu(h, packed, block.mlp["act"], bias))
+    if block.mlp["norm"] is None:
+        return y + residual
+    tail = {"norm": block.mlp["norm"], "eps": block.mlp["eps"]}
+    return hub.run(mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), **tail)

@@ -8,7 +8,8 @@ Phi-3...). State comes from the replaced module: `q_proj`/`k_proj`/`v_proj` or a
 
 1. `project_qkv`: in inference, q|k|v merged once into one weight (`kernelize.merge`: the projections'
    parameters become views of it) and projected by one generated matmul kernel (up to 16 rows, as in
-   decode: the few-row kernel reading each weight byte once); with gradients, torch matmuls;
+   decode: the few-row kernel reading each weight byte once); with gradients, torch matmuls; packed
+   projections (`kernelize_model(quantize=...)`) as one packed call over their merged bytes;
 2. query / key norms when the module has them (`norm_qk`: Qwen3, Gemma3 per head, OLMo2 over the
    projection), then rotary on the query and key heads in one generated kernel that also writes the
    `(batch, heads, seq, head_dim)` layout (`kernelize/rotary`'s `apply_rotary_qk`);
@@ -37,7 +38,8 @@ from kernelize.shards import heads_of, require
 
 from .alibi import AlibiAttention as AlibiAttention  # layers of this repository
 from .alibi import ResidualAlibiAttention as ResidualAlibiAttention
-from .block import block_of, norms_of, row_parallel, run_block
+from .block import ROTARY_TABLES as ROTARY_TABLES  # read by the one call
+from .block import block_of, norms_of, rotary_tables, row_parallel, run_block
 from .causal_lm import CausalLMWithLoss as CausalLMWithLoss  # a layer of this repository
 from .fused_qkv import FusedQKVAttention as FusedQKVAttention  # a layer of this repository
 
@@ -66,7 +68,30 @@ def linear_bias_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) 
 
 def _inference(x: torch.Tensor, *linears: nn.Module) -> bool:
     """True when generated matmul kernels may stand in for these linears (no autograd involved)."""
-    return not (torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears)))
+    return not (torch.is_grad_enabled() and (x.requires_grad or any(_grad(m) for m in linears)))
+
+
+def _grad(linear: nn.Module) -> bool:
+    return bool(getattr(getattr(linear, "weight", None), "requires_grad", False))
+
+
+def _packed(*linears: nn.Module) -> bool:
+    """Packed projections (`QuantizedLinear`, `kernelize_model(quantize=...)`): the packed decode kernels."""
+    from kernelize.quant.fused import is_packed
+
+    return is_packed(*linears)
+
+
+def _packed_qkv(module: nn.Module, projs: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """q|k|v of packed projections: one packed call over their merged bytes (one activation quantization),
+    or each projection's own call when they cannot be merged (formats or biases differ)."""
+    from kernelize.quant.fused import merged_packed
+    from kernelize.quant.ops import linear as packed_linear
+
+    merged = merged_packed(module, ("q_proj", "k_proj", "v_proj")) if len(projs) > 1 else None
+    if merged is not None:
+        return packed_linear(x, *merged)
+    return torch.cat([p(x) for p in projs], dim=-1) if len(projs) > 1 else projs[0](x)
 
 
 def linear(
@@ -103,8 +128,10 @@ def project_qkv(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.T
     projs = (
         [module.qkv_proj] if hasattr(module, "qkv_proj") else [module.q_proj, module.k_proj, module.v_proj]
     )
-    merged = merged_qkv(module) if _inference(hidden_states, *projs) else None
-    if merged is not None:
+    merged = merged_qkv(module) if _inference(hidden_states, *projs) and not _packed(*projs) else None
+    if _packed(*projs):
+        qkv = _packed_qkv(module, projs, hidden_states)
+    elif merged is not None:
         qkv = linear(module, hidden_states, *merged)
     elif len(projs) == 1:
         qkv = hub.project(projs[0], hidden_states)
@@ -137,6 +164,8 @@ def _norm_heads(norm: nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tensor
 def project_out(module: nn.Module, out: torch.Tensor, proj: nn.Linear | None = None) -> torch.Tensor:
     """`proj(out)` (default: `module.o_proj`): a generated matmul kernel in inference."""
     proj = module.o_proj if proj is None else proj
+    if _packed(proj):
+        return proj(out)
     if not _inference(out, proj):
         return hub.project(proj, out)  # under tensor parallelism its own hooks all-reduce
     shards = require(module)
@@ -150,15 +179,6 @@ def sliding_window_of(module: nn.Module) -> int | None:
     if hasattr(module, "sliding_window"):
         return module.sliding_window
     return getattr(module.config, "sliding_window", None)
-
-
-# How a model's `apply_rotary_pos_emb` reads the cos/sin tables its rotary embedding makes, as the tables the
-# rotary kernel reads (one angle per rotated dim: the neox halves or the interleaved pairs)
-ROTARY_TABLES = {
-    "same": lambda t: t,
-    "half tables": lambda t: torch.cat((t, t), dim=-1),  # gpt-oss: each angle once, for both halves
-    "pairs from the first half": lambda t: t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1),  # GLM
-}
 
 
 class CausalSelfAttention(nn.Module):
@@ -181,8 +201,7 @@ class CausalSelfAttention(nn.Module):
         qk, value = project_qkv(self, hidden_states)
         qk = norm_qk(self, qk, heads, head_dim)
         cos, sin = position_embeddings
-        tables = ROTARY_TABLES[getattr(self, "rotary_tables", "same")]
-        cos, sin = tables(cos), tables(sin)
+        cos, sin = rotary_tables(self, cos, sin)
         rotated = _rotary().apply_rotary_qk(
             qk, cos, sin, heads + kv_heads, head_dim, bool(getattr(self, "is_neox_style", True)), owner=self
         )
