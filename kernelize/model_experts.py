@@ -178,6 +178,9 @@ def experts_forward(
         reason = experts_blocker(module)
         plan = _PLANS[module] = (reason, None if reason else _kernel_keywords(module))
     reason, keywords = plan
+    fallback = _FALLBACK.get(module, "grouped_mm")
+    if reason is None and _library_wins(hidden_states, top_k_index, fallback):
+        return fallback_forward(module, fallback)(module, hidden_states, top_k_index, top_k_weights)
     if reason is None:
         up, down, biases = _operands(module, keywords["gated"])
         if torch.is_grad_enabled() and (hidden_states.requires_grad or up.requires_grad):
@@ -189,9 +192,26 @@ def experts_forward(
             )
         except ExpertsUnsupported as exc:
             reason = f"the experts kernel declined the call: {exc}"
-    fallback = _FALLBACK.get(module, "grouped_mm")
     note_fallback(module, reason, f"{fallback} experts")
     return fallback_forward(module, fallback)(module, hidden_states, top_k_index, top_k_weights)
+
+
+def _library_wins(hidden_states: torch.Tensor, top_k_index: torch.Tensor, fallback: str) -> bool:
+    """Whether a call runs the model's previous implementation by choice: f32 on the CPU past a few tokens,
+    where the kernel's many-pair path (library GEMMs per expert) measured slower than
+    `grouped_mm` (Qwen3-MoE layout, prefill 512, 2 threads: 949 against 887 ms for the whole model). In
+    bf16 the kernel's path wins (`grouped_mm`'s 16-bit GEMMs are slow on the CPU), and decode-sized calls
+    take the kernel, which reads only the selected experts. The bound is in tokens, above the one call's
+    probe forward (2 x 8 tokens), so that the probe checks the path decode takes."""
+    return (
+        fallback != EXPERTS_NAME
+        and hidden_states.dtype == torch.float32
+        and hidden_states.device.type == "cpu"
+        and top_k_index.shape[0] > LIBRARY_TOKENS
+    )
+
+
+LIBRARY_TOKENS = 32  # f32 calls of more tokens than this run the model's previous implementation
 
 
 def _kernel_keywords(module: torch.nn.Module) -> dict:

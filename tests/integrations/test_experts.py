@@ -238,3 +238,29 @@ def test_on_a_gpu_the_one_call_keeps_grouped_mm_unless_asked(monkeypatch) -> Non
     monkeypatch.setenv(model_experts.GPU_EXPERTS_ENV, "1")
     what, previous = model_experts.use_experts_function(model, kernelize.Mode.INFERENCE, device="cuda")
     assert previous is not None and all(c.uses_kernel for c in experts_choices(model).values()), what
+
+
+def test_long_f32_calls_take_the_previous_implementation_and_short_ones_the_kernel(monkeypatch) -> None:
+    import kernelize.experts
+
+    eager = family("qwen3_moe")
+    with kernelized(eager) as fast:
+        module = next(iter(model_experts.experts_modules(fast).values()))
+        hidden = fast.config.hidden_size
+        short, long = model_experts.LIBRARY_TOKENS, model_experts.LIBRARY_TOKENS + 1
+
+        def no_kernel(*args, **kwargs):
+            raise AssertionError("the kernel ran")
+
+        monkeypatch.setattr(kernelize.experts, "grouped_experts", no_kernel)
+        for tokens, dtype, kernel in ((long, torch.float32, False), (short, torch.float32, True)):
+            x = torch.randn(tokens, hidden, dtype=dtype)
+            index = torch.stack([torch.randperm(module.num_experts)[:2] for _ in range(tokens)])
+            weights = torch.rand(tokens, 2, dtype=dtype)
+            with torch.no_grad():
+                if kernel:
+                    with pytest.raises(AssertionError, match="the kernel ran"):
+                        model_experts.experts_forward(module, x, index, weights)
+                else:
+                    want = model_experts.fallback_forward(module, "grouped_mm")(module, x, index, weights)
+                    torch.testing.assert_close(model_experts.experts_forward(module, x, index, weights), want)
