@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -73,7 +74,7 @@ def grouped_experts(
     if (up_bias is None) != (down_bias is None):
         raise ExpertsUnsupported("give both biases (up_bias [E, N] and down_bias [E, H]) or neither")
     try:
-        args = ExpertsArgs(act, gated, bias=up_bias is not None, **form)
+        args = _args(act, gated, up_bias is not None, tuple(sorted(form.items())))
     except (TypeError, ValueError) as exc:
         raise ExpertsUnsupported(str(exc)) from exc
     ops = (x, index, weights, up, down) + (() if up_bias is None else (up_bias, down_bias))
@@ -93,6 +94,12 @@ def grouped_experts(
             note_kernels(owner, record)
         launch(list(ops), [out], {"tokens": x.shape[0]})
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _args(act: str, gated: bool, bias: bool, form: tuple) -> ExpertsArgs:
+    """The node's attributes, built once per distinct call form (a decode step makes one call per layer)."""
+    return ExpertsArgs(act, gated, bias=bias, **dict(form))
 
 
 def _check_biases(ops: tuple) -> None:
