@@ -987,30 +987,61 @@ def _whole_output(
     model: nn.Module, call: Callable[[], Any], want: Any, attention: str | None, experts: str | None
 ) -> str:
     """Compare the model's output with `want`; on a difference take back, in turn, the experts
-    implementation, the attention implementation, then every kernel forward, until it is the same."""
+    implementation, the attention implementation, then every kernel forward, until it is the same.
+
+    When taking back both implementations makes it the same, the first one taken back is tried again alone:
+    only the implementation that changed the output goes (DeepSeek-V4's attention needs eager masks, while
+    its experts match).
+    """
+    switches = [
+        _Switch("experts", EXPERTS_NAME, experts, model.set_experts_implementation) if experts else None,
+        _Switch("attention", ATTENTION_NAME, attention, model.set_attn_implementation) if attention else None,
+    ]
+    taken: list[_Switch] = []
     why = difference(_model_output(model, call), want, "the model's output")
-    if why and experts is not None:
-        model.set_experts_implementation(experts)
-        for module in experts_modules(model).values():
-            keep_experts(module, f"{why} with the `{EXPERTS_NAME}` experts; back to `{experts}`")
-        logger.warning("kernelize_model: %s with the `%s` experts; back to `%s`", why, EXPERTS_NAME, experts)
-        why = difference(_model_output(model, call), want, "the model's output")
+    for switch in (s for s in switches if s is not None):
         if not why:
-            return f"experts implementation back to `{experts}`: `{EXPERTS_NAME}` changed the output"
-    if why and attention is not None:
-        model.set_attn_implementation(attention)
-        logger.warning(
-            "kernelize_model: %s with the `%s` attention; back to `%s`", why, ATTENTION_NAME, attention
-        )
-        why = difference(_model_output(model, call), want, "the model's output")
-        if not why:
-            return f"attention implementation back to `{attention}`: `{ATTENTION_NAME}` changed the output"
+            break
+        logger.warning("kernelize_model: %s; taking back the `%s` %s (to `%s`)", why, *switch.names)
+        switch.set(switch.previous)
+        taken.append(switch)
+        found, why = why, difference(_model_output(model, call), want, "the model's output")
+        switch.why = found
+    if not why and len(taken) == 2:  # was the first one needed?
+        taken[0].set(taken[0].kernel)
+        if difference(_model_output(model, call), want, "the model's output") is None:
+            logger.warning(
+                "kernelize_model: the `%s` %s stay: the output is the same with them", *taken[0].names[:2]
+            )
+            taken.pop(0)
+        else:
+            taken[0].set(taken[0].previous)
+    for switch in taken:
+        if switch.kind == "experts":
+            for module in experts_modules(model).values():
+                keep_experts(module, f"{switch.why} with the `{EXPERTS_NAME}` experts; back to `{experts}`")
     if why:
         for module in _replaced(model).values():
             detail = f"{why} with every module probed alone; every module runs its own forward"
             keep_original_forward(module, FallbackReason.VERIFY, detail)
         return f"kernels withdrawn: {why}"
-    return "verified"
+    done = [f"{s.kind} implementation back to `{s.previous}`: `{s.kernel}` changed the output" for s in taken]
+    return "; ".join(done) or "verified"
+
+
+@dataclass
+class _Switch:
+    """One implementation the one call switched (experts or attention), and how to switch it back."""
+
+    kind: str
+    kernel: str
+    previous: str
+    set: Callable[[str], Any]
+    why: str = ""
+
+    @property
+    def names(self) -> tuple[str, str, str]:
+        return self.kernel, self.kind, self.previous
 
 
 def _replaced(model: nn.Module) -> dict[str, nn.Module]:
