@@ -27,6 +27,9 @@ def test_gpt_oss_attention_runs_the_kernel_with_half_rotary_tables_and_sinks() -
     with kernelized(eager) as fast:
         attention = {p: c for p, c in kernelize.inspect(fast).items() if p.endswith("self_attn")}
         assert len(attention) == 2 and all(c.uses_kernel for c in attention.values()), attention
+        # its MoE block returns (output, router scores): the decoder layer's kernel forward takes the output
+        layers = {p: c for p, c in kernelize.inspect(fast).items() if p.count(".") == 2 and ".layers." in p}
+        assert len(layers) == 2 and all(c.uses_kernel for c in layers.values()), layers
         torch.testing.assert_close(
             zoo.logits(fast, ids, mask)[mask.bool()], want[mask.bool()], atol=1e-4, rtol=1e-4
         )

@@ -290,6 +290,8 @@ def decoder_forward(
     else:
         hidden_states = residual = residual + hidden_states
     hidden_states = layer.mlp(hidden_states)
+    if isinstance(hidden_states, tuple):  # an MoE block's (output, router scores), as gpt-oss's returns
+        hidden_states = hidden_states[0]
     if hasattr(layer, "resid_mlp_dropout"):
         hidden_states = layer.resid_mlp_dropout(hidden_states)
     if "post_ff" in norms:
