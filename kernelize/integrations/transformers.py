@@ -70,7 +70,7 @@ from kernelize.model_experts import (
 from kernelize.runtime.memory import trim_heap
 from kernelize.shards import Shards, shards_of
 
-from .verify import difference, evaluating, sharded, verify_replacements
+from .verify import TOLERANCE, difference, evaluating, sharded, verify_replacements
 
 __all__ = [
     "ATTENTION_NAME",
@@ -998,18 +998,23 @@ def _whole_output(
         _Switch("attention", ATTENTION_NAME, attention, model.set_attn_implementation) if attention else None,
     ]
     taken: list[_Switch] = []
-    why = difference(_model_output(model, call), want, "the model's output")
+    compute = _coarsest_dtype(model)
+
+    def differs() -> str | None:
+        return difference(_model_output(model, call), want, "the model's output", compute)
+
+    why = differs()
     for switch in (s for s in switches if s is not None):
         if not why:
             break
         logger.warning("kernelize_model: %s; taking back the `%s` %s (to `%s`)", why, *switch.names)
         switch.set(switch.previous)
         taken.append(switch)
-        found, why = why, difference(_model_output(model, call), want, "the model's output")
+        found, why = why, differs()
         switch.why = found
     if not why and len(taken) == 2:  # was the first one needed?
         taken[0].set(taken[0].kernel)
-        if difference(_model_output(model, call), want, "the model's output") is None:
+        if differs() is None:
             logger.warning(
                 "kernelize_model: the `%s` %s stay: the output is the same with them", *taken[0].names[:2]
             )
@@ -1027,6 +1032,13 @@ def _whole_output(
         return f"kernels withdrawn: {why}"
     done = [f"{s.kind} implementation back to `{s.previous}`: `{s.kernel}` changed the output" for s in taken]
     return "; ".join(done) or "verified"
+
+
+def _coarsest_dtype(model: nn.Module) -> torch.dtype | None:
+    """The floating dtype of the model's parameters with the widest tolerance (bf16 over f16 over f32): a bf16
+    model's logits upcast to f32 (Nemotron-H) are judged as bf16 results."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return max(dtypes, key=lambda d: TOLERANCE.get(d, 0.0), default=None)
 
 
 @dataclass

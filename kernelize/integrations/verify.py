@@ -40,35 +40,37 @@ TOLERANCE: Mapping[torch.dtype, float] = {
 }
 
 
-def difference(got: Any, want: Any, where: str = "output") -> str | None:
+def difference(got: Any, want: Any, where: str = "output", compute: torch.dtype | None = None) -> str | None:
     """Why `got` is not `want` within `TOLERANCE` (None: it is), walking tuples, lists and dicts.
 
     `None` where the module's own forward returns a tensor is accepted: an optional output the kernel does
     not compute (attention weights, as transformers' SDPA path returns them); a caller that reads it fails
-    in its own probe.
+    in its own probe. `compute`: the dtype the values were computed in when coarser than the output's (a
+    bf16 model whose logits are upcast to f32) sets the tolerance.
     """
     if isinstance(want, tuple | list | dict):
         same = type(got) is type(want) and len(got) == len(want)
         if not same or (isinstance(want, dict) and got.keys() != want.keys()):
             return f"{where} is {_shape_of(got)}, the module's own is {_shape_of(want)}"
         keys = want.keys() if isinstance(want, dict) else range(len(want))
-        return next((why for k in keys if (why := difference(got[k], want[k], f"{where}[{k!r}]"))), None)
+        found = (difference(got[k], want[k], f"{where}[{k!r}]", compute) for k in keys)
+        return next((why for why in found if why), None)
     if isinstance(want, torch.Tensor):
         if got is None:
             return None
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
             return f"{where} is {_shape_of(got)}, the module's own is {_shape_of(want)}"
-        why = _tensor_difference(got, want)
+        why = _tensor_difference(got, want, compute)
         return f"{where} {why}" if why else None
     if type(got) is not type(want):
         return f"{where} is {_shape_of(got)}, the module's own is {_shape_of(want)}"
     return None
 
 
-def _tensor_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
+def _tensor_difference(got: torch.Tensor, want: torch.Tensor, compute: torch.dtype | None) -> str | None:
     if not want.is_floating_point():
         return None if torch.equal(got, want) else "differs (integer output)"
-    allowed_relative = TOLERANCE.get(want.dtype, 1e-4)
+    allowed_relative = max(TOLERANCE.get(want.dtype, 1e-4), TOLERANCE.get(compute, 0.0))
     got, want = got.detach().double(), want.detach().double()
     if not torch.equal(got.isnan(), want.isnan()):
         return "has NaN where the module's own forward has none (or the reverse)"

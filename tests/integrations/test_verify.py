@@ -39,6 +39,11 @@ def test_difference_compares_structure_dtype_tolerance_and_nan() -> None:
     assert difference(x + 1e-6 * x.abs().max(), x) is None
     assert "differs by" in difference(x + 1e-3 * x.abs().max(), x)
     assert difference(x.bfloat16() + 0.01 * x.abs().max().bfloat16(), x.bfloat16()) is None  # 16-bit slack
+    # f32 values a bf16 model computed (logits upcast at the end) get the bf16 slack, and no more
+    assert "differs by" in difference(x + 0.01 * x.abs().max(), x)
+    assert difference(x + 0.01 * x.abs().max(), x, compute=torch.bfloat16) is None
+    assert "differs by" in difference(x + 0.1 * x.abs().max(), x, compute=torch.bfloat16)
+    assert "differs by" in difference(x + 1e-3 * x.abs().max(), x, compute=torch.float32)
     nan = x.clone()
     nan[0, 0] = math.nan
     assert "NaN" in difference(nan, x)
