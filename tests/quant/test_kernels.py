@@ -38,7 +38,9 @@ def test_activation_quantizer_matches_torch() -> None:
     assert torch.equal(q, rq) and torch.equal(d, rd)
 
 
-CASES = [(1, 1, 32), (1, 7, 96), (3, 33, 4096), (8, 33, 96), (2, 4097, 96), (5, 17, 4096), (7, 4, 32)]
+# m = 1 with N >= 8: the 8-row decode kernel (q4_0 / q8_0), with a tail of 5 columns and of 1
+CASES = [(1, 1, 32), (1, 7, 96), (1, 21, 96), (1, 33, 4096), (3, 33, 4096), (8, 33, 96), (2, 4097, 96),
+         (5, 17, 4096), (7, 4, 32)]  # fmt: skip
 K_CASES = [(1, 1, 256), (1, 7, 768), (3, 33, 4096), (8, 33, 512), (2, 4097, 256), (5, 17, 4096), (7, 4, 256)]
 
 
@@ -132,7 +134,7 @@ def test_portable_fallback_agrees() -> None:
 
 @pytest.mark.parametrize("fmt,act", [("q8_0", "silu"), ("q4_0", "gelu"), ("int8", "gelu_pytorch_tanh"),
                                      ("q4_k", "silu"), ("q6_k", "gelu_new")])  # fmt: skip
-@pytest.mark.parametrize("m,i", [(1, 7), (3, 33), (8, 4)])
+@pytest.mark.parametrize("m,i", [(1, 7), (1, 19), (3, 33), (8, 4)])
 def test_gemv_gate_up_epilogue(fmt: str, act: str, m: int, i: int) -> None:
     """act(x @ gate.T) * (x @ up.T) over a merged gate|up weight, against the exact products (odd I: a
     column block that repeats its last column in both halves)."""

@@ -243,6 +243,79 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
     for (int m = 0; m < MB; ++m)
         for (int j = 0; j < NB; ++j) out[m * ldo + j] = kz_hsum8(acc[m][j]);
 }
+// ---- one row of x against 8 weight rows (decode, q4_0 / q8_0): the rows as the lanes ----------------------
+// The 4-row kernel above pays per row and block for a scalar f16 scale (convert, multiply, broadcast) and
+// one f32 convert + fma of 8 lanes; llama.cpp's AVX2 q4_0 gemv instead repacks 8 rows so that one vector
+// op serves several rows. Here the GGUF rows stay as they are and each op still serves two rows: the 8
+// rows' f16 scales are gathered through integer registers into one vector (one convert and multiply per 8
+// rows), and a q4_0 block of row 2p and one of row 2p+1 share a vector (low half, high half), so the
+// nibble unpack, the integer dot product and the f32 fma run once per two rows. Each pair's accumulator
+// keeps 4 partial lanes per row, added up once at the end of the row.
+KZ_INLINE uint64_t kz_ld16(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+// the f16 scales at byte `off` of rows w[0..7] as f32 lanes [s0 s2 s4 s6 | s1 s3 s5 s7]: pair p's
+// [s_2p x4 | s_2p+1 x4] is then one in-lane shuffle
+KZ_INLINE __m256 kz_scales8(const uint8_t* const* w, int64_t off) {
+    const uint64_t lo = kz_ld16(w[0] + off) | kz_ld16(w[2] + off) << 16 | kz_ld16(w[4] + off) << 32 | kz_ld16(w[6] + off) << 48;
+    const uint64_t hi = kz_ld16(w[1] + off) | kz_ld16(w[3] + off) << 16 | kz_ld16(w[5] + off) << 32 | kz_ld16(w[7] + off) << 48;
+    return _mm256_cvtph_ps(_mm_set_epi64x((int64_t)hi, (int64_t)lo));
+}
+#define KZ_PAIR_SCALE(S, p) _mm256_shuffle_ps(S, S, (p) * 0x55)
+// q4_0: pair p's vector holds row 2p's 16 bytes in the low half, row 2p+1's in the high half
+KZ_INLINE void kz_row8_block(kz_q4_0, const uint8_t* const* w, int64_t off, const int8_t* xb, __m256 S, __m256* acc) {
+    const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xb));
+    const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xb + 16)));
+    const __m256i eight = _mm256_set1_epi8(8), m4 = _mm256_set1_epi8(15);
+    const __m256i xo = _mm256_add_epi16(_mm256_maddubs_epi16(eight, xl), _mm256_maddubs_epi16(eight, xh));
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu2_m128i((const __m128i*)(w[2 * p + 1] + off + 2), (const __m128i*)(w[2 * p] + off + 2));
+        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        const __m256i p16 = _mm256_sub_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), xo);
+        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+        acc[p] = _mm256_fmadd_ps(d, KZ_PAIR_SCALE(S, p), acc[p]);
+    }
+}
+// q8_0: a row's block fills a vector; the pairs share the scale shuffle and (added as i32) the convert + fma
+KZ_INLINE void kz_row8_block(kz_q8_0, const uint8_t* const* w, int64_t off, const int8_t* xb, __m256 S, __m256* acc) {
+    const __m256i x = _mm256_loadu_si256((const __m256i*)xb), ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+        __m256i d32[2];
+        for (int h = 0; h < 2; ++h) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(w[2 * p + h] + off + 2));
+            d32[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v)), ones);
+        }
+        // [row 2p lanes 0-3 + 4-7 | row 2p+1 lanes 0-3 + 4-7]: the halves' sums in the pair's lane order
+        const __m256i lo = _mm256_permute2x128_si256(d32[0], d32[1], 0x20), hi = _mm256_permute2x128_si256(d32[0], d32[1], 0x31);
+        acc[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), KZ_PAIR_SCALE(S, p), acc[p]);
+    }
+}
+template <class F> struct kz_has_row8 { static constexpr bool value = false; };
+template <> struct kz_has_row8<kz_q4_0> { static constexpr bool value = true; };
+template <> struct kz_has_row8<kz_q8_0> { static constexpr bool value = true; };
+// out[j] = row j of the 8 rows from w (rb bytes apart) . x; pf: the next 8 rows' bytes (or null)
+template <class F>
+static void kz_row8(const uint8_t* w, int64_t rb, int64_t nb, const int8_t* xq, const float* xd, float* out, const char* pf) {
+    const uint8_t* wr[8];
+    for (int j = 0; j < 8; ++j) wr[j] = w + j * rb;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; ++b) {
+        if (pf)
+            for (int64_t o = 0; o < 8 * kz_fmt::BYTES; o += 64) __builtin_prefetch(pf + b * 8 * kz_fmt::BYTES + o, 0, 2);
+        const __m256 S = _mm256_mul_ps(kz_scales8(wr, b * kz_fmt::BYTES), _mm256_set1_ps(xd[b]));
+        kz_row8_block(F(), wr, b * kz_fmt::BYTES, xq + b * KZ_QK, S, acc);
+    }
+    for (int p = 0; p < 4; ++p) {  // row 2p: lanes 0-3, row 2p+1: lanes 4-7
+        const __m128 lo = _mm256_castps256_ps128(acc[p]), hi = _mm256_extractf128_ps(acc[p], 1);
+        const __m128 s = _mm_hadd_ps(_mm_hadd_ps(lo, hi), _mm_setzero_ps());  // [row 2p, row 2p+1, 0, 0]
+        out[2 * p] = _mm_cvtss_f32(s);
+        out[2 * p + 1] = _mm_cvtss_f32(_mm_movehdup_ps(s));
+    }
+}
 #else
 template <int MB, int NB>
 KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
@@ -298,6 +371,25 @@ static void kz_qcols(const uint8_t* w, int64_t rb, int64_t c0, int64_t cn, int64
     for (; r < m; ++r) kz_qdot<1, KZ_QNB>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * nx : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
 }
 
+// columns [c0, c0 + cn) of a column block of qnb (8: one row of x by kz_row8, where the format has it)
+static void kz_qblock(const uint8_t* w, int64_t rb, int64_t c0, int64_t cn, int64_t qnb, int64_t nb, int64_t m,
+                      const int8_t* xq, const float* xd, const float* xs, int64_t k, float* out, const char* pf) {
+#if KZ_QAVX2
+    if constexpr (kz_has_row8<kz_fmt>::value) {
+        if (qnb == 8 && cn == 8) return kz_row8<kz_fmt>(w + c0 * rb, rb, nb, xq, xd, out, pf);
+    }
+#endif
+    for (int64_t j = 0; j < cn; j += KZ_QNB)  // qnb 8 (m = 1) at the end of the columns: two blocks of 4
+        kz_qcols(w, rb, c0 + j, cn - j < KZ_QNB ? cn - j : KZ_QNB, nb, m, xq, xd, xs, k, out + j, j ? 0 : pf);
+}
+// 8 columns side by side for one row of x where the format has kz_row8, else KZ_QNB
+KZ_INLINE int64_t kz_qnb(int64_t m) {
+#if KZ_QAVX2
+    if (m == 1 && kz_has_row8<kz_fmt>::value) return 8;
+#endif
+    return KZ_QNB;
+}
+
 // the gated activations of the fused gate|up epilogue (ACT's values: kernels.py's GLU_ACTS)
 enum { KZ_SILU = 0, KZ_GELU = 1, KZ_GELU_TANH = 2 };
 KZ_INLINE float kz_glu_act(float g, int act) {
@@ -311,31 +403,31 @@ KZ_INLINE float kz_glu_act(float g, int act) {
 template <class OT>
 static int kz_qgemv(const int8_t* xq, const float* xd, const float* xs, int64_t m, int64_t k, const uint8_t* w,
                     const float* wscale, int64_t n, const float* bias, OT* y, int nthreads, int64_t up, int act) {
-    const int64_t nb = k / kz_fmt::QK, rb = nb * kz_fmt::BYTES, nblk = (n + KZ_QNB - 1) / KZ_QNB;
+    const int64_t nb = k / kz_fmt::QK, rb = nb * kz_fmt::BYTES, qnb = kz_qnb(m), nblk = (n + qnb - 1) / qnb;
     const kz_team_t tm = kz_team_open(nthreads, m * n * k * (up ? 2 : 1) >= 32768);
     return kz_parallel_for(tm, [=](int t, int tn) KZ_BODY {
         int64_t lo, hi;
         kz_range(nblk, t, tn, lo, hi);
         float blk[8 * KZ_QNB], blu[8 * KZ_QNB];
         for (int64_t c = lo; c < hi; ++c) {
-            const int64_t c0 = c * KZ_QNB, cn = n - c0 < KZ_QNB ? n - c0 : KZ_QNB;
+            const int64_t c0 = c * qnb, cn = n - c0 < qnb ? n - c0 : qnb;
             for (int64_t r0 = 0; r0 < m; r0 += 8) {
                 const int64_t mr = m - r0 < 8 ? m - r0 : 8;
                 const bool first = r0 == 0 && c + 1 < hi && KZ_PREFETCH;
                 const int64_t x0 = r0 * (k / KZ_QK);
-                const char* pf = first ? (const char*)(w + (c0 + KZ_QNB) * rb) : 0;
-                kz_qcols(w, rb, c0, cn, nb, mr, xq + r0 * k, xd + x0, xs ? xs + x0 : 0, k, blk, pf);
+                const char* pf = first ? (const char*)(w + (c0 + qnb) * rb) : 0;
+                kz_qblock(w, rb, c0, cn, qnb, nb, mr, xq + r0 * k, xd + x0, xs ? xs + x0 : 0, k, blk, pf);
                 if (up) {
-                    const char* pu = first ? (const char*)(w + (up + c0 + KZ_QNB) * rb) : 0;
-                    kz_qcols(w, rb, up + c0, cn, nb, mr, xq + r0 * k, xd + x0, xs ? xs + x0 : 0, k, blu, pu);
+                    const char* pu = first ? (const char*)(w + (up + c0 + qnb) * rb) : 0;
+                    kz_qblock(w, rb, up + c0, cn, qnb, nb, mr, xq + r0 * k, xd + x0, xs ? xs + x0 : 0, k, blu, pu);
                 }
                 for (int64_t r = 0; r < mr; ++r)
                     for (int64_t j = 0; j < cn; ++j) {
-                        float v = blk[r * KZ_QNB + j];
+                        float v = blk[r * qnb + j];
                         if (wscale) v *= wscale[c0 + j];
                         if (bias) v += bias[c0 + j];
                         if (up) {
-                            float u = blu[r * KZ_QNB + j];
+                            float u = blu[r * qnb + j];
                             if (wscale) u *= wscale[up + c0 + j];
                             if (bias) u += bias[up + c0 + j];
                             v = kz_glu_act(v, act) * u;
