@@ -36,14 +36,19 @@ KZ_INLINE float kz_glu(float g, float u) { $GLU$ }
 
 // rows [s0, s0 + nr) of the packed rows `xs` (ldx apart) against columns [j, j + KZ_NB) of the K-contiguous
 // rows of `wt` (`ldw` apart, `n` of them: a column past the end reads the last row, its result unused).
-// Rows of packed weights (ldw == k) are prefetched a block ahead: a row of 4 KiB or less sits in one page,
-// where the hardware prefetcher never gets ahead of the block's rows read side by side (cpu_gemv.h).
+// `next`: the first row of the block this thread reads after this one (null: none). Packed weights
+// (ldw == k) prefetch it while this block is read: a row of 4 KiB or less sits in one page, where the
+// hardware prefetcher never gets ahead of the block's rows read side by side (cpu_gemv.h), and a work
+// item's first block, cold, waited on memory (a quarter of the blocks with 4-block items).
 KZ_INLINE void kz_cols(const float* xs, int64_t ldx, int nr, const kz_t* wt, int64_t ldw, int64_t j, int64_t n,
-                       int64_t k, float* part) {
+                       int64_t k, float* part, const kz_t* next) {
     const kz_t* cols[KZ_NB];
     for (int c = 0; c < KZ_NB; ++c) cols[c] = wt + (j + c < n ? j + c : n - 1) * ldw;
-    const char* pf = ldw == k && j + 2 * KZ_NB <= n ? (const char*)(wt + (j + KZ_NB) * ldw) : nullptr;
-    kz_dot_cols<PAIRS>(xs, ldx, nr, cols, true, 0, k, part, pf);
+    kz_dot_cols<PAIRS>(xs, ldx, nr, cols, true, 0, k, part, ldw == k ? (const char*)next : nullptr);
+}
+// the block of `KZ_NB` rows from row `j` of `wt` (`n` rows), when it is whole (a prefetch target), else null
+KZ_INLINE const kz_t* kz_block(const kz_t* wt, int64_t ldw, int64_t j, int64_t n) {
+    return j + KZ_NB <= n ? wt + j * ldw : nullptr;
 }
 }  // namespace
 
@@ -97,14 +102,24 @@ extern "C" int $NAME$(const kz_t* x, const kz_ti* index, const kz_tw* weights, c
     const kz_team_t team = kz_team_open(kz_nthreads, R * H * NU >= $PARALLEL_MIN$);
     return kz_parallel_for(team, [=](int kz_tid, int kz_tn) KZ_BODY {
         float part[KZ_MAXR * KZ_NB], gate[KZ_MAXR * KZ_NB];
-        for (int64_t it = kz_next(n1); it < active * blocks1; it = kz_next(n1)) {  // stage one
+        // each loop claims its next item before it runs the current one, so that the current item's last
+        // block can prefetch the next item's first (dynamic scheduling, prefetch without a cold start)
+        for (int64_t it = kz_next(n1), nx = it; it < active * blocks1; it = nx) {  // stage one
+            nx = kz_next(n1);
             const int64_t e = items[it / blocks1], j0 = it % blocks1 * CB;
             const kz_t* wu = up + e * st[6];
+            const kz_t* wn = nx < active * blocks1 ? up + items[nx / blocks1] * st[6] : nullptr;
+            const int64_t jn = nx % blocks1 * CB;  // the next item's first column
             for (int64_t s0 = cnt[e]; s0 < cnt[e + 1]; s0 += KZ_MAXR) {
                 const int nr = (int)(cnt[e + 1] - s0 < KZ_MAXR ? cnt[e + 1] - s0 : KZ_MAXR);
+                const bool last_rows = s0 + KZ_MAXR >= cnt[e + 1];
                 for (int64_t j = j0; j < j0 + CB && j < I; j += KZ_NB) {
-                    kz_cols(xs + s0 * ldx, ldx, nr, wu, GS * st[7], j, I, H, gate);
-                    if (GATED) kz_cols(xs + s0 * ldx, ldx, nr, wu + UOFF * st[7], GS * st[7], j, I, H, part);
+                    const bool inside = j + KZ_NB < j0 + CB || !last_rows;  // the next block is this item's
+                    const kz_t *wb = inside ? wu : wn, *pg = nullptr, *pu = nullptr;
+                    const int64_t jb = !last_rows && j + KZ_NB >= j0 + CB ? j0 : (inside ? j + KZ_NB : jn);
+                    if (wb) pg = kz_block(wb, GS * st[7], jb, I), pu = kz_block(wb + UOFF * st[7], GS * st[7], jb, I);
+                    kz_cols(xs + s0 * ldx, ldx, nr, wu, GS * st[7], j, I, H, gate, pg);
+                    if (GATED) kz_cols(xs + s0 * ldx, ldx, nr, wu + UOFF * st[7], GS * st[7], j, I, H, part, pu);
                     for (int r = 0; r < nr; ++r)
                         for (int c = 0; c < KZ_NB && j + c < I; ++c) {
                             const int64_t bg = e * st[10] + GS * (j + c) * st[11];
@@ -117,15 +132,23 @@ extern "C" int $NAME$(const kz_t* x, const kz_ti* index, const kz_tw* weights, c
             }
         }
         kz_barrier();
-        for (int64_t it = kz_next(n2); it < blocks2; it = kz_next(n2)) {  // stage two
+        for (int64_t it = kz_next(n2), nx = it; it < blocks2; it = nx) {  // stage two
+            nx = kz_next(n2);
             const int64_t n0 = it * CB;
             for (int64_t a = 0; a < active; ++a) {
                 const int64_t e = items[a];
                 const kz_t* wd = down + e * st[8];
+                // after this expert's blocks: the next expert's first block of this item, or the next item's
+                const kz_t* wn = a + 1 < active ? down + items[a + 1] * st[8] : (nx < blocks2 ? down + items[0] * st[8] : nullptr);
+                const int64_t jn = a + 1 < active ? n0 : nx * CB;
                 for (int64_t s0 = cnt[e]; s0 < cnt[e + 1]; s0 += KZ_MAXR) {
                     const int nr = (int)(cnt[e + 1] - s0 < KZ_MAXR ? cnt[e + 1] - s0 : KZ_MAXR);
+                    const bool last_rows = s0 + KZ_MAXR >= cnt[e + 1];
                     for (int64_t j = n0; j < n0 + CB && j < H; j += KZ_NB) {
-                        kz_cols(hs + s0 * ldh, ldh, nr, wd, st[9], j, H, I, part);
+                        const bool inside = j + KZ_NB < n0 + CB || !last_rows;
+                        const int64_t jb = !last_rows && j + KZ_NB >= n0 + CB ? n0 : (inside ? j + KZ_NB : jn);
+                        const kz_t* wb = inside ? wd : wn;
+                        kz_cols(hs + s0 * ldh, ldh, nr, wd, st[9], j, H, I, part, wb ? kz_block(wb, st[9], jb, H) : nullptr);
                         for (int r = 0; r < nr; ++r)
                             for (int c = 0; c < KZ_NB && j + c < H; ++c) {
                                 const float b = BIAS ? kz_ld(dbias, e * st[12] + (j + c) * st[13]) : 0.0f;
