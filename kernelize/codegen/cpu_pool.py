@@ -77,13 +77,26 @@ def c_call(node: Node, x: torch.Tensor, y: torch.Tensor) -> CCall | None:
 
 
 @functools.cache
-def _gather_fn():
-    """``kz_channel_gather``, from the same library as ``kz_pool``."""
+def _fn(name: str):
+    """``kz_channel_gather`` or ``kz_to_nhwc``, from the same library as ``kz_pool``."""
     from kernelize.codegen.cpu_build import build_shared_object, load
 
-    fn = load(build_shared_object(source(), "kz_pool")).kz_channel_gather
+    fn = getattr(load(build_shared_object(source(), "kz_pool")), name)
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
     return fn
+
+
+def to_nhwc_call(y: torch.Tensor) -> CCall | None:
+    """The replayed call copying a contiguous NCHW f32 tensor of ``y``'s shape (a graph input read by a
+    conv: its pointer, the first argument, is patched per run) into the NHWC f32 ``y``; None for other
+    ``y``."""
+    nhwc = y.is_contiguous(memory_format=torch.channels_last)
+    if y.dtype != torch.float32 or y.device.type != "cpu" or not nhwc:
+        return None
+    n, c, h, w = y.shape
+    d = (ctypes.c_int64 * 3)(n, c, h * w)
+    address = ctypes.cast(_fn("kz_to_nhwc"), ctypes.c_void_p).value
+    return CCall(address, (0, y.data_ptr(), ctypes.addressof(d)), "cpu NHWC copy failed", keep=(d,))
 
 
 def gather_call(channels: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> CCall | None:
@@ -98,7 +111,7 @@ def gather_call(channels: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> CC
         return None
     n, c, h, w = x.shape
     d = (ctypes.c_int64 * (3 + len(channels)))(n * h * w, c, len(channels), *channels)
-    address = ctypes.cast(_gather_fn(), ctypes.c_void_p).value
+    address = ctypes.cast(_fn("kz_channel_gather"), ctypes.c_void_p).value
     error = f"cpu channel gather rejected channel indices {tuple(channels)} of {c} channels"
     return CCall(address, (x.data_ptr(), y.data_ptr(), ctypes.addressof(d)), error, keep=(d,))
 
@@ -117,4 +130,4 @@ def _error(node: Node, d: ctypes.Array) -> str:
     return f"cpu pool kernel rejected {node.arg} at sizes {tuple(d)}"
 
 
-__all__ = ["c_call", "gather_call", "pool", "source", "supports"]
+__all__ = ["c_call", "gather_call", "pool", "source", "supports", "to_nhwc_call"]

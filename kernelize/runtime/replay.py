@@ -29,6 +29,7 @@ import torch
 from kernelize.autokernel.layout import channel_map
 from kernelize.codegen import cpu_pool
 from kernelize.ir.graph import LAYOUT, Node, Op
+from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import CCall
 
 # library ops one of our compiled C functions runs (op -> c_call(node, input, output) -> CCall | None)
@@ -94,7 +95,8 @@ def batch_of(
     entries: Sequence[tuple[int, CCall | tuple[CCall, ...], Sequence[tuple[int, Node]], bool]],
 ) -> Batch:
     """A batch from ``(step, call, dynamic arguments (index, buffer), writes allocated per run)`` entries;
-    a step may make several calls (a channel gather before a conv): its dynamic arguments are its last's."""
+    a step may make several calls (a channel gather or an NHWC copy before a conv): its dynamic arguments
+    are its first call's."""
     per_step = [(e[1],) if isinstance(e[1], CCall) else e[1] for e in entries]
     flat = [c for cs in per_step for c in cs]
     calls = (KzCall * len(flat))()
@@ -103,10 +105,10 @@ def batch_of(
         calls[c].fn = call.fn
         for a, v in enumerate(call.args):
             calls[c].args[a] = v
-    last = 0
+    first = 0
     for (_, _, dynamic, _), cs in zip(entries, per_step, strict=True):
-        last += len(cs)
-        patches += [(last - 1, a, b) for a, b in dynamic]
+        patches += [(first, a, b) for a, b in dynamic]
+        first += len(cs)
     return Batch(
         steps=tuple(e[0] for e in entries),
         calls=calls,
@@ -159,9 +161,13 @@ def _conv_call(step, sizes, fixed, channels_last):
     r = None if ep.residual is None else fixed(ep.residual)
     y = fixed(ep.tail)
     cl = torch.channels_last
-    gather = None
-    if x is None and ep.conv.src[0].op in LAYOUT:
-        gather, x = _gathered(ep.conv.src[0], fixed, channels_last)
+    gather, dynamic, src = None, [], ep.conv.src[0]
+    if x is None and src.op in LAYOUT:
+        gather, x = _gathered(src, fixed, channels_last)
+    elif x is None and src.op is Op.INPUT and src.dtype.torch == torch.float32:  # NCHW, patched per run
+        x = torch.empty(bind(src.shape, sizes)).contiguous(memory_format=torch.channels_last)
+        gather, dynamic = cpu_pool.to_nhwc_call(x), [(0, src)]
+        x = None if gather is None else x
     if x is None or w is None or y is None or ep.conv.src[1].op is not Op.CONST:
         return None
     if ep.tail not in channels_last:
@@ -171,7 +177,7 @@ def _conv_call(step, sizes, fixed, channels_last):
     ):
         return None
     call = conv.generated.c_call([x, w, conv.bias, r], [y], sizes)
-    return (call if gather is None else (gather, call._replace(keep=(*call.keep, x)))), [], False
+    return (call if gather is None else (gather, call._replace(keep=(*call.keep, x)))), dynamic, False
 
 
 def _gathered(view: Node, fixed, channels_last) -> tuple[CCall | None, torch.Tensor | None]:

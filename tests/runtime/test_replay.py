@@ -156,3 +156,19 @@ def test_a_conv_reading_reordered_channels_replays_with_a_gather(split):
     convs = [i for i, st in enumerate(cg._steps) if st.conv is not None]
     batched = {i for u in _program(cg) if isinstance(u, Batch) for i in u.steps}
     assert convs[1] in batched  # the conv reading the view
+
+
+def test_a_conv_reading_the_graph_input_replays_with_an_nhwc_copy():
+    """The stem conv reads the NCHW graph input: the batch copies it NHWC (its pointer patched per call)
+    before the conv, so conv -> pool -> conv is one batch; each call sees its own input."""
+    g = Graph()
+    x = g.input("x", (B, 8, 13, 11), "f32")
+    c = g.clamp(g.conv(x, g.const(torch.randn(16, 8, 3, 3) * 0.2), padding=(1, 1, 1, 1)), 0.0)
+    p = g.pool(c, "max", (3, 3), (2, 2), padding=(1, 1, 1, 1))
+    g.output(g.clamp(g.conv(p, g.const(torch.randn(12, 16, 1, 1) * 0.2)), 0.0))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    xs = [torch.randn(2, 8, 13, 11) for _ in range(3)]
+    outs = [cg(x)[0] for x in xs]
+    for x, out in zip(xs, outs, strict=True):
+        torch.testing.assert_close(out, evaluate(g, [x])[0], rtol=1e-4, atol=1e-5)
+    assert [type(u) for u in _program(cg)][:1] == [Batch] and 0 in _program(cg)[0].steps

@@ -95,3 +95,24 @@ extern "C" int kz_channel_gather(const float* x, float* y, const int64_t* dims, 
         return 0;
     });
 }
+
+// kz_to_nhwc: the NHWC copy of a contiguous NCHW f32 tensor (a graph input read by a conv): for each image
+// and block of pixels, every channel's run of pixels is read contiguously. dims: n, c, pixels (h * w)
+extern "C" int kz_to_nhwc(const float* x, float* y, const int64_t* dims, int nthreads) {
+    const int64_t n = dims[0], c = dims[1], hw = dims[2];
+    const int64_t block = 256, blocks = (hw + block - 1) / block;
+    const kz_team_t team = kz_team_open(nthreads, n * c * hw >= (1 << 15));
+    return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
+        int64_t lo, hi;
+        kz_range(n * blocks, t, tn, lo, hi);
+        for (int64_t b = lo; b < hi; ++b) {
+            const int64_t i = b / blocks, p0 = (b % blocks) * block;
+            const int64_t p1 = p0 + block < hw ? p0 + block : hw;
+            const float* xi = x + i * c * hw;
+            float* yi = y + i * hw * c;
+            for (int64_t ch = 0; ch < c; ++ch)
+                for (int64_t p = p0; p < p1; ++p) yi[p * c + ch] = xi[ch * hw + p];
+        }
+        return 0;
+    });
+}
