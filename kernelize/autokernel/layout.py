@@ -7,7 +7,8 @@ and stores, so they can read and write NHWC as well as NCHW: the planner picks t
 pointwise kernel's domain so that its inner loop runs along the channels of what it stores
 (:func:`channels_inner`). A buffer is NHWC when it is 4-D with static channel and image sizes, is not (under)
 a graph output, is written by a conv, a pool or a generated or matmul kernel feeding a conv or pool, and
-every reader is a conv or pool reading it directly (its activation or residual), a generated pointwise or
+every reader is a conv or pool reading it directly (its activation or residual; a conv's activation may
+also be a view only reordering its channels, see :func:`channel_map`), a generated pointwise or
 row kernel, or a matmul kernel's epilogue (a ConvNeXt block's residual: its output projection is a matmul
 over (N, H, W, C) whose NHWC output oneDNN writes in place, and the next depthwise conv reads it as is).
 The runtime allocates those buffers NHWC (``Plan.channels_last``).
@@ -26,6 +27,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
+import torch
+
 from kernelize.autokernel.kernels import (
     Compute,
     Kernel,
@@ -36,7 +39,8 @@ from kernelize.autokernel.kernels import (
     RowKernel,
 )
 from kernelize.autokernel.reasons import Rejection
-from kernelize.ir.graph import Node, Op
+from kernelize.ir.graph import LAYOUT, Node, Op
+from kernelize.ir.reference import EVAL
 from kernelize.ir.shapes import numel
 
 GENERATED = frozenset({KernelKind.POINTWISE, KernelKind.ROW})
@@ -59,10 +63,43 @@ def _library(kind: KernelKind, node: Node) -> bool:
 
 
 def _direct_library_read(kind: KernelKind, u: Node, b: Node, epilogue) -> bool:
-    """``u`` (of a conv or pool group) reads ``b`` as the library's activation or residual operand."""
+    """``u`` (of a conv or pool group) reads ``b`` as the library's activation or residual operand (a conv
+    also through a view reordering ``b``'s channels: the replayed run gathers them, NHWC to NHWC)."""
     if kind is KernelKind.CONV:
-        return (u is epilogue.conv and u.src[0] is b) or (u is not epilogue.conv and epilogue.residual is b)
+        x = u.src[0]
+        activation = u is epilogue.conv and (x is b or channel_map(x, b) is not None)
+        return activation or (u is not epilogue.conv and epilogue.residual is b)
     return u.op is Op.POOL and u.src[0] is b
+
+
+def channel_map(view: Node, b: Node) -> tuple[int, ...] | None:
+    """When ``view`` is a chain of layout ops over the 4-D buffer ``b`` (static sizes) whose result is ``b``
+    with its channels reordered or selected, the channel of ``b`` each of its channels reads; else None.
+    ShuffleNet's channel shuffle (reshape to groups, transpose, reshape back) is one: read NHWC, it is a
+    gather within each pixel's channels, though no strides express it.
+
+    Example:
+        >>> shuffled = g.view(g.transpose(g.view(x, (1, 2, 3, 5, 5)), 1, 2), (1, 6, 5, 5))  # doctest: +SKIP
+        >>> channel_map(shuffled, x)  # x: (1, 6, 5, 5)  # doctest: +SKIP
+        (0, 3, 1, 4, 2, 5)
+    """
+    sizes = (*view.shape, *b.shape)
+    if view is b or view.rank != 4 or b.rank != 4 or not all(isinstance(d, int) for d in sizes):
+        return None
+    if view.shape[0] != b.shape[0] or view.shape[2:] != b.shape[2:]:
+        return None
+    chain, n = [], view
+    while n is not b:
+        if n.op not in LAYOUT or len(n.src) != 1:
+            return None
+        chain.append(n)
+        n = n.src[0]
+    index = torch.arange(numel(b.shape)).view(b.shape)
+    t = index
+    for n in reversed(chain):
+        t = EVAL[n.op](n, [t], {})
+    channels = t[0, :, 0, 0] // (b.shape[2] * b.shape[3])
+    return tuple(channels.tolist()) if torch.equal(t, index[:, channels]) else None
 
 
 def channels_last_buffers(

@@ -1,5 +1,6 @@
 """Max and average pooling over NHWC f32 on the CPU: one compiled function (``templates/cpu_pool.cpp``)
-for every pool of every graph, sizes passed at run time.
+for every pool of every graph, sizes passed at run time; in the same library, the channel gather that
+replayed runs use for a layout view between two convs that reorders channels (:func:`gather_call`).
 
 Why not torch: its channels-last max pool took 0.28 ms for ShuffleNet's stem pool (24 x 112 x 112 -> 56 x
 56, 1 thread) and the reference's average pool with ``count_include_pad`` pads a copy and divides by a
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -23,6 +24,7 @@ from kernelize.codegen.template import fill, load_template
 from kernelize.ir.graph import Node
 from kernelize.ir.ops import PoolArgs
 from kernelize.ir.shapes import bind
+from kernelize.runtime.backend import CCall
 
 KINDS = {"max": (0, True), "avg": (1, False)}  # pool kind: (kz_pool's code, whether it may be dilated)
 
@@ -51,18 +53,81 @@ def supports(node: Node, x: torch.Tensor) -> bool:
 
 def pool(node: Node, x: torch.Tensor, env: Mapping[str, int]) -> torch.Tensor:
     """The POOL ``node`` of NCHW-shaped ``x`` (any layout), as a channels-last tensor of the node's shape."""
-    a: PoolArgs = node.arg
     assert supports(node, x), f"cpu pool of {node}"
     x = x.contiguous(memory_format=torch.channels_last)
-    n, c, h, w = x.shape
+    n, c = x.shape[:2]
     oh, ow = bind(node.shape, dict(env))[2:]
     y = torch.empty((n, oh, ow, c), dtype=x.dtype).permute(0, 3, 1, 2)
-    top, left, bottom, right = a.padding
-    values = (n, h, w, c, oh, ow, *a.kernel, *a.stride, top, left, bottom, right, *a.dilation)
-    d = (ctypes.c_int64 * 18)(*values, KINDS[a.kind][0], int(a.count_pad))
+    d = _dims(node, tuple(x.shape), (oh, ow))
     if _pool_fn()(x.data_ptr(), y.data_ptr(), d, torch.get_num_threads()):
-        raise RuntimeError(f"cpu pool kernel rejected {node.arg} at sizes {tuple(d)}")
+        raise RuntimeError(_error(node, d))
     return y
 
 
-__all__ = ["pool", "source", "supports"]
+def c_call(node: Node, x: torch.Tensor, y: torch.Tensor) -> CCall | None:
+    """The call :func:`pool` makes from the NHWC buffer ``x`` into the NHWC buffer ``y``, for ``kz_replay``
+    (a graph's pools then run in its replayed C run, with no Python step and no fresh output); None when
+    :func:`pool` would not run ``node`` on ``x`` or either buffer is not channels-last."""
+    cl = torch.channels_last
+    if not supports(node, x) or not (x.is_contiguous(memory_format=cl) and y.is_contiguous(memory_format=cl)):
+        return None
+    d = _dims(node, tuple(x.shape), tuple(y.shape[2:]))
+    address = ctypes.cast(_pool_fn(), ctypes.c_void_p).value
+    return CCall(address, (x.data_ptr(), y.data_ptr(), ctypes.addressof(d)), _error(node, d))
+
+
+@functools.cache
+def _fn(name: str):
+    """``kz_channel_gather`` or ``kz_to_nhwc``, from the same library as ``kz_pool``."""
+    from kernelize.codegen.cpu_build import build_shared_object, load
+
+    fn = getattr(load(build_shared_object(source(), "kz_pool")), name)
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def to_nhwc_call(y: torch.Tensor) -> CCall | None:
+    """The replayed call copying a contiguous NCHW f32 tensor of ``y``'s shape (a graph input read by a
+    conv: its pointer, the first argument, is patched per run) into the NHWC f32 ``y``; None for other
+    ``y``."""
+    nhwc = y.is_contiguous(memory_format=torch.channels_last)
+    if y.dtype != torch.float32 or y.device.type != "cpu" or not nhwc:
+        return None
+    n, c, h, w = y.shape
+    d = (ctypes.c_int64 * 3)(n, c, h * w)
+    address = ctypes.cast(_fn("kz_to_nhwc"), ctypes.c_void_p).value
+    return CCall(address, (0, y.data_ptr(), ctypes.addressof(d)), "cpu NHWC copy failed", keep=(d,))
+
+
+def gather_call(channels: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> CCall | None:
+    """The replayed call writing ``y[:, c] = x[:, channels[c]]`` between NHWC f32 buffers of the same
+    batch and image size (a layout view that reorders or selects channels); None for other buffers. The
+    call's sizes array rides in ``CCall.keep``."""
+    cl = torch.channels_last
+    fits = x.dtype == y.dtype == torch.float32 and x.device.type == y.device.type == "cpu"
+    if not fits or x.shape[::2] != y.shape[::2] or x.shape[3] != y.shape[3] or len(channels) != y.shape[1]:
+        return None
+    if not (x.is_contiguous(memory_format=cl) and y.is_contiguous(memory_format=cl)):
+        return None
+    n, c, h, w = x.shape
+    d = (ctypes.c_int64 * (3 + len(channels)))(n * h * w, c, len(channels), *channels)
+    address = ctypes.cast(_fn("kz_channel_gather"), ctypes.c_void_p).value
+    error = f"cpu channel gather rejected channel indices {tuple(channels)} of {c} channels"
+    return CCall(address, (x.data_ptr(), y.data_ptr(), ctypes.addressof(d)), error, keep=(d,))
+
+
+@functools.cache
+def _dims(node: Node, x_shape: tuple[int, ...], out: tuple[int, int]) -> ctypes.Array:
+    """``kz_pool``'s sizes argument (cached: a replayed call keeps its address for the graph's life)."""
+    a: PoolArgs = node.arg
+    n, c, h, w = x_shape
+    top, left, bottom, right = a.padding
+    values = (n, h, w, c, *out, *a.kernel, *a.stride, top, left, bottom, right, *a.dilation)
+    return (ctypes.c_int64 * 18)(*values, KINDS[a.kind][0], int(a.count_pad))
+
+
+def _error(node: Node, d: ctypes.Array) -> str:
+    return f"cpu pool kernel rejected {node.arg} at sizes {tuple(d)}"
+
+
+__all__ = ["c_call", "gather_call", "pool", "source", "supports", "to_nhwc_call"]

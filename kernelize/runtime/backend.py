@@ -62,6 +62,7 @@ class CCall(NamedTuple):
     error: str
     slots: tuple[int | None, ...] | None = None
     raises: type[Exception] = RuntimeError
+    keep: tuple = ()  # objects the arguments point into (a sizes array, a scratch buffer): held with the call
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,18 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable, Container, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kernelize.ir.graph import Node, Op
+from kernelize.autokernel.layout import channel_map
+from kernelize.codegen import cpu_pool
+from kernelize.ir.graph import LAYOUT, Node, Op
+from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import CCall
 
+# library ops one of our compiled C functions runs (op -> c_call(node, input, output) -> CCall | None)
+C_LIBRARY = {Op.POOL: cpu_pool.c_call}
 REPLAY_ARGS = 16  # KZ_REPLAY_ARGS: the most integer arguments (the thread count included) a call passes
 
 
@@ -67,6 +72,7 @@ class Batch:
     fresh: tuple[int, ...]
     errors: tuple[tuple[type[Exception], str], ...]
     nargs: tuple[int, ...]  # per call, the index of its thread-count argument
+    keep: tuple = field(default=(), repr=False)  # what the calls' pointers point into (CCall.keep)
 
     def run(self, tensor: Callable[[Node], torch.Tensor], allocate: Callable[[int], None]) -> None:
         """Allocate the per-run writes (``allocate(step)`` puts them where ``tensor`` finds them), patch the
@@ -86,23 +92,31 @@ class Batch:
 
 
 def batch_of(
-    entries: Sequence[tuple[int, CCall, Sequence[tuple[int, Node]], bool]],
+    entries: Sequence[tuple[int, CCall | tuple[CCall, ...], Sequence[tuple[int, Node]], bool]],
 ) -> Batch:
-    """A batch from ``(step, call, dynamic arguments (index, buffer), writes allocated per run)`` entries."""
-    calls = (KzCall * len(entries))()
+    """A batch from ``(step, call, dynamic arguments (index, buffer), writes allocated per run)`` entries;
+    a step may make several calls (a channel gather or an NHWC copy before a conv): its dynamic arguments
+    are its first call's."""
+    per_step = [(e[1],) if isinstance(e[1], CCall) else e[1] for e in entries]
+    flat = [c for cs in per_step for c in cs]
+    calls = (KzCall * len(flat))()
     patches = []
-    for c, (_, call, dynamic, _) in enumerate(entries):
+    for c, call in enumerate(flat):
         calls[c].fn = call.fn
         for a, v in enumerate(call.args):
             calls[c].args[a] = v
-        patches += [(c, a, b) for a, b in dynamic]
+    first = 0
+    for (_, _, dynamic, _), cs in zip(entries, per_step, strict=True):
+        patches += [(first, a, b) for a, b in dynamic]
+        first += len(cs)
     return Batch(
         steps=tuple(e[0] for e in entries),
         calls=calls,
         patches=tuple(patches),
         fresh=tuple(e[0] for e in entries if e[3]),
-        errors=tuple((e[1].raises, e[1].error) for e in entries),
-        nargs=tuple(len(e[1].args) for e in entries),
+        errors=tuple((c.raises, c.error) for c in flat),
+        nargs=tuple(len(c.args) for c in flat),
+        keep=tuple(k for c in flat for k in c.keep),
     )
 
 
@@ -118,6 +132,8 @@ def step_call(
     the same on every run of this signature (arena views, constants), else None; ``channels_last`` the
     buffers the plan lays out NHWC."""
     k, compiled = step.kernel, step.compiled
+    if step.library and not step.operands and all(map(_size, shapes)):
+        return _library_call(step, fixed, channels_last)
     if compiled is None or compiled.c_call is None or not all(map(_size, shapes)):
         return None
     if step.conv is not None:
@@ -136,14 +152,22 @@ def step_call(
 
 
 def _conv_call(step, sizes, fixed, channels_last):
-    """A generated conv's call, when its input, residual and output are fixed channels-last buffers, the
-    plan reads its output NHWC (else the Python path hands readers an NCHW copy) and its weight is a
-    constant (packed once)."""
+    """A generated conv's call, when its input (or the buffer whose channels a view of it reorders: a gather
+    into a scratch buffer first), residual and output are fixed channels-last buffers, the plan reads its
+    output NHWC (else the Python path hands readers an NCHW copy) and its weight is a constant (packed
+    once)."""
     ep, conv = step.kernel.epilogue, step.conv
     x, w = (fixed(s) for s in ep.conv.src)
     r = None if ep.residual is None else fixed(ep.residual)
     y = fixed(ep.tail)
     cl = torch.channels_last
+    gather, dynamic, src = None, [], ep.conv.src[0]
+    if x is None and src.op in LAYOUT:
+        gather, x = _gathered(src, fixed, channels_last)
+    elif x is None and src.op is Op.INPUT and src.dtype.torch == torch.float32:  # NCHW, patched per run
+        x = torch.empty(bind(src.shape, sizes)).contiguous(memory_format=torch.channels_last)
+        gather, dynamic = cpu_pool.to_nhwc_call(x), [(0, src)]
+        x = None if gather is None else x
     if x is None or w is None or y is None or ep.conv.src[1].op is not Op.CONST:
         return None
     if ep.tail not in channels_last:
@@ -152,7 +176,37 @@ def _conv_call(step, sizes, fixed, channels_last):
         t.is_contiguous(memory_format=cl) for t in (x, y, *([r] if r is not None else []))
     ):
         return None
-    return conv.generated.c_call([x, w, conv.bias, r], [y], sizes), [], False
+    call = conv.generated.c_call([x, w, conv.bias, r], [y], sizes)
+    return (call if gather is None else (gather, call._replace(keep=(*call.keep, x)))), dynamic, False
+
+
+def _gathered(view: Node, fixed, channels_last) -> tuple[CCall | None, torch.Tensor | None]:
+    """The call gathering ``view``'s channels from the NHWC buffer it views into a new NHWC scratch buffer,
+    and that buffer (the conv's input), when ``view`` only reorders or selects channels; else None, None."""
+    b = view
+    while b.op in LAYOUT and len(b.src) == 1 and fixed(b) is None:
+        b = b.src[0]
+    xb = fixed(b)
+    channels = None if xb is None or b not in channels_last else channel_map(view, b)
+    if channels is None:
+        return None, None
+    n, _, h, w = xb.shape
+    scratch = torch.empty((n, h, w, len(channels)), dtype=xb.dtype, device=xb.device).permute(0, 3, 1, 2)
+    call = cpu_pool.gather_call(channels, xb, scratch)
+    return (None, None) if call is None else (call, scratch)
+
+
+def _library_call(step, fixed, channels_last):
+    """A library step's call where one of ours runs it from C (:data:`C_LIBRARY`), when it reads and writes
+    fixed buffers the plan lays out NHWC."""
+    node = step.kernel.node
+    call_of = C_LIBRARY.get(node.op)
+    x = fixed(node.src[0]) if call_of is not None and len(node.src) == 1 else None
+    y = fixed(node)
+    if x is None or y is None or node not in channels_last or node.src[0] not in channels_last:
+        return None
+    call = call_of(node, x, y)
+    return None if call is None else (call, [], False)
 
 
 def _size(shape: tuple[int, ...]) -> int:

@@ -152,8 +152,9 @@ def program(
         if entry is not None:
             run.append((i, *entry))
             continue
-        if step.conv is None and step.compiled is not None and step.compiled.fresh is not None:
-            unfixed.update(step.kernel.writes)  # a library GEMM returning its own output tensor
+        own_tensor = step.conv is None and step.compiled is not None and step.compiled.fresh is not None
+        if step.library or own_tensor:
+            unfixed.update(step.kernel.writes)  # a library op (a GEMM, a pool) returning its own tensor
         if run:
             units.append(batch_of(run))
             run = []

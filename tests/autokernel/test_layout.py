@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernelize.autokernel import KernelKind, PlanSettings, plan
+from kernelize.autokernel.layout import channel_map
 from kernelize.ir import Graph, Op, evaluate, optimize
 from kernelize.runtime.compiled import compile_graph
 
@@ -209,3 +210,33 @@ def test_a_buffer_read_as_a_matmul_operand_is_dense_from_the_start():
     convs = [b for b in p.buffers if b.op is Op.CONV]
     assert len(convs) == 2 and not set(convs) & p.channels_last and p.reasons == ()
     _check(g, [torch.randn(2, 4, 5, 5)])
+
+
+def _shuffle(g: Graph, y, groups: int):
+    """ShuffleNet's channel shuffle: reshape to (N, groups, C / groups, H, W), swap those, reshape back."""
+    n, c, h, w = y.shape
+    return g.view(g.transpose(g.view(y, (n, groups, c // groups, h, w)), 1, 2), (n, c, h, w))
+
+
+def test_channel_map_of_a_shuffle_a_slice_and_of_views_that_are_none():
+    g = Graph()
+    x = g.input("x", (2, 6, 4, 5), "f32")
+    assert channel_map(_shuffle(g, x, 2), x) == (0, 3, 1, 4, 2, 5)
+    assert channel_map(g.slice(x, 1, 2, 5), x) == (2, 3, 4)
+    assert channel_map(g.transpose(x, 2, 3), x) is None  # moves pixels, not channels
+    assert channel_map(g.view(x, (1, 12, 4, 5)), x) is None  # mixes the batch into channels
+    assert channel_map(x, x) is None
+
+
+def test_a_conv_reading_a_channel_shuffle_keeps_its_producer_nhwc():
+    """A grouped 1x1 conv, the shuffle, a depthwise conv: the shuffled buffer stays NHWC (the replayed run
+    gathers its channels into the next conv's input) and the result matches the reference."""
+    g = Graph()
+    x = g.input("x", (2, 6, 7, 5), "f32")
+    y = g.clamp(_conv(g, x, 6, 12, k=1, groups=3), 0, math.inf)
+    z = _conv(g, _shuffle(g, y, 3), 12, 12, groups=12, seed=1)
+    g.output(g.clamp(_conv(g, z, 12, 6, k=1, groups=3, seed=2), 0, 6))
+    p = plan(g, CPU)
+    conv_outputs = [k.writes[0] for k in p.kernels if k.kind is KernelKind.CONV]
+    assert conv_outputs[0] in p.channels_last
+    _check(g, [torch.randn(2, 6, 7, 5)])

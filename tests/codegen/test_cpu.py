@@ -749,6 +749,38 @@ def test_a_late_worker_sends_every_kernel_library_to_one_thread_for_a_while():
         cpu_build.TEAM_DEADLINE.value = old
 
 
+def test_a_caller_waiting_longer_than_its_own_share_counts_as_a_late_worker():
+    """A worker preempted inside a region makes the caller wait at the closing barrier: that wait is the
+    region's lateness when it is longer than the caller's own share (a balanced region's caller waits far
+    less); a real region whose caller waits 5 ms for its worker sets the deadline."""
+    import ctypes
+
+    from kernelize.codegen import cpu_build
+
+    g = Graph()
+    g.output(g.exp(g.input("x", (64, 256), DType.F32)))
+    lib = cpu_build.load(cpu_build.build_shared_object(render(kernel_of(g))[0], "team_uneven"))
+    lib.kz_region_lateness.restype = ctypes.c_int64
+    lateness = [
+        lib.kz_region_lateness(*map(ctypes.c_int64, a))
+        for a in ((10, 4_000_000, 2_000_000), (10, 1_000, 3_000_000), (900_000, 1_000, 600_000))
+    ]
+    assert lateness == [
+        10,
+        3_000_000,
+        900_000,
+    ]  # uneven but shorter than its own share; preempted; late start
+    old, threads = cpu_build.TEAM_DEADLINE.value, torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cpu_build.TEAM_DEADLINE.value = 0
+        assert lib.kz_uneven_region(2, 0, 5_000_000) == 0
+        assert cpu_build.TEAM_DEADLINE.value > 0
+    finally:
+        cpu_build.TEAM_DEADLINE.value = old
+        torch.set_num_threads(threads)
+
+
 def test_every_kernel_kind_is_exact_on_one_thread_after_a_late_start():
     """While the deadline holds, pointwise, row, few-row matmul and attention kernels run their regions on
     one thread: results equal the reference executor."""

@@ -103,3 +103,72 @@ def test_a_library_gemm_returning_its_own_tensor_is_read_from_there():
     for _ in range(2):
         torch.testing.assert_close(cg(x)[0], evaluate(g, [x])[0], rtol=1e-5, atol=1e-6)
     assert any(cg._steps[u].compiled.fresh is not None for u in _program(cg) if isinstance(u, int))
+
+
+def _conv_pool_graph(kind: str, count_pad: bool) -> Graph:
+    """conv -> pool -> conv -> relu: the pool reads and writes NHWC buffers between two generated convs."""
+    g = Graph()
+    x = g.input("x", (B, 8, 13, 11), "f32")
+    w = g.const(torch.randn(16, 8, 3, 3) * 0.2)
+    c = g.clamp(g.conv(g.mul(x, g.const(2.0)), w, padding=(1, 1, 1, 1)), 0.0)
+    p = g.pool(c, kind, (3, 3), (2, 2), padding=(1, 1, 1, 1), ceil_mode=True, count_include_pad=count_pad)
+    y = g.conv(p, g.const(torch.randn(12, 16, 1, 1) * 0.2), g.const(torch.randn(12)))
+    g.output(g.clamp(y, 0.0))
+    return g
+
+
+@pytest.mark.parametrize("kind,count_pad", [("max", False), ("avg", True), ("avg", False)])
+def test_a_pool_between_convs_replays_in_the_batch(monkeypatch, kind, count_pad):
+    """A pool over NHWC buffers runs from C inside the batch (no Python step, its output in the arena)
+    and matches the reference and the Python steps; with replay off the pool's own tensor is read."""
+    g = _conv_pool_graph(kind, count_pad)
+    x = torch.randn(2, 8, 13, 11)
+    want = evaluate(g, [x])[0]
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for _ in range(2):
+        torch.testing.assert_close(cg(x)[0], want, rtol=1e-4, atol=1e-5)
+    pools = [i for i, st in enumerate(cg._steps) if st.library]
+    assert pools and all(any(i in u.steps for u in _program(cg) if isinstance(u, Batch)) for i in pools)
+    monkeypatch.setattr(compiled_mod, "REPLAY", False)
+    python = compile_graph(g, backend="cpu", cache=False)
+    torch.testing.assert_close(python(x)[0], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_conv_reading_reordered_channels_replays_with_a_gather(split):
+    """conv -> channel shuffle (or a channel slice) -> depthwise conv: the second conv's input is gathered
+    from the first's NHWC output inside the batch, not materialised by torch in a Python step."""
+    g = Graph()
+    x = g.input("x", (2, 24, 9, 7), "f32")
+    y = g.clamp(g.conv(x, g.const(torch.randn(48, 8, 1, 1) * 0.3), groups=3), 0.0)
+    if split:
+        v = g.slice(y, 1, 8, 40)
+    else:
+        v = g.view(g.transpose(g.view(y, (2, 3, 16, 9, 7)), 1, 2), (2, 48, 9, 7))
+    c = v.shape[1]
+    z = g.conv(v, g.const(torch.randn(c, 1, 3, 3) * 0.3), padding=(1, 1, 1, 1), groups=c)
+    g.output(g.clamp(g.conv(z, g.const(torch.randn(6, c, 1, 1) * 0.3)), 0.0))
+    xs = torch.randn(2, 24, 9, 7)
+    want = evaluate(g, [xs])[0]
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for _ in range(2):
+        torch.testing.assert_close(cg(xs)[0], want, rtol=1e-4, atol=1e-5)
+    convs = [i for i, st in enumerate(cg._steps) if st.conv is not None]
+    batched = {i for u in _program(cg) if isinstance(u, Batch) for i in u.steps}
+    assert convs[1] in batched  # the conv reading the view
+
+
+def test_a_conv_reading_the_graph_input_replays_with_an_nhwc_copy():
+    """The stem conv reads the NCHW graph input: the batch copies it NHWC (its pointer patched per call)
+    before the conv, so conv -> pool -> conv is one batch; each call sees its own input."""
+    g = Graph()
+    x = g.input("x", (B, 8, 13, 11), "f32")
+    c = g.clamp(g.conv(x, g.const(torch.randn(16, 8, 3, 3) * 0.2), padding=(1, 1, 1, 1)), 0.0)
+    p = g.pool(c, "max", (3, 3), (2, 2), padding=(1, 1, 1, 1))
+    g.output(g.clamp(g.conv(p, g.const(torch.randn(12, 16, 1, 1) * 0.2)), 0.0))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    xs = [torch.randn(2, 8, 13, 11) for _ in range(3)]
+    outs = [cg(x)[0] for x in xs]
+    for x, out in zip(xs, outs, strict=True):
+        torch.testing.assert_close(out, evaluate(g, [x])[0], rtol=1e-4, atol=1e-5)
+    assert [type(u) for u in _program(cg)][:1] == [Batch] and 0 in _program(cg)[0].steps

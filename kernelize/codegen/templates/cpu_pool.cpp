@@ -73,3 +73,46 @@ extern "C" int kz_pool(const float* x, float* y, const int64_t* dims, int nthrea
         return 0;
     });
 }
+
+// kz_channel_gather: y[p, c] = x[p, map[c]] for every pixel p of NHWC f32 buffers (kernelize/codegen/
+// cpu_pool.py): a layout view between two convs that only reorders or selects channels (ShuffleNet's channel
+// shuffle, a channel split), in the replayed run instead of torch copies from NHWC to NCHW and back.
+// dims: pixels, channels of x, channels of y, then y's channels' indices into x's
+extern "C" int kz_channel_gather(const float* x, float* y, const int64_t* dims, int nthreads) {
+    const int64_t pixels = dims[0], cx = dims[1], cy = dims[2];
+    const int64_t* map = dims + 3;
+    for (int64_t c = 0; c < cy; ++c)
+        if (map[c] < 0 || map[c] >= cx) return 1;
+    const kz_team_t team = kz_team_open(nthreads, pixels * cy >= (1 << 15));
+    return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
+        int64_t lo, hi;
+        kz_range(pixels, t, tn, lo, hi);
+        for (int64_t p = lo; p < hi; ++p) {
+            const float* xp = x + p * cx;
+            float* yp = y + p * cy;
+            for (int64_t c = 0; c < cy; ++c) yp[c] = xp[map[c]];
+        }
+        return 0;
+    });
+}
+
+// kz_to_nhwc: the NHWC copy of a contiguous NCHW f32 tensor (a graph input read by a conv): for each image
+// and block of pixels, every channel's run of pixels is read contiguously. dims: n, c, pixels (h * w)
+extern "C" int kz_to_nhwc(const float* x, float* y, const int64_t* dims, int nthreads) {
+    const int64_t n = dims[0], c = dims[1], hw = dims[2];
+    const int64_t block = 256, blocks = (hw + block - 1) / block;
+    const kz_team_t team = kz_team_open(nthreads, n * c * hw >= (1 << 15));
+    return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
+        int64_t lo, hi;
+        kz_range(n * blocks, t, tn, lo, hi);
+        for (int64_t b = lo; b < hi; ++b) {
+            const int64_t i = b / blocks, p0 = (b % blocks) * block;
+            const int64_t p1 = p0 + block < hw ? p0 + block : hw;
+            const float* xi = x + i * c * hw;
+            float* yi = y + i * hw * c;
+            for (int64_t ch = 0; ch < c; ++ch)
+                for (int64_t p = p0; p < p1; ++p) yi[p * c + ch] = xi[ch * hw + p];
+        }
+        return 0;
+    });
+}

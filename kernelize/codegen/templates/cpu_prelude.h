@@ -65,14 +65,23 @@ KZ_INLINE kz_team_t kz_team_open(int nthreads, bool big) {
     const int64_t t0 = kz_now_ns();
     return {t0, big ? kz_team(nthreads, t0) : 1};
 }
+// A worker preempted inside the region is late too: the caller then waits at the closing barrier. That wait
+// counts as lateness when it is longer than the caller's own share took (a balanced region's caller waits
+// far less), so uneven work in a long region does not send the kernels solo.
+// the lateness of a region whose latest thread started `lag` ns after it opened, whose caller took `own` ns
+// from the opening to the end of its share and then waited `wait` ns at the closing barrier
+KZ_INLINE int64_t kz_region_lag(int64_t lag, int64_t own, int64_t wait) { return wait > own && wait > lag ? wait : lag; }
 template <class F> static inline int kz_parallel_for(const kz_team_t& team, F body) {
     int err = 0;
-    int64_t lag = 0;
+    int64_t lag = 0, done = 0;
+    int64_t* caller_done = &done;
 #pragma omp parallel num_threads(team.n) firstprivate(body) reduction(|: err) reduction(max: lag) if (team.n > 1)
     {
         lag = kz_now_ns() - team.t0;
         err |= body(omp_get_thread_num(), omp_get_num_threads());
+        if (omp_get_thread_num() == 0) *caller_done = kz_now_ns();
     }
+    if (team.n > 1) lag = kz_region_lag(lag, done - team.t0, kz_now_ns() - done);
     kz_team_done(team.n, lag);
     return err;
 }
@@ -93,6 +102,7 @@ KZ_INLINE void kz_barrier() {
 // the team a region would get now, and a region's bookkeeping as the kernels do it (for tests and tools)
 extern "C" int kz_team_size(int nthreads) { return kz_team(nthreads, kz_now_ns()); }
 extern "C" void kz_team_report(int team, int64_t lag) { kz_team_done(team, lag); }
+extern "C" int64_t kz_region_lateness(int64_t lag, int64_t own, int64_t wait) { return kz_region_lag(lag, own, wait); }
 // the team a big region of `nthreads` gets from OpenMP now, as its bodies see it
 extern "C" int kz_parallel_team(int nthreads) {
     int seen = 0;
@@ -102,6 +112,16 @@ extern "C" int kz_parallel_team(int nthreads) {
         return 0;
     });
     return seen;
+}
+// a region of `nthreads` where the caller's share busy-waits `caller_ns` and every other thread's
+// `worker_ns`: how the closing barrier's wait is judged (tests)
+extern "C" int kz_uneven_region(int nthreads, int64_t caller_ns, int64_t worker_ns) {
+    return kz_parallel_for(kz_team_open(nthreads, true), [=](int t, int tn) KZ_BODY {
+        const int64_t until = kz_now_ns() + (t == 0 ? caller_ns : worker_ns);
+        while (kz_now_ns() < until) {
+        }
+        return tn < 0;
+    });
 }
 
 // ---- 16-bit loads and stores (integer bit tricks: gcc vectorises these, not _Float16 conversions) --------
