@@ -45,15 +45,20 @@ def test_softcapping_runs_in_the_attention_kernel() -> None:
     "config_name, model_name", [("Qwen3Config", "Qwen3ForCausalLM"), ("Olmo2Config", "Olmo2ForCausalLM")]
 )
 def test_query_key_norms_run_before_rotary_in_the_attention_layer(config_name: str, model_name: str) -> None:
-    """Qwen3 normalises each head, OLMo2 the whole projection; the decoder layer's fused block (which has no
-    q/k norms) steps aside, with the reason."""
+    """Qwen3 normalises each head, OLMo2 the whole projection: the decoder layer's fused block takes per-head
+    norms into its first graph (Qwen3) and steps aside for the others, with the reason (OLMo2)."""
     eager = tiny_model(config_name=config_name, model_name=model_name)
     ids, mask = padded_batch()
     with kernelized(eager) as fast:
         assert attention_choice(fast).uses_kernel, str(attention_choice(fast))
         assert_same_logits_and_tokens(eager, fast, ids, mask)
-        layer = kernelize.inspect(fast).get("model.layers.0")  # OLMo2's post-norm layer is not marked
-        assert layer is None or not layer.uses_kernel or any("query/key norms" in n for n in layer.notes)
+        layer = kernelize.inspect(fast)["model.layers.0"]
+        block = fast.model.layers[0].__dict__["_kernelize_block"][1]
+        if model_name.startswith("Qwen3"):
+            assert layer.uses_kernel and layer.notes == (), layer
+            assert block.pre["qk_norm"] == "RMSNorm", block
+        else:
+            assert any("query/key norms" in n for n in layer.notes), layer.notes
 
 
 def test_alibi_config_keeps_the_attention_module_eager() -> None:

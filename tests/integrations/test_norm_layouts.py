@@ -73,14 +73,17 @@ def test_norms_at_any_place_are_served_by_the_decoder_layer(family: str) -> None
 
 
 @needs_kernel
-def test_gemma3_sandwich_layer_runs_module_by_module() -> None:
-    """Gemma 3's query / key norms are not in the block's math: its layer runs the submodules' kernels."""
+def test_gemma3_layer_runs_the_block_with_its_per_head_query_key_norms() -> None:
+    """Gemma 3's per-head query / key norms ((1 + w) style) run in the block's first graph, before the rotary:
+    nothing is noted on the layer and the logits and tokens are the model's."""
     eager = tiny_model(config_name="Gemma3TextConfig", model_name="Gemma3ForCausalLM")
     ids, mask = padded_batch()
     with kernelized(eager) as fast:
         choice = kernelize.inspect(fast)["model.layers.0"]
         assert choice.layer_name == "EmbeddingsFirstDecoderLayer", str(choice)
-        assert any("query/key norms" in n for n in choice.notes), choice.notes
+        assert choice.notes == (), choice.notes
+        block = fast.model.layers[0].__dict__["_kernelize_block"][1]
+        assert block.pre["qk_norm"] == "GemmaRMSNorm", block
         assert_same_logits_and_tokens(eager, fast, ids, mask)
 
 

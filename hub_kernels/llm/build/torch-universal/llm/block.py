@@ -12,7 +12,7 @@ the MLP's input), Gemma 2 / 3 all four, OLMo2 `post_attn` and `post_ff`. The lay
 (slot -> submodule name, set by `kernelize_model` from the forward's data flow) says which; each graph
 takes the norms of its slots:
 
-1. `pre_attention_math`: [input norm] -> merged q|k|v matmul (+ bias) -> rotary on q and k; q, k and v
+1. `pre_attention_math`: [input norm] -> merged q|k|v matmul (+ bias) -> [q/k norms] -> rotary; q, k and v
    come out in the `(batch, heads, seq, head_dim)` layout the cache and the attention kernel read;
 2. transformers' `cache.update(...)` and the attention kernel, exactly as `CausalSelfAttention` calls them
    (so every cache class and every per-call attention fallback keeps working);
@@ -26,10 +26,11 @@ instead (`_run_packed`): [input norm] graph, one packed q|k|v call over the merg
 (`rotate_math`), attention, the packed o_proj, the residual/norm graph (`residual_norm_math`), one packed
 gate|up call with `act(gate) * up` in its epilogue, the packed down_proj, and `[norm] + residual`.
 
-The block runs when the layer's attention runs this hub's `CausalSelfAttention` (without query / key
-norms), its MLP the activation hub's `GatedMLP` / `FusedGatedMLP` with bias-free projections and a gated
-activation the table knows, each of its norms an RMSNorm kernel layer of the `kernelize/layer_norm` hub,
-and nothing needs gradients (nor dropout: eval mode). Under tensor parallelism (the Megatron split of
+The block runs when the layer's attention runs this hub's `CausalSelfAttention` (query / key norms, if
+any, per head, in graph 1 before the rotary: Qwen3, Gemma 3), its MLP the activation hub's `GatedMLP` /
+`FusedGatedMLP` with bias-free projections and a gated activation the table knows, each of its norms an
+RMSNorm kernel layer of the `kernelize/layer_norm` hub, and nothing needs gradients (nor dropout: eval
+mode). Under tensor parallelism (the Megatron split of
 `kernelize.shards`) the graphs read the local weight shards and local heads, and the o_proj and down_proj
 products are all-reduced before their residual adds: graph 3 becomes the o_proj matmul, the all-reduce and the
 residual add + norm; graph 4 the MLP's partial sum, the all-reduce and the residual add. Otherwise the
@@ -63,12 +64,18 @@ def _hubs() -> tuple[Any, Any, Any]:
 
 
 # ---- the math (plain torch; traced into kernels) ---------------------------------------------------------
-def _rotate(x, cos, sin, qkv, *, heads, kv_heads, head_dim, neox):
-    """(rotated q, rotated k, v) of the merged projection `qkv`, in the attention layout."""
+def _rotate(x, cos, sin, qkv, *qk_weights, heads, kv_heads, head_dim, neox, qk_norm=None, qk_eps=0.0):
+    """(rotated q, rotated k, v) of the merged projection `qkv`, in the attention layout; with `qk_norm`,
+    each query and key head normed first (`qk_weights`: the q_norm's and k_norm's `head_dim` weights)."""
     n_qk = (heads + kv_heads) * head_dim
-    rotated = _hubs()[2].rotary_qk_math(
-        qkv[..., :n_qk], cos, sin, heads=heads + kv_heads, head_dim=head_dim, neox=neox
-    )
+    qk = qkv[..., :n_qk]
+    if qk_norm is not None:
+        heads_of_qk = qk.unflatten(-1, (heads + kv_heads, head_dim))
+        math = _hubs()[0].NORM_MATH[qk_norm]
+        q = math(heads_of_qk[..., :heads, :], qk_weights[0], eps=qk_eps)
+        k = math(heads_of_qk[..., heads:, :], qk_weights[1], eps=qk_eps)
+        qk = torch.cat((q, k), dim=-2).flatten(-2)
+    rotated = _hubs()[2].rotary_qk_math(qk, cos, sin, heads=heads + kv_heads, head_dim=head_dim, neox=neox)
     v = qkv[..., n_qk:].view(x.shape[0], x.shape[1], kv_heads, head_dim).transpose(1, 2)
     return rotated[:, :heads], rotated[:, heads:], v
 
@@ -79,11 +86,12 @@ def _normed(h, weights, style, eps):
 
 
 def pre_attention_math(x, cos, sin, *weights, norm, eps, bias=False, **p):
-    """(q, k, v) of `[norm](x) @ W_qkv.T (+ b)` with q and k rotated, each `(batch, heads, seq, head_dim)`;
-    `weights`: the norm's weight (when `norm` is not None), W_qkv, the bias (when `bias`)."""
+    """(q, k, v) of `[norm](x) @ W_qkv.T (+ b)` with q and k [normed per head and] rotated, each `(batch,
+    heads, seq, head_dim)`; `weights`: the norm's weight (when `norm` is not None), W_qkv, the bias (when
+    `bias`), the query and key norms' weights (when `p["qk_norm"]`)."""
     w = iter(weights)
     qkv = _normed(x, w, norm, eps) @ next(w).t()
-    return _rotate(x, cos, sin, qkv + next(w) if bias else qkv, **p)
+    return _rotate(x, cos, sin, qkv + next(w) if bias else qkv, *w, **p)
 
 
 def post_attention_math(
@@ -187,11 +195,13 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     norms, activation, _ = _hubs()
     if _installed(layer.self_attn) is not attention_layer.forward:
         return "self_attn does not run the CausalSelfAttention kernel layer"
-    if hasattr(layer.self_attn, "q_norm") or hasattr(layer.self_attn, "k_norm"):
-        return "the attention's query/key norms are not in the block's math"
     packed = _packed_names(layer)
     if isinstance(packed, str):
         return packed
+    by_forward = {getattr(norms, name).forward: name for name in norms.NORM_MATH}
+    qk_norm = _qk_norm(layer.self_attn, by_forward, packed)
+    if isinstance(qk_norm, str):
+        return qk_norm
     q_k_v = [getattr(layer.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
     if len({getattr(p, "bias", None) is None for p in q_k_v if p is not None}) > 1:
         return "some but not all of q_proj, k_proj, v_proj have a bias: they cannot be merged"
@@ -204,7 +214,6 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     biased = packed is None and not activation.bias_free(*(getattr(mlp, n) for n in names))
     if act not in activation.GATED_MATH or biased:
         return f"the MLP's activation {act!r} or its projection biases are not in the block's math"
-    by_forward = {getattr(norms, name).forward: name for name in norms.NORM_MATH}
     slots = norms_of(layer)
     style, eps = dict.fromkeys(NORM_SLOTS), dict.fromkeys(NORM_SLOTS, 0.0)
     for slot, name in slots.items():
@@ -224,12 +233,31 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
         kv_heads=kv_heads,
         head_dim=attn.head_dim,
         neox=bool(getattr(attn, "is_neox_style", True)),
+        **qk_norm,
     )
     post = dict(
         norm_post=style["post_attn"], eps_post=eps["post_attn"], norm=style["pre_ff"], eps=eps["pre_ff"]
     )
     mlp_kw = dict(act=act, norm=style["post_ff"], eps=eps["post_ff"])
     return Block(pre, post, mlp_kw, dict(slots), fused, *shards, packed=packed)
+
+
+def _qk_norm(attn: nn.Module, by_forward: dict, packed: Any) -> dict | str:
+    """The block's query/key norm parameters: `{}` without them; `qk_norm` (style) and `qk_eps` for a
+    q_norm and a k_norm per head (Qwen3, Gemma 3: `head_dim` weights, one RMSNorm kernel style and eps);
+    why not, else (over the whole projection as OLMo2's, only one of them, packed projections)."""
+    found = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+    if all(n is None for n in found):
+        return {}
+    if packed is not None or any(n is None for n in found):
+        return "the attention's query/key norms are not in the block's math (packed, or only one of them)"
+    norms = _hubs()[0]
+    styles = {by_forward.get(_installed(n)) for n in found}
+    eps = {norms.eps_of(n) for n in found}
+    shapes = {tuple(getattr(n, "weight", torch.empty(0)).shape) for n in found}
+    if len(styles) != 1 or None in styles or len(eps) != 1 or shapes != {(attn.head_dim,)}:
+        return "the attention's query/key norms are not per-head RMSNorm kernel layers of one style and eps"
+    return {"qk_norm": styles.pop(), "qk_eps": eps.pop()}
 
 
 def _packed_names(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]] | str | None:
@@ -315,7 +343,8 @@ def run_block(
     weight_of = {slot: getattr(layer, name).weight for slot, name in block.norms.items()}
     cos, sin = rotary_tables(attn, *position_embeddings)
     weight, bias = qkv_params(attn)
-    pre_w = [*_weights(weight_of, "input"), weight, *([] if bias is None else [bias])]
+    qk_w = [attn.q_norm.weight, attn.k_norm.weight] if block.pre.get("qk_norm") else []
+    pre_w = [*_weights(weight_of, "input"), weight, *([] if bias is None else [bias]), *qk_w]
     q, k, v = hub.run(attn, pre_attention_math, [x, cos, sin], pre_w, bias=bias is not None, **block.pre)
     out = attend(q, k, v)
     o = attn.o_proj
