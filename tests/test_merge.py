@@ -8,7 +8,7 @@ from torch import nn
 
 import kernelize
 from kernelize import Mode, hub
-from kernelize.merge import merge_cost_bytes, merged_parameter
+from kernelize.merge import linear_layout, merge_cost_bytes, merged_parameter
 
 
 class MLP(nn.Module):
@@ -110,3 +110,29 @@ def test_bf16_weights():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(mlp(x).float(), eager(mlp, x).float(), atol=3e-2, rtol=3e-2)
+
+
+def test_linear_layout_relays_an_in_out_weight_in_place():
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(24, 40))
+    before, obj = p.detach().clone(), p
+    w = linear_layout(p)
+    assert p is obj and p.shape == (24, 40) and torch.equal(p, before)  # same parameter, shape and values
+    assert w.shape == (40, 24) and w.is_contiguous() and w.data_ptr() == p.data_ptr()
+    assert p.untyped_storage().nbytes() == p.numel() * 4  # no second copy held
+    assert linear_layout(p).data_ptr() == w.data_ptr()  # later calls: as it is
+
+
+def test_linear_layout_leaves_views_of_a_larger_storage():
+    merged = torch.randn(8, 10)
+    part = nn.Parameter(merged[:4])  # a slice (a merged or shared weight): re-laying would unshare it
+    assert linear_layout(part) is None
+    assert part.data_ptr() == merged.data_ptr() and part.stride() == (10, 1)
+
+
+def test_linear_layout_relays_again_after_the_weight_is_replaced():
+    p = nn.Parameter(torch.randn(6, 5))
+    linear_layout(p)
+    p.data = torch.randn(6, 5)  # load_state_dict(assign=True), model.to(...)
+    assert p.t().is_contiguous() is False
+    assert linear_layout(p).is_contiguous() and p.t().is_contiguous()

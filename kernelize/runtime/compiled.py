@@ -431,12 +431,16 @@ class CompiledGraph:
         step = self._steps[0]
         # a direct step writes only graph outputs, and no graph output is channels-last (the planner keeps
         # outputs dense; channels_last_buffers picks what conv and pool steps write): no layout test here
-        if self._direct is None or step.compiled.fresh is not None:
+        if (
+            self._direct is None
+            or step.compiled.fresh is not None
+            or any(v is not None for v in self._direct.views)
+        ):
             raise ValueError(
                 f"run_into: compiled graph {self.key} is not one generated kernel from its inputs to its "
                 "outputs; call run() and copy"
             )
-        order = self._direct[1]
+        order = self._direct.order
         views = {}
         for j, out in enumerate(outs):
             if out is None:
@@ -462,10 +466,10 @@ class CompiledGraph:
     ) -> list[torch.Tensor]:
         """``run`` for a graph of one kernel from inputs to outputs: its outputs are fresh (or recycled
         buffers nothing else holds, or the caller's ``views``), so they alias no input and need no copy."""
-        step, (direct, order) = self._steps[0], self._direct
+        step, (direct, order, shapes) = self._steps[0], self._direct
         reads = [inputs[r].contiguous() if isinstance(r, int) else r for r in direct]
         writes = self._written(step, reads, bound.shapes[0], bound.sizes[0], bound.launch[0], views)
-        return [writes[i] for i in order]
+        return [writes[i] if s is None else writes[i].view(bind(s, bound.env)) for i, s in zip(order, shapes)]
 
     def _written(
         self,
@@ -480,9 +484,7 @@ class CompiledGraph:
         (``CompiledKernel.fresh``), else the arena's ``views`` or buffers allocated here, filled by
         ``launch``."""
         if step.compiled.fresh is not None and launch_it:
-            outs = launch_fresh(step, reads, sizes)
-            if outs is not None:
-                return outs
+            return launch_fresh(step, reads, sizes, lambda: self._buffers.outputs(step.kernel, shapes, views))
         writes = self._buffers.outputs(step.kernel, shapes, views)
         if launch_it:
             launch(step, reads, writes, sizes)

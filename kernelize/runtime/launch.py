@@ -7,7 +7,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -33,14 +33,31 @@ def launch(
 
 
 def launch_fresh(
-    step: Step, reads: Sequence[torch.Tensor], sizes: Mapping[str, int]
-) -> list[torch.Tensor] | None:
-    """Run ``step``'s kernel through ``CompiledKernel.fresh`` (a library call that makes its outputs itself);
-    its outputs, or None when it declines at these sizes (then :func:`launch` runs it into buffers)."""
+    step: Step,
+    reads: Sequence[torch.Tensor],
+    sizes: Mapping[str, int],
+    writes: Callable[[], list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """Run ``step``'s kernel through ``CompiledKernel.fresh`` (a library call that makes its outputs itself)
+    and return its outputs; where it declines at these sizes, :func:`launch` it into ``writes()``. One row
+    in the profile either way (a declined try of its own read as a second call of the kernel)."""
     if torch.autograd.profiler._is_profiler_enabled:
         with torch.profiler.record_function(label(step.kernel)):
-            return step.compiled.fresh(reads, sizes)
-    return step.compiled.fresh(reads, sizes)
+            return _fresh_or_launch(step, reads, sizes, writes)
+    return _fresh_or_launch(step, reads, sizes, writes)
+
+
+def _fresh_or_launch(
+    step: Step,
+    reads: Sequence[torch.Tensor],
+    sizes: Mapping[str, int],
+    writes: Callable[[], list[torch.Tensor]],
+) -> list[torch.Tensor]:
+    outs = step.compiled.fresh(reads, sizes)
+    if outs is None:
+        outs = writes()
+        step.compiled.launch(reads, outs, sizes)
+    return outs
 
 
 __all__ = ["label", "launch", "launch_fresh"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,8 +28,8 @@ from kernelize.autokernel.kernels import (
     LibraryKernel,
     dispatch,
 )
-from kernelize.ir.graph import Graph, Node
-from kernelize.ir.shapes import bind
+from kernelize.ir.graph import Graph, Node, Op
+from kernelize.ir.shapes import Dim, bind
 from kernelize.runtime.backend import CompiledKernel
 from kernelize.runtime.conv import ConvRunner
 from kernelize.runtime.replay import Batch, batch_of, step_call
@@ -110,25 +111,33 @@ def bind_steps(steps: Sequence[Step], env: dict[str, int]) -> Bound:
     )
 
 
-def direct_reads(
-    steps: Sequence[Step], graph: Graph, consts: Mapping[Node, torch.Tensor]
-) -> tuple[tuple[int | torch.Tensor, ...], tuple[int, ...]] | None:
+class Direct(NamedTuple):
+    """How a graph of one generated kernel runs without the buffer bookkeeping (see :func:`direct_reads`)."""
+
+    reads: tuple[int | torch.Tensor, ...]  # per kernel read, the graph input's index or the constant
+    order: tuple[int, ...]  # per graph output, the index of the kernel write it is (or views)
+    views: tuple[tuple[Dim, ...] | None, ...]  # per graph output, the shape it views its write as, or None
+
+
+def direct_reads(steps: Sequence[Step], graph: Graph, consts: Mapping[Node, torch.Tensor]) -> Direct | None:
     """When ``steps`` are one generated kernel that reads only inputs and constants and writes exactly the
-    graph's outputs: per kernel read, the input's index or the constant, and per output, the index of the
-    kernel write it is. Else None."""
+    graph's outputs, or reshapes (``VIEW``) of them (a projection of ``[1, 1, K]`` rows writes ``[1, N]``):
+    the reads, and per output its write and view. Else None."""
     if len(steps) != 1:
         return None
     step = steps[0]
-    k, outs = step.kernel, list(graph.outputs)
+    k = step.kernel
+    outs = [o.src[0] if o.op is Op.VIEW and o.src[0] in k.writes else o for o in graph.outputs]
     if step.library or step.operands or step.conv is not None or step.compiled is None:
         return None
     if set(k.writes) != set(outs) or len(set(outs)) != len(outs) or len(k.writes) != len(outs):
         return None
     where = {n: i for i, n in enumerate(graph.inputs)}
-    if any(o in where for o in outs) or not all(b in where or b in consts for b in k.reads):
+    if any(o in where for o in graph.outputs) or not all(b in where or b in consts for b in k.reads):
         return None
     reads = tuple(where[b] if b in where else consts[b] for b in k.reads)
-    return reads, tuple(k.writes.index(o) for o in outs)
+    views = tuple(None if o is w else tuple(o.shape) for o, w in zip(graph.outputs, outs))
+    return Direct(reads, tuple(k.writes.index(o) for o in outs), views)
 
 
 def program(
@@ -164,4 +173,14 @@ def program(
     return units
 
 
-__all__ = ["RUN_AS", "Bound", "Step", "bind_steps", "direct_reads", "program", "steps_of", "strided_inputs"]
+__all__ = [
+    "RUN_AS",
+    "Bound",
+    "Direct",
+    "Step",
+    "bind_steps",
+    "direct_reads",
+    "program",
+    "steps_of",
+    "strided_inputs",
+]

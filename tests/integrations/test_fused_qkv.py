@@ -126,3 +126,19 @@ def test_gpt_bigcode_is_another_layout_and_stays_eager_with_the_reason():
         assert all("differ from GPT-2's" in c.reason for c in choices.values()), choices
         real = mask.bool()
         torch.testing.assert_close(zoo.logits(fast, ids, mask)[real], want[real], atol=1e-4, rtol=1e-4)
+
+
+def test_conv1d_weights_are_relaid_as_linear_in_memory_with_the_same_state_dict():
+    """Inference re-lays every `Conv1D` weight (attention and MLP) once as `(out, in)` in memory, the layout
+    the matmul kernels read fastest; values, shapes and the saved state are unchanged."""
+    eager = tiny_gpt2()
+    with kernelized(eager) as fast:
+        convs = {n: m for n, m in fast.named_modules() if type(m).__name__ == "Conv1D"}
+        assert len(convs) == 4 * eager.config.n_layer
+        assert all(m.weight.t().is_contiguous() for m in convs.values()), "a Conv1D weight kept (in, out)"
+        want, got = eager.state_dict(), fast.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert_same_logits_and_tokens(eager, fast)
+        fast.load_state_dict(eager.state_dict())  # copies into the re-laid memory: the kernels read it
+        assert all(m.weight.t().is_contiguous() for m in convs.values())
+        assert_same_logits_and_tokens(eager, fast)

@@ -380,6 +380,45 @@ def test_one_kernel_graphs_take_the_direct_path_and_keep_the_output_rules():
     assert a.data_ptr() != b.data_ptr() and same.data_ptr() != x0.data_ptr() and torch.equal(same, x0)
 
 
+def test_outputs_that_reshape_the_kernels_write_take_the_direct_path():
+    """(perf) A projection of ``[B, 1, K]`` rows writes ``[B, N]`` and returns it viewed as ``[B, 1, N]``
+    (every decode step of a hub layer): the direct path returns the view of the buffer it wrote."""
+    g = Graph()
+    x = g.input("x", (B, 1, 16), "f32")
+    w = g.input("w", (8, 16), "f32")
+    y = g.matmul(g.view(x, (B, 16)), g.transpose(w))
+    g.output(g.view(g.unary(Op.TANH, y), (B, 1, 8)))
+    cg = compile_graph(g, backend="cpu")
+    assert cg._direct is not None and cg._direct.views == ((B, 1, 8),)
+    for rows in (1, 3, 40):  # few-row kernel; library GEMM with the epilogue (FEW_ROWS is 16)
+        xs = [torch.randn(rows, 1, 16), torch.randn(8, 16)]
+        (got,) = cg(*xs)
+        assert got.shape == (rows, 1, 8) and got.is_contiguous()
+        torch.testing.assert_close(got, evaluate(g, xs)[0])
+    with pytest.raises(ValueError, match="not one generated kernel"):  # run_into takes exact writes only
+        cg.run_into(xs, [torch.empty(40, 1, 8)])
+
+
+def test_a_declined_library_call_is_one_row_of_the_profile():
+    """A matmul kernel tries its library call (``fresh``) and, below its rows, launches the few-row kernel:
+    the profile counts one call, not two."""
+    from torch.profiler import profile
+
+    g = Graph()
+    x = g.input("x", (B, 16), "f32")
+    w = g.input("w", (8, 16), "f32")
+    g.output(g.add(g.matmul(x, g.transpose(w)), g.input("b", (8,), "f32")))
+    cg = compile_graph(g, backend="cpu")
+    xs = [torch.randn(1, 16), torch.randn(8, 16), torch.randn(8)]
+    cg(*xs)
+    assert cg._steps[0].compiled.fresh is not None
+    with profile() as prof:
+        cg(*xs)
+        cg(*[torch.randn(40, 16), *xs[1:]])
+    rows = [e for e in prof.key_averages() if e.key.startswith("kernelize::matmul[")]
+    assert [e.count for e in rows] == [2], [(e.key, e.count) for e in rows]
+
+
 def _const_graph(value: float) -> tuple[Graph, torch.Tensor]:
     g = Graph()
     x = g.input("x", (256, 1024), "f32")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernelize import hub
-from kernelize.merge import merged_parameter
+from kernelize.merge import linear_layout, merged_parameter
 from kernelize.shards import local, require
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -364,16 +364,23 @@ class DenseMLP(nn.Module):
         up, down = getattr(self, up_name), getattr(self, down_name)
         if _training(hidden_states, up, down):
             return down(ACT_MATH[act](up(hidden_states)))
-        transposed = type(up).__name__ == "Conv1D"
+        weight, transposed = _weight(up)
         if up.bias is None:
-            h = hub.run(
-                self, dense_up_nobias_math, [hidden_states], [up.weight], act=act, transposed=transposed
-            )
+            h = hub.run(self, dense_up_nobias_math, [hidden_states], [weight], act=act, transposed=transposed)
         else:
             h = hub.run(
-                self, dense_up_math, [hidden_states], [up.weight, up.bias], act=act, transposed=transposed
+                self, dense_up_math, [hidden_states], [weight, up.bias], act=act, transposed=transposed
             )
-        transposed = type(down).__name__ == "Conv1D"
+        weight, transposed = _weight(down)
         if down.bias is None:
-            return hub.run(self, dense_down_nobias_math, [h], [down.weight], transposed=transposed)
-        return hub.run(self, dense_down_math, [h], [down.weight, down.bias], transposed=transposed)
+            return hub.run(self, dense_down_nobias_math, [h], [weight], transposed=transposed)
+        return hub.run(self, dense_down_math, [h], [weight, down.bias], transposed=transposed)
+
+
+def _weight(proj: nn.Module) -> tuple[torch.Tensor, bool]:
+    """(weight, stored (in, out)): a `Conv1D`'s weight re-laid once as `(out, in)` in memory where it can be
+    (`kernelize.merge.linear_layout`: the layout the matmul kernels read fastest), else as it is."""
+    if type(proj).__name__ != "Conv1D":
+        return proj.weight, False
+    weight = linear_layout(proj.weight)
+    return (proj.weight, True) if weight is None else (weight, False)

@@ -8,7 +8,8 @@ stored `(in, out)`, or an `nn.Linear`), `c_proj` (likewise), `head_dim`, `scalin
 `resid_dropout`. `kernelize.integrations.transformers.kernelize_model` checks that structure before marking
 the module. The forward:
 
-1. `c_attn`: in inference one generated matmul kernel, bias fused (`x @ W + b` for a `Conv1D`);
+1. `c_attn`: in inference one generated matmul kernel, bias fused (`x @ W + b` for a `Conv1D`, whose weight
+   is re-laid once as `(out, in)` in memory by `kernelize.merge.linear_layout`: values and shape unchanged);
 2. split into query, key and value heads `(batch, heads, seq, head_dim)`: views, no copies;
 3. `cache.update(...)` (transformers' `DynamicCache`; the self-attention half of an `EncoderDecoderCache`);
 4. `kernelize.model_attention.attention_forward`: the generated attention kernel with the model's mask
@@ -29,6 +30,7 @@ from torch import nn
 
 from kernelize import hub
 from kernelize.layer.kernelize import original_forward
+from kernelize.merge import linear_layout
 from kernelize.model_attention import attention_forward, note_fallback
 
 
@@ -48,12 +50,15 @@ def is_conv1d(proj: nn.Module) -> bool:
 def project(owner: nn.Module, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`proj(x)` for an `nn.Linear` or a `Conv1D`: a generated matmul kernel in inference, torch's (with a
     backward) otherwise."""
-    from .layers import project_out  # imported when called: layers.py imports this module
+    from .layers import linear, project_out  # imported when called: layers.py imports this module
 
     if not is_conv1d(proj):
         return project_out(owner, x, proj)
     if torch.is_grad_enabled() and (x.requires_grad or proj.weight.requires_grad):
         return proj(x)
+    weight = linear_layout(proj.weight)  # (out, in) in memory: the layout the matmul kernels read fastest
+    if weight is not None:
+        return linear(owner, x, weight, proj.bias)
     if proj.bias is None:
         return hub.run(owner, conv1d_nobias_math, [x], [proj.weight])
     return hub.run(owner, conv1d_math, [x], [proj.weight, proj.bias])
