@@ -612,29 +612,3 @@ def test_run_into_writes_outputs_where_asked_even_over_an_input(backend) -> None
     if backend == "cpu":
         with pytest.raises(ValueError, match="not one generated kernel"):
             hub.run_into(two_kernels, [x], [None])
-
-
-def test_torch_runs_on_one_thread_while_the_kernels_run_solo() -> None:
-    """After a region whose workers started late (TEAM_DEADLINE ahead), a CPU run sets torch to one thread
-    and restores the count after; nested runs restore it once, at the end of the outer one."""
-    import time
-
-    from kernelize.codegen import cpu_build
-    from kernelize.runtime.compiled import torch_team_of_kernels
-
-    cpu = torch.device("cpu")
-    before, deadline = torch.get_num_threads(), cpu_build.TEAM_DEADLINE.value
-    try:
-        torch.set_num_threads(2)
-        with torch_team_of_kernels(cpu):
-            assert torch.get_num_threads() == 2  # no late workers: the full team
-        cpu_build.TEAM_DEADLINE.value = time.monotonic_ns() + 10**10
-        with torch_team_of_kernels(cpu):
-            assert torch.get_num_threads() == 1
-            with torch_team_of_kernels(cpu):
-                assert torch.get_num_threads() == 1
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 2
-    finally:
-        cpu_build.TEAM_DEADLINE.value = deadline
-        torch.set_num_threads(before)
