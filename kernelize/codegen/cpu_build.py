@@ -21,7 +21,6 @@ import shlex
 import shutil
 import subprocess
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -156,12 +155,6 @@ def build_shared_object(source: str, kernel_name: str = "kernel") -> Path:
 # One deadline for every kernel library: after a parallel region whose workers started late (other processes
 # hold the cores), regions run on one thread until then (see "thread teams under load" in cpu_prelude.h).
 TEAM_DEADLINE = ctypes.c_int64(0)
-
-
-def team_solo() -> bool:
-    """Whether kernels run their regions on the calling thread now (a recent region's workers started late;
-    the deadline is on ``CLOCK_MONOTONIC``, which is ``time.monotonic_ns``)."""
-    return TEAM_DEADLINE.value > time.monotonic_ns()
 
 
 def stream_threshold() -> int:

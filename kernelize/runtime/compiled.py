@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from kernelize.autokernel.kernels import Kernel
-from kernelize.codegen import cpu_build, cpu_pool
+from kernelize.codegen import cpu_pool
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
@@ -232,33 +232,6 @@ CPU_LIBRARY = {Op.POOL: (cpu_pool.supports, cpu_pool.pool)}
 # runs of generated steps go to C in one call (kernelize.runtime.replay); KERNELIZE_REPLAY=0 keeps Python
 REPLAY = os.environ.get("KERNELIZE_REPLAY", "1") != "0"
 
-_SOLO = {"depth": 0, "threads": 0}  # runs inside torch_team_of_kernels, and torch's count before the first
-_SOLO_LOCK = threading.Lock()
-
-
-@contextmanager
-def torch_team_of_kernels(device: torch.device) -> Iterator[None]:
-    """torch's ops (oneDNN convs, copies) run on one thread inside the block while the generated kernels do:
-    after a region whose workers started late (``cpu_build.team_solo``). With other processes holding the
-    cores, each team region of torch costs up to a scheduler slice at its closing barrier: ShuffleNet v1 on
-    2 threads under load ~6 on 2 cores took 60-150 ms with the kernels alone going solo, against ~4 ms on
-    one thread. Concurrent runs share one saved count; the last one out restores it."""
-    if device.type != "cpu" or not cpu_build.team_solo() or torch.get_num_threads() == 1:
-        yield
-        return
-    with _SOLO_LOCK:
-        if _SOLO["depth"] == 0:
-            _SOLO["threads"] = torch.get_num_threads()
-            torch.set_num_threads(1)
-        _SOLO["depth"] += 1
-    try:
-        yield
-    finally:
-        with _SOLO_LOCK:
-            _SOLO["depth"] -= 1
-            if _SOLO["depth"] == 0:
-                torch.set_num_threads(_SOLO["threads"])
-
 
 class CompiledGraph:
     """A graph compiled for one backend and device; call it like ``kernelize.ir.evaluate``.
@@ -343,15 +316,14 @@ class CompiledGraph:
             return no_alias(evaluate(self.graph, list(inputs)), inputs)
         arena = arena_for(self._arenas, bound.shapes, self._lives, self._inplace)
         views = None if arena is None else arena.take()
-        with torch_team_of_kernels(self.device):
-            if views is None:
-                return self._run_steps(inputs, bound, {})
-            try:
-                if arena.program is None and REPLAY:
-                    arena.program = program(self._steps, bound, views, self._consts, self._cl)
-                return self._run_steps(inputs, bound, views, arena.program)
-            finally:
-                arena.release()
+        if views is None:
+            return self._run_steps(inputs, bound, {})
+        try:
+            if arena.program is None and REPLAY:
+                arena.program = program(self._steps, bound, views, self._consts, self._cl)
+            return self._run_steps(inputs, bound, views, arena.program)
+        finally:
+            arena.release()
 
     def _run_steps(
         self, inputs: Sequence[torch.Tensor], bound: Bound, views: Mapping[Node, torch.Tensor], units=None
