@@ -64,7 +64,9 @@ GLU_ACTS = {"silu": 0, "swish": 0, "gelu": 1, "gelu_pytorch_tanh": 2, "gelu_new"
 
 
 @functools.cache
-def _entry(name: str, x_dtype: torch.dtype, out_dtype: torch.dtype) -> ctypes._CFuncPtr:
+def entry(name: str, x_dtype: torch.dtype, out_dtype: torch.dtype) -> ctypes._CFuncPtr:
+    """Format ``name``'s few-row kernel for ``x_dtype`` inputs and ``out_dtype`` outputs (f32 / bf16): the
+    arguments :func:`gemv` passes it."""
     return getattr(library(name), f"kz_quant_{name}_{_DTYPES[x_dtype]}_{_DTYPES[out_dtype]}")
 
 
@@ -84,7 +86,7 @@ def gemv(
     m, k = x.shape
     n = packed.shape[0]
     up = 0 if act is None else n // 2
-    _entry(packed.format.name, x.dtype, out.dtype)(
+    entry(packed.format.name, x.dtype, out.dtype)(
         x.data_ptr(), m, k, packed.data.data_ptr(), _ptr(packed.scales), n - up, _ptr(bias), out.data_ptr(),
         torch.get_num_threads(), up, GLU_ACTS.get(act, 0),
     )  # fmt: skip
@@ -121,4 +123,4 @@ def quantize_activations(x: torch.Tensor, fmt: str = "q8_0") -> tuple[torch.Tens
     return q, d
 
 
-__all__ = ["GLU_ACTS", "dequantize_rows", "gemv", "library", "quantize_activations", "source"]
+__all__ = ["GLU_ACTS", "dequantize_rows", "entry", "gemv", "library", "quantize_activations", "source"]

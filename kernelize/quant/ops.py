@@ -122,6 +122,62 @@ def _few_rows_cpu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], n)
 
 
+class FewRows:
+    """The few-row CPU kernel call of one packed weight, resolved once (entry points, addresses, sizes,
+    epilogue): :func:`linear`'s decode path for callers that hold the weight across calls (the packed
+    decoder block makes four per layer per token). A call pays a size check, the output's allocation and
+    the ctypes call; it returns None for what it does not take (more rows, another dtype or device, a
+    non-contiguous x), which the caller runs through :func:`linear` / :func:`kernelize.quant.fused.glu`.
+
+    ``act`` (a :data:`kernels.GLU_ACTS` name): ``packed`` is a merged gate|up weight and the call returns
+    ``act(x @ gate.T) * (x @ up.T)``, as :func:`kernels.gemv` does.
+
+    Example:
+        >>> from kernelize.quant.formats import quantize
+        >>> p = quantize(torch.randn(16, 64), "q8_0")
+        >>> FewRows(p)(torch.randn(2, 64)).shape  # doctest: +SKIP
+        torch.Size([2, 16])
+    """
+
+    __slots__ = ("bias", "entries", "k", "n_out", "packed", "up", "act", "weight_ptrs")
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None, act: str | None = None):
+        n, self.k = packed.shape
+        self.up = 0 if act is None else n // 2
+        self.n_out, self.act = n - self.up, kernels.GLU_ACTS.get(act, 0)
+        assert FewRows.takes(packed, bias), "FewRows: the weight and bias must be ones FewRows.takes"
+        self.packed, self.bias = packed, bias  # held: the kernel reads them through the addresses below
+        scales = 0 if packed.scales is None else packed.scales.data_ptr()
+        bias_ptr = 0 if bias is None else bias.data_ptr()
+        self.weight_ptrs = (packed.data.data_ptr(), scales, n - self.up, bias_ptr)
+        # output in x's dtype, as linear()
+        self.entries = {d: kernels.entry(packed.format.name, d, d) for d in DTYPES["cpu"]}
+
+    @staticmethod
+    def takes(packed: PackedWeight, bias: torch.Tensor | None) -> bool:
+        """Whether the kernel reads ``packed`` and ``bias`` as they are (on the CPU; the bias f32 ``[N]``,
+        contiguous)."""
+        if not packed.data.is_cpu:
+            return False
+        return bias is None or (
+            bias.is_cpu and bias.dtype == torch.float32 and bias.shape == (packed.shape[0],)
+            and bias.is_contiguous()
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        k = self.k
+        if x.shape[-1] != k or not x.is_cpu or not x.is_contiguous() or x.dim() < 2:
+            return None
+        m = x.numel() // k
+        entry = self.entries.get(x.dtype)
+        if entry is None or not 0 < m <= FEW_ROWS:
+            return None
+        out = torch.empty(m, self.n_out, dtype=x.dtype)
+        w, s, n, b = self.weight_ptrs
+        entry(x.data_ptr(), m, k, w, s, n, b, out.data_ptr(), torch.get_num_threads(), self.up, self.act)
+        return out.view(*x.shape[:-1], self.n_out)
+
+
 def _cpu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     if x.shape[0] <= FEW_ROWS:
         kernels.gemv(x, packed, bias, out)
@@ -147,4 +203,4 @@ def _panels(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, ou
 # device type -> its kernels: run(x [M, K] contiguous, packed, bias f32 or None, out [M, N]); DTYPES' keys
 RUNS = {"cpu": _cpu, "cuda": gpu.run}
 
-__all__ = ["DTYPES", "RUNS", "FEW_ROWS", "PANEL_ROWS", "linear"]
+__all__ = ["DTYPES", "FEW_ROWS", "PANEL_ROWS", "RUNS", "FewRows", "linear"]

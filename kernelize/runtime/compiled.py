@@ -50,7 +50,7 @@ from kernelize.runtime.buffers import (
 from kernelize.runtime.cache import GRAPHS, graph_fingerprint
 from kernelize.runtime.conv import ConvRunner
 from kernelize.runtime.launch import launch, launch_fresh
-from kernelize.runtime.library import materialize, view_bases
+from kernelize.runtime.library import materialize, materialize_view, view_bases
 from kernelize.runtime.memory import Arena
 from kernelize.runtime.replay import Batch
 from kernelize.runtime.schedule import (
@@ -339,7 +339,7 @@ class CompiledGraph:
             else:
                 self._run_step(unit, vals, bound, views)
         env = bound.env
-        outs = [materialize(o, vals, env).contiguous() for o in self.graph.outputs]
+        outs = [materialize_view(o, vals, env, bound.views).contiguous() for o in self.graph.outputs]
         return outs if self._own_outputs else no_alias(outs, inputs)
 
     def _run_step(self, i: int, vals: dict, bound: Bound, views: Mapping[Node, torch.Tensor]) -> None:

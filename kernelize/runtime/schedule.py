@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Container, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -98,6 +98,8 @@ class Bound:
     shapes: tuple[tuple[tuple[int, ...], ...], ...]  # per step, the shapes of the buffers it writes
     sizes: tuple[dict[str, int], ...]  # per step, its symbol values
     launch: tuple[bool, ...]  # per step, whether anything is written (empty outputs skip the launch)
+    # per graph output that views a buffer, where it lies in it (see `library.materialize_view`)
+    views: dict = field(default_factory=dict, compare=False)
 
 
 def bind_steps(steps: Sequence[Step], env: dict[str, int]) -> Bound:

@@ -53,3 +53,31 @@ def test_errors_name_the_tensor_and_the_remedy() -> None:
         ops.linear(torch.randn(1, 64), p, torch.randn(6))
     with pytest.raises(TypeError, match="must be a PackedWeight"):
         ops.linear(torch.randn(1, 64), torch.randn(7, 64))
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_is_linear_and_glu_bit_for_bit(fmt: str, dtype: torch.dtype) -> None:
+    """The resolved call is the same kernel call as linear() / glu(): identical bits, bias and epilogue."""
+    from kernelize.quant.fused import glu
+
+    k = 256
+    gen = torch.Generator().manual_seed(5)
+    p = quantize(torch.randn(96, k, generator=gen), fmt)
+    bias = torch.randn(96, generator=gen)
+    for rows in (1, 3, ops.FEW_ROWS):
+        x = torch.randn(1, rows, k, generator=gen).to(dtype)
+        assert torch.equal(ops.FewRows(p, bias)(x), ops.linear(x, p, bias))
+        assert torch.equal(ops.FewRows(p)(x), ops.linear(x, p))
+        assert torch.equal(ops.FewRows(p, bias, "silu")(x), glu(x, p, "silu", bias))
+
+
+def test_few_rows_declines_what_it_does_not_take() -> None:
+    p = quantize(torch.randn(16, 64), "q8_0")
+    call = ops.FewRows(p)
+    assert call(torch.randn(ops.FEW_ROWS + 1, 64)) is None  # prefill rows: linear's panels
+    assert call(torch.randn(64, 2).t()) is None  # not contiguous
+    assert call(torch.randn(2, 32)) is None and call(torch.randn(64)) is None  # wrong K, 1-d
+    assert call(torch.randn(2, 64, dtype=torch.float16)) is None
+    assert not ops.FewRows.takes(p, torch.randn(16, dtype=torch.bfloat16))  # the kernel's bias is f32
+    assert not ops.FewRows.takes(p, torch.randn(32, 2)[:, 0])

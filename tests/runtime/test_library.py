@@ -32,3 +32,22 @@ def test_materialize_computes_views_and_constants_without_recursion():
     vals = {x: t}
     out = materialize(deep, vals, {})
     assert torch.equal(out, t) and len(vals) == 3001  # every view on the way is kept for later readers
+
+
+def test_materialize_view_remembers_where_a_view_lies_and_checks_its_buffer():
+    from kernelize.runtime.library import materialize_view
+
+    g = Graph()
+    x = g.input("x", (4, 6), "f32")
+    view = g.transpose(g.slice(x, 1, 2, 6))  # a view of x through two layout ops
+    flipped = g.flip(x, (1,))  # torch copies a flip: nothing to remember
+    geometry: dict = {}
+    t = torch.randn(4, 6)
+    first = materialize_view(view, {x: t}, {}, geometry)
+    assert torch.equal(first, t[:, 2:].t()) and set(geometry) == {view}
+    assert torch.equal(materialize_view(flipped, {x: t}, {}, geometry), t.flip(1)) and flipped not in geometry
+    u = torch.randn(4, 6)
+    again = materialize_view(view, {x: u}, {}, geometry)  # rebuilt from the remembered geometry
+    assert torch.equal(again, u[:, 2:].t()) and again.stride() == first.stride()
+    wide = torch.randn(4, 9)[:, :6]  # another buffer layout: walked again, not rebuilt from the old one
+    assert torch.equal(materialize_view(view, {x: wide}, {}, geometry), wide[:, 2:].t())

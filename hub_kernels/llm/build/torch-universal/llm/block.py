@@ -400,18 +400,53 @@ def _run_packed(
     attn, mlp = layer.self_attn, layer.mlp
     weight_of = {slot: getattr(layer, name).weight for slot, name in block.norms.items()}
     pre, (qkv_names, gate_up_names) = block.pre, block.packed
+    calls = _packed_calls(layer, block)
     h = x
     if pre["norm"] is not None:
         h = hub.run(layer, norm_math, [x], [weight_of["input"]], norm=pre["norm"], eps=pre["eps"])
-    qkv = linear(h, *merged_packed(attn, qkv_names))
+    qkv = _project(calls[0], h, lambda h: linear(h, *merged_packed(attn, qkv_names)))
     rotary = {name: pre[name] for name in ("heads", "kv_heads", "head_dim", "neox")}
     q, k, v = hub.run(attn, rotate_math, [qkv, *rotary_tables(attn, *position_embeddings)], **rotary)
-    o = attn.o_proj(attend(q, k, v))
+    o = _project(calls[1], attend(q, k, v), attn.o_proj)
     h = hub.run(layer, residual_norm_math, [o, x], _weights(weight_of, "post_attn", "pre_ff"), **block.post)
     h, residual = (h, h) if block.post["norm"] is None else h
-    packed, bias = merged_packed(mlp, gate_up_names)
-    y = mlp.down_proj(glu(h, packed, block.mlp["act"], bias))
+    act = block.mlp["act"]
+    y = _project(calls[2], h, lambda h: glu(h, *_swap(merged_packed(mlp, gate_up_names), act)))
+    y = _project(calls[3], y, mlp.down_proj)
     if block.mlp["norm"] is None:
         return y + residual
     tail = {"norm": block.mlp["norm"], "eps": block.mlp["eps"]}
     return hub.run(mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), **tail)
+
+
+def _swap(merged: tuple, act: str) -> tuple:
+    """`glu`'s arguments (packed, act, bias) from `merged_packed`'s (packed, bias)."""
+    return merged[0], act, merged[1]
+
+
+def _project(call: Any, x: torch.Tensor, fallback: Any) -> torch.Tensor:
+    """`call(x)` (a resolved few-row kernel call), or `fallback(x)` for what it does not take."""
+    y = None if call is None else call(x)
+    return fallback(x) if y is None else y
+
+
+def _packed_calls(layer: nn.Module, block: Block) -> tuple[Any, ...]:
+    """The layer's four packed products (q|k|v, o_proj, gate|up with its activation, down_proj) as resolved
+    few-row kernel calls (`kernelize.quant.ops.FewRows`; None where a bias is not the kernel's f32), made
+    once and kept while the merged weights and biases are the same objects (a replaced buffer re-merges
+    them, so the calls are made again)."""
+    from kernelize.quant.fused import merged_packed
+    from kernelize.quant.ops import FewRows
+
+    attn, mlp = layer.self_attn, layer.mlp
+    o, down = attn.o_proj, mlp.down_proj
+    parts = (*merged_packed(attn, block.packed[0]), o.packed, o.bias)
+    parts += (*merged_packed(mlp, block.packed[1]), down.packed, down.bias)
+    held = layer.__dict__.get("_kernelize_packed_calls")
+    if held is not None and all(a is b for a, b in zip(held[0], parts)):
+        return held[1]
+    acts = (None, None, block.mlp["act"], None)
+    pairs = zip(parts[::2], parts[1::2], acts)
+    calls = tuple(FewRows(p, b, act) if FewRows.takes(p, b) else None for p, b, act in pairs)
+    layer.__dict__["_kernelize_packed_calls"] = (parts, calls)
+    return calls
