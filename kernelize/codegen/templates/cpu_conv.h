@@ -102,13 +102,17 @@ KZ_INLINE kz_vec kz_vld(const float* p, int n) { return n >= KZ_VW ? kz_vload(p)
 #define KZ_DW_RUN 8                       // output pixels per depthwise step
 #define KZ_MAX_TAPS 128                   // row pointers of a tile live on the stack (cpu_conv checks)
 #define KZ_ZERO_ROW 8192                  // the most input channels per group (cpu_conv checks)
-#define KZ_CONV_PARALLEL_MIN (1 << 17)    // multiply-adds below which one thread beats waking the team
 
 // sizes as the launcher passes them (one int64 array, in this order)
 struct kz_conv_dims {
     int64_t n, h, w, c, oh, ow, co, kh, kw, sh, sw, pt, pl, dh, dw, g;
     int64_t nr;  // the panel width the weights were packed with: KZ_NR, else the call is refused
 };
+
+// the bytes a conv of these sizes moves at least: its input, output and weights once (the team's grain)
+KZ_INLINE int64_t kz_conv_bytes(const kz_conv_dims& d) {
+    return 4 * (d.n * (d.h * d.w * d.c + d.oh * d.ow * d.co) + d.co * (d.c / (d.g ? d.g : 1)) * d.kh * d.kw);
+}
 
 // what taps that fall into the padding read
 static const float kz_zero_row[KZ_ZERO_ROW] = {0};
@@ -307,7 +311,7 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
     // row pointers are computed once per group and its input rows stay in L1 across the panels it meets
     const int64_t panel_bytes = taps * cig * KZ_NR * 4;
     const int64_t per_block = panel_bytes >= (256 << 10) ? 1 : (256 << 10) / panel_bytes;
-    const kz_team_t team = kz_team_open(nthreads, pixels * d.co * taps * cig >= KZ_CONV_PARALLEL_MIN);
+    const kz_team_t team = kz_team_work(nthreads, 2 * pixels * d.co * taps * cig, kz_conv_bytes(d));
     return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
         kz_conv_rows_cache rc;
         for (int64_t u0 = 0; u0 < units; u0 += per_block) {
@@ -463,7 +467,7 @@ static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float*
     const int64_t rows = d.n * d.oh, cblocks = (d.c + KZ_VW - 1) / KZ_VW;
     if (d.nr != KZ_NR) return 1;
     if (rows * d.ow == 0 || d.c == 0) return 0;
-    const kz_team_t team = kz_team_open(nthreads, rows * d.ow * d.c * d.kh * d.kw >= KZ_CONV_PARALLEL_MIN);
+    const kz_team_t team = kz_team_work(nthreads, 2 * rows * d.ow * d.c * d.kh * d.kw, kz_conv_bytes(d));
     return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
         // the kernel shapes of MobileNet / EfficientNet-style networks get the sliding-window form
         const int form = d.dw != 1 || d.kh > 16 ? 0 : (int)(d.kw * 10 + d.sw);
@@ -576,7 +580,8 @@ static int kz_conv_chain(const kz_conv_dims* d, const float* x, const float* con
     if (rows * db.ow == 0) return 0;
     const int64_t group = (KZ_CHAIN_PIXELS + db.ow - 1) / db.ow;
     const int64_t work = rows * db.ow * e * (db.kh * db.kw + (A ? d[0].c : 0) + (C ? d[2].co : 0));
-    return kz_parallel_for(kz_team_open(nthreads, work >= KZ_CONV_PARALLEL_MIN), [=](int t, int tn) KZ_BODY {
+    const int64_t bytes = kz_conv_bytes(d[A ? 0 : 1]) + kz_conv_bytes(d[C ? 2 : 1]);
+    return kz_parallel_for(kz_team_work(nthreads, 2 * work, bytes), [=](int t, int tn) KZ_BODY {
         const int64_t r0 = rows * t / tn, r1 = rows * (t + 1) / tn;
         // A's rows for a group, B's rows for C, with KZ_MR pixels of slack: a tile of C computes past the
         // group's end. Zeroed: garbage there could be denormal floats, which x86 multiplies ~100x slower
