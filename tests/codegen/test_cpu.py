@@ -676,7 +676,7 @@ def test_thread_count_follows_torch():
     g.output(g.exp(x))
     k = kernel_of(g)
     src, _ = render(k)
-    assert "kz_team_open(kz_nthreads, " in src and "kz_parallel_for(kz_tm, " in src
+    assert "kz_team_work(kz_nthreads, " in src and "kz_parallel_for(kz_tm, " in src
     old = torch.get_num_threads()
     try:
         for n in (1, 2):

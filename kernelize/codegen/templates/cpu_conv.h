@@ -107,6 +107,8 @@ KZ_INLINE kz_vec kz_vld(const float* p, int n) { return n >= KZ_VW ? kz_vload(p)
 struct kz_conv_dims {
     int64_t n, h, w, c, oh, ow, co, kh, kw, sh, sw, pt, pl, dh, dw, g;
     int64_t nr;  // the panel width the weights were packed with: KZ_NR, else the call is refused
+    int64_t ly;  // floats from one output pixel to the next: co, or more when the output is a channel slice
+                 // of a wider NHWC buffer (a concat's, written in place: kernelize/runtime/buffers.py)
 };
 
 // the bytes a conv of these sizes moves at least: its input, output and weights once (the team's grain)
@@ -289,7 +291,7 @@ static __attribute__((noinline)) void kz_conv_tile(const kz_conv_dims& d, const 
         kz_conv_micro<MR, NV>(d.kh, d.kw * cig, rc.rows, b, acc);
     else
         kz_conv_micro<MR, NV>(taps, cig, rc.rows, b, acc);
-    kz_conv_tile_put<MR, NV>(acc, y + p0 * d.co + c0, d.co, p0, c0, limit - p0 < MR ? (int)(limit - p0) : MR, nc,
+    kz_conv_tile_put<MR, NV>(acc, y + p0 * d.ly + c0, d.ly, p0, c0, limit - p0 < MR ? (int)(limit - p0) : MR, nc,
                              epi);
 }
 
@@ -339,7 +341,7 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
 template <class Epi>
 static int kz_conv_dense(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                          const Epi& epi) {
-    if (d.nr != KZ_NR || d.c / d.g > KZ_ZERO_ROW || d.kh * d.kw > KZ_MAX_TAPS) return 1;
+    if (d.nr != KZ_NR || d.ly < d.co || d.c / d.g > KZ_ZERO_ROW || d.kh * d.kw > KZ_MAX_TAPS) return 1;
     if (d.n * d.oh * d.ow == 0 || d.co == 0) return 0;
     // (perf) groups of at most half a panel of output channels (a 1x1 projection to 16 channels) use half
     // the vectors and twice the pixels per tile: the same registers, no multiply-adds on padding
@@ -397,7 +399,7 @@ static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, co
         const int run = d.ow - ox < R ? (int)(d.ow - ox) : R;
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i)
-            if (i < run) kz_conv_put<1>(&acc[i], y + (ox + i) * d.co, p + ox + i, c0, nc, epi);
+            if (i < run) kz_conv_put<1>(&acc[i], y + (ox + i) * d.ly, p + ox + i, c0, nc, epi);
     }
 }
 
@@ -424,7 +426,7 @@ KZ_INLINE void kz_conv_dw_any(const kz_conv_dims& d, const float* x, const float
         }
     }
     const int64_t p = (n * d.oh + oy) * d.ow + ox0;
-    for (int i = 0; i < run; ++i) kz_conv_put<1>(&acc[i], y + (p + i) * d.co + c0, p + i, c0, nc, epi);
+    for (int i = 0; i < run; ++i) kz_conv_put<1>(&acc[i], y + (p + i) * d.ly + c0, p + i, c0, nc, epi);
 }
 
 // output row (n, oy), channels [c0, c0 + nc): the sliding-window form when the kernel has one (KW > 0: the
@@ -440,7 +442,7 @@ KZ_INLINE void kz_conv_dw_row(const kz_conv_dims& d, const float* x, const float
         const float* rows[16];
         for (int64_t ky = ky0; ky < ky1; ++ky) rows[ky - ky0] = x + (n * d.h + oy * d.sh - d.pt + ky * d.dh) * d.w * d.c + c0;
         kz_conv_dw_slide<KW, SW, R>(d, rows, (int)(ky1 - ky0), wp + ky0 * KW * cpad + c0, KW * cpad, cpad,
-                                    y + p * d.co + c0, p, c0, nc, epi);
+                                    y + p * d.ly + c0, p, c0, nc, epi);
         return;
     }
     for (int64_t ox = 0; ox < d.ow; ox += KZ_DW_RUN)
@@ -465,7 +467,7 @@ template <class Epi>
 static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                              const Epi& epi) {
     const int64_t rows = d.n * d.oh, cblocks = (d.c + KZ_VW - 1) / KZ_VW;
-    if (d.nr != KZ_NR) return 1;
+    if (d.nr != KZ_NR || d.ly < d.co) return 1;
     if (rows * d.ow == 0 || d.c == 0) return 0;
     const kz_team_t team = kz_team_work(nthreads, 2 * rows * d.ow * d.c * d.kh * d.kw, kz_conv_bytes(d));
     return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
@@ -555,7 +557,7 @@ static void kz_conv_chain_rows(const kz_conv_dims* d, const float* x, const floa
             while (ky0 < ky1 && oy * db.sh - db.pt + ky0 < 0) ++ky0;
             while (ky1 > ky0 && oy * db.sh - db.pt + ky1 - 1 >= db.h) --ky1;
             const int64_t pr = (n * db.oh + oy) * db.ow;
-            float* out = C ? t2 + (pr - p) * e : y + pr * e;
+            float* out = C ? t2 + (pr - p) * e : y + pr * db.ly;
             for (int64_t c0 = 0; c0 < e; c0 += KZ_VW) {
                 const float* rows[16];
                 for (int64_t ky = ky0; ky < ky1; ++ky) rows[ky - ky0] = in + (oy * db.sh - db.pt + ky) * row_floats + c0;

@@ -73,8 +73,8 @@ KZ_INLINE kz_team_t kz_team_open(int nthreads, bool big) {
 // sleep (a futex wake of a halted vCPU on a VM). So a region gets as many threads as give each at least
 // KZ_GRAIN_NS of work, estimated from its size for one thread: flops at KZ_FLOPS_PER_NS (a generated conv's
 // rate: ~60 GFLOP/s on an AVX2 Zen 3 core) plus bytes moved at KZ_BYTES_PER_NS (what one core streams from
-// L2 / L3). At batch 1 the smallest regions of SqueezeNet and GoogLeNet (a 13 x 13 x 288 concat, a 14 x 14
-// 1x1 conv to 8 channels) are worth ~25-40 us: one thread; every conv over 0.4 M multiply-adds gets two.
+// L2 / L3). At batch 1 the smallest regions of SqueezeNet and GoogLeNet (a 13 x 13 1x1 conv to 144 channels,
+// a 14 x 14 one to 8, a 14 x 14 pool) are estimated at 24-36 us: one thread of two; their others get two.
 #define KZ_GRAIN_NS 20000LL
 #if defined(__AVX512F__)
 #define KZ_FLOPS_PER_NS 128LL
