@@ -65,7 +65,6 @@ from kernelize.ir.shapes import numel
 logger = logging.getLogger(__name__)
 
 BLOCK = 8192  # inner elements per pointwise tile
-PARALLEL_MIN = 32768  # below this many elements one thread beats waking the team
 STREAM_MIN = 1 << 20  # a kernel whose static size keeps its outputs smaller never streams them
 
 
@@ -343,7 +342,7 @@ class _Writer:
             PARAMS=self.params,
             INNER=self.n(last),
             OUTER=self.r.dim(numel(k.domain[:last])),
-            PARALLEL_MIN=str(PARALLEL_MIN),
+            **element_work(k),
             STREAM_BYTES=str(moved_bytes(k, streamed)),
             OUTER_INDEX="\n".join(outer),
             LOOPS="\n".join(loops),
@@ -403,12 +402,23 @@ class _Writer:
             PARAMS=self.params,
             OUTER=self.r.dim(numel(k.domain[:split])),
             ROWLEN=self.r.dim(numel(k.domain[split:])),
-            PARALLEL_MIN=str(PARALLEL_MIN),
+            **element_work(k),
             OUTER_INDEX="\n".join(outer),
             STREAM_BYTES=row_stream_bytes(self, inv),
             ROW="\n".join(ind + line for line in render_row(self, inv)),
             **render_columns(self),
         )
+
+
+def element_work(kernel: Kernel) -> dict[str, str]:
+    """The template holes ``FLOPS`` and ``BYTES``: a pointwise or row kernel's operations and bytes moved per
+    element of its domain, from which ``kz_team_work`` picks the team (``cpu_prelude.h``, "grain"). Masked
+    loads (a concat's or pad's pieces) read one piece per element: they count once."""
+    loads = [e for e in kernel.body if isinstance(e, Load)]
+    masked = [e.buffer.dtype.itemsize for e in loads if e.mask]
+    moved = sum(e.buffer.dtype.itemsize for e in loads if not e.mask) + max(masked, default=0)
+    moved += sum(s.buffer.dtype.itemsize for s in kernel.stores)
+    return {"FLOPS": str(sum(isinstance(e, Compute) for e in kernel.body)), "BYTES": str(moved)}
 
 
 def _render_pointwise(kernel: PointwiseKernel, r: CpuRenderer) -> tuple[str, str]:

@@ -253,18 +253,21 @@ def pack_weight(w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
 
 
 ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int]
-DIMS = 17  # values in a kz_conv_dims
+DIMS = 18  # values in a kz_conv_dims
 
 
-def dims(kernel: Kernel, x_shape: Sequence[int], y_shape: Sequence[int]) -> ctypes.Array:
-    """The ``kz_conv_dims`` array for an input and output of these (NCHW) shapes (the last value: the panel
-    width the weights were packed with, which the kernel checks against its own)."""
+def dims(
+    kernel: Kernel, x_shape: Sequence[int], y_shape: Sequence[int], ly: int | None = None
+) -> ctypes.Array:
+    """The ``kz_conv_dims`` array for an input and output of these (NCHW) shapes (then the panel width the
+    weights were packed with, which the kernel checks against its own, and ``ly``: floats between output
+    pixels, the output's channels unless it is a channel slice of a wider NHWC buffer)."""
     a = kernel.node.arg
     n, c, h, w = x_shape
     _, co, oh, ow = y_shape
     kh, kw = kernel.node.src[1].shape[2:]
     top, left = a.padding[:2]
-    values = (n, h, w, c, oh, ow, co, kh, kw, *a.stride, top, left, *a.dilation, a.groups, panel())
+    values = (n, h, w, c, oh, ow, co, kh, kw, *a.stride, top, left, *a.dilation, a.groups, panel(), ly or co)
     return (ctypes.c_int64 * len(values))(*values)
 
 
@@ -280,6 +283,23 @@ def output_shape(kernel: Kernel, x: torch.Tensor | Sequence[int]) -> tuple[int, 
         )
     ]
     return (n, co, *sizes)
+
+
+def pixel_stride(y: torch.Tensor | None) -> int | None:
+    """Floats between the pixels of an NHWC conv output: None (its channel count) when ``y`` is dense
+    channels-last or filled in later, the wider buffer's channel count when ``y`` is a channel slice of one
+    (a concat's buffer, written in place)."""
+    if y is None or y.is_contiguous(memory_format=torch.channels_last):
+        return None
+    n, c, h, w = y.shape
+    ly = y.stride(3)
+    rows = (h == 1 or y.stride(2) == ly * w) and (n == 1 or y.stride(0) == ly * w * h)
+    if y.stride(1) != 1 or ly < c or not rows:
+        raise ValueError(
+            f"conv output of shape {tuple(y.shape)} and strides {y.stride()} is neither channels-last nor a "
+            "channel slice of a channels-last buffer: pass one of those"
+        )
+    return ly
 
 
 class ConvCall:
@@ -311,7 +331,7 @@ class ConvCall:
     ) -> None:
         x, w, b, r = reads
         (y,) = writes
-        d = self._dims_of(x.shape, y.shape)
+        d = self._dims_of(x.shape, y.shape, pixel_stride(y))
         ptrs = [0 if t is None else t.data_ptr() for t in (x, self.packed(w), b, r, y)]
         if self.fn(*ptrs, d, torch.get_num_threads()):
             raise RuntimeError(self._error(d))
@@ -324,17 +344,17 @@ class ConvCall:
         x, w, b, r = reads
         (y,) = writes
         x_shape = bind(self.kernel.node.src[0].shape, sizes)
-        d = self._dims_of(x_shape, output_shape(self.kernel, x_shape))
+        d = self._dims_of(x_shape, output_shape(self.kernel, x_shape), pixel_stride(y))
         ptrs = tuple(0 if t is None else t.data_ptr() for t in (x, self.packed(w), b, r, y))
         return CCall(
             ctypes.cast(self.fn, ctypes.c_void_p).value, (*ptrs, ctypes.addressof(d)), self._error(d)
         )
 
-    def _dims_of(self, x_shape: Sequence[int], y_shape: Sequence[int]) -> ctypes.Array:
-        key = (tuple(x_shape), tuple(y_shape))
+    def _dims_of(self, x_shape: Sequence[int], y_shape: Sequence[int], ly: int | None) -> ctypes.Array:
+        key = (tuple(x_shape), tuple(y_shape), ly)
         d = self._dims.get(key)
         if d is None:
-            d = self._dims[key] = dims(self.kernel, x_shape, y_shape)
+            d = self._dims[key] = dims(self.kernel, x_shape, y_shape, ly)
         return d
 
     def _error(self, d: ctypes.Array) -> str:

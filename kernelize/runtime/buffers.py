@@ -13,14 +13,15 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Container, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from kernelize.autokernel.kernels import Kernel
-from kernelize.ir.graph import LAYOUT, Graph, Node
+from kernelize.ir.graph import LAYOUT, Graph, Node, Op
 from kernelize.runtime.library import view_bases
 from kernelize.runtime.memory import Arena, OutputPool, empty_huge
 from kernelize.runtime.replay import C_LIBRARY
@@ -99,21 +100,81 @@ def residuals_in_place(steps: Sequence[Step]) -> dict[Node, Node]:
     }
 
 
+class ConcatSlices(NamedTuple):
+    """Concats written in place (:func:`concats_in_place`)."""
+
+    pieces: dict[Node, tuple[Node, int, int]]  # piece -> (concat, first channel, end channel)
+    skip: frozenset[int]  # the concat steps, which have nothing left to do when the pieces are slices
+
+
+def concats_in_place(
+    kernels: Sequence[Kernel], steps: Sequence[Step], lives: Mapping[Node, tuple[int, int, int, bool]]
+) -> ConcatSlices:
+    """Channel concats of NHWC arena buffers whose pieces generated convs write straight into the concat's
+    buffer: each piece is a view of its channels (pixel stride: the concat's channels), and the concat step
+    copies nothing, as onnxruntime's and oneDNN's concat-in-place do for SqueezeNet's fire modules and
+    GoogLeNet's inception blocks. A concat qualifies when its kernel computes only the concat (on the
+    channels, of distinct pieces with static channel counts) and every piece is a generated conv's output in
+    the arena, NHWC, that nothing but the concat reads."""
+    touched: dict[Node, set[int]] = {}
+    for i, k in enumerate(kernels):
+        for b in (*view_bases(k.touched), *k.writes):
+            touched.setdefault(b, set()).add(i)
+    pieces: dict[Node, tuple[Node, int, int]] = {}
+    skip = []
+    for i, st in enumerate(steps):
+        k = st.kernel
+        c = k.computes[0] if len(k.computes) == 1 else None
+        if c is None or c.op is not Op.CONCAT or c.arg not in (1, -3) or c.rank != 4 or k.writes != (c,):
+            continue
+        if st.library or st.conv is not None or st.compiled is None or not lives.get(c, (0,) * 4)[3]:
+            continue
+        if len(set(c.src)) != len(c.src) or set(k.reads) != set(c.src):
+            continue
+        if not all(_writes_slice(p, i, steps, lives, touched) for p in c.src):
+            continue
+        ends = list(itertools.accumulate(p.shape[1] for p in c.src))
+        pieces.update((p, (c, end - p.shape[1], end)) for p, end in zip(c.src, ends, strict=True))
+        skip.append(i)
+    return ConcatSlices(pieces, frozenset(skip))
+
+
+def _writes_slice(p: Node, reader: int, steps, lives, touched) -> bool:
+    """Whether piece ``p`` can be a channel slice: an NHWC arena buffer of static channels that a generated
+    conv writes and only step ``reader`` reads."""
+    if p not in lives or not lives[p][3] or not isinstance(p.shape[1], int):
+        return False
+    writer = lives[p][0]
+    st = steps[writer]
+    return st.conv is not None and st.compiled is not None and touched.get(p, set()) == {writer, reader}
+
+
 def arena_for(
     arenas: OrderedDict[tuple, Arena],
     shapes: tuple,
     lives: Mapping[Node, tuple[int, int, int, bool]],
     inplace: Mapping[Node, Node],
+    slices: Mapping[Node, tuple[Node, int, int]] | None = None,
 ) -> Arena | None:
     """The arena for the per-step ``shapes`` of a signature, from ``arenas`` (the last :data:`ARENAS`
-    signatures keep theirs) or made for ``lives`` (:func:`arena_lifetimes`); None when there are none."""
+    signatures keep theirs) or made for ``lives`` (:func:`arena_lifetimes`); None when there are none.
+    ``slices``: pieces that are channel slices of a concat's buffer (:func:`concats_in_place`): they take
+    no memory of their own, and the concat's buffer lives from the first piece's step."""
     if not lives:
         return None
     arena = arenas.get(shapes)
     if arena is None:
-        buffers = {b: (shapes[i][j], b.dtype.torch, i, end) for b, (i, j, end, _) in lives.items()}
+        slices = slices or {}
+        first = {b: i for b, (i, *_) in lives.items()}
+        for p, (c, *_) in slices.items():
+            first[c] = min(first[c], lives[p][0])
+        buffers = {
+            b: (shapes[i][j], b.dtype.torch, first[b], end)
+            for b, (i, j, end, _) in lives.items()
+            if b not in slices
+        }
         layouts = {b: v[3] for b, v in lives.items()}
-        arena = arenas[shapes] = Arena(buffers, layouts, inplace)
+        arena = arenas[shapes] = Arena(buffers, layouts, inplace, slices)
         if len(arenas) > ARENAS:
             arenas.popitem(last=False)
     else:
@@ -200,10 +261,12 @@ def no_alias(outs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[t
 __all__ = [
     "ARENAS",
     "Buffers",
+    "ConcatSlices",
     "arena_for",
     "arena_lifetimes",
     "channels_last_buffers",
     "channels_last_layout",
+    "concats_in_place",
     "no_alias",
     "outputs_own_buffers",
     "residuals_in_place",

@@ -43,6 +43,7 @@ from kernelize.runtime.buffers import (
     arena_for,
     arena_lifetimes,
     channels_last_layout,
+    concats_in_place,
     no_alias,
     outputs_own_buffers,
     residuals_in_place,
@@ -276,6 +277,8 @@ class CompiledGraph:
             else {}
         )
         self._inplace = residuals_in_place(self._steps)
+        # concats whose pieces their convs write into the concat's buffer: with the arena, their steps skip
+        self._slices = concats_in_place(kernels, self._steps, self._lives)
         self._arenas: OrderedDict[tuple, Arena] = OrderedDict()
         # one generated kernel from inputs to outputs (most hub layers): calls skip the buffer bookkeeping,
         # which is most of a small call's cost (decode pays it for every layer of every token)
@@ -314,26 +317,34 @@ class CompiledGraph:
             return self._run_direct(inputs, bound)
         if self.backend == "reference":
             return no_alias(evaluate(self.graph, list(inputs)), inputs)
-        arena = arena_for(self._arenas, bound.shapes, self._lives, self._inplace)
+        arena = arena_for(self._arenas, bound.shapes, self._lives, self._inplace, self._slices.pieces)
         views = None if arena is None else arena.take()
         if views is None:
             return self._run_steps(inputs, bound, {})
+        skip = self._slices.skip
         try:
             if arena.program is None and REPLAY:
-                arena.program = program(self._steps, bound, views, self._consts, self._cl)
-            return self._run_steps(inputs, bound, views, arena.program)
+                arena.program = program(self._steps, bound, views, self._consts, self._cl, skip)
+            return self._run_steps(inputs, bound, views, arena.program, skip)
         finally:
             arena.release()
 
     def _run_steps(
-        self, inputs: Sequence[torch.Tensor], bound: Bound, views: Mapping[Node, torch.Tensor], units=None
+        self,
+        inputs: Sequence[torch.Tensor],
+        bound: Bound,
+        views: Mapping[Node, torch.Tensor],
+        units=None,
+        skip: frozenset[int] = frozenset(),
     ) -> list[torch.Tensor]:
         """The steps in order (``units``: runs of them as replay batches); intermediates in ``views`` are
-        written there, the rest allocated."""
+        written there, the rest allocated. Steps in ``skip`` (concats written in place) are not run: their
+        buffers are the arena's from the start."""
         vals: dict[Node, torch.Tensor] = dict(self._consts)
+        vals.update((b, views[b]) for i in skip for b in self._steps[i].kernel.writes)
         strided = self._strided
         vals.update((n, t if s else t.contiguous()) for n, t, s in zip(self.graph.inputs, inputs, strided))
-        for unit in range(len(self._steps)) if units is None else units:
+        for unit in [i for i in range(len(self._steps)) if i not in skip] if units is None else units:
             if isinstance(unit, Batch):
                 self._run_batch(unit, vals, bound, views)
             else:

@@ -150,8 +150,10 @@ class ConvRunner:
         """The conv's epilogue output, channels-last or contiguous as asked; into ``out`` (an NHWC buffer of
         the output's shape) when given."""
         fmt = torch.channels_last if channels_last else torch.contiguous_format
+        # an `out` kept channels-last is returned as it is: it may be a channel slice of a concat's buffer
         if self.generated is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-            return self._run_generated(x, w, residual, out).contiguous(memory_format=fmt)
+            y = self._run_generated(x, w, residual, out)
+            return y if out is not None and channels_last else y.contiguous(memory_format=fmt)
         if not self.symmetric and self.crop is None:
             x = F.pad(x, self.pad)
         if self._onednn(x, w):
@@ -165,7 +167,8 @@ class ConvRunner:
         if self.crop is not None:
             y = self._cropped(y, x.shape[2:], w.shape[2:])
         if out is not None:  # the caller planned this memory for the output (an arena): keep it so
-            return out.copy_(y).contiguous(memory_format=fmt)
+            out.copy_(y)
+            return out if channels_last else out.contiguous(memory_format=fmt)
         return y.contiguous(memory_format=fmt)
 
     def _run_generated(

@@ -309,10 +309,13 @@ class Arena:
     another thread allocates instead (:meth:`take`).
     """
 
-    def __init__(self, buffers: dict, layouts: dict, inplace: Mapping | None = None) -> None:
+    def __init__(
+        self, buffers: dict, layouts: dict, inplace: Mapping | None = None, slices: Mapping | None = None
+    ) -> None:
         """``buffers``: key -> (shape, dtype, first step, last step); ``layouts``: key -> True for an NHWC
         buffer (stored ``(n, h, w, c)`` and viewed as NCHW); ``inplace``: key -> the key of a buffer of the
-        same shape and layout it may overwrite (see :func:`plan_offsets`)."""
+        same shape and layout it may overwrite (see :func:`plan_offsets`); ``slices``: key -> (the key of an
+        NHWC buffer, first channel, end channel): a view of those channels of it, no memory of its own."""
         keys = list(buffers)
         index = {k: i for i, k in enumerate(keys)}
         lifetimes = []
@@ -337,6 +340,8 @@ class Arena:
             stored = (shape[0], shape[2], shape[3], shape[1]) if layouts.get(k) else shape
             t = self.block[off : off + nbytes].view(dtype).view(stored)
             self.views[k] = t.permute(0, 3, 1, 2) if layouts.get(k) else t
+        for k, (base, c0, c1) in (slices or {}).items():
+            self.views[k] = self.views[base][:, c0:c1]
         self._lock = threading.Lock()
         self.program: list | None = None  # the replay program for this signature (schedule.program)
 

@@ -172,9 +172,12 @@ def _conv_call(step, sizes, fixed, channels_last):
         return None
     if ep.tail not in channels_last:
         return None
+    # the output may be a channel slice of a concat's NHWC buffer (the conv writes its pixels' channels there)
     if (ep.residual is not None and r is None) or not all(
-        t.is_contiguous(memory_format=cl) for t in (x, y, *([r] if r is not None else []))
+        t.is_contiguous(memory_format=cl) for t in (x, *([r] if r is not None else []))
     ):
+        return None
+    if not y.is_contiguous(memory_format=cl) and y.stride(1) != 1:
         return None
     call = conv.generated.c_call([x, w, conv.bias, r], [y], sizes)
     return (call if gather is None else (gather, call._replace(keep=(*call.keep, x)))), dynamic, False

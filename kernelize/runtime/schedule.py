@@ -148,9 +148,11 @@ def program(
     views: Mapping[Node, torch.Tensor],
     consts: Mapping[Node, torch.Tensor],
     channels_last: Container[Node],
+    skip: Container[int] = (),
 ) -> list[int | Batch]:
     """The steps for ``bound``'s signature: runs of generated steps as replay batches, the rest alone (step
-    indices). ``views``: the arena's buffers; ``channels_last``: the buffers laid out NHWC."""
+    indices). ``views``: the arena's buffers; ``channels_last``: the buffers laid out NHWC; ``skip``: steps
+    left out (concats their pieces' convs write in place)."""
     unfixed: set[Node] = set()  # arena buffers a Python step may replace by tensors of its own
 
     def fixed(b: Node) -> torch.Tensor | None:
@@ -159,6 +161,8 @@ def program(
     units: list[int | Batch] = []
     run: list = []
     for i, (step, shapes, sizes) in enumerate(zip(steps, bound.shapes, bound.sizes)):
+        if i in skip:
+            continue
         entry = step_call(step, shapes, sizes, fixed, channels_last) if bound.launch[i] else None
         if entry is not None:
             run.append((i, *entry))

@@ -676,7 +676,7 @@ def test_thread_count_follows_torch():
     g.output(g.exp(x))
     k = kernel_of(g)
     src, _ = render(k)
-    assert "kz_team_open(kz_nthreads, " in src and "kz_parallel_for(kz_tm, " in src
+    assert "kz_team_work(kz_nthreads, " in src and "kz_parallel_for(kz_tm, " in src
     old = torch.get_num_threads()
     try:
         for n in (1, 2):
@@ -747,6 +747,29 @@ def test_a_late_worker_sends_every_kernel_library_to_one_thread_for_a_while():
         assert [lib.kz_team_size(2) for lib in libs] == [2, 2]
     finally:
         cpu_build.TEAM_DEADLINE.value = old
+
+
+def test_a_region_gets_the_threads_its_work_pays_for():
+    """The grain rule (cpu_prelude.h, "grain"): a region's team gives each thread at least KZ_GRAIN_NS
+    (20 us) of estimated work, flops at 64 per ns (128 with AVX-512) and bytes at 16 per ns, capped by the
+    thread count: the 13 x 13 x 288 concat of SqueezeNet (~0.4 MB, ~25 us) runs on one thread, its 3x3
+    expand conv (15.7 M multiply-adds) on two."""
+    import ctypes
+
+    from kernelize.codegen import cpu_build
+
+    g = Graph()
+    g.output(g.exp(g.input("x", (64, 256), DType.F32)))
+    lib = cpu_build.load(cpu_build.build_shared_object(render(kernel_of(g))[0], "grain"))
+    lib.kz_grain_threads.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fast = lib.kz_grain_threads(64, 128 * 20_000 * 32, 0) == 32  # AVX-512's flop rate (else 64 threads)
+    per_ns = 128 if fast else 64
+    assert lib.kz_grain_threads(2, 0, 0) == 1 and lib.kz_grain_threads(0, 10**12, 0) == 1
+    assert lib.kz_grain_threads(2, 0, 389_376) == 1  # concat of 2 x 13 x 13 x 144 f32
+    assert lib.kz_grain_threads(2, 2 * 15_676_000, 747_000) == 2  # SqueezeNet's 55 x 55 3x3 expand
+    assert lib.kz_grain_threads(4, per_ns * 50_000, 0) == 2  # 50 us: two threads of 25 us, not four
+    assert lib.kz_grain_threads(4, 0, 16 * 39_999) == 1 and lib.kz_grain_threads(4, 0, 16 * 40_000) == 2
+    assert lib.kz_grain_threads(3, 10**12, 10**12) == 3
 
 
 def test_a_caller_waiting_longer_than_its_own_share_counts_as_a_late_worker():

@@ -102,13 +102,19 @@ KZ_INLINE kz_vec kz_vld(const float* p, int n) { return n >= KZ_VW ? kz_vload(p)
 #define KZ_DW_RUN 8                       // output pixels per depthwise step
 #define KZ_MAX_TAPS 128                   // row pointers of a tile live on the stack (cpu_conv checks)
 #define KZ_ZERO_ROW 8192                  // the most input channels per group (cpu_conv checks)
-#define KZ_CONV_PARALLEL_MIN (1 << 17)    // multiply-adds below which one thread beats waking the team
 
 // sizes as the launcher passes them (one int64 array, in this order)
 struct kz_conv_dims {
     int64_t n, h, w, c, oh, ow, co, kh, kw, sh, sw, pt, pl, dh, dw, g;
     int64_t nr;  // the panel width the weights were packed with: KZ_NR, else the call is refused
+    int64_t ly;  // floats from one output pixel to the next: co, or more when the output is a channel slice
+                 // of a wider NHWC buffer (a concat's, written in place: kernelize/runtime/buffers.py)
 };
+
+// the bytes a conv of these sizes moves at least: its input, output and weights once (the team's grain)
+KZ_INLINE int64_t kz_conv_bytes(const kz_conv_dims& d) {
+    return 4 * (d.n * (d.h * d.w * d.c + d.oh * d.ow * d.co) + d.co * (d.c / (d.g ? d.g : 1)) * d.kh * d.kw);
+}
 
 // what taps that fall into the padding read
 static const float kz_zero_row[KZ_ZERO_ROW] = {0};
@@ -285,7 +291,7 @@ static __attribute__((noinline)) void kz_conv_tile(const kz_conv_dims& d, const 
         kz_conv_micro<MR, NV>(d.kh, d.kw * cig, rc.rows, b, acc);
     else
         kz_conv_micro<MR, NV>(taps, cig, rc.rows, b, acc);
-    kz_conv_tile_put<MR, NV>(acc, y + p0 * d.co + c0, d.co, p0, c0, limit - p0 < MR ? (int)(limit - p0) : MR, nc,
+    kz_conv_tile_put<MR, NV>(acc, y + p0 * d.ly + c0, d.ly, p0, c0, limit - p0 < MR ? (int)(limit - p0) : MR, nc,
                              epi);
 }
 
@@ -307,7 +313,7 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
     // row pointers are computed once per group and its input rows stay in L1 across the panels it meets
     const int64_t panel_bytes = taps * cig * KZ_NR * 4;
     const int64_t per_block = panel_bytes >= (256 << 10) ? 1 : (256 << 10) / panel_bytes;
-    const kz_team_t team = kz_team_open(nthreads, pixels * d.co * taps * cig >= KZ_CONV_PARALLEL_MIN);
+    const kz_team_t team = kz_team_work(nthreads, 2 * pixels * d.co * taps * cig, kz_conv_bytes(d));
     return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
         kz_conv_rows_cache rc;
         for (int64_t u0 = 0; u0 < units; u0 += per_block) {
@@ -335,7 +341,7 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
 template <class Epi>
 static int kz_conv_dense(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                          const Epi& epi) {
-    if (d.nr != KZ_NR || d.c / d.g > KZ_ZERO_ROW || d.kh * d.kw > KZ_MAX_TAPS) return 1;
+    if (d.nr != KZ_NR || d.ly < d.co || d.c / d.g > KZ_ZERO_ROW || d.kh * d.kw > KZ_MAX_TAPS) return 1;
     if (d.n * d.oh * d.ow == 0 || d.co == 0) return 0;
     // (perf) groups of at most half a panel of output channels (a 1x1 projection to 16 channels) use half
     // the vectors and twice the pixels per tile: the same registers, no multiply-adds on padding
@@ -393,7 +399,7 @@ static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, co
         const int run = d.ow - ox < R ? (int)(d.ow - ox) : R;
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i)
-            if (i < run) kz_conv_put<1>(&acc[i], y + (ox + i) * d.co, p + ox + i, c0, nc, epi);
+            if (i < run) kz_conv_put<1>(&acc[i], y + (ox + i) * d.ly, p + ox + i, c0, nc, epi);
     }
 }
 
@@ -420,7 +426,7 @@ KZ_INLINE void kz_conv_dw_any(const kz_conv_dims& d, const float* x, const float
         }
     }
     const int64_t p = (n * d.oh + oy) * d.ow + ox0;
-    for (int i = 0; i < run; ++i) kz_conv_put<1>(&acc[i], y + (p + i) * d.co + c0, p + i, c0, nc, epi);
+    for (int i = 0; i < run; ++i) kz_conv_put<1>(&acc[i], y + (p + i) * d.ly + c0, p + i, c0, nc, epi);
 }
 
 // output row (n, oy), channels [c0, c0 + nc): the sliding-window form when the kernel has one (KW > 0: the
@@ -436,7 +442,7 @@ KZ_INLINE void kz_conv_dw_row(const kz_conv_dims& d, const float* x, const float
         const float* rows[16];
         for (int64_t ky = ky0; ky < ky1; ++ky) rows[ky - ky0] = x + (n * d.h + oy * d.sh - d.pt + ky * d.dh) * d.w * d.c + c0;
         kz_conv_dw_slide<KW, SW, R>(d, rows, (int)(ky1 - ky0), wp + ky0 * KW * cpad + c0, KW * cpad, cpad,
-                                    y + p * d.co + c0, p, c0, nc, epi);
+                                    y + p * d.ly + c0, p, c0, nc, epi);
         return;
     }
     for (int64_t ox = 0; ox < d.ow; ox += KZ_DW_RUN)
@@ -461,9 +467,9 @@ template <class Epi>
 static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                              const Epi& epi) {
     const int64_t rows = d.n * d.oh, cblocks = (d.c + KZ_VW - 1) / KZ_VW;
-    if (d.nr != KZ_NR) return 1;
+    if (d.nr != KZ_NR || d.ly < d.co) return 1;
     if (rows * d.ow == 0 || d.c == 0) return 0;
-    const kz_team_t team = kz_team_open(nthreads, rows * d.ow * d.c * d.kh * d.kw >= KZ_CONV_PARALLEL_MIN);
+    const kz_team_t team = kz_team_work(nthreads, 2 * rows * d.ow * d.c * d.kh * d.kw, kz_conv_bytes(d));
     return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
         // the kernel shapes of MobileNet / EfficientNet-style networks get the sliding-window form
         const int form = d.dw != 1 || d.kh > 16 ? 0 : (int)(d.kw * 10 + d.sw);
@@ -551,7 +557,7 @@ static void kz_conv_chain_rows(const kz_conv_dims* d, const float* x, const floa
             while (ky0 < ky1 && oy * db.sh - db.pt + ky0 < 0) ++ky0;
             while (ky1 > ky0 && oy * db.sh - db.pt + ky1 - 1 >= db.h) --ky1;
             const int64_t pr = (n * db.oh + oy) * db.ow;
-            float* out = C ? t2 + (pr - p) * e : y + pr * e;
+            float* out = C ? t2 + (pr - p) * e : y + pr * db.ly;
             for (int64_t c0 = 0; c0 < e; c0 += KZ_VW) {
                 const float* rows[16];
                 for (int64_t ky = ky0; ky < ky1; ++ky) rows[ky - ky0] = in + (oy * db.sh - db.pt + ky) * row_floats + c0;
@@ -576,7 +582,8 @@ static int kz_conv_chain(const kz_conv_dims* d, const float* x, const float* con
     if (rows * db.ow == 0) return 0;
     const int64_t group = (KZ_CHAIN_PIXELS + db.ow - 1) / db.ow;
     const int64_t work = rows * db.ow * e * (db.kh * db.kw + (A ? d[0].c : 0) + (C ? d[2].co : 0));
-    return kz_parallel_for(kz_team_open(nthreads, work >= KZ_CONV_PARALLEL_MIN), [=](int t, int tn) KZ_BODY {
+    const int64_t bytes = kz_conv_bytes(d[A ? 0 : 1]) + kz_conv_bytes(d[C ? 2 : 1]);
+    return kz_parallel_for(kz_team_work(nthreads, 2 * work, bytes), [=](int t, int tn) KZ_BODY {
         const int64_t r0 = rows * t / tn, r1 = rows * (t + 1) / tn;
         // A's rows for a group, B's rows for C, with KZ_MR pixels of slack: a tile of C computes past the
         // group's end. Zeroed: garbage there could be denormal floats, which x86 multiplies ~100x slower

@@ -10,7 +10,7 @@ extern "C" int $NAME$($PARAMS$int kz_nthreads) {
     const int64_t kz_nblk = (kz_inner + $BLOCK$ - 1) / $BLOCK$;
     const int64_t kz_tiles = kz_outer * kz_nblk;
     const bool kz_stream = kz_streams(kz_outer * kz_inner * $STREAM_BYTES$);
-    const kz_team_t kz_tm = kz_team_open(kz_nthreads, kz_outer * kz_inner >= $PARALLEL_MIN$);
+    const kz_team_t kz_tm = kz_team_work(kz_nthreads, kz_outer * kz_inner * $FLOPS$, kz_outer * kz_inner * $BYTES$);
     return kz_parallel_for(kz_tm, [=](int kz_tid, int kz_tn) KZ_BODY {
         int kz_err = 0;
         int64_t kz_lo, kz_hi;

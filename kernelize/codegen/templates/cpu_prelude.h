@@ -68,6 +68,32 @@ KZ_INLINE kz_team_t kz_team_open(int nthreads, bool big) {
     const int64_t t0 = kz_now_ns();
     return {t0, big ? kz_team(nthreads, t0) : 1};
 }
+// ---- grain: the threads a region's work pays for ---------------------------------------------------------
+// Opening a region costs the caller ~2-5 us while the workers spin, and tens of us when one has gone to
+// sleep (a futex wake of a halted vCPU on a VM). So a region gets as many threads as give each at least
+// KZ_GRAIN_NS of work, estimated from its size for one thread: flops at KZ_FLOPS_PER_NS (a generated conv's
+// rate: ~60 GFLOP/s on an AVX2 Zen 3 core) plus bytes moved at KZ_BYTES_PER_NS (what one core streams from
+// L2 / L3). At batch 1 the smallest regions of SqueezeNet and GoogLeNet (a 13 x 13 1x1 conv to 144 channels,
+// a 14 x 14 one to 8, a 14 x 14 pool) are estimated at 24-36 us: one thread of two; their others get two.
+#define KZ_GRAIN_NS 20000LL
+#if defined(__AVX512F__)
+#define KZ_FLOPS_PER_NS 128LL
+#else
+#define KZ_FLOPS_PER_NS 64LL
+#endif
+#define KZ_BYTES_PER_NS 16LL
+// the estimated nanoseconds of one thread for `flops` arithmetic operations and `bytes` moved
+KZ_INLINE int64_t kz_work_ns(int64_t flops, int64_t bytes) { return flops / KZ_FLOPS_PER_NS + bytes / KZ_BYTES_PER_NS; }
+// the threads (1 .. nthreads) a region worth `flops` and `bytes` pays for
+KZ_INLINE int kz_grain(int nthreads, int64_t flops, int64_t bytes) {
+    const int64_t want = kz_work_ns(flops, bytes) / KZ_GRAIN_NS;
+    return want < 1 ? 1 : (want < nthreads ? (int)want : (nthreads < 1 ? 1 : nthreads));
+}
+// a region of `flops` and `bytes` (the generated convs, pools and pointwise kernels open theirs so)
+KZ_INLINE kz_team_t kz_team_work(int nthreads, int64_t flops, int64_t bytes) {
+    const int64_t t0 = kz_now_ns();
+    return {t0, kz_team(kz_grain(nthreads, flops, bytes), t0)};
+}
 // A worker preempted inside the region is late too: the caller then waits at the closing barrier. That wait
 // counts as lateness when it is longer than the caller's own share took (a balanced region's caller waits
 // far less), so uneven work in a long region does not send the kernels solo.
@@ -104,6 +130,7 @@ KZ_INLINE void kz_barrier() {
 }
 // the team a region would get now, and a region's bookkeeping as the kernels do it (for tests and tools)
 extern "C" int kz_team_size(int nthreads) { return kz_team(nthreads, kz_now_ns()); }
+extern "C" int kz_grain_threads(int nthreads, int64_t flops, int64_t bytes) { return kz_grain(nthreads, flops, bytes); }
 extern "C" void kz_team_report(int team, int64_t lag) { kz_team_done(team, lag); }
 extern "C" int64_t kz_region_lateness(int64_t lag, int64_t own, int64_t wait) { return kz_region_lag(lag, own, wait); }
 // the team a big region of `nthreads` gets from OpenMP now, as its bodies see it

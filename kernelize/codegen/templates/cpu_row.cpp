@@ -6,7 +6,7 @@ $PRELUDE$
 extern "C" int $NAME$($PARAMS$int kz_nthreads) {
     const int64_t kz_outer = $OUTER$;
     const int64_t kz_rowlen = $ROWLEN$;
-    const kz_team_t kz_tm = kz_team_open(kz_nthreads, kz_outer * kz_rowlen >= $PARALLEL_MIN$);
+    const kz_team_t kz_tm = kz_team_work(kz_nthreads, kz_outer * kz_rowlen * $FLOPS$, kz_outer * kz_rowlen * $BYTES$);
     const bool kz_stream = kz_streams(kz_outer * kz_rowlen * $STREAM_BYTES$);
 $COL_ALLOC$
     return kz_parallel_for(kz_tm, [=](int kz_tid, int kz_tn) KZ_BODY {
