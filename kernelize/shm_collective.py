@@ -67,10 +67,11 @@ def enabled() -> bool:
 def all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
     """`dist.all_reduce(t, group=group)` (sum, in place; returns `t`), through shared memory where the
     group's segment serves (see the module doc), else through torch.distributed."""
-    seg = _SEGMENTS.get(group, _UNSET)
+    group = dist.group.WORLD if group is None else group
+    seg = None if group is None else _SEGMENTS.get(group, _UNSET)  # None: no process group, torch raises
     if seg is _UNSET:
         seg = _SEGMENTS[group] = _open(group)
-    if seg is not None and not dist.is_initialized():  # destroyed: unmap; torch raises below
+    if seg is not None and not dist.is_initialized():  # destroyed: unmap, torch's all-reduce decides
         seg.close()
         seg = _SEGMENTS[group] = None
     if seg is not None and seg.fits(t):

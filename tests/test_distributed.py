@@ -289,9 +289,13 @@ def _memory_worker(rank: int, world: int, port: int, variant: str, out: str, sha
 
 
 @pytest.mark.slow  # four spawned processes: ~1 min on 2 cores
-def test_fsdp2_step_peak_memory_of_the_one_call_is_at_most_eager(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", [(2, 128), (4, 256)])
+def test_fsdp2_step_peak_memory_of_the_one_call_is_at_most_eager(
+    shape: tuple[int, int], tmp_path: Path
+) -> None:
     """Per rank, an FSDP2 step of the one call (fused loss: no (tokens, 32k) logits) peaks no higher than
-    the eager model's step; the numbers are printed (`pytest -s`)."""
+    the eager model's step, with few tokens (the logits matter less) and more; the numbers are printed
+    (`pytest -s`)."""
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed.fsdp.fully_shard")
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the resident-set high-water mark")
@@ -302,12 +306,13 @@ def test_fsdp2_step_peak_memory_of_the_one_call_is_at_most_eager(tmp_path: Path)
     try:
         for variant in ("eager", "kernelized"):
             out = tmp_path / f"{variant}.pt"
-            args = (2, _free_port(), variant, str(out))
+            args = (2, _free_port(), variant, str(out), shape)
             mp.start_processes(_memory_worker, args=args, nprocs=2, join=True, start_method="spawn")
             peaks[variant] = torch.load(out)
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    print(f"FSDP2 step peak MiB per rank: eager {peaks['eager']}, kernelized {peaks['kernelized']}")
+    eager, fast = peaks["eager"], peaks["kernelized"]
+    print(f"FSDP2 step peak MiB per rank, {shape[0]} x {shape[1]} tokens: eager {eager}, one call {fast}")
     for rank, (fast, eager) in enumerate(zip(peaks["kernelized"], peaks["eager"], strict=True)):
         assert fast <= eager, f"rank {rank}: kernelized {fast:.1f} MiB > eager {eager:.1f} MiB"
