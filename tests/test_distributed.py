@@ -14,8 +14,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import kernelize
-from kernelize import Mode, hub
+from kernelize import Mode, hub, shm_collective
 from kernelize.models.llama_demo import LlamaDemo, LlamaDemoConfig
+from kernelize.shards import shards_of
 
 STEPS = 2
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -174,9 +175,10 @@ def _tp_worker(rank: int, world: int, port: int, style: str, saved: str, out: st
             got = fast(ids).logits
             tokens = fast.generate(ids[:1, :5], **kw)
         lines = [str(choice) for choice in kernelize.inspect(fast).values()]
+        transport = shm_collective.segment_name(shards_of(fast.model.layers[0].self_attn).group)
         if rank == 0:
             torch.save({"want": want, "sharded": sharded, "got": got, "tokens": tokens,
-                        "want_tokens": want_tokens, "lines": lines}, out)  # fmt: skip
+                        "want_tokens": want_tokens, "lines": lines, "transport": transport}, out)  # fmt: skip
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -210,12 +212,14 @@ def test_tensor_parallel_inference_runs_the_kernels_on_the_local_shards(style: s
     """Under tensor parallelism (the Megatron split, torch's plans or transformers' `tp_plan="auto"`) the one
     call runs the attention, MLP and decoder-block kernels on each rank's local shards, one all-reduce after
     o_proj and down_proj, and the logits and greedy tokens stay the single process's."""
-    lines = _tensor_parallel(tmp_path, style)["lines"]
+    r = _tensor_parallel(tmp_path, style)
+    lines = r["lines"]
     kept = [line for line in lines if "is a DTensor" in line]  # transformers' plan shards lm_head (gathered)
     assert [line.split()[0] for line in kept] == (["`lm_head`"] if style == "transformers" else []), lines
     for layer in ("CausalSelfAttention", "GatedMLP", "PreNormDecoderLayer"):  # each ran its kernels
         assert len(_served(lines, layer)) == 2, (layer, lines)
     assert sum("tensor-parallel local shards (2 ranks" in line for line in lines) == 4, lines
+    assert r["transport"], "the kernels' all-reduces did not go through shared memory"
 
 
 @pytest.mark.slow  # two spawned processes: ~30 s on 2 cores
@@ -234,7 +238,7 @@ def _status_kib(field: str) -> int:
     return int(line.split()[1])
 
 
-def _memory_worker(rank: int, world: int, port: int, variant: str, out: str) -> None:
+def _memory_worker(rank: int, world: int, port: int, variant: str, out: str, shape=(4, 256)) -> None:
     """One FSDP2 step's peak extra resident memory on this rank (as benchmarks/train.py measures it: the
     high-water mark reset after two warm-up steps and `zero_grad`, plus what kernelize's runtime holds
     between steps), for a Llama with a 32k vocabulary: eager, or the one call with the fused loss."""
@@ -260,7 +264,7 @@ def _memory_worker(rank: int, world: int, port: int, variant: str, out: str) -> 
             fully_shard(layer)
         fully_shard(model)
         gen = torch.Generator().manual_seed(rank)
-        ids, labels = (torch.randint(0, 32000, (4, 256), generator=gen) for _ in range(2))
+        ids, labels = (torch.randint(0, 32000, shape, generator=gen) for _ in range(2))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
         def step() -> None:
@@ -285,9 +289,13 @@ def _memory_worker(rank: int, world: int, port: int, variant: str, out: str) -> 
 
 
 @pytest.mark.slow  # four spawned processes: ~1 min on 2 cores
-def test_fsdp2_step_peak_memory_of_the_one_call_is_at_most_eager(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", [(2, 128), (4, 256)])
+def test_fsdp2_step_peak_memory_of_the_one_call_is_at_most_eager(
+    shape: tuple[int, int], tmp_path: Path
+) -> None:
     """Per rank, an FSDP2 step of the one call (fused loss: no (tokens, 32k) logits) peaks no higher than
-    the eager model's step; the numbers are printed (`pytest -s`)."""
+    the eager model's step, with few tokens (the logits matter less) and more; the numbers are printed
+    (`pytest -s`)."""
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed.fsdp.fully_shard")
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the resident-set high-water mark")
@@ -298,12 +306,13 @@ def test_fsdp2_step_peak_memory_of_the_one_call_is_at_most_eager(tmp_path: Path)
     try:
         for variant in ("eager", "kernelized"):
             out = tmp_path / f"{variant}.pt"
-            args = (2, _free_port(), variant, str(out))
+            args = (2, _free_port(), variant, str(out), shape)
             mp.start_processes(_memory_worker, args=args, nprocs=2, join=True, start_method="spawn")
             peaks[variant] = torch.load(out)
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    print(f"FSDP2 step peak MiB per rank: eager {peaks['eager']}, kernelized {peaks['kernelized']}")
+    eager, fast = peaks["eager"], peaks["kernelized"]
+    print(f"FSDP2 step peak MiB per rank, {shape[0]} x {shape[1]} tokens: eager {eager}, one call {fast}")
     for rank, (fast, eager) in enumerate(zip(peaks["kernelized"], peaks["eager"], strict=True)):
         assert fast <= eager, f"rank {rank}: kernelized {fast:.1f} MiB > eager {eager:.1f} MiB"

@@ -167,6 +167,7 @@ def sources() -> dict[str, str]:
     kernels["attention_causal_gqa_f32"] = [attention_kernel(4, 1, 64, 64, DType.F32, causal=True)]
     kernels["attention_bool_mask_bf16"] = [attention_kernel(2, 2, 64, 64, DType.BF16, mask="bool")]
     out = {"replay": load_template("cpu_replay.cpp"), "pool": cpu_pool.source()}
+    out["shm_allreduce"] = load_template("cpu_shm_allreduce.cpp")  # kernelize.shm_collective
     out.update({f"quant_{fmt}": quant_kernels.source(fmt) for fmt in ("q8_0", "q4_0", "int8")})
     for name, ks in kernels.items():
         assert ks, f"{name}: no generated kernel"
@@ -211,7 +212,7 @@ def test_generated_sources_compile_for_aarch64(tmp_path):
     # where <omp.h> does not exist; attention and experts kernels build alone (CpuBackend.compile_many),
     # and each packed-weight format is a library of its own (kernelize.quant.kernels)
     alone = [name for name in srcs if name.endswith(("-attention", "-experts")) or name.startswith("quant_")]
-    alone.append("pool")  # one library of its own (kernelize.codegen.cpu_pool)
+    alone += ["pool", "shm_allreduce"]  # libraries of their own (cpu_pool, kernelize.shm_collective)
     kernels = [src for name, src in srcs.items() if name != "replay" and name not in alone]
     shared = [load_template(t) for t in ("cpu_prelude.h", "cpu_gemv.h", "cpu_conv.h")]
     (tmp_path / "no_openmp").mkdir()
