@@ -56,9 +56,14 @@ class RouterForward:
     and dtype without gradients; anything else is the module's own forward (noted for `inspect`)."""
 
     def __init__(self, module: torch.nn.Module, compiled: Any, params: tuple[str, ...]) -> None:
+        from kernelize.hub import KernelRecord
+
         self.module, self.compiled, self.params = module, compiled, params
         self.own = type(module).forward
         self.width = module.weight.shape[1]
+        kernels = tuple((k.name, k.source_hash) for k in compiled.kernels)
+        what = f"router({module.weight.shape[0]} experts, top-{module.top_k}, {str(module.weight.dtype)[6:]})"
+        self.record = KernelRecord(compiled.backend, kernels, what)
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         m = self.module
@@ -72,8 +77,10 @@ class RouterForward:
         if why is not None:
             note_fallback(m, why, "eager router")
             return self.own(m, hidden_states, *args, **kwargs)
-        params = [getattr(m, p) for p in self.params]
-        return tuple(self.compiled(hidden_states, *params))
+        from kernelize.hub import note_kernels
+
+        note_kernels(m, self.record)
+        return tuple(self.compiled(hidden_states, *[getattr(m, p) for p in self.params]))
 
 
 def _build(module: torch.nn.Module) -> tuple[Any, tuple[str, ...]] | str:

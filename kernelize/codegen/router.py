@@ -92,12 +92,12 @@ def render_cpu(kernel: RouterKernel, renderer: Renderer, prelude: str) -> tuple[
     params += [f"{types[sp.weights]}* __restrict kz_w, "] if sp.weights else []
     params += ["int64_t* __restrict kz_i, "] if sp.index else []
     params += [f"int64_t {renderer.sym(s)}, " for s in kernel.symbols]
-    stores = ["            for (int k = 0; k < KZ_K; ++k) {"]
+    stores = ["            for (int k = 0; k < K; ++k) {"]
     if sp.weights:
         scaled = "w[k]" if sp.scale == 1.0 else f"w[k] * {_c_float(sp.scale)}"
-        stores.append(f"                kz_st(kz_w, r * KZ_K + k, {scaled});")
+        stores.append(f"                kz_st(kz_w, r * K + k, {scaled});")
     if sp.index:
-        stores.append("                kz_i[r * KZ_K + k] = ix[k];")
+        stores.append("                kz_i[r * K + k] = ix[k];")
     stores.append("            }")
     source = fill(
         load_template("cpu_router.cpp"),
