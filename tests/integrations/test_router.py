@@ -29,7 +29,8 @@ def test_a_tiny_qwen3_moe_runs_the_router_kernel_with_eager_logits_and_tokens() 
     want = zoo.logits(eager, ids, mask)
     with kernelized(eager) as fast:
         routers = model_router.router_modules(fast)
-        assert routers and all(isinstance(m.__dict__.get("forward"), model_router.RouterForward) for m in routers.values())
+        served = [isinstance(m.__dict__.get("forward"), model_router.RouterForward) for m in routers.values()]
+        assert served and all(served)
         got = zoo.logits(fast, ids, mask)
         real = mask.bool()
         torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
@@ -79,7 +80,8 @@ def test_other_calls_and_training_keep_the_routers_own_forward() -> None:
         got = module(x)  # 3-D: the module's own forward reshapes it
     assert torch.equal(got[2], type(module).forward(module, x)[2])
     assert any("eager router" in n for n in router_choices(model)[path].notes)
-    assert model_router.use_router_kernels(family("qwen3_moe"), Mode.TRAINING).startswith("router kernels on 0")
+    status = model_router.use_router_kernels(family("qwen3_moe"), Mode.TRAINING)
+    assert status.startswith("router kernels on 0")
 
 
 def test_a_router_whose_kernel_differs_is_refused_by_the_probe(monkeypatch) -> None:
@@ -90,7 +92,8 @@ def test_a_router_whose_kernel_differs_is_refused_by_the_probe(monkeypatch) -> N
     def sigmoid_instead(ctx, t, s):  # a wrong fold: the same choice (sigmoid is monotonic), other weights
         node = fold(ctx, t, s)
         a = node.arg
-        return ctx.g.route(node.src[0], a.k, score="sigmoid", dtype="f32" if a.indices else node.dtype)[a.indices] if node else None
+        dtype = "f32" if a.indices else node.dtype
+        return ctx.g.route(node.src[0], a.k, score="sigmoid", dtype=dtype)[a.indices]
 
     monkeypatch.setattr(router, "RULES", [(pattern, sigmoid_instead), *router.RULES[1:]])
     module = next(iter(model_router.router_modules(family("mixtral")).values()))
