@@ -18,8 +18,8 @@ Example:
     >>> from kernelize.ir.graph import Graph
     >>> g = Graph(); x = g.input("x", ("tokens", 60), "f32")
     >>> w, i = g.route(x, 4, renorm="sum")
-    >>> w.shape, i.dtype
-    (('tokens', 4), <DType.I64: 'i64'>)
+    >>> w.shape[1], w.dtype, i.dtype
+    (4, <DType.F32: 'f32'>, <DType.I64: 'i64'>)
 """
 
 from __future__ import annotations
