@@ -89,11 +89,11 @@ class RouterForward:
 
 def _build(module: torch.nn.Module) -> tuple[Any, tuple[str, ...]] | str:
     """(compiled graph, its parameter names) for a router module, or why not."""
+    from kernelize.autokernel.plan import plan
     from kernelize.hub import backend_for
     from kernelize.ir import trace
     from kernelize.ir.graph import Op
     from kernelize.passes.optimize import optimize
-    from kernelize.autokernel.plan import plan
     from kernelize.runtime.compiled import compile_graph, make_backend
 
     w = module.weight
