@@ -54,7 +54,7 @@ from kernelize._compat import StrEnum
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, ROW, Node, Op
 from kernelize.ir.printer import format_arg
-from kernelize.ir.shapes import Dim, Shape, Sym, shape_str, symbols
+from kernelize.ir.shapes import Dim, Shape, Sym, numel, shape_str, symbols
 
 if TYPE_CHECKING:
     from kernelize.autokernel.conv import ConvEpilogue
@@ -71,12 +71,20 @@ class KernelKind(StrEnum):
     SPLITK = "splitk"
     ATTENTION = "attention"
     EXPERTS = "experts"
+    ROUTER = "router"
     LIBRARY = "library"
 
 
 # kinds whose kernel runs one graph node (a library call or a fixed template; no body): never merged
 NODE_KINDS = frozenset(
-    {KernelKind.LIBRARY, KernelKind.ATTENTION, KernelKind.EXPERTS, KernelKind.CONV, KernelKind.CONV_CHAIN}
+    {
+        KernelKind.LIBRARY,
+        KernelKind.ATTENTION,
+        KernelKind.EXPERTS,
+        KernelKind.ROUTER,
+        KernelKind.CONV,
+        KernelKind.CONV_CHAIN,
+    }
 )
 
 
@@ -406,10 +414,43 @@ class ExpertsKernel(NodeKernel):
     kind: ClassVar[KernelKind] = KernelKind.EXPERTS
 
 
+@dataclass(frozen=True)
+class RouterKernel(NodeKernel):
+    """The two ``Op.ROUTE`` nodes of one router (:mod:`kernelize.ir.router`) as one row kernel: one program
+    per row of logits ``[rows, E]`` (plus the choice bias ``[E]``) scores, chooses and renormalises, and
+    writes the weights and the int64 indices ``[rows, K]``, whichever of them the graph uses. ``node`` is
+    either twin (its arg's :attr:`~kernelize.ir.ops.RouteArgs.choice` is the router's); :attr:`weights`
+    and :attr:`index` name the twins written."""
+
+    kind: ClassVar[KernelKind] = KernelKind.ROUTER
+    outputs: tuple[Node, ...] = ()  # the twins written: weights first; empty: just ``node``
+
+    @cached_property
+    def writes(self) -> tuple[Node, ...]:
+        return self.outputs or (self.node,)
+
+    @property
+    def weights(self) -> Node | None:
+        return next((n for n in self.writes if not n.arg.indices), None)
+
+    @property
+    def index(self) -> Node | None:
+        return next((n for n in self.writes if n.arg.indices), None)
+
+    @property
+    def rows(self) -> Dim:
+        return numel(self.node.shape[:-1])
+
+    @property
+    def experts(self) -> int:
+        return self.node.src[0].shape[-1]
+
+
 # the kernel class of each one-node kind the planner builds
 NODE_KERNELS: dict[KernelKind, type[NodeKernel]] = {
     KernelKind.ATTENTION: AttentionKernel,
     KernelKind.EXPERTS: ExpertsKernel,
+    KernelKind.ROUTER: RouterKernel,
     KernelKind.LIBRARY: LibraryKernel,
 }
 

@@ -510,6 +510,8 @@ def kind_of(
         return KernelKind.ATTENTION
     if n.op is Op.EXPERTS:
         return KernelKind.EXPERTS
+    if n.op is Op.ROUTE:
+        return KernelKind.ROUTER
     if n.op is Op.MATMUL and not library_matmul and n.dtype.is_float:
         return KernelKind.MATMUL  # integer matmuls go to the library (generators tile floats)
     return KernelKind.LIBRARY

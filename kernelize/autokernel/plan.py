@@ -48,6 +48,7 @@ from kernelize.autokernel.kernels import (
     ConvKernel,
     Kernel,
     KernelKind,
+    RouterKernel,
 )
 from kernelize.autokernel.layout import channel_rows, channels_inner, channels_last_buffers
 from kernelize.autokernel.legality import can_absorb
@@ -310,7 +311,7 @@ def _pinned(graph: Graph, live: set[Node], part: Any, forced: set[Node], stop: s
         if n not in live:
             continue
         library = n in part.of and part.group(n).kind is KernelKind.LIBRARY  # e.g. a column sum on the cpu
-        if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION, Op.EXPERTS) or library:
+        if n.op in (Op.MATMUL, Op.CONV, Op.POOL, Op.ATTENTION, Op.EXPERTS, Op.ROUTE) or library:
             pinned.update(base(s, stop) for s in n.src)
         if n in group_of_conv:  # a CONV kernel's residual is a library operand, its tail a library result
             ep = group_of_conv[n]
@@ -374,6 +375,7 @@ def _plan_once(
     kernels, todo = _lower_groups(part.groups.values(), buffers, stop, order, slices, nhwc)
     if todo:
         return todo
+    kernels = merge_routers(kernels)
     outputs = {base(o, stop) for o in graph.outputs}
     return _schedule(conv_chains(kernels, nhwc, outputs) if settings.conv_chains else kernels, order), nhwc
 
@@ -466,6 +468,28 @@ def _split_concats(kernels: Sequence[Kernel], slices: Mapping[Node, Node]) -> li
         for c in cats
         if writers.get(c, 0) > 1
     ]
+
+
+def merge_routers(kernels: Sequence[Kernel]) -> list[Kernel]:
+    """One ROUTER kernel per router: the kernels of twins (``ROUTE`` nodes with the same operands and
+    choice) become one writing both, weights first, where the first of them stood."""
+    first: dict[tuple, int] = {}
+    out: list[Kernel] = []
+    for k in kernels:
+        if not isinstance(k, RouterKernel):
+            out.append(k)
+            continue
+        key = (k.node.src, k.node.arg.choice)
+        if key not in first or {n.arg.indices for n in out[first[key]].writes} & {
+            n.arg.indices for n in k.writes
+        }:
+            first[key] = len(out)
+            out.append(k)
+            continue
+        i = first[key]
+        twins = sorted((*out[i].writes, *k.writes), key=lambda n: n.arg.indices)
+        out[i] = replace(out[i], outputs=tuple(twins), computes=tuple(twins))
+    return out
 
 
 def _schedule(kernels: Sequence[Kernel], order: Mapping[Node, int]) -> tuple[Kernel, ...]:

@@ -39,6 +39,7 @@ from kernelize.autokernel.kernels import (
     Load,
     MatmulKernel,
     PointwiseKernel,
+    RouterKernel,
     RowKernel,
     Store,
     dispatch,
@@ -57,6 +58,7 @@ from kernelize.codegen.cpu_chunks import (
 from kernelize.codegen.cpu_experts import render_experts
 from kernelize.codegen.cpu_fission import needed, render_fissioned, sum_chains
 from kernelize.codegen.render import Renderer, c_name, closure, deps
+from kernelize.codegen.router import render_cpu as render_router
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import REDUCE, Op
@@ -448,6 +450,7 @@ RENDER: dict[type, Callable[[Kernel, CpuRenderer], tuple[str, str]]] = {
     MatmulKernel: _render_matmul,
     AttentionKernel: lambda k, r: render_attention(k, load_template("cpu_prelude.h")),
     ExpertsKernel: lambda k, r: render_experts(k, load_template("cpu_prelude.h")),
+    RouterKernel: lambda k, r: render_router(k, r, load_template("cpu_prelude.h")),
     ConvKernel: _render_conv,
     ConvChainKernel: cpu_conv.render_chain,
 }

@@ -32,6 +32,7 @@ from kernelize.autokernel.kernels import (
     LibraryKernel,
     MatmulKernel,
     PointwiseKernel,
+    RouterKernel,
     RowKernel,
     dispatch,
 )
@@ -278,6 +279,7 @@ _KINDS = {
     MatmulKernel: _MatmulKind(),
     AttentionKernel: _AttentionKind(),
     ExpertsKernel: _ExpertsKind(),
+    RouterKernel: _LoopKind(),
     ConvKernel: _ConvKind(),
     ConvChainKernel: _ConvChainKind(),
     LibraryKernel: _LibraryKind(),

@@ -48,6 +48,7 @@ from kernelize.autokernel.kernels import (
     LoopKernel,
     MatmulKernel,
     PointwiseKernel,
+    RouterKernel,
     RowKernel,
     SplitKKernel,
     Store,
@@ -454,6 +455,12 @@ def _render_attention(kernel: AttentionKernel) -> str:
     return render_attention(kernel)[0]
 
 
+def _router():
+    from kernelize.codegen import router
+
+    return router
+
+
 def _render_experts(kernel: ExpertsKernel) -> str:
     from kernelize.codegen.cuda_experts import render_experts
 
@@ -489,6 +496,7 @@ class CudaBackend(Backend):
             {
                 AttentionKernel: _render_attention,
                 ExpertsKernel: _render_experts,
+                RouterKernel: lambda k: _router().render_cuda(k)[0],
                 Kernel: lambda k: render(k).source,
             },
             kernel,
@@ -506,6 +514,7 @@ class CudaBackend(Backend):
         compile_kind = {
             AttentionKernel: self._compile_attention,
             ExpertsKernel: self._compile_experts,
+            RouterKernel: lambda k: _router().compile_cuda(k, self.arch),
             MatmulKernel: self._compile_matmul,
             LoopKernel: self._compile,
         }

@@ -192,7 +192,8 @@ def c_name(kernel_name: str) -> str:
 def gather_error(kernel: Kernel, backend: str) -> str:
     """What a gather kernel reports for an index out of range (the CPU kernels' nonzero return, the GPU
     kernels' error flag), with the sizes the indices must respect."""
-    sizes = sorted({str(ind.size) for e in kernel.body if isinstance(e, Load) for ind in e.indirect})
+    body = getattr(kernel, "body", ())  # node kernels (a router) have no gathers and never fail
+    sizes = sorted({str(ind.size) for e in body if isinstance(e, Load) for ind in e.indirect})
     n = " or ".join(sizes) or "n"
     return (
         f"{backend} kernel {kernel.name}: a gather index is out of range: the gathered axis has {n} entries, "

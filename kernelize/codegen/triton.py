@@ -46,6 +46,7 @@ from kernelize.autokernel.kernels import (
     LoopKernel,
     MatmulKernel,
     PointwiseKernel,
+    RouterKernel,
     RowKernel,
     SplitKKernel,
     Store,
@@ -306,6 +307,18 @@ def _render_attention(kernel: AttentionKernel) -> str:
     return render_attention(kernel)
 
 
+def render_router(kernel: RouterKernel) -> str:
+    from kernelize.codegen.router import render_triton
+
+    return render_triton(kernel)
+
+
+def compile_router(kernel: RouterKernel, interpret: bool) -> CompiledKernel:
+    from kernelize.codegen.router import compile_triton
+
+    return compile_triton(kernel, interpret)
+
+
 def _render_experts(kernel: ExpertsKernel) -> str:
     from kernelize.codegen.triton_experts import render_experts
 
@@ -319,6 +332,7 @@ RENDER: dict[type, Callable[[Kernel], str]] = {
     SplitKKernel: lambda k: KernelSource(k).splitk(),
     AttentionKernel: _render_attention,
     ExpertsKernel: _render_experts,
+    RouterKernel: lambda k: render_router(k),
 }
 
 
@@ -418,6 +432,7 @@ class TritonBackend(Backend):
         compile_kind = {
             AttentionKernel: self._compile_attention,
             ExpertsKernel: self._compile_experts,
+            RouterKernel: lambda k: compile_router(k, interpreting()),
             MatmulKernel: self._compile_matmul,
             LoopKernel: self._compile,
         }

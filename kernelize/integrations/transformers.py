@@ -67,6 +67,7 @@ from kernelize.model_experts import (
     keep_experts,
     use_experts_function,
 )
+from kernelize.model_router import ROUTER_LAYER, use_router_kernels
 from kernelize.runtime.memory import trim_heap
 from kernelize.shards import Shards, shards_of
 
@@ -1064,7 +1065,7 @@ def _replaced(model: nn.Module) -> dict[str, nn.Module]:
         for path, module in model.named_modules()
         if (choice := recorded_choice(module)) is not None
         and choice.uses_kernel
-        and choice.layer_name != EXPERTS_LAYER
+        and choice.layer_name not in (EXPERTS_LAYER, ROUTER_LAYER)
     }
 
 
@@ -1165,7 +1166,7 @@ def kernelize_model(
     status = _use_attention_function(model, mode)
     switched = attention if status.startswith("attention implementation set") else None
     experts_status, experts = use_experts_function(model, mode, device)
-    status = f"{status}; {experts_status}"
+    status = f"{status}; {experts_status}; {use_router_kernels(model, mode)}"
     if verify:
         status = f"{status}; {_verify(model, call, want, switched, experts)}"
     trim_heap()  # what the probe's merges freed (the old q/k/v, gate/up storages) goes back to the system

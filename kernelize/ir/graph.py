@@ -380,6 +380,20 @@ class Graph:
 
         return build_experts(self, x, index, weights, up, down, **kw)
 
+    def topk(self, x: Node, k: int) -> tuple[Node, Node]:
+        """(values, int64 indices) of the ``k`` largest along the last axis
+        (:func:`kernelize.ir.router.build_topk`; ties: the lower index first)."""
+        from kernelize.ir.router import build_topk
+
+        return build_topk(self, x, k)
+
+    def route(self, x: Node, k: int, bias: Node | None = None, **kw: Any) -> tuple[Node, Node]:
+        """(weights, int64 indices) of a mixture-of-experts router over logits ``x``
+        (:func:`kernelize.ir.router.build_route`)."""
+        from kernelize.ir.router import build_route
+
+        return build_route(self, x, k, bias, **kw)
+
     def conv(
         self,
         x: Node,

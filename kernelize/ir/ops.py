@@ -34,6 +34,9 @@ class Op(StrEnum):
     POOL = "pool"  # arg: PoolArgs
     ATTENTION = "attention"  # softmax(scale * q @ k^T + mask) @ v, fused (arg: AttentionArgs)
     EXPERTS = "experts"  # routed mixture-of-experts MLPs with their weighted combine (arg: ExpertsArgs)
+    # selection along the last axis (kernelize.ir.router): two nodes per call, the values and the indices
+    TOPK = "topk"  # arg: TopkArgs
+    ROUTE = "route"  # a router's scores, bias, top-k, renormalisation and cast in one op (arg: RouteArgs)
     # unary
     ABS = "abs"
     NEG = "neg"
@@ -374,5 +377,74 @@ class ConcatArgs:
         object.__setattr__(self, "ends", tuple(self.ends))
 
 
+@dataclass(frozen=True)
+class TopkArgs:
+    """The attributes of a ``TOPK`` node: the ``k`` largest values along the last axis, largest first, ties
+    to the lower index (:mod:`kernelize.ir.router`). A call is two nodes: the values (``indices`` False,
+    the operand's dtype) and the int64 indices (``indices`` True)."""
+
+    k: int
+    indices: bool = False
+
+
+# what a router does to its logits before choosing: softmax, sigmoid, or nothing (gpt-oss chooses on logits)
+ROUTE_SCORES = ("softmax", "sigmoid", "none")
+# what it does to the K chosen scores after: nothing, divide by their sum (+ eps), a softmax over them
+ROUTE_RENORMS = ("none", "sum", "softmax")
+
+
+@dataclass(frozen=True)
+class RouteArgs:
+    """The attributes of a ``ROUTE`` node (:mod:`kernelize.ir.router`): per row of logits ``x [..., E]``::
+
+        s = score(x)                      (f32; softmax, sigmoid or x itself)
+        index = topk(s + bias, k)         (bias: an optional second operand [E], for the choice only)
+        w = renorm(s[index]) * scale      (none, s / (sum + eps), softmax over the K)
+
+    A call is two nodes with equal fields but ``indices``: the weights (in the node's float dtype) and the
+    int64 indices; the planner runs both in one kernel. Index nodes keep the defaults of the weight-only
+    fields (renorm, eps, scale), so both twins of one router share :attr:`choice`.
+
+    Example:
+        >>> RouteArgs(8, "softmax", renorm="sum").choice
+        (8, 'softmax', False)
+    """
+
+    k: int
+    score: str = "softmax"
+    bias: bool = field(default=False, metadata=OPTIONAL)
+    renorm: str = field(default="none", metadata=OPTIONAL)
+    eps: float = field(default=0.0, metadata=OPTIONAL)
+    scale: float = field(default=1.0, metadata=OPTIONAL)
+    indices: bool = field(default=False, metadata=OPTIONAL)
+
+    def __post_init__(self) -> None:
+        if self.score not in ROUTE_SCORES or self.renorm not in ROUTE_RENORMS:
+            raise ValueError(
+                f"RouteArgs: score must be one of {ROUTE_SCORES} and renorm one of {ROUTE_RENORMS}, got "
+                f"{self.score!r}, {self.renorm!r}"
+            )
+        if self.k < 1:
+            raise ValueError(f"RouteArgs.k must be >= 1, got {self.k}")
+        object.__setattr__(self, "eps", float(self.eps))
+        object.__setattr__(self, "scale", float(self.scale))
+
+    @property
+    def choice(self) -> tuple:
+        """What decides the indices (k, score, bias): equal for the two twins of one router."""
+        return (self.k, self.score, self.bias)
+
+
 # typed op arguments (printed field by field)
-TYPED_ARGS = (AttentionArgs, ExpertsArgs, NormArgs, ConvArgs, PoolArgs, PadArgs, ClampArgs, ConcatArgs)
+TYPED_ARGS = (
+    TopkArgs,
+    RouteArgs,
+    AttentionArgs,
+    ExpertsArgs,
+    NormArgs,
+    ConvArgs,
+    PoolArgs,
+    PadArgs,
+    ClampArgs,
+    ConcatArgs,
+)

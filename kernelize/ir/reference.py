@@ -18,6 +18,7 @@ from kernelize.ir.dtypes import DType, compute_dtype
 from kernelize.ir.experts import reference_experts
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.ops import ConvArgs, NormArgs, PoolArgs
+from kernelize.ir.router import reference_route, reference_topk
 from kernelize.ir.shapes import ShapeError, bind, shape_str, unify
 from kernelize.ir.stats import NO_IDENTITY, STATS, elem_operands
 
@@ -217,6 +218,8 @@ EVAL: dict[Op, Callable[[Node, list[torch.Tensor], dict[str, int]], torch.Tensor
     Op.POOL: _pool,
     Op.ATTENTION: lambda n, xs, env: _attention(n.arg, *split_operands(xs, n.arg)),
     Op.EXPERTS: lambda n, xs, env: reference_experts(*xs[:5], n.arg, *xs[5:]),
+    Op.TOPK: lambda n, xs, env: reference_topk(xs[0], n.arg),
+    Op.ROUTE: lambda n, xs, env: reference_route(xs[0], xs[1] if len(xs) > 1 else None, n.arg),
     Op.ABS: _unary(torch.abs),
     Op.NEG: _unary(torch.neg),
     Op.EXP: _unary(torch.exp),

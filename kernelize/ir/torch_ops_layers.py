@@ -285,6 +285,27 @@ def _argmax(t, x, dim=None, keepdim=False):
     return t.g.reduce(op, x, dim, keepdim)
 
 
+@handles(aten.topk.default)
+def _topk(t, x, k, dim=-1, largest=True, sorted=True):
+    """The IR's topk runs along the last axis, largest first (sorted): another axis is moved there and back;
+    the smallest are the largest of -x."""
+    axis = normalize_axis(dim, x.rank)
+    last = axis == x.rank - 1
+    perm = [a for a in range(x.rank) if a != axis] + [axis]
+    src = x if last else t.g.permute(x, perm)
+    if not largest:
+        if not x.dtype.is_float:
+            raise t.fail("topk(largest=False) of an integer tensor is not supported")
+        src = t.g.neg(src)
+    values, index = t.g.topk(src, k)
+    if not largest:
+        values = t.g.neg(values)
+    if not last:
+        back = [perm.index(a) for a in range(x.rank)]
+        values, index = t.g.permute(values, back), t.g.permute(index, back)
+    return values, index
+
+
 def _variance(t, x: Node, dims: Any, correction: Any, keepdim: bool) -> tuple[Node, Node]:
     """(var, mean) as mean((x - mean)^2) * n / (n - correction)."""
     mean = t.g.reduce(Op.MEAN, x, _axes(dims), True)

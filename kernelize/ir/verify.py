@@ -18,8 +18,19 @@ from collections.abc import Callable
 from typing import Any
 
 from kernelize.ir.attention import split_operands
+from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import BINARY, UNARY, Constant, DTypeError, Graph, Node, Op
-from kernelize.ir.ops import AttentionArgs, ClampArgs, ConvArgs, ExpertsArgs, NormArgs, PadArgs, PoolArgs
+from kernelize.ir.ops import (
+    AttentionArgs,
+    ClampArgs,
+    ConvArgs,
+    ExpertsArgs,
+    NormArgs,
+    PadArgs,
+    PoolArgs,
+    RouteArgs,
+    TopkArgs,
+)
 from kernelize.ir.printer import format_node
 from kernelize.ir.shapes import ShapeError, Sym, shape_str, symbols
 from kernelize.ir.stats import STATS
@@ -326,6 +337,23 @@ def _experts(g: Graph, s: list[Node], n: Node) -> Any:
     return g.experts(*s[:5], act=a.act, gated=a.gated, **biases, **a.form)
 
 
+def _topk(g: Graph, s: list[Node], n: Node) -> Any:
+    if not isinstance(n.arg, TopkArgs):
+        return f"arg {n.arg!r} is not TopkArgs"
+    _nsrc(n, 1)
+    return g.topk(s[0], n.arg.k)[n.arg.indices]
+
+
+def _route(g: Graph, s: list[Node], n: Node) -> Any:
+    a = n.arg
+    if not isinstance(a, RouteArgs):
+        return f"arg {a!r} is not RouteArgs"
+    _nsrc(n, 2 if a.bias else 1)
+    dtype = DType.F32 if a.indices else n.dtype
+    fields = dict(score=a.score, renorm=a.renorm, eps=a.eps, scale=a.scale)
+    return g.route(s[0], a.k, s[1] if a.bias else None, dtype=dtype, **fields)[a.indices]
+
+
 _RULES: dict[Op, Callable[[Graph, list[Node], Node], Any]] = {
     Op.INPUT: _source,
     Op.CONST: _source,
@@ -340,6 +368,8 @@ _RULES: dict[Op, Callable[[Graph, list[Node], Node], Any]] = {
     Op.MATMUL: _matmul,
     Op.ATTENTION: _attention,
     Op.EXPERTS: _experts,
+    Op.TOPK: _topk,
+    Op.ROUTE: _route,
     Op.CONV: _conv,
     Op.POOL: _pool,
     Op.WHERE: _where,

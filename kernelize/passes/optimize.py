@@ -21,6 +21,7 @@ from kernelize.passes.conv_pad import conv_pad
 from kernelize.passes.dce import dce
 from kernelize.passes.fold import fold
 from kernelize.passes.recognize import recognize
+from kernelize.passes.router import router
 from kernelize.passes.strength import strength
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class OptimizerSettings:
         dce: drop nodes no output needs.
         fold: constant folding and layout/cast simplification.
         recognize: layernorm / rmsnorm / softmax / log_softmax / gelu from their templates.
+        router: mixture-of-experts routers (score, top-k, renormalisation, cast) into ``route`` nodes.
         strength: division by constants into multiplication, small powers into multiplications.
         clamp: relu / min / max chains into one clamp.
         affine: scale/bias chains (and batch norm) into one scale+bias, and into conv/matmul weights.
@@ -45,6 +47,7 @@ class OptimizerSettings:
     dce: bool = True
     fold: bool = True
     recognize: bool = True
+    router: bool = True
     strength: bool = True
     clamp: bool = True
     affine: bool = True
@@ -64,6 +67,7 @@ PIPELINE: tuple[tuple[str, Callable[[Graph], Graph]], ...] = (
     ("dce", dce),
     ("fold", fold),
     ("recognize", recognize),
+    ("router", router),
     ("strength", strength),
     ("clamp", clamp),
     ("affine", affine),

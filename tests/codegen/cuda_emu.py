@@ -304,3 +304,24 @@ def emulate_quant(fmt: str, x: torch.Tensor, packed, bias: torch.Tensor | None, 
     rc = lib.kz_emu_quant(part, argv, nums, ctypes.c_uint(call.grid[0]), ctypes.c_uint(call.grid[1]), err)
     if rc:
         raise RuntimeError(f"emulated {name}_{call.part}: {err.value.decode()}")
+
+
+def emulate_router(kernel: Kernel, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
+    """Run a ROUTER kernel's generated CUDA C (a warp per row, rows grid-strided over two blocks) on CPU
+    tensors, with the launcher's operands (:mod:`kernelize.codegen.router`)."""
+    from kernelize.codegen.router import _operands, render_cuda, router_spec
+
+    source, name = render_cuda(kernel)
+    sp = router_spec(kernel)
+    tramp = (
+        '\nextern "C" int kz_emu_router(void** p, int64_t rows, char* err) {\n'
+        "  int rc = kz_emu::launch(dim3{2, 1, 1}, dim3{32, 1, 1}, [&] { "
+        f"{name}((const kz_tx*)p[0], (const kz_tb*)p[1], (kz_tw*)p[2], (int64_t*)p[3], rows); }});\n"
+        "  if (rc) std::strcpy(err, kz_emu::error);\n  return rc;\n}\n"
+    )
+    lib = _build_text(load_template("cuda_host_emu.h") + "\n" + source + tramp, name)
+    tensors = _operands(kernel, sp, reads, writes)
+    ptrs = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in tensors))
+    err = ctypes.create_string_buffer(512)
+    if lib.kz_emu_router(ptrs, ctypes.c_int64(reads[0].numel() // sp.experts), err):
+        raise RuntimeError(f"emulated {name}: {err.value.decode()}")

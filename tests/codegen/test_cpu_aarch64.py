@@ -138,6 +138,17 @@ def experts_graph(dtype: DType):
     return g
 
 
+def router_graph(dtype: DType):
+    """A softmax router over 60 experts, top-8, renormalised, with weights in the logits' dtype, and a
+    sigmoid router with a choice bias (the two template branches)."""
+    g = Graph()
+    x = g.input("x", ("tokens", 60), dtype)
+    w, i = g.route(x, 8, renorm="sum", dtype=dtype)
+    v, j = g.route(x, 4, g.input("bias", (60,), "f32"), score="sigmoid", scale=2.5)
+    g.output(w, i, v, j)
+    return g
+
+
 @functools.cache
 def sources() -> dict[str, str]:
     """{name: C++ source} of the representative kernels: each function a kernel compiles to (a matmul: its
@@ -164,6 +175,7 @@ def sources() -> dict[str, str]:
         kernels = {name: _planned(g) for name, g in graphs.items()}
     for dt in (DType.F32, DType.BF16):  # the grouped-expert kernel (few-pair path)
         kernels[f"experts_{dt.name.lower()}"] = _planned(experts_graph(dt))
+        kernels[f"router_{dt.name.lower()}"] = _planned(router_graph(dt))
     kernels["attention_causal_gqa_f32"] = [attention_kernel(4, 1, 64, 64, DType.F32, causal=True)]
     kernels["attention_bool_mask_bf16"] = [attention_kernel(2, 2, 64, 64, DType.BF16, mask="bool")]
     out = {"replay": load_template("cpu_replay.cpp"), "pool": cpu_pool.source()}
@@ -180,7 +192,7 @@ def sources() -> dict[str, str]:
 
 def test_the_kernels_cover_every_kind_and_cpu_template():
     kinds = {name.rpartition("-")[2] for name in sources()}
-    assert {"pointwise", "row", "matmul", "conv", "conv_chain", "attention", "experts"} <= kinds
+    assert {"pointwise", "row", "matmul", "conv", "conv_chain", "attention", "experts", "router"} <= kinds
     matmuls = [name for name in sources() if name.endswith("-matmul")]
     assert any(n.endswith("_epilogue-matmul") for n in matmuls)  # the epilogue after torch's GEMM ...
     assert any(not n.endswith("_epilogue-matmul") for n in matmuls)  # ... and the few-row function

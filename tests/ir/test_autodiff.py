@@ -257,7 +257,7 @@ def test_integer_input_is_not_differentiated() -> None:
 
 
 def test_every_differentiable_op_has_a_rule() -> None:
-    no_rule = {Op.INPUT, Op.CONST, Op.GATHER, Op.CONV, Op.POOL, Op.ATTENTION, Op.EXPERTS}
+    no_rule = {Op.INPUT, Op.CONST, Op.GATHER, Op.CONV, Op.POOL, Op.ATTENTION, Op.EXPERTS, Op.TOPK, Op.ROUTE}
     assert set(Op) - set(VJP) == no_rule
     assert ELEMENTWISE | LAYOUT | REDUCE | ROW <= set(VJP) | no_rule
 

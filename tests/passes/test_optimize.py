@@ -19,7 +19,7 @@ SHAPE = (2, 3, 4)
 
 def test_settings_are_frozen_bools_with_one_switch_per_pass():
     s = OptimizerSettings()
-    names = {"dce", "fold", "recognize", "strength", "clamp", "affine", "conv_pad", "conv_matmul"}
+    names = {"dce", "fold", "recognize", "router", "strength", "clamp", "affine", "conv_pad", "conv_matmul"}
     assert {name for name, _ in PIPELINE} == names
     assert all(getattr(s, name) is True for name, _ in PIPELINE) and s.verify is False
     with pytest.raises(AttributeError):
