@@ -20,14 +20,6 @@ typedef $TM$ kz_tm;
 KZ float kz_score_mod(float sm0, int64_t sm1, int64_t sm2, int64_t sm3) {
 $SCORE_MOD$
 }
-KZ float kz_warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-KZ float kz_warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 extern "C" __global__ void __launch_bounds__(32) $NAME$(
     const kz_t* __restrict__ q, const kz_t* __restrict__ k, const kz_t* __restrict__ v, const kz_tm* __restrict__ m,

@@ -187,3 +187,14 @@ template <class A> KZ A kz_block_reduce(A a) {
   __syncthreads();  // kz_warps is reused by the next reduction
   return a;
 }
+
+// one warp's max / sum of a float, every lane gets it (attention's online softmax, the router's row)
+KZ float kz_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+KZ float kz_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}

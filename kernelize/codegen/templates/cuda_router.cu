@@ -24,16 +24,6 @@ KZ bool kz_route_better(float v, int i, float bv, int bi) {
     return i < bi;
 }
 
-KZ float kz_warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-KZ float kz_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 extern "C" __global__ void __launch_bounds__(32) $NAME$(const kz_tx* __restrict__ x, const kz_tb* __restrict__ b,
         kz_tw* __restrict__ w, int64_t* __restrict__ ix, int64_t rows) {
     const int lane = threadIdx.x;
