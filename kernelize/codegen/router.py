@@ -83,6 +83,19 @@ def _c_float(v: float) -> str:
     )
 
 
+def _holes(sp: RouterSpec) -> dict[str, str]:
+    """The template holes the C++ and CUDA C sources share: the name, sizes and the score / renorm choice."""
+    return {
+        "NAME": sp.name,
+        "E": str(sp.experts),
+        "K": str(sp.k),
+        "SCORE": ROUTE_SCORES[sp.score],
+        "RENORM": ROUTE_RENORMS[sp.renorm],
+        "SCORE_CODE": str(sp.score),
+        "RENORM_CODE": str(sp.renorm),
+    }
+
+
 def render_cpu(kernel: RouterKernel, renderer: Renderer, prelude: str) -> tuple[str, str]:
     """The C++ source of a ROUTER kernel and its exported function name."""
     sp = router_spec(kernel)
@@ -102,13 +115,7 @@ def render_cpu(kernel: RouterKernel, renderer: Renderer, prelude: str) -> tuple[
     source = fill(
         load_template("cpu_router.cpp"),
         PRELUDE=prelude,
-        NAME=sp.name,
-        E=str(sp.experts),
-        K=str(sp.k),
-        SCORE=ROUTE_SCORES[sp.score],
-        RENORM=ROUTE_RENORMS[sp.renorm],
-        SCORE_CODE=str(sp.score),
-        RENORM_CODE=str(sp.renorm),
+        **_holes(sp),
         PARAMS="".join(params),
         ROWS=renderer.dim(kernel.rows),
         PARALLEL_MIN=str(PARALLEL_MIN),
@@ -214,13 +221,7 @@ def render_cuda(kernel: RouterKernel) -> tuple[str, str]:
     source = fill(
         load_template("cuda_router.cu"),
         PRELUDE=load_template("cuda_prelude.cuh"),
-        NAME=sp.name,
-        E=str(sp.experts),
-        K=str(sp.k),
-        SCORE=ROUTE_SCORES[sp.score],
-        RENORM=ROUTE_RENORMS[sp.renorm],
-        SCORE_CODE=str(sp.score),
-        RENORM_CODE=str(sp.renorm),
+        **_holes(sp),
         HAS_B=str(int(sp.bias is not None)),
         HAS_W=str(int(sp.weights is not None)),
         HAS_I=str(int(sp.index)),
