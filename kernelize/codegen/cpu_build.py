@@ -155,9 +155,6 @@ def build_shared_object(source: str, kernel_name: str = "kernel") -> Path:
 # One deadline for every kernel library: after a parallel region whose workers started late (other processes
 # hold the cores), regions run on one thread until then (see "thread teams under load" in cpu_prelude.h).
 TEAM_DEADLINE = ctypes.c_int64(0)
-# When a region with workers last ended (CLOCK_MONOTONIC ns, as `time.monotonic_ns()`): the first region after
-# a longer pause wakes sleeping workers, and its lateness does not count.
-TEAM_LAST = ctypes.c_int64(0)
 
 
 def stream_threshold() -> int:
@@ -201,11 +198,7 @@ def load(path: Path) -> ctypes.CDLL:
         lib = _LOADED.get(str(path))
         if lib is None:
             lib = _LOADED[str(path)] = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
-            for name, value in (
-                ("kz_bind_team_state", TEAM_DEADLINE),
-                ("kz_bind_team_last", TEAM_LAST),
-                ("kz_bind_nt_bytes", NT_BYTES),
-            ):
+            for name, value in (("kz_bind_team_state", TEAM_DEADLINE), ("kz_bind_nt_bytes", NT_BYTES)):
                 bind = getattr(lib, name, None)
                 if bind is not None:
                     bind.argtypes = [ctypes.POINTER(ctypes.c_int64)]
@@ -271,7 +264,6 @@ __all__ = [
     "NATIVE_FLAGS",
     "NT_BYTES",
     "TEAM_DEADLINE",
-    "TEAM_LAST",
     "CompilerNotFoundError",
     "build_shared_object",
     "compiler",

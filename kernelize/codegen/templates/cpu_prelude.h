@@ -27,19 +27,12 @@ static inline int omp_get_num_threads() { return 1; }
 // KZ_SOLO_NS is short because a quiet machine has false alarms too (a sleeping worker woken late on a VM):
 // GPT-2 medium decode, 2 threads, quiet: 250 ms solo kept the kernels on one thread 30-45% of the time
 // (155-174 ms per token); 20 ms: 3-4% (128-136 ms per token).
-// Workers idle for longer than KZ_IDLE_NS (no region had workers since) have stopped spinning and sleep: the
-// first region after such a pause waits for their wake-up, which says nothing about other processes. Its
-// lateness does not count. Without this rule, a model called after a pause (a server between requests, a
-// benchmark between runs) ran solo for its first 20 ms: all of a 10-17 ms CNN at batch 1.
 #include <time.h>
 #define KZ_LATE_NS 500000LL
 #define KZ_SOLO_NS 20000000LL
-#define KZ_IDLE_NS 10000000LL
-static int64_t kz_team_local = 0, kz_last_local = 0;
+static int64_t kz_team_local = 0;
 static int64_t* kz_team_deadline = &kz_team_local;
-static int64_t* kz_team_last = &kz_last_local;  // when a region with workers last ended (process-wide)
 extern "C" void kz_bind_team_state(int64_t* deadline) { kz_team_deadline = deadline; }
-extern "C" void kz_bind_team_last(int64_t* last) { kz_team_last = last; }
 KZ_INLINE int64_t kz_now_ns() {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -49,12 +42,9 @@ KZ_INLINE int64_t kz_now_ns() {
 KZ_INLINE int kz_team(int nthreads, int64_t t0) {
     return t0 < __atomic_load_n(kz_team_deadline, __ATOMIC_RELAXED) ? 1 : (nthreads < 1 ? 1 : nthreads);
 }
-// after a region of `team` threads opened at `t0` whose latest thread started `lag` ns after it
-KZ_INLINE void kz_team_done(int team, int64_t lag, int64_t t0) {
-    if (team < 2) return;
-    const int64_t now = kz_now_ns();
-    const int64_t last = __atomic_exchange_n(kz_team_last, now, __ATOMIC_RELAXED);
-    if (lag > KZ_LATE_NS && t0 - last < KZ_IDLE_NS) __atomic_store_n(kz_team_deadline, now + KZ_SOLO_NS, __ATOMIC_RELAXED);
+// after a region of `team` threads whose latest thread started `lag` ns after `t0`
+KZ_INLINE void kz_team_done(int team, int64_t lag) {
+    if (team > 1 && lag > KZ_LATE_NS) __atomic_store_n(kz_team_deadline, kz_now_ns() + KZ_SOLO_NS, __ATOMIC_RELAXED);
 }
 // ---- the one parallel-for: every kernel's threads come from here (docs/runtime.md, "Threads") -----------
 // The only `omp parallel` of the generated code. Every kernel library links the process's one libgomp
@@ -121,7 +111,7 @@ template <class F> static inline int kz_parallel_for(const kz_team_t& team, F bo
         if (omp_get_thread_num() == 0) *caller_done = kz_now_ns();
     }
     if (team.n > 1) lag = kz_region_lag(lag, done - team.t0, kz_now_ns() - done);
-    kz_team_done(team.n, lag, team.t0);
+    kz_team_done(team.n, lag);
     return err;
 }
 // thread `t` of `tn`'s share [lo, hi) of [0, n): the split an OpenMP loop with schedule(static) makes
@@ -141,10 +131,7 @@ KZ_INLINE void kz_barrier() {
 // the team a region would get now, and a region's bookkeeping as the kernels do it (for tests and tools)
 extern "C" int kz_team_size(int nthreads) { return kz_team(nthreads, kz_now_ns()); }
 extern "C" int kz_grain_threads(int nthreads, int64_t flops, int64_t bytes) { return kz_grain(nthreads, flops, bytes); }
-// a region of `team` threads `lag` ns late, opened `idle` ns after the last region with workers ended
-extern "C" void kz_team_report(int team, int64_t lag, int64_t idle) {
-    kz_team_done(team, lag, __atomic_load_n(kz_team_last, __ATOMIC_RELAXED) + idle);
-}
+extern "C" void kz_team_report(int team, int64_t lag) { kz_team_done(team, lag); }
 extern "C" int64_t kz_region_lateness(int64_t lag, int64_t own, int64_t wait) { return kz_region_lag(lag, own, wait); }
 // the team a big region of `nthreads` gets from OpenMP now, as its bodies see it
 extern "C" int kz_parallel_team(int nthreads) {
