@@ -48,9 +48,8 @@ __all__ = ["ENV", "SLOT_BYTES", "all_reduce", "enabled", "segment_name"]
 logger = logging.getLogger(__name__)
 
 ENV = "KERNELIZE_SHM_ALLREDUCE"
-SLOT_BYTES = (
-    4 << 20
-)  # per rank and slot (two slots a rank); a decode row is 4 KiB, 1k tokens x 1024 f32 4 MiB
+# per rank and slot (two slots a rank); a decode row is 4 KiB, 1k tokens x 1024 f32 4 MiB
+SLOT_BYTES = 4 << 20
 MAX_WORLD = 32  # the header's counter lines (64 bytes each) below the token
 TOKEN_AT = 2048  # the token's offset in the 4 KiB header
 TIMEOUT_S = 1800.0  # as gloo's default collective timeout
