@@ -115,25 +115,17 @@ def onnx_table(r: dict) -> str:
 
 
 def threads_table(r: dict) -> str:
-    base = {e: r["rows"][0][f"{e}_ms"] for e in ("kernelize", "onnxruntime")}
-    rows = [
-        [str(x["threads"]), f"{x['kernelize_ms']:.1f}", f"{x['onnxruntime_ms']:.1f}"]
-        + [
-            f"{base['kernelize'] / x['kernelize_ms']:.2f}x",
-            f"{base['onnxruntime'] / x['onnxruntime_ms']:.2f}x",
-        ]
-        + [f"**{x['kernelize_ms'] / x['onnxruntime_ms']:.2f}**"]
-        for x in r["rows"]
-    ]
-    head = [
-        "threads",
-        "kernelize ms",
-        "onnxruntime ms",
-        "kernelize scaling",
-        "ort scaling",
-        "kernelize / ort",
-    ]
-    return md(head, rows) + f"\n\n{r['model']}, batch {r['batch']}, on {r.get('machine', 'this host')}."
+    rows = []
+    for model, runs in r["models"].items():
+        base = {e: runs[0][f"{e}_ms"] for e in ("kernelize", "onnxruntime")}
+        for x in runs:
+            row = [model, str(x["threads"]), f"{x['kernelize_ms']:.1f}", f"{x['onnxruntime_ms']:.1f}"]
+            row += [f"{base[e] / x[f'{e}_ms']:.2f}x" for e in ("kernelize", "onnxruntime")]
+            rows.append(row + [f"**{x['kernelize_ms'] / x['onnxruntime_ms']:.2f}**"])
+    head = ["model", "threads", "kernelize ms", "onnxruntime ms", "kernelize scaling", "ort scaling"]
+    return (
+        md([*head, "kernelize / ort"], rows) + f"\n\nbatch {r['batch']}, on {r.get('machine', 'this host')}."
+    )
 
 
 def gpu_timings(section: dict) -> dict[str, tuple[dict[str, float], float | None]]:
@@ -190,6 +182,19 @@ def quantized_table(r: dict) -> str:
     head = ["model", "decode tok/s", "vs eager bf16", "llama.cpp tok/s (same file)", "vs llama.cpp"]
     caption = f"{k['threads']} threads, random-weight Llama hidden {k['config']['hidden_size']}"
     return caption + ":\n\n" + md([*head, "logits cosine vs llama.cpp"], rows)
+
+
+def quantized_gpu_table(r: dict) -> str:
+    """Packed-weight linears on a GPU (benchmarks/quantized_gpu.py): us per call, weight bytes read per
+    second, and torch bf16's time over each (same rows)."""
+    torch_us = {x["rows"]: x["us"] for x in r["rows"] if x["backend"] == "torch"}
+    rows = [
+        [x["backend"], x["format"], str(x["rows"]), f"{x['us']:.1f}", f"{x['bytes'] / x['us'] / 1e3:.0f}"]
+        + [f"**{torch_us[x['rows']] / x['us']:.2f}x**"]
+        for x in r["rows"]
+    ]
+    head = ["backend", "format", "rows", "us per call", "weight GB/s", "speed vs torch bf16"]
+    return f"{r['device']}, N = {r['n']}, K = {r['k']}, x bf16:\n\n" + md(head, rows)
 
 
 def fenced(text: str) -> str:
@@ -257,6 +262,7 @@ TABLES: dict[str, Table] = {
     "quantized_kernelize.json:kernelize": Table(
         "quantized_kernelize.json", _cmd("quantized.py", "--parts kernelize"), quantized_table, "kernelize"
     ),
+    "quantized_gpu.json:rows": Table("quantized_gpu.json", _cmd("quantized_gpu.py"), quantized_gpu_table),
     "threads.json:scaling": Table(
         "threads.json", _cmd("threads.py", "--out benchmarks/results/threads.json"), threads_table
     ),

@@ -734,9 +734,9 @@ def test_a_late_worker_sends_every_kernel_library_to_one_thread_for_a_while():
         g.output(getattr(g, op)(x))
         src, _ = render(kernel_of(g))
         libs.append(cpu_build.load(cpu_build.build_shared_object(src, f"team_{op}")))
-    old = cpu_build.TEAM_DEADLINE.value
+    old, policy = cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value
     try:
-        cpu_build.TEAM_DEADLINE.value = 0
+        cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value = 0, 1  # 1: every late start counts
         assert [lib.kz_team_size(2) for lib in libs] == [2, 2] and libs[0].kz_team_size(1) == 1
         libs[0].kz_team_report(2, ctypes.c_int64(100_000))  # 0.1 ms: punctual
         assert cpu_build.TEAM_DEADLINE.value == 0 and libs[1].kz_team_size(2) == 2
@@ -745,8 +745,51 @@ def test_a_late_worker_sends_every_kernel_library_to_one_thread_for_a_while():
         assert [lib.kz_team_size(2) for lib in libs] == [1, 1]  # the other library follows the deadline
         cpu_build.TEAM_DEADLINE.value = 1  # the deadline has passed: full teams again
         assert [lib.kz_team_size(2) for lib in libs] == [2, 2]
+        cpu_build.LATE_POLICY.value = 2  # never
+        libs[0].kz_team_report(2, ctypes.c_int64(3_000_000))
+        assert cpu_build.TEAM_DEADLINE.value == 1
     finally:
-        cpu_build.TEAM_DEADLINE.value = old
+        cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value = old, policy
+
+
+def test_late_workers_send_the_kernels_solo_only_on_oversubscribed_cores(monkeypatch):
+    """The default policy (auto): a late report sends regions solo only while more threads are runnable
+    than the machine has cores. With 2 x cores + 1 busy processes beside it the cores are oversubscribed
+    and a late report counts; ``$KERNELIZE_LATE_WORKERS`` picks the policy, and a bad value is named."""
+    import ctypes
+    import subprocess
+    import sys
+    import time
+
+    from kernelize.codegen import cpu_build
+
+    assert cpu_build.late_worker_policy() == 0
+    monkeypatch.setenv("KERNELIZE_LATE_WORKERS", "never")
+    assert cpu_build.late_worker_policy() == 2
+    monkeypatch.setenv("KERNELIZE_LATE_WORKERS", "sometimes")
+    with pytest.raises(ValueError, match="KERNELIZE_LATE_WORKERS='sometimes': expected one of auto"):
+        cpu_build.late_worker_policy()
+    g = Graph()
+    g.output(g.exp(g.input("x", (64, 256), DType.F32)))
+    lib = cpu_build.load(cpu_build.build_shared_object(render(kernel_of(g))[0], "team_auto"))
+    busy = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(2 * (os.cpu_count() or 1) + 1)
+    ]
+    old, policy = cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value
+    try:
+        deadline = time.monotonic() + 20
+        while not lib.kz_oversubscribed() and time.monotonic() < deadline:  # until they all run
+            time.sleep(0.05)
+        assert lib.kz_oversubscribed()
+        cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value = 0, 0
+        lib.kz_team_report(2, ctypes.c_int64(3_000_000))
+        assert cpu_build.TEAM_DEADLINE.value > 0
+    finally:
+        cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value = old, policy
+        for p in busy:
+            p.kill()
+            p.wait()
 
 
 def test_a_region_gets_the_threads_its_work_pays_for():
@@ -793,14 +836,14 @@ def test_a_caller_waiting_longer_than_its_own_share_counts_as_a_late_worker():
         3_000_000,
         900_000,
     ]  # uneven but shorter than its own share; preempted; late start
-    old, threads = cpu_build.TEAM_DEADLINE.value, torch.get_num_threads()
+    old, policy, threads = cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value, torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        cpu_build.TEAM_DEADLINE.value = 0
+        cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value = 0, 1
         assert lib.kz_uneven_region(2, 0, 5_000_000) == 0
         assert cpu_build.TEAM_DEADLINE.value > 0
     finally:
-        cpu_build.TEAM_DEADLINE.value = old
+        cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value = old, policy
         torch.set_num_threads(threads)
 
 

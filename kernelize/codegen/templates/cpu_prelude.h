@@ -27,12 +27,37 @@ static inline int omp_get_num_threads() { return 1; }
 // KZ_SOLO_NS is short because a quiet machine has false alarms too (a sleeping worker woken late on a VM):
 // GPT-2 medium decode, 2 threads, quiet: 250 ms solo kept the kernels on one thread 30-45% of the time
 // (155-174 ms per token); 20 ms: 3-4% (128-136 ms per token).
+// And a late start sends the kernels solo only when the cores are oversubscribed: more threads runnable
+// than the machine has cores plus an eighth (/proc/loadavg's running count, read after a late region only;
+// the eighth: 16 threads on 16 cores and one kernel thread are not contention). On a quiet 16-core VM some
+// worker of 16 was late often enough that ResNet-50 ran solo much of the time: 34.9 ms at 16 threads, 16.7
+// ms with this check (onnxruntime 11.6-12.1). The bound policy (kz_bind_late_policy, from
+// $KERNELIZE_LATE_WORKERS) picks: 0 auto (this check), 1 every late start, 2 never.
+#include <fcntl.h>
 #include <time.h>
+#include <unistd.h>
 #define KZ_LATE_NS 500000LL
 #define KZ_SOLO_NS 20000000LL
 static int64_t kz_team_local = 0;
 static int64_t* kz_team_deadline = &kz_team_local;
 extern "C" void kz_bind_team_state(int64_t* deadline) { kz_team_deadline = deadline; }
+static int64_t kz_late_local = 0;
+static int64_t* kz_late_policy = &kz_late_local;
+extern "C" void kz_bind_late_policy(int64_t* policy) { kz_late_policy = policy; }
+// more threads runnable now than the machine has cores (true where /proc/loadavg cannot be read)
+static bool kz_cores_oversubscribed() {
+    char buf[128];
+    const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    const ssize_t n = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
+    if (fd >= 0) close(fd);
+    if (n <= 0) return true;
+    buf[n] = 0;
+    const char* p = buf;  // "1.02 0.88 0.70 3/412 12345": the fourth field's numerator
+    for (int field = 0; field < 3 && p; ++field)
+        if ((p = strchr(p, ' '))) ++p;
+    const long cores = sysconf(_SC_NPROCESSORS_ONLN);  // a margin of cores / 8 for the kernel's own threads
+    return !p || cores < 1 || strtol(p, nullptr, 10) > cores + cores / 8;
+}
 KZ_INLINE int64_t kz_now_ns() {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -44,7 +69,10 @@ KZ_INLINE int kz_team(int nthreads, int64_t t0) {
 }
 // after a region of `team` threads whose latest thread started `lag` ns after `t0`
 KZ_INLINE void kz_team_done(int team, int64_t lag) {
-    if (team > 1 && lag > KZ_LATE_NS) __atomic_store_n(kz_team_deadline, kz_now_ns() + KZ_SOLO_NS, __ATOMIC_RELAXED);
+    if (team < 2 || lag <= KZ_LATE_NS) return;
+    const int64_t policy = __atomic_load_n(kz_late_policy, __ATOMIC_RELAXED);
+    if (policy == 1 || (policy == 0 && kz_cores_oversubscribed()))
+        __atomic_store_n(kz_team_deadline, kz_now_ns() + KZ_SOLO_NS, __ATOMIC_RELAXED);
 }
 // ---- the one parallel-for: every kernel's threads come from here (docs/runtime.md, "Threads") -----------
 // The only `omp parallel` of the generated code. Every kernel library links the process's one libgomp
@@ -133,6 +161,7 @@ extern "C" int kz_team_size(int nthreads) { return kz_team(nthreads, kz_now_ns()
 extern "C" int kz_grain_threads(int nthreads, int64_t flops, int64_t bytes) { return kz_grain(nthreads, flops, bytes); }
 extern "C" void kz_team_report(int team, int64_t lag) { kz_team_done(team, lag); }
 extern "C" int64_t kz_region_lateness(int64_t lag, int64_t own, int64_t wait) { return kz_region_lag(lag, own, wait); }
+extern "C" int kz_oversubscribed() { return kz_cores_oversubscribed(); }
 // the team a big region of `nthreads` gets from OpenMP now, as its bodies see it
 extern "C" int kz_parallel_team(int nthreads) {
     int seen = 0;
