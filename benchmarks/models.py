@@ -264,6 +264,28 @@ def medians(fns: dict, repeat: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def decode_after_prompt(models: dict, prompt: torch.Tensor, steps: int, repeat: int) -> tuple[dict, bool]:
+    """Milliseconds per greedy decode step after a prefill of ``prompt`` (the prefill untimed), each model in
+    turn per round, medians over rounds; and whether every model chose the same tokens."""
+    from transformers import DynamicCache
+
+    times: dict[str, list[float]] = {name: [] for name in models}
+    tokens = {}
+    for _ in range(repeat + 1):  # the first round warms up
+        for name, m in models.items():
+            cache = DynamicCache(config=m.config)
+            out = m(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            chosen = [out.logits[:, -1:].argmax(-1)]
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = m(chosen[-1], past_key_values=cache, use_cache=True)
+                chosen.append(out.logits[:, -1:].argmax(-1))
+            times[name].append((time.perf_counter() - start) / steps)
+            tokens[name] = torch.cat(chosen, dim=-1)
+    same = all(torch.equal(t, tokens["eager"]) for t in tokens.values())
+    return {name: statistics.median(t[1:]) for name, t in times.items()}, same
+
+
 def speed(families: list[str], quick: bool, repeat: int, seq: int, new_tokens: int) -> list[dict]:
     from kernelize.integrations.transformers import kernelize_model
 
@@ -294,6 +316,8 @@ def speed(families: list[str], quick: bool, repeat: int, seq: int, new_tokens: i
             dec = medians(
                 {n: decode(m) for n, m in models.items() if n != "torch.compile"}, max(repeat // 2, 2)
             )
+            two = {n: models[n] for n in ("eager", "kernelize")}
+            after, same_after = decode_after_prompt(two, prompt, min(new_tokens, 16), max(repeat // 2, 2))
         record = {
             "family": family,
             "parameters": params,
@@ -305,6 +329,9 @@ def speed(families: list[str], quick: bool, repeat: int, seq: int, new_tokens: i
             "prefill_vs_compile": pre["torch.compile"] / pre["kernelize"],
             "decode_vs_eager": dec["eager"] / dec["kernelize"],
             "same_tokens": same,
+            "decode_after_prompt_s": after,  # per step, after a prefill of the `prefill_seq` prompt
+            "decode_after_prompt_vs_eager": after["eager"] / after["kernelize"],
+            "same_tokens_after_prompt": same_after,
         }
         print(json.dumps(record), flush=True)
         records.append(record)
@@ -313,13 +340,17 @@ def speed(families: list[str], quick: bool, repeat: int, seq: int, new_tokens: i
 
 def speed_table(records: list[dict]) -> str:
     rows = [
-        "| family | parameters | prefill vs eager | prefill vs compile | decode vs eager | same tokens |",
-        "|---|---|---|---|---|---|",
+        "| family | parameters | prefill vs eager | prefill vs compile | decode vs eager "
+        "| decode after the prompt vs eager | same tokens |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in records:
+        after = r.get("decode_after_prompt_vs_eager")
+        same = r["same_tokens"] and r.get("same_tokens_after_prompt", True)
         rows.append(
             f"| {r['family']} | {r['parameters'] / 1e6:.0f} M | {r['prefill_vs_eager']:.2f}x "
-            f"| {r['prefill_vs_compile']:.2f}x | {r['decode_vs_eager']:.2f}x | {r['same_tokens']} |"
+            f"| {r['prefill_vs_compile']:.2f}x | {r['decode_vs_eager']:.2f}x "
+            f"| {'-' if after is None else f'{after:.2f}x'} | {same} |"
         )
     return "\n".join(rows)
 
@@ -380,10 +411,10 @@ def docs_page(result: dict) -> str:
             f"Measured with `{commands.get('speed', '')}`: decode is",
         ]
         lines += [
-            "greedy `generate` of 32 tokens after 16, batch 1; prefill one forward over 512 tokens. Ratios"
-        ]
-        lines += [
-            "within one run (medians of interleaved repetitions).",
+            "greedy `generate` of 32 tokens after 16, batch 1; prefill one forward over 512 tokens; decode",
+            "after the prompt: the mean greedy step of 16 after that 512-token prefill (untimed), where the",
+            "cache is long (families measured before this column have none). Ratios within one run (medians",
+            "of interleaved repetitions).",
             "",
             speed_table(result["speed"]),
             "",

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 __all__ = [
     "TINY",
     "Unbuildable",
+    "cached_logits",
     "causal_lm_families",
     "logits",
     "padded_batch",
@@ -235,3 +237,26 @@ def logits(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     """The model's logits on `ids`, no cache, no gradients."""
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+def cached_logits(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, chunks: tuple[int, ...] = (1, 1, 2, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(logits, mask)` over every position, through the model's own cache: `ids` as the prompt, then decode
+    steps of `chunks` tokens (fixed random ids, the same for every model: teacher forcing, so no argmax tie
+    can fork two runs)."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    # transformers 5.24 names the forward's cache argument `cache`, earlier versions `past_key_values`
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        step = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        out.append(step.logits)
+        for n in chunks:
+            cache = getattr(step, "cache", None)
+            cache = step.past_key_values if cache is None else cache
+            new = torch.randint(2, int(ids.max()) + 1, (ids.shape[0], n), generator=gen)
+            mask = torch.cat([mask, torch.ones_like(new)], dim=-1)
+            step = model(input_ids=new, attention_mask=mask, use_cache=True, **{name: cache})
+            out.append(step.logits)
+    return torch.cat(out, dim=1), mask

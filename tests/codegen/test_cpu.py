@@ -793,10 +793,10 @@ def test_late_workers_send_the_kernels_solo_only_on_oversubscribed_cores(monkeyp
 
 
 def test_a_region_gets_the_threads_its_work_pays_for():
-    """The grain rule (cpu_prelude.h, "grain"): a region's team gives each thread at least KZ_GRAIN_NS
-    (20 us) of estimated work, flops at 64 per ns (128 with AVX-512) and bytes at 16 per ns, capped by the
-    thread count: the 13 x 13 x 288 concat of SqueezeNet (~0.4 MB, ~25 us) runs on one thread, its 3x3
-    expand conv (15.7 M multiply-adds) on two."""
+    """The grain rule (cpu_prelude.h, "grain"): a region runs on the caller alone unless two threads would
+    each get KZ_GRAIN_NS (20 us) of estimated work (flops at 64 per ns, 128 with AVX-512, and bytes at 16
+    per ns), and then on the whole team, never a part of it: the 13 x 13 x 288 concat of SqueezeNet (~0.4
+    MB, ~25 us) runs on one thread, its 3x3 expand conv (15.7 M multiply-adds) on all."""
     import ctypes
 
     from kernelize.codegen import cpu_build
@@ -805,14 +805,38 @@ def test_a_region_gets_the_threads_its_work_pays_for():
     g.output(g.exp(g.input("x", (64, 256), DType.F32)))
     lib = cpu_build.load(cpu_build.build_shared_object(render(kernel_of(g))[0], "grain"))
     lib.kz_grain_threads.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fast = lib.kz_grain_threads(64, 128 * 20_000 * 32, 0) == 32  # AVX-512's flop rate (else 64 threads)
-    per_ns = 128 if fast else 64
+    per_ns = 128 if lib.kz_grain_threads(4, 64 * 40_000, 0) == 1 else 64  # AVX-512's flop rate: 20 us
     assert lib.kz_grain_threads(2, 0, 0) == 1 and lib.kz_grain_threads(0, 10**12, 0) == 1
     assert lib.kz_grain_threads(2, 0, 389_376) == 1  # concat of 2 x 13 x 13 x 144 f32
     assert lib.kz_grain_threads(2, 2 * 15_676_000, 747_000) == 2  # SqueezeNet's 55 x 55 3x3 expand
-    assert lib.kz_grain_threads(4, per_ns * 50_000, 0) == 2  # 50 us: two threads of 25 us, not four
-    assert lib.kz_grain_threads(4, 0, 16 * 39_999) == 1 and lib.kz_grain_threads(4, 0, 16 * 40_000) == 2
+    assert lib.kz_grain_threads(16, per_ns * 50_000, 0) == 16  # 50 us: the whole team, not two of it
+    assert lib.kz_grain_threads(4, 0, 16 * 39_999) == 1 and lib.kz_grain_threads(4, 0, 16 * 40_000) == 4
     assert lib.kz_grain_threads(3, 10**12, 10**12) == 3
+
+
+def test_regions_of_every_size_keep_the_same_worker_threads():
+    """libgomp ends the pool threads a smaller team leaves out and creates new ones for a larger team; the
+    grain rule's teams are the caller or all threads, so regions of every size reuse the same workers:
+    no thread of the process ends or starts across a run of pointwise kernels from 4 KB to 16 MB."""
+    from kernelize.runtime.compiled import compile_graph
+
+    kernels = []
+    for n in (1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 20, 1 << 22):
+        g = Graph()
+        g.output(g.exp(g.input("x", (n,), DType.F32)))
+        kernels.append((compile_graph(g, backend="cpu"), torch.randn(n)))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        for cg, x in kernels:  # the pool grows to its size once
+            cg(x)
+        before = set(os.listdir("/proc/self/task"))
+        for _ in range(5):
+            for cg, x in kernels:
+                cg(x)
+        assert set(os.listdir("/proc/self/task")) == before
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_caller_waiting_longer_than_its_own_share_counts_as_a_late_worker():

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernelize import kv_cache
 from kernelize.model_attention import attention_forward
 
 from .fused_qkv import project as _project  # Linear or Conv1D: a matmul kernel in inference
@@ -49,7 +50,7 @@ class ResidualAlibiAttention(nn.Module):
         qkv = qkv.view(batch, seq, self.num_heads, 3, self.head_dim)
         query, key, value = (qkv[..., i, :].transpose(1, 2) for i in range(3))
         if layer_past is not None:
-            key, value = layer_past.update(key, value, self.layer_idx)
+            key, value = kv_cache.update(layer_past, key, value, self.layer_idx)
         out, weights = attention_forward(
             self,
             query,
@@ -89,7 +90,7 @@ class AlibiAttention(nn.Module):
             t.reshape(batch, seq, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2)
         )
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+            key, value = kv_cache.update(cache, key, value, self.layer_idx)
         out, weights = attention_forward(
             self,
             query,

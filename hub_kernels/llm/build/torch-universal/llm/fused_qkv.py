@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernelize import hub
+from kernelize import hub, kv_cache
 from kernelize.layer.kernelize import original_forward
 from kernelize.merge import linear_layout
 from kernelize.model_attention import attention_forward, note_fallback
@@ -100,7 +100,7 @@ class FusedQKVAttention(nn.Module):
         )
         if cache is not None:
             cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's own half
-            key, value = cache.update(key, value, self.layer_idx)
+            key, value = kv_cache.update(cache, key, value, self.layer_idx)
         out, weights = attention_forward(
             self,
             query,

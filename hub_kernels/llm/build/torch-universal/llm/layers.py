@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernelize import hub
+from kernelize import hub, kv_cache
 from kernelize.model_attention import attention_forward
 from kernelize.shards import heads_of, require
 
@@ -223,7 +223,7 @@ def attend(
     """`cache.update(...)` then attention (the generated kernel, or eager with the reason noted):
     `(out (batch, seq, heads * head_dim), attention weights or None)`."""
     if cache is not None:
-        key, value = cache.update(key, value, module.layer_idx)
+        key, value = kv_cache.update(cache, key, value, module.layer_idx)
     sinks = getattr(module, "sinks", None)
     if isinstance(sinks, torch.Tensor) and "s_aux" not in kwargs:  # gpt-oss: a logit per head beside the keys
         kwargs = {**kwargs, "s_aux": sinks}

@@ -1,0 +1,121 @@
+"""kernelize.kv_cache.update against transformers' own DynamicCache.update: the same keys and values at every
+step, through growth, crops, beam reorders, resets and the layer kinds it leaves alone; earlier views never
+change; and generation through the one call (greedy and beam search) gives eager's tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+from kernelize import kv_cache  # noqa: E402
+
+
+def states(n: int, seed: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(2, 3, n, 8, generator=g, dtype=torch.float32).to(dtype)
+    v = torch.randn(2, 3, 8, n, generator=g, dtype=torch.float32).to(dtype).transpose(2, 3)  # strided
+    return k, v
+
+
+def test_appends_equal_dynamic_cache_through_growth_and_keep_earlier_views():
+    ours, ref = DynamicCache(), DynamicCache()
+    views, saved = [], []
+    for step, n in enumerate([5, *[1] * 80, 3, 70, 1]):
+        k, v = states(n, step)
+        got = kv_cache.update(ours, k, v, 0)
+        want = ref.update(k, v, 0)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        views.append(got)
+        saved.append(tuple(t.clone() for t in got))
+    for view, copy_ in zip(views, saved):  # nothing written over what a view showed
+        assert all(torch.equal(a, b) for a, b in zip(view, copy_))
+    layer = ours.layers[0]
+    assert layer.keys._base is not None  # a view of a buffer with room, not a fresh cat
+    assert ours.get_seq_length(0) == ref.get_seq_length(0) == 5 + 80 + 3 + 70 + 1
+
+
+def test_steps_within_the_room_write_in_place():
+    cache = DynamicCache()
+    kv_cache.update(cache, *states(4, 0), 0)
+    kv_cache.update(cache, *states(1, 1), 0)  # the first append makes the buffer
+    base = cache.layers[0].keys.data_ptr()
+    for step in range(20):
+        kv_cache.update(cache, *states(1, 2 + step), 0)
+        assert cache.layers[0].keys.data_ptr() == base
+
+
+@pytest.mark.parametrize("change", ["crop", "reorder", "reset", "deepcopy", "replace"])
+def test_after_the_cache_is_changed_appends_still_equal_transformers(change):
+    ours, ref = DynamicCache(), DynamicCache()
+    for step, n in enumerate([6, 1, 1, 1]):
+        k, v = states(n, step)
+        kv_cache.update(ours, k, v, 0)
+        ref.update(k, v, 0)
+    if change == "crop":
+        ours.crop(-2), ref.crop(-2)
+    elif change == "reorder":
+        idx = torch.tensor([1, 0])
+        ours.reorder_cache(idx), ref.reorder_cache(idx)
+    elif change == "reset":
+        ours.reset(), ref.reset()
+    elif change == "deepcopy":
+        keep, ours = ours, copy.deepcopy(ours)
+        before = [t.clone() for t in (keep.layers[0].keys, keep.layers[0].values)]
+    else:  # someone sets the layer's tensors directly
+        ours.layers[0].keys = ours.layers[0].keys.clone()
+    for step in range(3):
+        k, v = states(1 + step, 10 + step)
+        for g, w in zip(kv_cache.update(ours, k, v, 0), ref.update(k, v, 0)):
+            assert torch.equal(g, w)
+    if change == "deepcopy":  # the copy's appends never reach the original
+        assert torch.equal(keep.layers[0].keys, before[0]) and torch.equal(keep.layers[0].values, before[1])
+
+
+def test_other_layers_and_mismatched_states_go_through_cache_update():
+    config = transformers.MistralConfig(
+        num_hidden_layers=1, sliding_window=4, hidden_size=16, num_attention_heads=2, num_key_value_heads=1
+    )
+    ours, ref = DynamicCache(config=config), DynamicCache(config=config)
+    assert type(ours.layers[0]).__name__ == "DynamicSlidingWindowLayer"
+    for step, n in enumerate([6, 1, 1, 2]):
+        k, v = states(n, step)
+        for g, w in zip(kv_cache.update(ours, k, v, 0), ref.update(k, v, 0)):
+            assert torch.equal(g, w)
+    assert not hasattr(ours.layers[0], "_kernelize_room")
+    ours, ref = DynamicCache(), DynamicCache()
+    for step, (n, dtype) in enumerate([(3, torch.float32), (1, torch.float32), (1, torch.bfloat16), (1, None)]):
+        k, v = states(n, step, dtype or torch.float32)
+        if dtype is None:  # other heads
+            k, v = k[:, :2], v[:, :2]
+            with pytest.raises(RuntimeError):  # torch.cat's own error, as before
+                kv_cache.update(ours, k, v, 0)
+            continue
+        for g, w in zip(kv_cache.update(ours, k, v, 0), ref.update(k, v, 0)):  # bf16: cat promotes
+            assert torch.equal(g, w) and g.dtype == w.dtype
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_generation_through_the_one_call_equals_eager(beams):
+    from kernelize.integrations.transformers import kernelize_model
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(config).eval()
+    fast = kernelize_model(copy.deepcopy(eager))
+    prompt = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=70, min_new_tokens=70, do_sample=False, num_beams=beams, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(fast.generate(prompt, **kw), eager.generate(prompt, **kw))
