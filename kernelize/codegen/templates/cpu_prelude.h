@@ -68,11 +68,19 @@ KZ_INLINE int kz_team(int nthreads, int64_t t0) {
     return t0 < __atomic_load_n(kz_team_deadline, __ATOMIC_RELAXED) ? 1 : (nthreads < 1 ? 1 : nthreads);
 }
 // after a region of `team` threads whose latest thread started `lag` ns after `t0`
+// (auto) a check that found the cores not oversubscribed holds for KZ_SOLO_NS: reading /proc/loadavg costs
+// ~15 us, and beside another runtime's spinning threads nearly every region is late (SqueezeNet and
+// ShuffleNet beside OpenVINO's: a check per region made ShuffleNet 3.4 -> 6.4 ms)
+static int64_t kz_quiet_until = 0;
 KZ_INLINE void kz_team_done(int team, int64_t lag) {
     if (team < 2 || lag <= KZ_LATE_NS) return;
-    const int64_t policy = __atomic_load_n(kz_late_policy, __ATOMIC_RELAXED);
-    if (policy == 1 || (policy == 0 && kz_cores_oversubscribed()))
-        __atomic_store_n(kz_team_deadline, kz_now_ns() + KZ_SOLO_NS, __ATOMIC_RELAXED);
+    const int64_t policy = __atomic_load_n(kz_late_policy, __ATOMIC_RELAXED), now = kz_now_ns();
+    bool solo = policy == 1;
+    if (policy == 0 && now >= __atomic_load_n(&kz_quiet_until, __ATOMIC_RELAXED)) {
+        solo = kz_cores_oversubscribed();
+        if (!solo) __atomic_store_n(&kz_quiet_until, now + KZ_SOLO_NS, __ATOMIC_RELAXED);
+    }
+    if (solo) __atomic_store_n(kz_team_deadline, now + KZ_SOLO_NS, __ATOMIC_RELAXED);
 }
 // ---- the one parallel-for: every kernel's threads come from here (docs/runtime.md, "Threads") -----------
 // The only `omp parallel` of the generated code. Every kernel library links the process's one libgomp
