@@ -89,7 +89,9 @@ def test_other_layers_and_mismatched_states_go_through_cache_update():
             assert torch.equal(g, w)
     assert not hasattr(ours.layers[0], "_kernelize_room")
     ours, ref = DynamicCache(), DynamicCache()
-    for step, (n, dtype) in enumerate([(3, torch.float32), (1, torch.float32), (1, torch.bfloat16), (1, None)]):
+    for step, (n, dtype) in enumerate(
+        [(3, torch.float32), (1, torch.float32), (1, torch.bfloat16), (1, None)]
+    ):
         k, v = states(n, step, dtype or torch.float32)
         if dtype is None:  # other heads
             k, v = k[:, :2], v[:, :2]

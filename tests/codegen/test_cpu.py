@@ -753,9 +753,10 @@ def test_a_late_worker_sends_every_kernel_library_to_one_thread_for_a_while():
 
 
 def test_late_workers_send_the_kernels_solo_only_on_oversubscribed_cores(monkeypatch):
-    """The default policy (auto): a late report sends regions solo only while more threads are runnable
-    than the machine has cores. With 2 x cores + 1 busy processes beside it the cores are oversubscribed
-    and a late report counts; ``$KERNELIZE_LATE_WORKERS`` picks the policy, and a bad value is named."""
+    """The default policy (auto): a late report from a team of two always counts; from a larger team only
+    while more threads are runnable than the machine has cores. With 2 x cores + 1 busy processes beside it
+    the cores are oversubscribed and a 4-thread team's late report counts; ``$KERNELIZE_LATE_WORKERS``
+    picks the policy, and a bad value is named."""
     import ctypes
     import subprocess
     import sys
@@ -783,7 +784,10 @@ def test_late_workers_send_the_kernels_solo_only_on_oversubscribed_cores(monkeyp
             time.sleep(0.05)
         assert lib.kz_oversubscribed()
         cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value = 0, 0
-        lib.kz_team_report(2, ctypes.c_int64(3_000_000))
+        lib.kz_team_report(4, ctypes.c_int64(3_000_000))
+        assert cpu_build.TEAM_DEADLINE.value > 0
+        cpu_build.TEAM_DEADLINE.value = 0
+        lib.kz_team_report(2, ctypes.c_int64(3_000_000))  # two threads: counts without the check too
         assert cpu_build.TEAM_DEADLINE.value > 0
     finally:
         cpu_build.TEAM_DEADLINE.value, cpu_build.LATE_POLICY.value = old, policy

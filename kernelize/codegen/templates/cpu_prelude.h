@@ -27,12 +27,15 @@ static inline int omp_get_num_threads() { return 1; }
 // KZ_SOLO_NS is short because a quiet machine has false alarms too (a sleeping worker woken late on a VM):
 // GPT-2 medium decode, 2 threads, quiet: 250 ms solo kept the kernels on one thread 30-45% of the time
 // (155-174 ms per token); 20 ms: 3-4% (128-136 ms per token).
-// And a late start sends the kernels solo only when the cores are oversubscribed: more threads runnable
-// than the machine has cores plus an eighth (/proc/loadavg's running count, read after a late region only;
-// the eighth: 16 threads on 16 cores and one kernel thread are not contention). On a quiet 16-core VM some
-// worker of 16 was late often enough that ResNet-50 ran solo much of the time: 34.9 ms at 16 threads, 16.7
-// ms with this check (onnxruntime 11.6-12.1). The bound policy (kz_bind_late_policy, from
-// $KERNELIZE_LATE_WORKERS) picks: 0 auto (this check), 1 every late start, 2 never.
+// With more than two threads a late start sends the kernels solo only when the cores are oversubscribed:
+// more threads runnable than the machine has cores plus an eighth (/proc/loadavg's running count, read
+// after a late region only; the eighth: 16 threads on 16 cores and one kernel thread are not contention).
+// Going solo gives up (n - 1) / n of a team: at two threads half, which a late worker costs anyway; at 16,
+// 15 of 16, while on a quiet 16-core VM some worker of 16 was late often enough that ResNet-50 ran solo
+// much of the time (34.9 ms at 16 threads; 16.7 ms with this check; onnxruntime 11.6-12.1). Two threads
+// keep the unconditional rule: beside another runtime's spinning threads in the same process (OpenVINO's)
+// the check missed them and the CNN geomean went 1.22 -> 1.47 of onnxruntime's time. The bound policy
+// (kz_bind_late_policy, from $KERNELIZE_LATE_WORKERS) picks: 0 auto (this), 1 every late start, 2 never.
 #include <fcntl.h>
 #include <time.h>
 #include <unistd.h>
@@ -75,8 +78,8 @@ static int64_t kz_quiet_until = 0;
 KZ_INLINE void kz_team_done(int team, int64_t lag) {
     if (team < 2 || lag <= KZ_LATE_NS) return;
     const int64_t policy = __atomic_load_n(kz_late_policy, __ATOMIC_RELAXED), now = kz_now_ns();
-    bool solo = policy == 1;
-    if (policy == 0 && now >= __atomic_load_n(&kz_quiet_until, __ATOMIC_RELAXED)) {
+    bool solo = policy == 1 || (policy == 0 && team == 2);
+    if (policy == 0 && team > 2 && now >= __atomic_load_n(&kz_quiet_until, __ATOMIC_RELAXED)) {
         solo = kz_cores_oversubscribed();
         if (!solo) __atomic_store_n(&kz_quiet_until, now + KZ_SOLO_NS, __ATOMIC_RELAXED);
     }
