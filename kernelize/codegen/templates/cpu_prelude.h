@@ -33,9 +33,9 @@ static inline int omp_get_num_threads() { return 1; }
 // Going solo gives up (n - 1) / n of a team: at two threads half, which a late worker costs anyway; at 16,
 // 15 of 16, while on a quiet 16-core VM some worker of 16 was late often enough that ResNet-50 ran solo
 // much of the time (34.9 ms at 16 threads; 16.7 ms with this check; onnxruntime 11.6-12.1). Two threads
-// keep the unconditional rule: beside another runtime's spinning threads in the same process (OpenVINO's)
-// the check missed them and the CNN geomean went 1.22 -> 1.47 of onnxruntime's time. The bound policy
-// (kz_bind_late_policy, from $KERNELIZE_LATE_WORKERS) picks: 0 auto (this), 1 every late start, 2 never.
+// keep the unconditional rule (solo costs them no more than a late worker; the check does not see another
+// runtime's threads spinning in the same process). The bound policy (kz_bind_late_policy, from
+// $KERNELIZE_LATE_WORKERS) picks: 0 auto (this), 1 every late start, 2 never.
 #include <fcntl.h>
 #include <time.h>
 #include <unistd.h>
