@@ -65,21 +65,22 @@ def update(
     if layer is None or not (_fits(layer.keys, key) and _fits(layer.values, value)):
         return cache.update(key, value, layer_idx)
     held, new = layer.keys.shape[2], key.shape[2]
+    # (keys buffer, values buffer, the keys view and values view set from them last time)
     room = getattr(layer, "_kernelize_room", None)
     if (
-        room is None
-        or room[2] is not layer.keys
-        or room[3] is not layer.values
-        or room[0].shape[2] < held + new
+        room is not None
+        and room[2] is layer.keys
+        and room[3] is layer.values
+        and room[0].shape[2] >= held + new
     ):
+        kbuf, vbuf = room[0], room[1]
+    else:  # a new buffer with room at the end, holding what the layer holds
         size = held + new + max(MIN_ROOM, int((held + new) * (GROWTH - 1)))
-        bufs = []
-        for old in (layer.keys, layer.values):
-            buf = old.new_empty(old.shape[0], old.shape[1], size, old.shape[3])
-            buf[:, :, :held].copy_(old)
-            bufs.append(buf)
-        room = (bufs[0], bufs[1], None, None)
-    kbuf, vbuf = room[0], room[1]
+        kbuf, vbuf = (
+            t.new_empty(t.shape[0], t.shape[1], size, t.shape[3]) for t in (layer.keys, layer.values)
+        )
+        kbuf[:, :, :held].copy_(layer.keys)
+        vbuf[:, :, :held].copy_(layer.values)
     kbuf[:, :, held : held + new].copy_(key)
     vbuf[:, :, held : held + new].copy_(value)
     layer.keys, layer.values = kbuf[:, :, : held + new], vbuf[:, :, : held + new]
