@@ -265,3 +265,32 @@ def test_long_f32_calls_take_the_previous_implementation_and_short_ones_the_kern
                 else:
                     want = model_experts.fallback_forward(module, "grouped_mm")(module, x, index, weights)
                     torch.testing.assert_close(model_experts.experts_forward(module, x, index, weights), want)
+
+
+def test_long_bf16_calls_take_the_previous_implementation_where_the_cpu_has_bf16_dot_products(
+    monkeypatch,
+) -> None:
+    long = model_experts.LIBRARY_TOKENS + 1
+    for native in (True, False):
+        monkeypatch.setattr(model_experts, "_native_bf16", lambda native=native: native)
+        for tokens, want in ((long, native), (long - 1, False)):
+            x = torch.zeros(tokens, 8, dtype=torch.bfloat16)
+            index = torch.zeros(tokens, 2, dtype=torch.long)
+            assert model_experts._library_wins(x, index, "grouped_mm") is want, (native, tokens)
+            assert not model_experts._library_wins(x, index, model_experts.EXPERTS_NAME)
+
+
+def test_moe_decoder_layers_run_the_attention_block_around_their_own_mlp_forward() -> None:
+    """The decoder block's two graphs (norm -> q|k|v -> q/k norms -> rotary; o_proj -> residual -> norm) run
+    around an MLP outside its math (an MoE block), whose own forward then runs the experts kernel."""
+    eager = family("qwen3_moe")
+    ids, mask = zoo.padded_batch(eager.config.vocab_size)
+    want = zoo.logits(eager, ids, mask)
+    with kernelized(eager) as fast:
+        got = zoo.logits(fast, ids, mask)
+        blocks = [layer.__dict__.get("_kernelize_block", (None, None))[1] for layer in fast.model.layers]
+        assert blocks and all(not isinstance(b, str) and b is not None for b in blocks), blocks
+        assert all("not a GatedMLP" in b.own_mlp for b in blocks), blocks
+        real = mask.bool()
+        torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
+        assert all(c.kernels for c in experts_choices(fast).values())
