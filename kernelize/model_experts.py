@@ -198,13 +198,14 @@ def experts_forward(
 
 def _library_wins(hidden_states: torch.Tensor, top_k_index: torch.Tensor, fallback: str) -> bool:
     """Whether a call runs the model's previous implementation by choice: on the CPU past a few tokens, in
-    f32, and in bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX), the kernel's many-pair
-    path (library GEMMs per expert) measured slower than `grouped_mm` (Qwen3-MoE layout, prefill 512, 2
-    threads, whole model: f32 949 against 887 ms on an AVX2 EPYC; bf16 604 against 218 ms on an AVX-512 EPYC
-    with AVX512-BF16). On a CPU without them the kernel's bf16 path wins (`grouped_mm`'s bf16 GEMMs convert
-    every element: 893 against 3,040 ms), and decode-sized calls take the kernel, which reads only the
-    selected experts. The bound is in tokens, above the one call's probe forward (2 x 8 tokens), so that
-    the probe checks the path decode takes."""
+    f32, and in bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX). There the kernel's
+    many-pair path (library GEMMs per expert, past `FEW_PAIRS` routed pairs) measured slower than, or level
+    with, `grouped_mm` (Qwen3-MoE layout, one layer's experts, 2 threads, AVX-512 EPYC with AVX512-BF16:
+    bf16 at 24 tokens 21.4 against 11.2 ms, f32 29.1 against 28.1), while its few-pair path wins up to
+    its limit (16 tokens, top-4: bf16 5.7 against 11.1 ms, f32 10.1 against 29.5). On a CPU without native
+    bf16 the kernel's bf16 path wins at every size (`grouped_mm`'s bf16 GEMMs convert every element: whole
+    model, prefill 512, AVX2 EPYC, 893 against 3,040 ms). The bound is in tokens, the one call's probe
+    forward (2 x 8 tokens), so that the probe checks the kernel's path."""
     cpu = hidden_states.device.type == "cpu"
     if fallback == EXPERTS_NAME or not cpu or top_k_index.shape[0] <= LIBRARY_TOKENS:
         return False
@@ -218,7 +219,7 @@ def _native_bf16() -> bool:
     return any(getattr(cpu, f"_is_{name}_supported", lambda: False)() for name in ("avx512_bf16", "amx_tile"))
 
 
-LIBRARY_TOKENS = 32  # f32 calls of more tokens than this run the model's previous implementation
+LIBRARY_TOKENS = 16  # calls of more tokens than this run the model's previous implementation (see above)
 
 
 def _kernel_keywords(module: torch.nn.Module) -> dict:

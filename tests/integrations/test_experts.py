@@ -156,6 +156,7 @@ def test_training_keeps_the_models_experts_implementation() -> None:
 def test_a_call_with_gradients_takes_the_previous_implementation_and_says_so() -> None:
     eager = family("qwen3_moe")
     ids, mask = zoo.padded_batch(eager.config.vocab_size)
+    ids, mask = ids[:, -8:], mask[:, -8:]  # a call the kernel takes without gradients (16 tokens)
     with kernelized(eager) as fast:
         fast(input_ids=ids, attention_mask=mask).logits.sum().backward()
         experts = next(iter(model_experts.experts_modules(fast).values()))
@@ -294,3 +295,9 @@ def test_moe_decoder_layers_run_the_attention_block_around_their_own_mlp_forward
         real = mask.bool()
         torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
         assert all(c.kernels for c in experts_choices(fast).values())
+
+
+def test_the_one_calls_probe_forward_takes_the_experts_kernel() -> None:
+    from kernelize.integrations import transformers as integration
+
+    assert integration._PROBE_BATCH * integration._PROBE_SEQ <= model_experts.LIBRARY_TOKENS

@@ -79,7 +79,7 @@ def test_activation_without_gated_math_keeps_the_mlp_eager() -> None:
         assert_same_logits_and_tokens(eager, fast, ids, mask)
         notes = kernelize.inspect(fast)["model.layers.0"].notes
         assert notes == (
-            "submodules run their own forwards: mlp does not run the GatedMLP / FusedGatedMLP kernel layer",
+            "the block runs the MLP's own forward: mlp is not a GatedMLP / FusedGatedMLP kernel layer",
         ), notes
 
 

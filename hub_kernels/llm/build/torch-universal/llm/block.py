@@ -213,7 +213,7 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     fused = _installed(mlp) is activation.FusedGatedMLP.forward
     own_mlp = _own_mlp(mlp, fused, activation, packed is not None)
     if own_mlp and packed is not None:
-        return "packed projections with an MLP outside the block's math (" + own_mlp + ")"
+        return f"packed projections, and {own_mlp}"
     act = None if own_mlp else activation.hidden_act_of(mlp)
     slots = norms_of(layer)
     style, eps = dict.fromkeys(NORM_SLOTS), dict.fromkeys(NORM_SLOTS, 0.0)
@@ -247,13 +247,13 @@ def _own_mlp(mlp: nn.Module, fused: bool, activation: Any, packed: bool) -> str 
     """Why the block calls `mlp`'s own forward between its graphs (an MoE block, a non-gated MLP, biased
     projections, an activation the table lacks), or None when the MLP's math is the block's graph."""
     if not fused and _installed(mlp) is not activation.GatedMLP.forward:
-        return "not a GatedMLP / FusedGatedMLP kernel layer"
+        return "mlp is not a GatedMLP / FusedGatedMLP kernel layer"
     act = activation.hidden_act_of(mlp)
     names = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
     if not packed and not activation.bias_free(*(getattr(mlp, n) for n in names)):
-        return "its projections have biases"
+        return "mlp's projections have biases"
     if act not in activation.GATED_MATH:
-        return f"its activation {act!r} is not in the block's math"
+        return f"mlp's activation {act!r} is not in the block's math"
     return None
 
 
@@ -299,6 +299,8 @@ def block_of(layer: nn.Module, x: torch.Tensor, attention_layer: type) -> Block 
     cached = layer.__dict__.get("_kernelize_block")
     if cached is None or cached[0] != installed:
         cached = layer.__dict__["_kernelize_block"] = (installed, _plan(layer, attention_layer))
+        if not isinstance(cached[1], str) and cached[1].own_mlp:
+            note_fallback(layer, cached[1].own_mlp, "the block runs the MLP's own forward")
     block = cached[1]
     if not isinstance(block, str):
         block = _hooked(layer) or block
