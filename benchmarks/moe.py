@@ -46,6 +46,14 @@ LAYOUTS = {  # experts, top-k, hidden, expert intermediate, layers, heads, kv he
 }
 
 
+def cpu_name() -> str:
+    """The CPU's model name and torch's vector capability (timings differ across them)."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    bf16 = " with AVX512-BF16" if torch.cpu._is_avx512_bf16_supported() else ""
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}{bf16}"
+
+
 def build(layout: str, dtype: torch.dtype) -> torch.nn.Module:
     import transformers
 
@@ -220,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     records = [run(args.layout, d, args) for d in args.dtypes.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"threads": args.threads, "torch": torch.__version__, "layout": args.layout}
+    meta = {"threads": args.threads, "torch": torch.__version__, "layout": args.layout, "cpu": cpu_name()}
     (args.out / "moe.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
     return 0
 
