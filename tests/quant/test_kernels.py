@@ -112,17 +112,9 @@ def test_one_template_per_format() -> None:
 
 def test_portable_fallback_agrees() -> None:
     """The scalar code under `#else` (no AVX2), built here by defining KZ_QUANT_PORTABLE."""
-    import ctypes
-
-    from kernelize.codegen import cpu_build
-
     for fmt in ("q4_0", "int8", "q4_k", "q6_k"):
         w, x = torch.randn(9, _k(fmt, 512)), torch.randn(3, _k(fmt, 512))
-        src = "#define KZ_QUANT_PORTABLE\n" + kernels.source(fmt)
-        lib = cpu_build.load(cpu_build.build_shared_object(src, f"kz_quant_{fmt}_portable"))
-        fn = getattr(lib, f"kz_quant_{fmt}_f32_f32")
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int, i64, ctypes.c_int]
+        fn = _built(fmt, "KZ_QUANT_PORTABLE")
         p = quantize(w, fmt)
         scales = None if p.scales is None else p.scales.data_ptr()
         a, b = torch.empty(3, 9), torch.empty(3, 9)
@@ -130,6 +122,49 @@ def test_portable_fallback_agrees() -> None:
         kernels.gemv(x, p, None, b)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-4)
         assert (_exact(x, p) - a.double()).abs().max() < 1e-3
+
+
+def cpu_has(*flags: str) -> bool:
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    words = set(info.read_text().split()) if info.exists() else set()
+    return any(f in words for f in flags)
+
+
+def _built(fmt: str, define: str | None):
+    """The format's gemv entry point, built with `define` set (None: as the package builds it)."""
+    import ctypes
+
+    from kernelize.codegen import cpu_build
+
+    src = kernels.source(fmt) if define is None else f"#define {define}\n" + kernels.source(fmt)
+    lib = cpu_build.load(cpu_build.build_shared_object(src, f"kz_quant_{fmt}_{define or 'package'}"))
+    fn = getattr(lib, f"kz_quant_{fmt}_f32_f32")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int, i64, ctypes.c_int]
+    return fn
+
+
+@pytest.mark.skipif(not cpu_has("avx512_vnni", "avx_vnni"), reason="the CPU has no VNNI dot product")
+def test_vnni_and_avx2_dot_products_agree_bit_for_bit() -> None:
+    """vpdpbusd sums the same four products per lane as vpmaddubsw + vpmaddwd (which cannot saturate on these
+    operands), so the VNNI build and the AVX2 build give equal outputs: 1 row (the 8-row kernels of q4_0
+    and q8_0), 3 rows (the tile kernel), every format."""
+    for fmt in FORMATS:
+        k = _k(fmt, 512)
+        p = quantize(torch.randn(19, k), fmt)
+        scales = None if p.scales is None else p.scales.data_ptr()
+        for m in (1, 3):
+            x = torch.randn(m, k) * 3
+            outs = []
+            for define in (None, "KZ_QUANT_NO_VNNI"):
+                out = torch.empty(m, 19)
+                _built(fmt, define)(
+                    x.data_ptr(), m, k, p.data.data_ptr(), scales, 19, None, out.data_ptr(), 1, 0, 0
+                )
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), (fmt, m)
 
 
 @pytest.mark.parametrize("fmt,act", [("q8_0", "silu"), ("q4_0", "gelu"), ("int8", "gelu_pytorch_tanh"),

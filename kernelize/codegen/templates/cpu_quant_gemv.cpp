@@ -4,7 +4,8 @@ $PRELUDE$
 // super-blocks or int8 rows, the llama.cpp way. Decode is bound by the weight bytes, so the weights are
 // never widened in memory: the few rows of x are quantized once per call into blocks of 32 int8 values
 // with an f32 scale (round to nearest even, d = max|x| / 127), and each block of W meets them in an integer
-// dot product (AVX2: |w| times x with w's sign, vpmaddubsw to i16 pairs, vpmaddwd to i32), converted to f32
+// dot product (|w| times x with w's sign: AVX512-VNNI / AVX-VNNI vpdpbusd, else AVX2 vpmaddubsw to i16 pairs
+// and vpmaddwd to i32, `kz_dot4`), converted to f32
 // and scaled by the product of the two blocks' scales. Threads split the output columns N; each reads its
 // weight rows once, NB rows side by side, every row of x against each block while it is in registers. A
 // k-quant super-block of 256 is read as 8 sub-blocks of 32, each against one block of x: its scales (per 32
@@ -18,6 +19,23 @@ $PRELUDE$
 #define KZ_QAVX2 1
 #else
 #define KZ_QAVX2 0
+#endif
+
+// The integer dot product of 32 unsigned and 32 signed bytes in four-byte groups, as 8 i32 lanes: one
+// vpdpbusd where the CPU has AVX512-VNNI (with VL) or AVX-VNNI, else vpmaddubsw to i16 pairs and vpmaddwd.
+// The sums are the same: the i16 pairs cannot saturate (|w| <= 128 and |x| <= 127: 2 * 128 * 127 < 32767).
+// Measured (8192 x 4096 weights, 7 of them read round robin, 2 threads, an AVX-512 EPYC with AVX512-VNNI,
+// GB/s of packed weight, VNNI vs AVX2 in one run): 4 rows q8_0 14.3 -> 15.4, q4_0 7.5 -> 8.0, q4_k 7.4 -> 8.2;
+// 1 row q4_k 22.8 -> 24.1, q6_k 16.2 -> 18.0; q4_0 and q8_0 at 1 row read at the memory's rate either way.
+// (KZ_QUANT_NO_VNNI: the AVX2 code even where VNNI is there; tests build it to check both agree bit for bit)
+#if KZ_QAVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(KZ_QUANT_NO_VNNI)
+#define KZ_QVNNI 1
+KZ_INLINE __m256i kz_dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+#elif KZ_QAVX2 && defined(__AVXVNNI__) && !defined(KZ_QUANT_NO_VNNI)
+#define KZ_QVNNI 1
+KZ_INLINE __m256i kz_dot4(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
+#else
+#define KZ_QVNNI 0
 #endif
 
 #define KZ_QK 32
@@ -201,7 +219,7 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
     __m256 acc[MB][NB];
     for (int m = 0; m < MB; ++m)
         for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
+    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; ++b) {
         if (pf)  // the next column block's bytes, as fast as this one's are read
             for (int64_t o = 0; o < NB * kz_fmt::BYTES; o += 64) __builtin_prefetch(pf + b * NB * kz_fmt::BYTES + o, 0, 2);
@@ -224,6 +242,16 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
                 const int64_t xb = b * KZ_NSUB + s;
                 const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * k + xb * KZ_QK));
                 const float dx = xd[m * nx + xb];
+#if KZ_QVNNI
+                __m256i xo;  // OFFSET * (the sum of each four x), what the offset takes off each lane
+                if constexpr (kz_fmt::OFFSET != 0) xo = kz_dot4(_mm256_set1_epi8(kz_fmt::OFFSET), xv);
+                for (int j = 0; j < NB; ++j) {
+                    __m256i p32;
+                    if constexpr (!kz_fmt::UNSIGNED) p32 = kz_dot4(wa[j], _mm256_sign_epi8(xv, wv[j]));
+                    else if constexpr (kz_fmt::OFFSET != 0) p32 = _mm256_sub_epi32(kz_dot4(wv[j], xv), xo);
+                    else p32 = kz_dot4(wv[j], xv);
+                    const __m256 p = _mm256_cvtepi32_ps(p32);
+#else
                 __m256i xo;  // OFFSET * (x[2i] + x[2i+1]), what the offset takes off each pair
                 if constexpr (kz_fmt::OFFSET != 0) xo = _mm256_maddubs_epi16(_mm256_set1_epi8(kz_fmt::OFFSET), xv);
                 for (int j = 0; j < NB; ++j) {
@@ -232,6 +260,7 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
                     else if constexpr (kz_fmt::OFFSET != 0) p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wv[j], xv), xo);
                     else p16 = _mm256_maddubs_epi16(wv[j], xv);
                     const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+#endif
                     __m256 sv;  // lanes 0..3 hold elements 0..15, lanes 4..7 elements 16..31
                     if constexpr (kz_fmt::SG == KZ_QK) sv = _mm256_set1_ps(ws[j][s] * dx);
                     else sv = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(ws[j][2 * s + 1]), _mm_set1_ps(ws[j][2 * s])), _mm256_set1_ps(dx));
@@ -269,25 +298,38 @@ KZ_INLINE void kz_row8_block(kz_q4_0, const uint8_t* const* w, int64_t off, cons
     const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xb));
     const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xb + 16)));
     const __m256i eight = _mm256_set1_epi8(8), m4 = _mm256_set1_epi8(15);
+#if KZ_QVNNI  // 8 * (the sum of each four x), what the offset takes off every pair's dot products
+    const __m256i xo = _mm256_add_epi32(kz_dot4(eight, xl), kz_dot4(eight, xh));
+#else
     const __m256i xo = _mm256_add_epi16(_mm256_maddubs_epi16(eight, xl), _mm256_maddubs_epi16(eight, xh));
+#endif
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
         const __m256i v = _mm256_loadu2_m128i((const __m128i*)(w[2 * p + 1] + off + 2), (const __m128i*)(w[2 * p] + off + 2));
         const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#if KZ_QVNNI
+        const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(kz_dot4(lo, xl), kz_dot4(hi, xh)), xo));
+#else
         const __m256i p16 = _mm256_sub_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), xo);
         const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+#endif
         acc[p] = _mm256_fmadd_ps(d, KZ_PAIR_SCALE(S, p), acc[p]);
     }
 }
 // q8_0: a row's block fills a vector; the pairs share the scale shuffle and (added as i32) the convert + fma
 KZ_INLINE void kz_row8_block(kz_q8_0, const uint8_t* const* w, int64_t off, const int8_t* xb, __m256 S, __m256* acc) {
-    const __m256i x = _mm256_loadu_si256((const __m256i*)xb), ones = _mm256_set1_epi16(1);
+    const __m256i x = _mm256_loadu_si256((const __m256i*)xb);
+    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
         __m256i d32[2];
         for (int h = 0; h < 2; ++h) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)(w[2 * p + h] + off + 2));
+#if KZ_QVNNI
+            d32[h] = kz_dot4(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
+#else
             d32[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v)), ones);
+#endif
         }
         // [row 2p lanes 0-3 + 4-7 | row 2p+1 lanes 0-3 + 4-7]: the halves' sums in the pair's lane order
         const __m256i lo = _mm256_permute2x128_si256(d32[0], d32[1], 0x20), hi = _mm256_permute2x128_si256(d32[0], d32[1], 0x31);
