@@ -211,6 +211,31 @@ KZ_INLINE float kz_hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+// What the format's offset takes off a block's products with x's block xv: OFFSET * (the sum of each four x,
+// VNNI; of each pair, AVX2), or nothing for formats without an offset.
+KZ_INLINE __m256i kz_qoffset(__m256i xv) {
+    if constexpr (kz_fmt::OFFSET == 0) return _mm256_setzero_si256();
+#if KZ_QVNNI
+    return kz_dot4(_mm256_set1_epi8(kz_fmt::OFFSET), xv);
+#else
+    return _mm256_maddubs_epi16(_mm256_set1_epi8(kz_fmt::OFFSET), xv);
+#endif
+}
+// The 8 i32 sums of a weight sub-block wv (|w| in wa for signed formats) times x's block xv, less the offset's
+// share xo (kz_qoffset).
+KZ_INLINE __m256i kz_qprod(__m256i wa, __m256i wv, __m256i xv, __m256i xo) {
+#if KZ_QVNNI
+    if constexpr (!kz_fmt::UNSIGNED) return kz_dot4(wa, _mm256_sign_epi8(xv, wv));
+    else if constexpr (kz_fmt::OFFSET != 0) return _mm256_sub_epi32(kz_dot4(wv, xv), xo);
+    else return kz_dot4(wv, xv);
+#else
+    __m256i p16;
+    if constexpr (!kz_fmt::UNSIGNED) p16 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
+    else if constexpr (kz_fmt::OFFSET != 0) p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wv, xv), xo);
+    else p16 = _mm256_maddubs_epi16(wv, xv);
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+#endif
+}
 template <int MB, int NB>
 KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
                        int64_t k, float* out, int64_t ldo, const char* pf) {
@@ -219,7 +244,6 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
     __m256 acc[MB][NB];
     for (int m = 0; m < MB; ++m)
         for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
-    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; ++b) {
         if (pf)  // the next column block's bytes, as fast as this one's are read
             for (int64_t o = 0; o < NB * kz_fmt::BYTES; o += 64) __builtin_prefetch(pf + b * NB * kz_fmt::BYTES + o, 0, 2);
@@ -236,31 +260,15 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
             __m256i wv[NB], wa[NB];
             for (int j = 0; j < NB; ++j) {
                 wv[j] = f.load(w[j] + b * kz_fmt::BYTES, s);
-                if constexpr (!kz_fmt::UNSIGNED) wa[j] = _mm256_sign_epi8(wv[j], wv[j]);  // |w|: vpmaddubsw's unsigned operand
+                wa[j] = kz_fmt::UNSIGNED ? wv[j] : _mm256_sign_epi8(wv[j], wv[j]);  // |w|: the dot product's unsigned operand
             }
             for (int m = 0; m < MB; ++m) {
                 const int64_t xb = b * KZ_NSUB + s;
                 const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * k + xb * KZ_QK));
                 const float dx = xd[m * nx + xb];
-#if KZ_QVNNI
-                __m256i xo;  // OFFSET * (the sum of each four x), what the offset takes off each lane
-                if constexpr (kz_fmt::OFFSET != 0) xo = kz_dot4(_mm256_set1_epi8(kz_fmt::OFFSET), xv);
+                const __m256i xo = kz_qoffset(xv);
                 for (int j = 0; j < NB; ++j) {
-                    __m256i p32;
-                    if constexpr (!kz_fmt::UNSIGNED) p32 = kz_dot4(wa[j], _mm256_sign_epi8(xv, wv[j]));
-                    else if constexpr (kz_fmt::OFFSET != 0) p32 = _mm256_sub_epi32(kz_dot4(wv[j], xv), xo);
-                    else p32 = kz_dot4(wv[j], xv);
-                    const __m256 p = _mm256_cvtepi32_ps(p32);
-#else
-                __m256i xo;  // OFFSET * (x[2i] + x[2i+1]), what the offset takes off each pair
-                if constexpr (kz_fmt::OFFSET != 0) xo = _mm256_maddubs_epi16(_mm256_set1_epi8(kz_fmt::OFFSET), xv);
-                for (int j = 0; j < NB; ++j) {
-                    __m256i p16;
-                    if constexpr (!kz_fmt::UNSIGNED) p16 = _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, wv[j]));
-                    else if constexpr (kz_fmt::OFFSET != 0) p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wv[j], xv), xo);
-                    else p16 = _mm256_maddubs_epi16(wv[j], xv);
-                    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-#endif
+                    const __m256 p = _mm256_cvtepi32_ps(kz_qprod(wa[j], wv[j], xv, xo));
                     __m256 sv;  // lanes 0..3 hold elements 0..15, lanes 4..7 elements 16..31
                     if constexpr (kz_fmt::SG == KZ_QK) sv = _mm256_set1_ps(ws[j][s] * dx);
                     else sv = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(ws[j][2 * s + 1]), _mm_set1_ps(ws[j][2 * s])), _mm256_set1_ps(dx));
