@@ -47,11 +47,10 @@ LAYOUTS = {  # experts, top-k, hidden, expert intermediate, layers, heads, kv he
 
 
 def cpu_name() -> str:
-    """The CPU's model name and torch's vector capability (timings differ across them)."""
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
-    bf16 = " with AVX512-BF16" if torch.cpu._is_avx512_bf16_supported() else ""
-    return f"{name}, {torch.backends.cpu.get_cpu_capability()}{bf16}"
+    """The host (cores and CPU model) and torch's vector capability: timings differ across them."""
+    from threads import machine
+
+    return f"{machine()}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def build(layout: str, dtype: torch.dtype) -> torch.nn.Module:

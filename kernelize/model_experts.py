@@ -212,11 +212,13 @@ def _library_wins(hidden_states: torch.Tensor, top_k_index: torch.Tensor, fallba
     return hidden_states.dtype == torch.float32 or (hidden_states.dtype == torch.bfloat16 and _native_bf16())
 
 
-@functools.cache
 def _native_bf16() -> bool:
-    """The CPU has bf16 dot-product instructions oneDNN's bf16 GEMMs use (AVX512-BF16, AMX)."""
-    cpu = torch.cpu
-    return any(getattr(cpu, f"_is_{name}_supported", lambda: False)() for name in ("avx512_bf16", "amx_tile"))
+    """The CPU has the bf16 dot-product instructions that make torch's bf16 GEMMs fast (the generated
+    matmuls' own test, `cpu_gemv.lowp_gemm_in_f32`, with its `KERNELIZE_CPU_LOWP_GEMM` override)."""
+    from kernelize.codegen.cpu_gemv import lowp_gemm_in_f32
+    from kernelize.ir.dtypes import DType
+
+    return not lowp_gemm_in_f32(DType.BF16)
 
 
 LIBRARY_TOKENS = 16  # calls of more tokens than this run the model's previous implementation (see above)

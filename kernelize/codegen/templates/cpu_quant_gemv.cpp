@@ -21,8 +21,8 @@ $PRELUDE$
 #define KZ_QAVX2 0
 #endif
 
-// The integer dot product of 32 unsigned and 32 signed bytes in four-byte groups, as 8 i32 lanes: one
-// vpdpbusd where the CPU has AVX512-VNNI (with VL) or AVX-VNNI, else vpmaddubsw to i16 pairs and vpmaddwd.
+// kz_dot4: the integer dot product of 32 unsigned and 32 signed bytes in four-byte groups, as 8 i32 lanes:
+// one vpdpbusd where the CPU has AVX512-VNNI (with VL) or AVX-VNNI, else vpmaddubsw to i16 pairs and vpmaddwd.
 // The sums are the same: the i16 pairs cannot saturate (|w| <= 128 and |x| <= 127: 2 * 128 * 127 < 32767).
 // Measured (8192 x 4096 weights, 7 of them read round robin, 2 threads, an AVX-512 EPYC with AVX512-VNNI,
 // GB/s of packed weight, VNNI vs AVX2 in one run): 4 rows q8_0 14.3 -> 15.4, q4_0 7.5 -> 8.0, q4_k 7.4 -> 8.2;
@@ -36,6 +36,9 @@ KZ_INLINE __m256i kz_dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm
 KZ_INLINE __m256i kz_dot4(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
 #else
 #define KZ_QVNNI 0
+#if KZ_QAVX2
+KZ_INLINE __m256i kz_dot4(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
+#endif
 #endif
 
 #define KZ_QK 32
@@ -224,17 +227,14 @@ KZ_INLINE __m256i kz_qoffset(__m256i xv) {
 // The 8 i32 sums of a weight sub-block wv (|w| in wa for signed formats) times x's block xv, less the offset's
 // share xo (kz_qoffset).
 KZ_INLINE __m256i kz_qprod(__m256i wa, __m256i wv, __m256i xv, __m256i xo) {
-#if KZ_QVNNI
     if constexpr (!kz_fmt::UNSIGNED) return kz_dot4(wa, _mm256_sign_epi8(xv, wv));
+#if KZ_QVNNI
     else if constexpr (kz_fmt::OFFSET != 0) return _mm256_sub_epi32(kz_dot4(wv, xv), xo);
-    else return kz_dot4(wv, xv);
-#else
-    __m256i p16;
-    if constexpr (!kz_fmt::UNSIGNED) p16 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
-    else if constexpr (kz_fmt::OFFSET != 0) p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(wv, xv), xo);
-    else p16 = _mm256_maddubs_epi16(wv, xv);
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+#else  // the offset comes off the i16 pairs, before vpmaddwd (one subtraction of 16 lanes)
+    else if constexpr (kz_fmt::OFFSET != 0)
+        return _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(wv, xv), xo), _mm256_set1_epi16(1));
 #endif
+    else return kz_dot4(wv, xv);
 }
 template <int MB, int NB>
 KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
@@ -327,17 +327,12 @@ KZ_INLINE void kz_row8_block(kz_q4_0, const uint8_t* const* w, int64_t off, cons
 // q8_0: a row's block fills a vector; the pairs share the scale shuffle and (added as i32) the convert + fma
 KZ_INLINE void kz_row8_block(kz_q8_0, const uint8_t* const* w, int64_t off, const int8_t* xb, __m256 S, __m256* acc) {
     const __m256i x = _mm256_loadu_si256((const __m256i*)xb);
-    [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
         __m256i d32[2];
         for (int h = 0; h < 2; ++h) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)(w[2 * p + h] + off + 2));
-#if KZ_QVNNI
             d32[h] = kz_dot4(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
-#else
-            d32[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v)), ones);
-#endif
         }
         // [row 2p lanes 0-3 + 4-7 | row 2p+1 lanes 0-3 + 4-7]: the halves' sums in the pair's lane order
         const __m256i lo = _mm256_permute2x128_si256(d32[0], d32[1], 0x20), hi = _mm256_permute2x128_si256(d32[0], d32[1], 0x31);
