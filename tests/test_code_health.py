@@ -198,15 +198,22 @@ def _team_openmp(text: str) -> list[str]:
 
 
 def test_one_cpu_parallel_for() -> None:
-    """Every CPU kernel's threads come from `kz_parallel_for` in cpu_prelude.h (docs/runtime.md, "Threads"):
-    no template or code generator opens an OpenMP region, shares out a loop or asks OpenMP for thread ids."""
+    """Every CPU kernel's threads come from `kz_parallel_region` in cpu_prelude.h (docs/runtime.md,
+    "Threads"), on the one pool of cpu_workers.cpp: no template or code generator opens an OpenMP region,
+    shares out a loop, asks OpenMP for thread ids or starts a thread."""
     sources = [p for p in sorted(PKG.rglob("*")) if p.suffix in {".py", ".h", ".c", ".cpp", ".tmpl"}]
     assert PRELUDE in sources
     found = {p.relative_to(PKG).as_posix(): _team_openmp(p.read_text()) for p in sources if p != PRELUDE}
     assert not {k: v for k, v in found.items() if v}, f"use kz_parallel_for / kz_range / kz_barrier: {found}"
+    starts = [
+        p.name
+        for p in sources
+        if p.suffix != ".py" and re.search(r"std::thread\(|pthread_create\(", p.read_text())
+    ]
+    assert starts == ["cpu_workers.cpp"], f"threads started outside the workers' pool: {starts}"
     prelude = PRELUDE.read_text()
-    start = prelude.index("static inline int kz_parallel_for(")
+    start = prelude.index("static inline int kz_parallel_region(")
     region = prelude[start : prelude.index("\n}\n", start)]
     assert [m.group(2) for m in _TEAM_OMP.finditer(prelude)] == ["parallel", "barrier"]
-    assert len(_TEAM_OMP.findall(region)) == 1, "the prelude's one omp parallel is kz_parallel_for's"
+    assert len(_TEAM_OMP.findall(region)) == 1, "the prelude's one omp parallel is kz_parallel_region's"
     assert _team_openmp('#pragma omp parallel for\n_Pragma("omp barrier")\nomp_get_thread_num()') != []

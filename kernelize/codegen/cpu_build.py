@@ -209,11 +209,51 @@ def last_level_cache() -> int:
 NT_BYTES = ctypes.c_int64(stream_threshold())
 
 
+_WORKER_POLICIES = ("auto", "kernelize", "openmp")
+
+
+def workers_policy() -> str:
+    """Which pool runs kernel regions (``$KERNELIZE_CPU_WORKERS``, docs/runtime.md "Threads"): ``auto``
+    (default) kernelize's workers (``templates/cpu_workers.cpp``) while a compiled graph that calls none of
+    torch's parallel GEMMs or convs runs, OpenMP's (torch's) otherwise; ``kernelize`` or ``openmp`` always."""
+    env = os.environ.get("KERNELIZE_CPU_WORKERS", "auto").strip().lower()
+    if env not in _WORKER_POLICIES:
+        raise ValueError(f"KERNELIZE_CPU_WORKERS={env!r}: expected one of {', '.join(_WORKER_POLICIES)}")
+    return env
+
+
+# 1 while regions run on kernelize's workers, 0 on OpenMP: shared by every kernel library like the deadline
+# (compiled graphs switch it around their runs under `auto`; tests and benchmarks set it)
+WORKERS = ctypes.c_int64(int(workers_policy() == "kernelize"))
+_WORKERS_LIB: list[ctypes.CDLL] = []
+
+
+def workers() -> ctypes.CDLL:
+    """The process's one pool of kernel workers (``templates/cpu_workers.cpp``), built and loaded once."""
+    if not _WORKERS_LIB:
+        from kernelize.codegen.template import load_template
+
+        path = build_shared_object(load_template("cpu_workers.cpp"), "kz_workers")
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+        lib.kz_workers_hold.argtypes, lib.kz_workers_started.restype = [ctypes.c_int], ctypes.c_int
+        _WORKERS_LIB.append(lib)
+    return _WORKERS_LIB[0]
+
+
 def load(path: Path) -> ctypes.CDLL:
     with _LOCK:
         lib = _LOADED.get(str(path))
         if lib is None:
             lib = _LOADED[str(path)] = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
+            bind = getattr(lib, "kz_bind_workers", None)
+            if bind is not None:
+                pool = workers()
+                address = [
+                    ctypes.cast(getattr(pool, f), ctypes.c_void_p)
+                    for f in ("kz_workers_region", "kz_workers_wait")
+                ]
+                bind.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
+                bind(*address, ctypes.byref(WORKERS))
             binders = (
                 ("kz_bind_team_state", TEAM_DEADLINE),
                 ("kz_bind_late_policy", LATE_POLICY),

@@ -470,7 +470,7 @@ def render_columns(w) -> dict[str, str]:
     k, cols = w.k, column_sums(w.k)
     widen = render_widened(w)
     if not cols:
-        return {"COL_ALLOC": "", "COL_SETUP": "\n".join(widen), "COL_FINISH": ""}
+        return {"COL_ALLOC": "", "COL_SETUP": "\n".join(widen), "COL_FINISH": "", "COL_TOGETHER": "false"}
     nc, ind = len(cols), " " * 8
     pt = "double" if any(k.body[i].dtype.itemsize > 4 for i in cols) else "float"  # f64 sums stay f64
     alloc = [
@@ -492,6 +492,7 @@ def render_columns(w) -> dict[str, str]:
         "COL_ALLOC": "\n".join(alloc),
         "COL_SETUP": "\n".join(setup + widen),
         "COL_FINISH": "\n".join(ind + line for line in _column_finish(w, cols)),
+        "COL_TOGETHER": "true",  # the threads' partials meet at a barrier
     }
 
 
@@ -530,7 +531,7 @@ def _column_finish(w, cols: list[int]) -> list[str]:
             body.append(f"const int64_t kz_s{j} = {w.r.dim(s.offset)};")
             body.append(w.store(j, s, list(range(split, w.rank))))
     loop = [
-        "kz_barrier();  // every thread's partials are in",
+        "kz_barrier(kz_tn);  // every thread's partials are in",
         "int64_t kz_j0, kz_j1;",
         "kz_range(kz_rowlen, kz_tid, kz_tn, kz_j0, kz_j1);",
         "for (int64_t kz_j = kz_j0; kz_j < kz_j1; ++kz_j) {",

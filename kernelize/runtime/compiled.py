@@ -34,6 +34,7 @@ from torch import nn
 
 from kernelize.autokernel.kernels import Kernel
 from kernelize.codegen import cpu_pool
+from kernelize.codegen.cpu_build import WORKERS, workers_policy
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
@@ -284,6 +285,9 @@ class CompiledGraph:
         # which is most of a small call's cost (decode pays it for every layer of every token)
         self._direct = direct_reads(self._steps, graph, self._consts)
         self._own_outputs = outputs_own_buffers(self._steps, graph)
+        # under the `auto` workers policy, a CPU graph's run that calls none of torch's parallel GEMMs / convs
+        # runs its regions on kernelize's workers (their caller never waits for a worker that has not started)
+        self._own_pool = backend == "cpu" and workers_policy() == "auto"
         _REGISTRY[self.key] = self
 
     @property
@@ -313,6 +317,15 @@ class CompiledGraph:
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The eager implementation behind the custom op."""
         bound = self._bind(inputs)
+        if not self._own_pool or bound.torch_pool or WORKERS.value:
+            return self._run(inputs, bound)
+        WORKERS.value = 1
+        try:
+            return self._run(inputs, bound)
+        finally:
+            WORKERS.value = 0
+
+    def _run(self, inputs: Sequence[torch.Tensor], bound: Bound) -> list[torch.Tensor]:
         if self._direct is not None:
             return self._run_direct(inputs, bound)
         if self.backend == "reference":
@@ -363,9 +376,13 @@ class CompiledGraph:
             out = views.get(ep.tail)
             if out is None and step.conv.generated is not None and ep.tail in self.graph.outputs:
                 out = self._buffers.empty(ep.tail, shapes[0], nhwc=True)
-            vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
+            if step.conv.generated is None:
+                with self._light_torch_op(bound):
+                    vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
+            else:
+                vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
         elif step.library:
-            vals[k.node] = self._library(k, vals, env)
+            vals[k.node] = self._library(k, vals, bound)
         else:
             if step.operands:
                 reads = [materialize(s, vals, env) for s in k.node.src]
@@ -511,18 +528,34 @@ class CompiledGraph:
             self._bound[key] = bound
         return bound
 
-    def _library(self, k: Kernel, vals: dict[Node, torch.Tensor], env: dict[str, int]) -> torch.Tensor:
-        node = k.node
+    def _library(self, k: Kernel, vals: dict[Node, torch.Tensor], bound: Bound) -> torch.Tensor:
+        node, env = k.node, bound.env
         args = [materialize(s, vals, env) for s in node.src]
         own = CPU_LIBRARY.get(node.op)
-        if own is not None and own[0](node, args[0]):
-            out = own[1](node, args[0], env)
-        elif node.op is Op.MATMUL and node.dtype.is_float and self.device.type == "cuda":
-            out = torch.matmul(*args)  # cuBLAS accumulates 16-bit inputs in f32 already
-        else:
-            out = EVAL[node.op](node, args, env)
         fmt = torch.channels_last if node in self._cl else torch.contiguous_format
-        return out.to(node.dtype.torch).contiguous(memory_format=fmt)
+        if own is not None and own[0](node, args[0]):
+            return own[1](node, args[0], env).to(node.dtype.torch).contiguous(memory_format=fmt)
+        if node.op is Op.MATMUL and node.dtype.is_float and self.device.type == "cuda":
+            out = torch.matmul(*args)  # cuBLAS accumulates 16-bit inputs in f32 already
+            return out.to(node.dtype.torch).contiguous(memory_format=fmt)
+        with self._light_torch_op(bound):
+            return EVAL[node.op](node, args, env).to(node.dtype.torch).contiguous(memory_format=fmt)
+
+    @contextmanager
+    def _light_torch_op(self, bound: Bound) -> Iterator[None]:
+        """Around a torch op of a graph run on kernelize's workers (with ``bound`` it has only light ones:
+        see `schedule.LONG_MACS`): torch on this thread alone. One of torch's parallel ops would leave its
+        OpenMP workers spinning ~10 ms beside kernelize's (MobileNetV2's final mean: kernelize's worker then
+        took 13-25 of 48 shares)."""
+        threads = torch.get_num_threads()
+        solo = WORKERS.value == 1 and not bound.torch_pool and threads > 1 and self.device.type == "cpu"
+        if solo:
+            torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            if solo:
+                torch.set_num_threads(threads)
 
     def _conv_runner(self, k: Kernel, generated: CompiledKernel | None) -> ConvRunner:
         bias = k.epilogue.bias

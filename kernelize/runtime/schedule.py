@@ -26,6 +26,7 @@ from kernelize.autokernel.kernels import (
     ExpertsKernel,
     Kernel,
     LibraryKernel,
+    MatmulKernel,
     dispatch,
 )
 from kernelize.ir.graph import Graph, Node, Op
@@ -98,6 +99,7 @@ class Bound:
     shapes: tuple[tuple[tuple[int, ...], ...], ...]  # per step, the shapes of the buffers it writes
     sizes: tuple[dict[str, int], ...]  # per step, its symbol values
     launch: tuple[bool, ...]  # per step, whether anything is written (empty outputs skip the launch)
+    torch_pool: bool  # whether a step runs a long op on torch's OpenMP pool (see `uses_torch_pool`)
     # per graph output that views a buffer, where it lies in it (see `library.materialize_view`)
     views: dict = field(default_factory=dict, compare=False)
 
@@ -105,12 +107,56 @@ class Bound:
 def bind_steps(steps: Sequence[Step], env: dict[str, int]) -> Bound:
     """The shapes, symbol values and launch flags of ``steps`` under the symbol bindings ``env``."""
     shapes = tuple(tuple(bind(b.shape, env) for b in st.kernel.writes) for st in steps)
-    return Bound(
-        env,
-        shapes,
-        tuple({s: env[s] for s in st.kernel.symbols} for st in steps),
-        tuple(any(math.prod(sh) for sh in per) for per in shapes),
-    )
+    sizes = tuple({s: env[s] for s in st.kernel.symbols} for st in steps)
+    launch = tuple(any(math.prod(sh) for sh in per) for per in shapes)
+    return Bound(env, shapes, sizes, launch, uses_torch_pool(steps, env, sizes))
+
+
+# library ops that may run long on torch's OpenMP pool (oneDNN / MKL GEMMs and convs): long from
+# LONG_MACS multiply-adds (~0.1 ms on one core). A lighter one (ShuffleNet's 120 -> 30 grouped 1x1 conv at
+# 28 x 28: 0.9 M) runs on the calling thread alone when its graph's run is on kernelize's workers.
+LONG_OPS = frozenset({Op.MATMUL, Op.CONV})
+LONG_MACS = 1 << 22
+
+
+def multiply_adds(node: Node, env: Mapping[str, int]) -> int:
+    """The multiply-adds of a MATMUL or CONV ``node`` under ``env``."""
+    out = math.prod(bind(node.shape, env))
+    w = bind(node.src[1].shape, env)
+    return out * (math.prod(w[1:]) if node.op is Op.CONV else bind(node.src[0].shape, env)[-1])
+
+
+def _many_rows(k: Kernel, sizes: Mapping[str, int]) -> bool:
+    from kernelize.autokernel.matmul import FEW_ROWS, rows_of
+
+    return rows_of(k, sizes) > FEW_ROWS
+
+
+# per kernel class, whether its generated step runs a long op on torch's OpenMP pool at the step's sizes: a
+# matmul past its few-row sizes calls torch's GEMM, an experts kernel's many-pair path library GEMMs
+ON_TORCH_POOL: dict[type, Callable[[Kernel, Mapping[str, int]], bool]] = {
+    ExpertsKernel: lambda k, sizes: True,
+    MatmulKernel: _many_rows,
+    Kernel: lambda k, sizes: False,
+}
+
+
+def uses_torch_pool(
+    steps: Sequence[Step], env: Mapping[str, int], sizes: Sequence[Mapping[str, int]]
+) -> bool:
+    """Whether a step runs a long op on torch's OpenMP pool under ``env``: a conv through oneDNN or a library
+    GEMM / conv of :data:`LONG_MACS` or more, or a generated kernel per :data:`ON_TORCH_POOL`. A run of such
+    a graph keeps its generated kernels' regions on that pool too, so that two pools' idle workers do not
+    spin against each other (docs/runtime.md, "Threads")."""
+    for st, sz in zip(steps, sizes):
+        k = st.kernel
+        if st.conv is not None or st.library:
+            torch_op = st.conv.generated is None if st.conv is not None else k.node.op in LONG_OPS
+            if torch_op and multiply_adds(k.node, env) >= LONG_MACS:
+                return True
+        elif dispatch(ON_TORCH_POOL, k, "the workers policy")(k, sz):
+            return True
+    return False
 
 
 class Direct(NamedTuple):

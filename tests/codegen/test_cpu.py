@@ -882,16 +882,9 @@ def test_every_kernel_kind_is_exact_on_one_thread_after_a_late_start():
     from kernelize.codegen import cpu_build
     from kernelize.runtime.compiled import compile_graph
 
-    g = Graph()
-    x = g.input("x", (Sym.of("n"), 512), DType.F32)
-    w = g.input("w", (384, 512), DType.F32)
-    q = g.input("q", (1, 4, 9, 32), DType.F32)
-    kv = g.input("kv", (1, 4, 300, 32), DType.F32)
-    h = g.rmsnorm(g.exp(g.mul(x, g.scalar(0.01, DType.F32))), None, 1e-6)
-    g.output(g.matmul(h, g.transpose(w)), g.attention(q, kv, kv, None, scale=0.2, causal=False))
+    g, xs = _every_kind_graph()
     cg = compile_graph(g, backend="cpu")
     assert {k.kind for k in cg.plan.kernels} >= {KernelKind.ROW, KernelKind.MATMUL, KernelKind.ATTENTION}
-    xs = [rand(s, DType.F32) for s in [(3, 512), (384, 512), (1, 4, 9, 32), (1, 4, 300, 32)]]
     old = cpu_build.TEAM_DEADLINE.value
     try:
         cpu_build.TEAM_DEADLINE.value = 2**62
@@ -899,6 +892,130 @@ def test_every_kernel_kind_is_exact_on_one_thread_after_a_late_start():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     finally:
         cpu_build.TEAM_DEADLINE.value = old
+
+
+def _every_kind_graph():
+    """A graph with pointwise, row, few-row matmul and attention kernels, and inputs for it."""
+    g = Graph()
+    x = g.input("x", (Sym.of("n"), 512), DType.F32)
+    w = g.input("w", (384, 512), DType.F32)
+    q = g.input("q", (1, 4, 9, 32), DType.F32)
+    kv = g.input("kv", (1, 4, 300, 32), DType.F32)
+    h = g.rmsnorm(g.exp(g.mul(x, g.scalar(0.01, DType.F32))), None, 1e-6)
+    g.output(g.matmul(h, g.transpose(w)), g.attention(q, kv, kv, None, scale=0.2, causal=False))
+    return g, [rand(s, DType.F32) for s in [(3, 512), (384, 512), (1, 4, 9, 32), (1, 4, 300, 32)]]
+
+
+def test_a_region_never_waits_for_a_worker_that_has_not_started():
+    """kernelize's workers (cpu_workers.cpp): the caller claims a free region's shares as they come, so
+    with the workers held back it runs every share itself and returns (an OpenMP region would wait for
+    them); released, a worker runs shares again."""
+    import ctypes
+    import time
+
+    from kernelize.codegen import cpu_build
+
+    g = Graph()
+    g.output(g.exp(g.input("x", (64, 256), DType.F32)))
+    lib = cpu_build.load(cpu_build.build_shared_object(render(kernel_of(g))[0], "team_shares"))
+    lib.kz_share_threads.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
+    pool, old, switch = cpu_build.workers(), cpu_build.TEAM_DEADLINE.value, cpu_build.WORKERS.value
+    who = (ctypes.c_int * 2)()
+    try:
+        cpu_build.WORKERS.value = 1
+        pool.kz_workers_hold(1)
+        cpu_build.TEAM_DEADLINE.value = 0
+        assert lib.kz_share_threads(2, 1_000_000, who) == 0 and list(who) == [1, 1]
+        pool.kz_workers_hold(0)
+        deadline, seen = time.monotonic() + 10, set()
+        while 2 not in seen and time.monotonic() < deadline:
+            cpu_build.TEAM_DEADLINE.value = 0
+            lib.kz_share_threads(2, 2_000_000, who)
+            seen |= set(who)
+        assert 2 in seen and pool.kz_workers_started() >= 1
+    finally:
+        pool.kz_workers_hold(0)
+        cpu_build.TEAM_DEADLINE.value, cpu_build.WORKERS.value = old, switch
+
+
+@pytest.mark.parametrize("mode", ["held", "openmp", "two_callers"])
+def test_every_kernel_kind_is_exact_however_its_regions_run(mode):
+    """Two threads, each kernel kind equal to the reference executor whether the workers are held back (the
+    caller runs every free share; regions with a barrier still take a worker), the regions are OpenMP's
+    ($KERNELIZE_CPU_WORKERS=openmp) or two Python threads call kernels at once (one gets the pool, the
+    other runs its regions alone)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernelize.codegen import cpu_build
+    from kernelize.runtime.compiled import compile_graph
+
+    g, xs = _every_kind_graph()
+    cg = compile_graph(g, backend="cpu")
+    cg._own_pool = mode != "openmp"  # the `auto` policy's switch, off: the regions are OpenMP's
+    want = evaluate(g, xs)
+    threads, old = torch.get_num_threads(), cpu_build.WORKERS.value
+    try:
+        torch.set_num_threads(2)
+        cpu_build.workers().kz_workers_hold(int(mode == "held"))
+        cpu_build.WORKERS.value = 0
+        if mode == "two_callers":
+            with ThreadPoolExecutor(2) as ex:
+                results = list(ex.map(lambda _: [cg(*xs) for _ in range(20)], range(2)))
+            runs = [r for rs in results for r in rs]
+        else:
+            runs = [cg(*xs)]
+        for got in runs:
+            for a, b in zip(got, want):  # 512-term dot products: summation order differs
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    finally:
+        cpu_build.workers().kz_workers_hold(0)
+        cpu_build.WORKERS.value = old
+        torch.set_num_threads(threads)
+
+
+def test_a_graph_run_takes_kernelizes_workers_unless_it_calls_torchs_gemms():
+    """The `auto` workers policy: a compiled graph's run whose steps are all generated at its sizes (a
+    few-row matmul) runs its regions on kernelize's workers; at sizes where the matmul calls torch's GEMM
+    the regions stay on torch's OpenMP pool, and the switch is back to OpenMP after either run."""
+    from kernelize.autokernel.matmul import FEW_ROWS
+    from kernelize.codegen import cpu_build
+    from kernelize.runtime.compiled import compile_graph
+
+    g, xs = _every_kind_graph()
+    cg = compile_graph(g, backend="cpu")
+    assert cpu_build.workers_policy() == "auto" and cg._own_pool and cpu_build.WORKERS.value == 0
+    assert not cg._bind(xs).torch_pool
+    many = [rand((FEW_ROWS + 1, 512), DType.F32), *xs[1:]]
+    assert cg._bind(many).torch_pool
+    for inputs in (xs, many):
+        for got, want in zip(cg(*inputs), evaluate(g, inputs)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert cpu_build.WORKERS.value == 0
+
+
+def test_a_forked_child_starts_workers_of_its_own():
+    """The parent's workers do not exist in a forked child: its pool starts afresh and its regions run."""
+    code = f"""
+import os, sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_cpu import _every_kind_graph
+from kernelize.ir.reference import evaluate
+from kernelize.runtime.compiled import compile_graph
+torch.set_num_threads(2)
+g, xs = _every_kind_graph()
+cg = compile_graph(g, backend="cpu")
+cg(*xs)
+want = evaluate(g, xs)  # in the parent: torch's libgomp is not fork-safe, the child must not need it
+pid = os.fork()
+if pid == 0:
+    ok = all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(cg(*xs), want))
+    os._exit(0 if ok else 3)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=600
+    )
+    assert out.stdout.strip().splitlines()[-1:] == ["0"], out.stderr[-2000:]
 
 
 def test_compile_graph_end_to_end():

@@ -180,6 +180,7 @@ def sources() -> dict[str, str]:
     kernels["attention_bool_mask_bf16"] = [attention_kernel(2, 2, 64, 64, DType.BF16, mask="bool")]
     out = {"replay": load_template("cpu_replay.cpp"), "pool": cpu_pool.source()}
     out["shm_allreduce"] = load_template("cpu_shm_allreduce.cpp")  # kernelize.shm_collective
+    out["workers"] = load_template("cpu_workers.cpp")  # the kernels' pool (cpu_build.workers)
     out.update({f"quant_{fmt}": quant_kernels.source(fmt) for fmt in ("q8_0", "q4_0", "int8")})
     for name, ks in kernels.items():
         assert ks, f"{name}: no generated kernel"

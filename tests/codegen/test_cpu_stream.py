@@ -24,14 +24,18 @@ NEVER = 2**62
 
 @pytest.fixture
 def threshold():
-    """Sets ``cpu_build.NT_BYTES`` (shared by every loaded kernel library) for a test and restores it."""
-    old = cpu_build.NT_BYTES.value
+    """Sets ``cpu_build.NT_BYTES`` (shared by every loaded kernel library) for a test and restores it. Late
+    workers do not count meanwhile: a late one between two calls would run the second on one thread, and
+    column sums then add in another order."""
+    b = cpu_build
+    old, policy, deadline = b.NT_BYTES.value, b.LATE_POLICY.value, b.TEAM_DEADLINE.value
+    b.LATE_POLICY.value, b.TEAM_DEADLINE.value = 2, 0
 
     def set_to(value: int) -> None:
         cpu_build.NT_BYTES.value = value
 
     yield set_to
-    cpu_build.NT_BYTES.value = old
+    b.NT_BYTES.value, b.LATE_POLICY.value, b.TEAM_DEADLINE.value = old, policy, deadline
 
 
 def _both_ways(cg, inputs, threshold) -> list[torch.Tensor]:

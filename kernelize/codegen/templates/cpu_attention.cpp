@@ -388,7 +388,7 @@ int decode(const Args& a, int nthreads) {
     float* part = (float*)malloc(sizeof(float) * (size_t)(heads * nsplit * rows * (DV + 2)));
     if (!part) return 2;
     const bool par = heads * nsplit > 1 && heads * a.LK * rows * (D + DV) >= $PARALLEL_MIN$;
-    kz_parallel_for(kz_team_open(nthreads, par), [=](int t, int tn) KZ_BODY {
+    kz_parallel_together(kz_team_open(nthreads, par), [=](int t, int tn) KZ_BODY {
         int64_t lo, hi;
         kz_range(heads * nsplit, t, tn, lo, hi);
         for (int64_t it = lo; it < hi; ++it) {
@@ -402,7 +402,7 @@ int decode(const Args& a, int nthreads) {
             }
             decode_split(a, bh / a.HKV, bh % a.HKV, rows, j0, jend, pr);
         }
-        kz_barrier();  // every split is in
+        kz_barrier(tn);  // every split is in
         kz_range(heads, t, tn, lo, hi);
         for (int64_t bh = lo; bh < hi; ++bh)
             decode_combine(a, bh / a.HKV, bh % a.HKV, rows, nsplit, part + bh * nsplit * rows * (DV + 2));

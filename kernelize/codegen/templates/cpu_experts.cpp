@@ -100,7 +100,7 @@ extern "C" int $NAME$(const kz_t* x, const kz_ti* index, const kz_tw* weights, c
     int64_t next1 = 0, next2 = 0;
     int64_t *n1 = &next1, *n2 = &next2;
     const kz_team_t team = kz_team_open(kz_nthreads, R * H * NU >= $PARALLEL_MIN$);
-    return kz_parallel_for(team, [=](int kz_tid, int kz_tn) KZ_BODY {
+    return kz_parallel_together(team, [=](int kz_tid, int kz_tn) KZ_BODY {
         float part[KZ_MAXR * KZ_NB], gate[KZ_MAXR * KZ_NB];
         // each loop claims its next item before it runs the current one, so that the current item's last
         // block can prefetch the next item's first (dynamic scheduling, prefetch without a cold start)
@@ -131,7 +131,7 @@ extern "C" int $NAME$(const kz_t* x, const kz_ti* index, const kz_tw* weights, c
                 }
             }
         }
-        kz_barrier();
+        kz_barrier(kz_tn);
         for (int64_t it = kz_next(n2), nx = it; it < blocks2; it = nx) {  // stage two
             nx = kz_next(n2);
             const int64_t n0 = it * CB;

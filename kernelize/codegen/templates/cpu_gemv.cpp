@@ -31,7 +31,7 @@ $ROW_SETUP$
         const int64_t kz_nblk = (kz_n + kz_cb - 1) / kz_cb;
         const bool kz_splitk = kz_nt > 1 && kz_nblk < 4 * kz_nt && kz_k >= 256 * kz_nt;
         $ACC_T$* kz_part = kz_splitk ? ($ACC_T$*)malloc(sizeof($ACC_T$) * kz_nt * $NMM$ * kz_nr * kz_n) : 0;
-        kz_err_all |= kz_parallel_for(kz_tm, [=](int kz_t, int kz_tn) KZ_BODY {
+        kz_err_all |= kz_parallel_region(kz_tm, kz_splitk, [=](int kz_t, int kz_tn) KZ_BODY {
             int kz_err = 0;
             auto kz_epi = [&](int kz_r, int64_t $J$, const $ACC_T$* kz_mv) {
 $EPILOGUE$
@@ -68,7 +68,7 @@ $COLS$
                                 kz_mine[(kz_m * kz_nr + kz_r) * kz_n + kz_c0 + kz_jj] =
                                     kz_blk[kz_m][kz_r * kz_cb + kz_jj];
                 }
-                kz_barrier();
+                kz_barrier(kz_tn);
                 const int64_t kz_tot = (int64_t)kz_nr * kz_n;
                 for (int64_t kz_i = kz_tot * kz_t / kz_tn; kz_i < kz_tot * (kz_t + 1) / kz_tn; ++kz_i) {
                     const int kz_r = (int)(kz_i / kz_n);

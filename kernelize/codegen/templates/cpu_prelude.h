@@ -86,14 +86,20 @@ KZ_INLINE void kz_team_done(int team, int64_t lag) {
     if (solo) __atomic_store_n(kz_team_deadline, now + KZ_SOLO_NS, __ATOMIC_RELAXED);
 }
 // ---- the one parallel-for: every kernel's threads come from here (docs/runtime.md, "Threads") -----------
-// The only `omp parallel` of the generated code. Every kernel library links the process's one libgomp
-// (torch's, once torch is imported), so kernels and torch's intra-op ops run on one pool of workers and
-// never oversubscribe the cores; the caller passes the team size (torch.get_num_threads()).
+// kernelize's workers (templates/cpu_workers.cpp, one pool per process, bound into every kernel library by
+// the loader: kz_bind_workers) run every region of every kernel; the caller passes the team size
+// (torch.get_num_threads()).
 //     return kz_parallel_for(kz_team_open(nthreads, big), [=](int kz_tid, int kz_tn) KZ_BODY { ...; return err; });
-// runs the body once per thread of a team (kz_tid in [0, kz_tn)) and returns the OR of the bodies' error
-// flags. The team is one thread, the caller's, when the work is not `big` or a recent region's workers
-// started late (above). Bodies split their work with kz_range or a shared kz_next counter and wait for
-// each other with kz_barrier; nothing else of OpenMP but `omp simd` appears in a kernel.
+// runs the body once per share of a team (kz_tid in [0, kz_tn)) and returns the OR of the bodies' error
+// flags. The caller and the workers claim shares as they come, so the caller never waits for a worker that
+// has not started (one share may then run after another on the same thread). The team is one thread, the
+// caller's, when the work is not `big` or a recent region was slowed by a late worker (above). Bodies
+// split their work with kz_range or a shared kz_next counter; a body that waits for the others with
+// kz_barrier(kz_tn) opens its region with kz_parallel_together (its shares run on tn threads at once).
+// A library the loader has not bound, or any while the bound switch (cpu_build.WORKERS) is off, opens
+// OpenMP regions on torch's pool instead: under $KERNELIZE_CPU_WORKERS=auto the switch is on only during
+// compiled-graph runs that call no long torch op (the two pools take turns; docs/runtime.md, "Threads").
+// Nothing else of OpenMP but `omp simd` appears in a kernel.
 // (perf) A body captures by value and is inlined into the region (KZ_BODY), where each thread's copy of it
 // is a local: its pointers are then registers and its simd loops unit-stride loads. Captured by reference,
 // or called out of line, the loops read the pointers through memory and gcc vectorised a layer norm's
@@ -106,6 +112,20 @@ struct kz_team_t {
 KZ_INLINE kz_team_t kz_team_open(int nthreads, bool big) {
     const int64_t t0 = kz_now_ns();
     return {t0, big ? kz_team(nthreads, t0) : 1};
+}
+typedef int (*kz_body_fn)(void*, int, int);
+typedef int (*kz_run_fn)(int, int, kz_body_fn, void*, int64_t, int64_t*);
+static kz_run_fn kz_workers_run = nullptr;
+static void (*kz_workers_barrier)() = nullptr;
+static int64_t kz_workers_local = 0;
+static int64_t* kz_workers_on = &kz_workers_local;
+extern "C" void kz_bind_workers(void* run, void* barrier, int64_t* on) {
+    kz_workers_run = (kz_run_fn)run, kz_workers_barrier = (void (*)())barrier, kz_workers_on = on;
+}
+// one share of a body, as the workers call it: a local copy of the body, inlined here (KZ_BODY)
+template <class F> static int kz_share(void* body, int t, int tn) {
+    F local = *(const F*)body;
+    return local(t, tn);
 }
 // ---- grain: the threads a region's work pays for ---------------------------------------------------------
 // Opening a region costs the caller ~2-5 us while the workers spin, and tens of us when one has gone to
@@ -142,19 +162,37 @@ KZ_INLINE kz_team_t kz_team_work(int nthreads, int64_t flops, int64_t bytes) {
 // the lateness of a region whose latest thread started `lag` ns after it opened, whose caller took `own` ns
 // from the opening to the end of its share and then waited `wait` ns at the closing barrier
 KZ_INLINE int64_t kz_region_lag(int64_t lag, int64_t own, int64_t wait) { return wait > own && wait > lag ? wait : lag; }
-template <class F> static inline int kz_parallel_for(const kz_team_t& team, F body) {
+// Every path runs the body through one kz_share<F>: a body compiled once per kernel (not once per path, as
+// inlining it into each would), and the same instructions whichever path runs it. Inlined into the solo
+// path of its own, a layer-norm backward's one-thread dx came out an ulp apart between its plain and its
+// non-temporal-store branches (tests/codegen/test_cpu_stream.py).
+template <class F> static inline int kz_parallel_region(const kz_team_t& team, bool together, F body) {
+    if (team.n < 2) return kz_share<F>(&body, 0, 1);
+    int64_t lag = 0;
     int err = 0;
-    int64_t lag = 0, done = 0;
-    int64_t* caller_done = &done;
-#pragma omp parallel num_threads(team.n) firstprivate(body) reduction(|: err) reduction(max: lag) if (team.n > 1)
-    {
-        lag = kz_now_ns() - team.t0;
-        err |= body(omp_get_thread_num(), omp_get_num_threads());
-        if (omp_get_thread_num() == 0) *caller_done = kz_now_ns();
+    if (kz_workers_run && __atomic_load_n(kz_workers_on, __ATOMIC_RELAXED)) {
+        int64_t s[3];  // the latest share's start, the caller's own time, its wait after
+        err = kz_workers_run(team.n, together, &kz_share<F>, &body, team.t0, s);
+        lag = kz_region_lag(together ? s[0] : 0, s[1], s[2]);
+    } else {
+        int64_t done = 0;
+        int64_t* caller_done = &done;
+#pragma omp parallel num_threads(team.n) firstprivate(body) reduction(|: err) reduction(max: lag)
+        {
+            lag = kz_now_ns() - team.t0;
+            err |= kz_share<F>(&body, omp_get_thread_num(), omp_get_num_threads());
+            if (omp_get_thread_num() == 0) *caller_done = kz_now_ns();
+        }
+        lag = kz_region_lag(lag, done - team.t0, kz_now_ns() - done);
     }
-    if (team.n > 1) lag = kz_region_lag(lag, done - team.t0, kz_now_ns() - done);
     kz_team_done(team.n, lag);
     return err;
+}
+template <class F> static inline int kz_parallel_for(const kz_team_t& team, F body) {
+    return kz_parallel_region(team, false, body);
+}
+template <class F> static inline int kz_parallel_together(const kz_team_t& team, F body) {
+    return kz_parallel_region(team, true, body);
 }
 // thread `t` of `tn`'s share [lo, hi) of [0, n): the split an OpenMP loop with schedule(static) makes
 KZ_INLINE void kz_range(int64_t n, int t, int tn, int64_t& lo, int64_t& hi) {
@@ -166,9 +204,13 @@ KZ_INLINE void kz_range(int64_t n, int t, int tn, int64_t& lo, int64_t& hi) {
 }
 // the next item of a shared counter (dynamic scheduling: declare `int64_t next = 0` before the region)
 KZ_INLINE int64_t kz_next(int64_t* next) { return __atomic_fetch_add(next, 1, __ATOMIC_RELAXED); }
-// every thread of the team waits here for the others
-KZ_INLINE void kz_barrier() {
+// every thread of a kz_parallel_together region's team of `tn` waits here for the others
+KZ_INLINE void kz_barrier(int tn) {
+    if (tn < 2) return;
+    if (kz_workers_run && __atomic_load_n(kz_workers_on, __ATOMIC_RELAXED)) kz_workers_barrier();
+    else {
 #pragma omp barrier
+    }
 }
 // the team a region would get now, and a region's bookkeeping as the kernels do it (for tests and tools)
 extern "C" int kz_team_size(int nthreads) { return kz_team(nthreads, kz_now_ns()); }
@@ -186,14 +228,28 @@ extern "C" int kz_parallel_team(int nthreads) {
     });
     return seen;
 }
-// a region of `nthreads` where the caller's share busy-waits `caller_ns` and every other thread's
-// `worker_ns`: how the closing barrier's wait is judged (tests)
+// a region of `nthreads` whose shares each run on a thread of their own (kz_parallel_together), where the
+// caller's busy-waits `caller_ns` and every other thread's `worker_ns`: how the closing wait is judged (tests)
+static thread_local int kz_thread_mark;  // its address names the thread
 extern "C" int kz_uneven_region(int nthreads, int64_t caller_ns, int64_t worker_ns) {
-    return kz_parallel_for(kz_team_open(nthreads, true), [=](int t, int tn) KZ_BODY {
-        const int64_t until = kz_now_ns() + (t == 0 ? caller_ns : worker_ns);
+    const int* caller = &kz_thread_mark;
+    return kz_parallel_together(kz_team_open(nthreads, true), [=](int t, int tn) KZ_BODY {
+        const int64_t until = kz_now_ns() + (&kz_thread_mark == caller ? caller_ns : worker_ns);
         while (kz_now_ns() < until) {
         }
         return tn < 0;
+    });
+}
+// a free region of `nthreads` whose every share busy-waits `ns` and writes into who[t] 1 when it ran on
+// the calling thread, 2 on another (tests)
+extern "C" int kz_share_threads(int nthreads, int64_t ns, int* who) {
+    const int* caller = &kz_thread_mark;
+    return kz_parallel_for(kz_team_open(nthreads, true), [=](int t, int tn) KZ_BODY {
+        const int64_t until = kz_now_ns() + ns;
+        while (kz_now_ns() < until) {
+        }
+        who[t] = &kz_thread_mark == caller ? 1 : 2;
+        return 0;
     });
 }
 

@@ -9,7 +9,7 @@ extern "C" int $NAME$($PARAMS$int kz_nthreads) {
     const kz_team_t kz_tm = kz_team_work(kz_nthreads, kz_outer * kz_rowlen * $FLOPS$, kz_outer * kz_rowlen * $BYTES$);
     const bool kz_stream = kz_streams(kz_outer * kz_rowlen * $STREAM_BYTES$);
 $COL_ALLOC$
-    return kz_parallel_for(kz_tm, [=](int kz_tid, int kz_tn) KZ_BODY {
+    return kz_parallel_region(kz_tm, $COL_TOGETHER$, [=](int kz_tid, int kz_tn) KZ_BODY {
         int kz_err = 0;
 $COL_SETUP$
         int64_t kz_lo, kz_hi;
