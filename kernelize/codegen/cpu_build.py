@@ -236,6 +236,7 @@ def workers() -> ctypes.CDLL:
         path = build_shared_object(load_template("cpu_workers.cpp"), "kz_workers")
         lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
         lib.kz_workers_hold.argtypes, lib.kz_workers_started.restype = [ctypes.c_int], ctypes.c_int
+        lib.kz_workers_shares.restype = ctypes.c_int64
         _WORKERS_LIB.append(lib)
     return _WORKERS_LIB[0]
 

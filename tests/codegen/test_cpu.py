@@ -924,15 +924,16 @@ def test_a_region_never_waits_for_a_worker_that_has_not_started():
     try:
         cpu_build.WORKERS.value = 1
         pool.kz_workers_hold(1)
-        cpu_build.TEAM_DEADLINE.value = 0
+        cpu_build.TEAM_DEADLINE.value, shares = 0, pool.kz_workers_shares()
         assert lib.kz_share_threads(2, 1_000_000, who) == 0 and list(who) == [1, 1]
+        assert pool.kz_workers_shares() == shares
         pool.kz_workers_hold(0)
         deadline, seen = time.monotonic() + 10, set()
         while 2 not in seen and time.monotonic() < deadline:
             cpu_build.TEAM_DEADLINE.value = 0
             lib.kz_share_threads(2, 2_000_000, who)
             seen |= set(who)
-        assert 2 in seen and pool.kz_workers_started() >= 1
+        assert 2 in seen and pool.kz_workers_started() >= 1 and pool.kz_workers_shares() > shares
     finally:
         pool.kz_workers_hold(0)
         cpu_build.TEAM_DEADLINE.value, cpu_build.WORKERS.value = old, switch

@@ -14,7 +14,7 @@
 // shares on tn different threads at once: `together` regions let every thread claim one share only, and
 // their caller waits for the workers as an OpenMP region's does.
 //
-// Workers spin for kz_spin_ns after their last share (the next region of a decode step or a graph is
+// Workers spin for KZ_SPIN_NS after their last share (the next region of a decode step or a graph is
 // usually microseconds away), yielding the core when another thread wants it, then sleep on a condition
 // variable. One region runs at a time: a second caller (another Python thread, a nested region) runs its
 // body on its own thread with a team of one.
@@ -28,8 +28,8 @@
 #include <stdint.h>
 #include <time.h>
 
-std::atomic<int64_t> kz_spin_ns{200000};  // a worker's spin before it sleeps (kz_workers_spin)
-#define KZ_YIELD_NS 20000LL   // a wait's spin before it yields the core between polls
+#define KZ_SPIN_NS 200000LL  // a worker's spin after a region before it sleeps
+#define KZ_YIELD_NS 20000LL  // a wait's spin before it yields the core between polls
 
 typedef int (*kz_body_fn)(void* ctx, int t, int tn);
 
@@ -138,7 +138,7 @@ void work(Pool* p, uint32_t seen, int index) {
     const Cores allowed = cores_of_this_thread();
     bool spin = false;
     for (;;) {
-        const int64_t until = now_ns() + (spin ? kz_spin_ns.load(std::memory_order_relaxed) : 0);
+        const int64_t until = now_ns() + (spin ? KZ_SPIN_NS : 0);
         uint32_t g;
         for (int i = 0; (g = p->gen.load(std::memory_order_acquire)) == seen; ++i) {
             if (spin && (i < 256 || now_ns() < until)) {
@@ -209,10 +209,8 @@ extern "C" void kz_workers_wait() {
     wait_for([p, phase] { return p->phase.load(std::memory_order_acquire) != phase; });
 }
 
-// tests: while `on`, workers claim no shares of free regions (the caller then runs them all); the pool's
-// workers started so far
+// tests and tools: while `on`, workers claim no shares of free regions (the caller then runs them all); the
+// pool's workers started so far; the shares workers have run
 extern "C" void kz_workers_hold(int on) { pool->held.store(on); }
 extern "C" int kz_workers_started() { return pool->workers; }
 extern "C" int64_t kz_workers_shares() { return pool->shares.load(); }
-// how long a worker spins after a region before it sleeps, in ns
-extern "C" void kz_workers_spin(int64_t ns) { kz_spin_ns.store(ns < 0 ? 0 : ns); }
