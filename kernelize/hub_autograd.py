@@ -91,6 +91,7 @@ def _build(compiled: Any, wrt: tuple[int, ...], label: str) -> TrainingGraphs:
     backward = compile_graph(
         optimize(cut.backward), backend=compiled.backend, device=compiled.device, pool_outputs=False
     )
+    forward.own_workers = backward.own_workers = False  # a layer's: see hub.signatures
     logger.info(
         "Generated backward for %s on %s: forward %d kernel(s) saving %d value(s), backward %d kernel(s)",
         ", ".join(str(i.arg) for i in graph.inputs),

@@ -110,7 +110,9 @@ def _build(module: torch.nn.Module) -> tuple[Any, tuple[str, ...]] | str:
     backend = backend_for(w.device)
     try:
         settings = dataclasses.replace(make_backend(backend).plan_settings, matmul=PROJECTION)
-        return compile_graph(graph, backend=backend, plan=plan(graph, settings)), params
+        compiled = compile_graph(graph, backend=backend, plan=plan(graph, settings))
+        compiled.own_workers = False  # a layer's: see hub.signatures
+        return compiled, params
     except Exception as exc:  # a backend without the kind or the dtype
         return f"the router kernels did not compile: {type(exc).__name__}: {exc}"
 

@@ -21,12 +21,15 @@ import shlex
 import shutil
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from kernelize.autokernel.kernels import Kernel
 from kernelize.runtime.backend import KernelCompileError
 from kernelize.runtime.diskcache import get_or_build
+
+T = TypeVar("T")
 
 # The flags naming this CPU's instructions, by ``platform.machine()``: ``-march=native`` on x86 (with zmm
 # registers for gcc's vector loops), ``-mcpu=native`` on Arm (Linux says aarch64, macOS arm64); an unknown
@@ -226,6 +229,18 @@ def workers_policy() -> str:
 # (compiled graphs switch it around their runs under `auto`; tests and benchmarks set it)
 WORKERS = ctypes.c_int64(int(workers_policy() == "kernelize"))
 _WORKERS_LIB: list[ctypes.CDLL] = []
+
+
+def with_workers(call: Callable[[], T]) -> T:
+    """``call()`` with kernel regions on kernelize's workers (the `auto` policy's switch for a run that calls
+    no long torch op: a compiled graph's, the experts kernel's few-pair call), the switch restored after."""
+    if WORKERS.value:
+        return call()
+    WORKERS.value = 1
+    try:
+        return call()
+    finally:
+        WORKERS.value = 0
 
 
 def workers() -> ctypes.CDLL:

@@ -89,6 +89,7 @@ def _build(
     dynamic_dims = [dict(n) or None for n in names]
     graph = optimize(trace(call, *tensors, dynamic_dims=dynamic_dims, params="input"))
     compiled = compile_graph(graph, backend=backend, device=device)
+    compiled.own_workers = False  # a layer of a torch model: torch's ops run between its calls (runtime.md)
     kernels = tuple((getattr(k, "name", "kernel"), getattr(k, "source_hash", "")) for k in compiled.kernels)
     shapes = ", ".join(
         f"{str(t.dtype).removeprefix('torch.')}[{', '.join(n.get(a, str(s)) for a, s in enumerate(t.shape))}]"

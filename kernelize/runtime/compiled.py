@@ -34,7 +34,7 @@ from torch import nn
 
 from kernelize.autokernel.kernels import Kernel
 from kernelize.codegen import cpu_pool
-from kernelize.codegen.cpu_build import WORKERS, workers_policy
+from kernelize.codegen.cpu_build import WORKERS, with_workers, workers_policy
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
@@ -285,9 +285,11 @@ class CompiledGraph:
         # which is most of a small call's cost (decode pays it for every layer of every token)
         self._direct = direct_reads(self._steps, graph, self._consts)
         self._own_outputs = outputs_own_buffers(self._steps, graph)
-        # under the `auto` workers policy, a CPU graph's run that calls none of torch's parallel GEMMs / convs
-        # runs its regions on kernelize's workers (their caller never waits for a worker that has not started)
-        self._own_pool = backend == "cpu" and workers_policy() == "auto"
+        # under the `auto` workers policy, a CPU graph's run that calls none of torch's parallel GEMMs or
+        # convs runs its regions on kernelize's workers, whose caller never waits for a worker that has not
+        # started. Public: the layers of a torch model set it False, since torch's own ops run between their
+        # calls and two pools would spin against each other (Qwen3-MoE decode: 8-12% slower on the workers)
+        self.own_workers = backend == "cpu" and workers_policy() == "auto"
         _REGISTRY[self.key] = self
 
     @property
@@ -317,13 +319,9 @@ class CompiledGraph:
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The eager implementation behind the custom op."""
         bound = self._bind(inputs)
-        if not self._own_pool or bound.torch_pool or WORKERS.value:
+        if not self.own_workers or bound.torch_pool:
             return self._run(inputs, bound)
-        WORKERS.value = 1
-        try:
-            return self._run(inputs, bound)
-        finally:
-            WORKERS.value = 0
+        return with_workers(lambda: self._run(inputs, bound))
 
     def _run(self, inputs: Sequence[torch.Tensor], bound: Bound) -> list[torch.Tensor]:
         if self._direct is not None:

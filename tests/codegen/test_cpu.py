@@ -952,7 +952,7 @@ def test_every_kernel_kind_is_exact_however_its_regions_run(mode):
 
     g, xs = _every_kind_graph()
     cg = compile_graph(g, backend="cpu")
-    cg._own_pool = mode != "openmp"  # the `auto` policy's switch, off: the regions are OpenMP's
+    cg.own_workers = mode != "openmp"  # the `auto` policy's switch, off: the regions are OpenMP's
     want = evaluate(g, xs)
     threads, old = torch.get_num_threads(), cpu_build.WORKERS.value
     try:
@@ -984,7 +984,7 @@ def test_a_graph_run_takes_kernelizes_workers_unless_it_calls_torchs_gemms():
 
     g, xs = _every_kind_graph()
     cg = compile_graph(g, backend="cpu")
-    assert cpu_build.workers_policy() == "auto" and cg._own_pool and cpu_build.WORKERS.value == 0
+    assert cpu_build.workers_policy() == "auto" and cg.own_workers and cpu_build.WORKERS.value == 0
     assert not cg._bind(xs).torch_pool
     many = [rand((FEW_ROWS + 1, 512), DType.F32), *xs[1:]]
     assert cg._bind(many).torch_pool
