@@ -21,6 +21,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include <pthread.h>
@@ -172,7 +173,12 @@ extern "C" int kz_workers_region(int tn, int together, kz_body_fn fn, void* ctx,
     if (tn < 2 || tn > 0xffff || !p->busy.try_lock()) return fn(ctx, 0, 1);
     static std::once_flag at_fork;
     std::call_once(at_fork, [] { pthread_atfork(nullptr, nullptr, forked_child); });
-    for (; p->workers < tn - 1; ++p->workers) std::thread(work, p, p->gen.load(), p->workers).detach();
+    try {
+        for (; p->workers < tn - 1; ++p->workers) std::thread(work, p, p->gen.load(), p->workers).detach();
+    } catch (const std::system_error&) {  // no thread to be had (a process or container limit): run alone
+        p->busy.unlock();
+        return fn(ctx, 0, 1);
+    }
     p->fn = fn, p->ctx = ctx, p->t0 = t0, p->tn = tn;
     p->caller_cpu.store(this_cpu(), std::memory_order_relaxed);
     p->together.store(together != 0, std::memory_order_relaxed);
