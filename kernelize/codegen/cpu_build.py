@@ -232,8 +232,8 @@ _WORKERS_LIB: list[ctypes.CDLL] = []
 
 
 def with_workers(call: Callable[[], T]) -> T:
-    """``call()`` with kernel regions on kernelize's workers (the `auto` policy's switch for a run that calls
-    no long torch op: a compiled graph's, the experts kernel's few-pair call), the switch restored after."""
+    """``call()`` with kernel regions on kernelize's workers (the `auto` policy's switch around a compiled
+    graph's run that calls no long torch op), the switch restored after."""
     if WORKERS.value:
         return call()
     WORKERS.value = 1

@@ -374,10 +374,7 @@ class CompiledGraph:
             out = views.get(ep.tail)
             if out is None and step.conv.generated is not None and ep.tail in self.graph.outputs:
                 out = self._buffers.empty(ep.tail, shapes[0], nhwc=True)
-            if step.conv.generated is None:
-                with self._light_torch_op(bound):
-                    vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
-            else:
+            with self._light_torch_op(bound, torch_op=step.conv.generated is None):
                 vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
         elif step.library:
             vals[k.node] = self._library(k, vals, bound)
@@ -540,13 +537,19 @@ class CompiledGraph:
             return EVAL[node.op](node, args, env).to(node.dtype.torch).contiguous(memory_format=fmt)
 
     @contextmanager
-    def _light_torch_op(self, bound: Bound) -> Iterator[None]:
+    def _light_torch_op(self, bound: Bound, torch_op: bool = True) -> Iterator[None]:
         """Around a torch op of a graph run on kernelize's workers (with ``bound`` it has only light ones:
         see `schedule.LONG_MACS`): torch on this thread alone. One of torch's parallel ops would leave its
         OpenMP workers spinning ~10 ms beside kernelize's (MobileNetV2's final mean: kernelize's worker then
-        took 13-25 of 48 shares)."""
+        took 13-25 of 48 shares). ``torch_op`` False (a generated conv): nothing changes."""
         threads = torch.get_num_threads()
-        solo = WORKERS.value == 1 and not bound.torch_pool and threads > 1 and self.device.type == "cpu"
+        solo = (
+            torch_op
+            and WORKERS.value == 1
+            and not bound.torch_pool
+            and threads > 1
+            and self.device.type == "cpu"
+        )
         if solo:
             torch.set_num_threads(1)
         try:
