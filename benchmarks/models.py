@@ -408,7 +408,7 @@ def docs_page(result: dict) -> str:
         lines += [
             "## Speed (CPU, f32, 2 threads)",
             "",
-            f"Measured with `{commands.get('speed', '')}`: decode is",
+            f"Measured with {speed_commands(result['speed'])}: decode is",
         ]
         lines += [
             "greedy `generate` of 32 tokens after 16, batch 1; prefill one forward over 512 tokens; decode",
@@ -420,6 +420,18 @@ def docs_page(result: dict) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def speed_commands(records: list[dict]) -> str:
+    """Each command that measured speed rows, with its families (rows from before commands were kept per
+    row: "an earlier run")."""
+    families: dict[str, list[str]] = {}
+    for r in records:
+        families.setdefault(r.get("command", ""), []).append(r["family"])
+    return "; ".join(
+        f"`{command}` ({', '.join(names)})" if command else f"an earlier run ({', '.join(names)})"
+        for command, names in families.items()
+    )
 
 
 def write_docs(result: dict) -> None:
@@ -477,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         result.setdefault("commands", {})["speed"] = command
         fresh = speed(families or list(SPEED), args.quick, args.repeat, args.seq, args.new_tokens)
         for r in fresh:
-            r["date"] = result["date"]
+            r["date"], r["command"] = result["date"], command
         # families not re-run keep their records (each record's ratios come from one side-by-side run)
         kept = [r for r in result.get("speed", []) if r["family"] not in {f["family"] for f in fresh}]
         result["speed"] = kept + fresh

@@ -38,6 +38,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
         "AlibiAttention": "AlibiAttention",
         "ResidualAlibiAttention": "ResidualAlibiAttention",
         "FusedQKVAttention": "FusedQKVAttention",
+        "FusedQKVDecoderLayer": "FusedQKVDecoderLayer",
         "PreNormDecoderLayer": "PreNormDecoderLayer",
         "EmbeddingsFirstDecoderLayer": "EmbeddingsFirstDecoderLayer",
         "CausalLMWithLoss": "CausalLMWithLoss",

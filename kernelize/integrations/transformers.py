@@ -21,6 +21,7 @@ implementation with transformers, switches the model to it, and calls `kernelize
 | fused `c_attn` (`Conv1D` or linear: q, k, v), `c_proj`; GPT-2's forward | `FusedQKVAttention` | (same) |
 | source order: [norm] attn [norm] `residual +`, [norm] mlp [norm] `+` | `PreNormDecoderLayer` | (same) |
 | same, `position_embeddings` second (Gemma 2 / 3) | `EmbeddingsFirstDecoderLayer` | (same) |
+| `ln_1` attn `+`, `ln_2` mlp `+` (LayerNorms; GPT-2's forward) | `FusedQKVDecoderLayer` | (same) |
 | the model's `lm_head`, a plain `nn.Linear` (its class becomes `LMHead`) | `Linear` | `kernelize/linear` |
 | training: input embeddings, an `nn.Embedding` (class: `TokenEmbedding`) | `Embedding` | `kernelize/linear` |
 | `model` + `lm_head` + transformers' `ForCausalLMLoss` | `CausalLMWithLoss` | `kernelize/llm` |
@@ -37,6 +38,7 @@ raises for a module it cannot serve.
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import inspect as pyinspect
@@ -45,6 +47,7 @@ import logging
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -561,15 +564,27 @@ def _attention_blocker(module: nn.Module) -> str | None:
 
 
 # ---- decoder layers: residual adds + norms at any of four places ----------------------------------------
-_DECODER_CHILDREN = frozenset({"self_attn", "mlp"})
 _DECODER_OPTIONAL = frozenset({"resid_attn_dropout", "resid_mlp_dropout"})  # Phi-3 (identity in eval)
-# forward parameter order -> the kernel layer taking it (the layers differ only in their signatures)
+# forward parameter order -> (the kernel layer taking it, its attention child, its norms' layer names)
+_RMS_NORMS = ("RMSNorm", "GemmaRMSNorm")
 _DECODER_SIGNATURES = {
-    ("self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache"): "PreNormDecoderLayer",
+    ("self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache"): (
+        "PreNormDecoderLayer",
+        "self_attn",
+        _RMS_NORMS,
+    ),
     ("self", "hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache"): (
-        "EmbeddingsFirstDecoderLayer"
+        "EmbeddingsFirstDecoderLayer",
+        "self_attn",
+        _RMS_NORMS,
+    ),
+    ("self", "hidden_states", "cache", "attention_mask", "encoder_hidden_states", "encoder_attention_mask"): (
+        "FusedQKVDecoderLayer",
+        "attn",
+        ("LayerNorm",),  # GPT-2
     ),
 }
+_ATTENTION_CHILDREN = frozenset(attn for _, attn, _ in _DECODER_SIGNATURES.values())
 # The data flow in source order: `residual = hidden_states`, attention, `residual +`, the same around the
 # MLP, with a norm call allowed at each of the four slots (`block.NORM_SLOTS`): before attention, on its
 # output, before the MLP, on its output. Which slot a norm fills comes from where it is called, not its name
@@ -581,7 +596,7 @@ _DECODER_FLOW = re.compile(
 _FLOW_EVENTS = re.compile(r"residual = hidden_states|residual \+|\+ residual|self\.(\w+)\(")
 
 
-def _flow(source: str, norms: frozenset[str]) -> str:
+def _flow(source: str, norms: frozenset[str], attention: str) -> str:
     """The forward's data flow as events: R (residual saved), A / M (attention / MLP called), + (residual
     added), N:name (a norm called); other calls (dropouts) are left out."""
     events = []
@@ -591,41 +606,69 @@ def _flow(source: str, norms: frozenset[str]) -> str:
             events.append("R" if match.group(0).startswith("residual =") else "+")
         elif name in norms:
             events.append(f"N:{name}")
-        elif name in _DECODER_CHILDREN:
-            events.append("A" if name == "self_attn" else "M")
+        elif name in (attention, "mlp"):
+            events.append("A" if name == attention else "M")
     return " ".join(events)
+
+
+def _live_source(module: nn.Module, source: str) -> str:
+    """`source` without the `if` blocks (no `else`) that call a submodule `module` does not have: they
+    cannot run on this instance (GPT-2's cross-attention branch in a layer built without one)."""
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return source
+    lines = source.splitlines()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If) or node.orelse:
+            continue
+        called = {
+            call.func.attr
+            for call in ast.walk(node)
+            if isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Name)
+            and call.func.value.id == "self"
+        }
+        if any(not hasattr(module, name) for name in called):
+            lines[node.lineno - 1 : node.end_lineno] = [""] * (node.end_lineno - node.lineno + 1)
+    return "\n".join(lines)
 
 
 def _decoder(module: nn.Module) -> Recognition | None:
     children = {name for name, _ in module.named_children()}
-    if not _DECODER_CHILDREN <= children or not any(n.endswith("layernorm") for n in children):
+    attention = next((a for a in _ATTENTION_CHILDREN if a in children), None)
+    named_norm = any(n.endswith("layernorm") or re.fullmatch(r"ln_\d", n) for n in children)
+    if attention is None or "mlp" not in children or not named_norm:
         return None
-    norms = frozenset(children - _DECODER_CHILDREN - _DECODER_OPTIONAL)
+    norms = frozenset(children - {attention, "mlp"} - _DECODER_OPTIONAL)
     try:
-        source = pyinspect.getsource(type(module).forward)
+        source = _live_source(module, pyinspect.getsource(type(module).forward))
         params = tuple(pyinspect.signature(type(module).forward).parameters)
         params = tuple("cache" if p == "past_key_values" else p for p in params)  # its name before 5.24
     except (OSError, TypeError):
         return _eager("decoder", "the forward's source is not available to check its data flow")
-    flow = _DECODER_FLOW.fullmatch(_flow(source, norms))
+    events = _flow(source, norms, attention)
+    flow = _DECODER_FLOW.fullmatch(events)
     if flow is None:
         return _eager(
             "decoder",
             "the forward is not the residual flow of a decoder layer (attention and MLP each between "
-            f"`residual = hidden_states` and `residual +`, norms around them): {_flow(source, norms)!r}",
+            f"`residual = hidden_states` and `residual +`, norms around them): {events!r}",
         )
     slots = {slot: name for slot, name in flow.groupdict().items() if name is not None}
     unused = norms - set(slots.values())
     if unused:
         return _eager("decoder", f"submodules beyond a decoder layer's norms: {', '.join(sorted(unused))}")
-    layer = next((v for k, v in _DECODER_SIGNATURES.items() if params[: len(k)] == k), None)
-    if layer is None:
+    found = next((v for k, v in _DECODER_SIGNATURES.items() if params[: len(k)] == k), None)
+    if found is None or found[1] != attention:
         return _eager("decoder", f"forward parameters {params} differ from those of the decoder layers")
+    layer, _, norm_layers = found
     styles = {}
     for slot, name in slots.items():
         norm = _norm(getattr(module, name))
-        if norm is None or norm.layer_name not in ("RMSNorm", "GemmaRMSNorm"):
-            return _eager("decoder", f"{name} is not a recognised RMSNorm")
+        if norm is None or norm.layer_name not in norm_layers:
+            return _eager("decoder", f"{name} is not a recognised {' or '.join(norm_layers)}")
         styles[slot] = norm.layer_name
     layout = ", ".join(f"{slot}: {name}" for slot, name in slots.items())
     setup = {"kernelize_norms": slots, "kernelize_norm_style": styles.get("pre_ff")}

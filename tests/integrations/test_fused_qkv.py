@@ -1,15 +1,19 @@
 """GPT-2's attention (fused `c_attn`, `c_proj`, no rotary): `kernelize_model` serves it with
 `kernelize/llm`'s `FusedQKVAttention` (the generated matmul and attention kernels), for every way GPT-2's
 config scales the scores; cross-attention instances and the look-alikes of another layout stay eager with the
-reason."""
+reason. Its decoder layers run `FusedQKVDecoderLayer`: three graphs around the attention kernel in inference,
+their own forward (with the submodules' kernels) where hooks, gradients or cross-attention need it."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 from torch import nn
 
 import kernelize
+from kernelize import hub
 from kernelize.models import zoo
 
 from .test_transformers import kernelized
@@ -141,4 +145,56 @@ def test_conv1d_weights_are_relaid_as_linear_in_memory_with_the_same_state_dict(
         assert_same_logits_and_tokens(eager, fast)
         fast.load_state_dict(eager.state_dict())  # copies into the re-laid memory: the kernels read it
         assert all(m.weight.t().is_contiguous() for m in convs.values())
+        assert_same_logits_and_tokens(eager, fast)
+
+
+def layer_choices(model: nn.Module) -> dict:
+    """The decoder layers' records (`transformer.h.<i>`)."""
+    return {p: c for p, c in kernelize.inspect(model).items() if re.fullmatch(r"transformer\.h\.\d+", p)}
+
+
+BLOCK_GRAPHS = ("dense_pre_math", "dense_post_math", "dense_mlp_math")
+
+
+def graphs_run(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, monkeypatch) -> list[str]:
+    """The names of the graph functions one forward of `model` runs through `hub.run`."""
+    names, run = [], hub.run
+
+    def counting(owner, fn, *args, **kwargs):
+        names.append(fn.__name__)
+        return run(owner, fn, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hub, "run", counting)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    return names
+
+
+@pytest.mark.parametrize("changes", [{}, {"activation_function": "relu"}], ids=["gelu_new", "relu"])
+def test_decoder_layers_run_three_graphs_around_the_attention_kernel(changes, monkeypatch):
+    eager = tiny_gpt2(**changes)
+    ids, mask = zoo.padded_batch(eager.config.vocab_size)
+    with kernelized(eager) as fast:
+        choices = layer_choices(fast)
+        assert len(choices) == eager.config.n_layer, choices
+        assert all(c.uses_kernel and c.layer_name == "FusedQKVDecoderLayer" for c in choices.values())
+        names = graphs_run(fast, ids, mask, monkeypatch)
+        per_layer = [n for n in names if n in BLOCK_GRAPHS]
+        assert per_layer == list(BLOCK_GRAPHS) * eager.config.n_layer, names
+        assert_same_logits_and_tokens(eager, fast)
+
+
+def test_a_hooked_submodule_runs_the_layer_module_by_module_with_the_reason(monkeypatch):
+    """A hook on the MLP must see its calls: that layer runs its own forward (the submodules' kernels)."""
+    eager = tiny_gpt2()
+    ids, mask = zoo.padded_batch(eager.config.vocab_size)
+    with kernelized(eager) as fast:
+        seen = []
+        fast.transformer.h[1].mlp.register_forward_hook(lambda *_: seen.append(1))
+        names = graphs_run(fast, ids, mask, monkeypatch)
+        assert seen == [1]
+        assert names.count("dense_mlp_math") == eager.config.n_layer - 1, names
+        notes = layer_choices(fast)["transformer.h.1"].notes
+        assert any("`mlp` has forward hooks" in n for n in notes), notes
         assert_same_logits_and_tokens(eager, fast)

@@ -312,12 +312,13 @@ def block_of(layer: nn.Module, x: torch.Tensor, attention_layer: type) -> Block 
     return block
 
 
-def _hooked(layer: nn.Module) -> str | None:
-    """Why this call must go through the submodules: the block does not call them, so hooks on them
-    (transformers' `output_attentions` capture among them) would not see their calls."""
+def _hooked(layer: nn.Module, names: tuple[str, ...] | None = None) -> str | None:
+    """Why this call must go through the submodules `names` (default: the attention, the MLP and the
+    norms): the block does not call them, so hooks on them (transformers' `output_attentions` capture among
+    them) would not see their calls."""
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
         return "global module forward hooks are registered"
-    for name in ("self_attn", "mlp", *norms_of(layer).values()):  # the submodules the block bypasses
+    for name in names or ("self_attn", "mlp", *norms_of(layer).values()):  # the submodules it bypasses
         sub = getattr(layer, name)
         for hook in (*sub._forward_pre_hooks.values(), *sub._forward_hooks.values()):
             if (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) == _CAPTURE_HOOK:

@@ -19,10 +19,26 @@ the module. The forward:
 
 A call with `encoder_hidden_states` (cross-attention) runs the module's own forward; `kernelize_model`
 never marks a cross-attention instance, so this only happens to a module used outside its model.
+
+`FusedQKVDecoderLayer` replaces the forward of GPT-2's decoder layer (`ln_1`, `attn`, `ln_2`, `mlp`, the
+residual adds). In inference, when its attention runs `FusedQKVAttention`, its MLP `DenseMLP` and its norms
+the `LayerNorm` kernel layer, the layer is three generated graphs around the attention kernel, where module
+by module it is six graph calls, two torch adds and five module calls:
+
+1. `dense_pre_math`: `ln_1` -> `c_attn` (+ bias) -> q, k, v as views in the attention layout;
+2. the cache update and the attention kernel, as `FusedQKVAttention` runs them;
+3. `dense_post_math`: `c_proj` (+ bias) + residual -> `ln_2`: `(normed, residual)`;
+4. `dense_mlp_math`: `c_fc` (+ bias) -> activation -> `c_proj` (+ bias) + residual.
+
+Anything else (training, hooks on the submodules, cross-attention, tensor-parallel shards, packed or shared
+weights) runs the layer's own forward, its submodules' kernel forwards inside, with the reason in
+`kernelize.inspect`.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +48,7 @@ from kernelize import hub, kv_cache
 from kernelize.layer.kernelize import original_forward
 from kernelize.merge import linear_layout
 from kernelize.model_attention import attention_forward, note_fallback
+from kernelize.shards import shards_of
 
 
 def conv1d_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -114,3 +131,173 @@ class FusedQKVAttention(nn.Module):
         )
         out = project(self, self.c_proj, out.reshape(batch, seq, -1))
         return self.resid_dropout(out), weights
+
+
+# ---- GPT-2's decoder layer: three graphs around the attention kernel --------------------------------------
+@functools.cache
+def _hubs() -> tuple[Any, Any]:
+    """The layers modules of the norm and activation hubs the layer's math is made of."""
+    from kernelize.layer.hub import get_kernel
+
+    return tuple(get_kernel(f"kernelize/{name}", version=1).layers for name in ("layer_norm", "activation"))
+
+
+def _plus(y: torch.Tensor, bias: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return y + bias[0] if bias else y
+
+
+def dense_pre_math(x, ln_weight, ln_bias, weight, *bias, eps, heads, head_dim):
+    """(q, k, v) of `layer_norm(x) @ W.T (+ b)`, each `(batch, heads, seq, head_dim)`: views of one buffer,
+    which the cache and the attention kernel read through strides."""
+    qkv = _plus(_hubs()[0].layer_norm_math(x, ln_weight, ln_bias, eps=eps) @ weight.t(), bias)
+    width = heads * head_dim
+    split = (qkv[..., i * width : (i + 1) * width] for i in range(3))
+    return tuple(t.view(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2) for t in split)
+
+
+def dense_post_math(attn, residual, weight, *params, bias, eps):
+    """`(layer_norm(h), h)` for `h = attn @ W.T (+ b) + residual`; `params`: [the bias,] the norm's weight
+    and bias."""
+    h = _plus(attn @ weight.t(), params[:1] if bias else ()) + residual
+    return _hubs()[0].layer_norm_math(h, *params[-2:], eps=eps), h
+
+
+def dense_mlp_math(x, residual, up, *params, up_bias, down_bias, act):
+    """`act(x @ W_up.T (+ b)) @ W_down.T (+ b) + residual`; `params`: [up bias,] W_down[, down bias]."""
+    rest = iter(params)
+    h = _hubs()[1].ACT_MATH[act](_plus(x @ up.t(), (next(rest),) if up_bias else ()))
+    return _plus(h @ next(rest).t(), (next(rest),) if down_bias else ()) + residual
+
+
+@dataclass(frozen=True)
+class DenseBlock:
+    """What one GPT-2-style layer's graphs read: the norms' epsilons, the heads, the MLP's activation and
+    projection names."""
+
+    eps: tuple[float, float]
+    heads: int
+    head_dim: int
+    act: str
+    mlp_names: tuple[str, str]
+
+
+def _weight(proj: nn.Module) -> torch.Tensor | None:
+    """`proj`'s weight as `(out, in)` (a `Conv1D`'s re-laid in its own memory), None where it cannot be."""
+    weight = getattr(proj, "weight", None)
+    if type(weight) not in (torch.Tensor, nn.Parameter) or not weight.is_floating_point():
+        return None
+    return linear_layout(weight) if is_conv1d(proj) else weight
+
+
+def _dense_plan(layer: nn.Module) -> DenseBlock | str:
+    """The layer's block, or why its submodules must run their own forwards."""
+    from .block import _installed
+
+    norms, activation = _hubs()
+    attn, mlp = layer.attn, layer.mlp
+    if _installed(attn) is not FusedQKVAttention.forward:
+        return "attn does not run the FusedQKVAttention kernel layer"
+    if _installed(mlp) is not activation.DenseMLP.forward:
+        return "mlp does not run the DenseMLP kernel layer"
+    up_name, down_name, act = mlp.kernelize_dense_mlp
+    for name in ("ln_1", "ln_2"):
+        ln = getattr(layer, name)
+        whole = ln.weight is not None and ln.bias is not None and len(ln.normalized_shape) == 1
+        if _installed(ln) is not norms.LayerNorm.forward or not whole:
+            return f"{name} is not a LayerNorm kernel layer with a weight and a bias over one axis"
+    if any(shards_of(m) is not None for m in (attn, mlp)):
+        return "tensor-parallel shards: the submodules run their own forwards and collectives"
+    projections = (attn.c_attn, attn.c_proj, getattr(mlp, up_name), getattr(mlp, down_name))
+    if any(_weight(p) is None for p in projections):
+        return "a projection is packed, or a Conv1D weight shares its storage (it cannot be re-laid)"
+    eps = (float(layer.ln_1.eps), float(layer.ln_2.eps))
+    heads = layer.ln_1.weight.numel() // attn.head_dim  # the hidden size is heads * head_dim (recognition)
+    return DenseBlock(eps, heads, attn.head_dim, act, (up_name, down_name))
+
+
+_SUBMODULES = ("attn", "mlp", "ln_1", "ln_2")
+
+
+def dense_block_of(layer: nn.Module, x: torch.Tensor) -> DenseBlock | None:
+    """`layer`'s block for this call, or None (its own forward runs; the reason noted for `inspect`)."""
+    from .block import _any_grad, _hooked, _installed
+
+    installed = tuple(_installed(getattr(layer, name)) for name in _SUBMODULES)
+    cached = layer.__dict__.get("_kernelize_block")
+    if cached is None or cached[0] != installed:
+        cached = layer.__dict__["_kernelize_block"] = (installed, _dense_plan(layer))
+    block = cached[1]
+    if not isinstance(block, str):
+        block = _hooked(layer, _SUBMODULES) or block
+    if isinstance(block, str):
+        note_fallback(layer, block, "submodules run their own forwards")
+        return None
+    if layer.training or (torch.is_grad_enabled() and (x.requires_grad or _any_grad(layer))):
+        return None  # training keeps the modules' own forwards (dropout, autograd through each kernel)
+    return block
+
+
+def _biased(proj: nn.Module) -> list[torch.Tensor]:
+    return [] if proj.bias is None else [proj.bias]
+
+
+def run_dense_block(
+    layer: nn.Module,
+    block: DenseBlock,
+    x: torch.Tensor,
+    cache: Any,
+    attention_mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor | None:
+    """The layer's output for `x` as three graphs around the attention kernel; None where a weight can no
+    longer be read as `(out, in)` (the caller runs the layer's own forward)."""
+    attn, mlp, ln_1, ln_2 = (getattr(layer, name) for name in _SUBMODULES)
+    up, down = (getattr(mlp, name) for name in block.mlp_names)
+    weights = [_weight(p) for p in (attn.c_attn, attn.c_proj, up, down)]
+    if any(w is None for w in weights):
+        return None
+    batch, seq = x.shape[:2]
+    pre_w = [ln_1.weight, ln_1.bias, weights[0], *_biased(attn.c_attn)]
+    shape = dict(heads=block.heads, head_dim=block.head_dim)
+    q, k, v = hub.run(attn, dense_pre_math, [x], pre_w, eps=block.eps[0], **shape)
+    if cache is not None:
+        cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's own half
+        k, v = kv_cache.update(cache, k, v, attn.layer_idx)
+    out, _ = attention_forward(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+    post_w = [weights[1], *_biased(attn.c_proj), ln_2.weight, ln_2.bias]
+    bias = attn.c_proj.bias is not None
+    normed, h = hub.run(
+        layer, dense_post_math, [out.reshape(batch, seq, -1), x], post_w, bias=bias, eps=block.eps[1]
+    )
+    mlp_w = [weights[2], *_biased(up), weights[3], *_biased(down)]
+    flags = dict(up_bias=up.bias is not None, down_bias=down.bias is not None, act=block.act)
+    return hub.run(mlp, dense_mlp_math, [normed, h], mlp_w, **flags)
+
+
+class FusedQKVDecoderLayer(nn.Module):
+    """GPT-2's decoder layer: `ln_1` -> attention -> `+`, `ln_2` -> MLP -> `+`; in inference three generated
+    graphs around the attention kernel (see the module's docstring), else its own forward."""
+
+    has_backward = True  # a call with gradients runs the layer's own forward
+    can_torch_compile = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache: Any = None,  # named `past_key_values` before transformers 5.24: then it comes in `kwargs`
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        use_cache: bool | None = False,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        block = None if encoder_hidden_states is not None else dense_block_of(self, hidden_states)
+        if block is not None:
+            step = dict(kwargs, use_cache=use_cache)  # as GPT-2's layer passes them to its attention
+            out = run_dense_block(self, block, hidden_states, cache, attention_mask, step)
+            if out is not None:
+                return out
+        own = original_forward(self)
+        args = (encoder_hidden_states, encoder_attention_mask, use_cache)
+        return own(hidden_states, cache, attention_mask, *args, **kwargs)
