@@ -1,6 +1,7 @@
 """The decoder block's three graphs (`kernelize/llm` block: norm + q|k|v + rotary; o_proj + residual + norm;
-gated MLP + residual) on every backend against the reference executor: C++ (few-row and library GEMM
-paths), Triton under the interpreter, CUDA C under host emulation; their kernels compile to cubins."""
+gated MLP + residual; GPT-2's LayerNorm / dense-MLP versions) on every backend against the reference
+executor: C++ (few-row and library GEMM paths), Triton under the interpreter, CUDA C under host emulation;
+their kernels compile to cubins."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from kernelize.runtime import compile_graph
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 48
 
 
-def block():
+def block(module: str = "block"):
+    """A module of the `kernelize/llm` hub (default: its decoder block's)."""
     import sys
 
     layers = get_kernel("kernelize/llm", version=1).layers
-    return sys.modules[layers.__name__.rsplit(".", 1)[0] + ".block"]
+    return sys.modules[layers.__name__.rsplit(".", 1)[0] + "." + module]
 
 
 # case -> (math function name, input shapes (activations first), number of activations, params)
@@ -62,13 +64,29 @@ CASES = {
                           dict(act="gelu", transposed=True)),
     "dense_down": ("activation.dense_down_math", [INTER, (HIDDEN, INTER), (HIDDEN,)], 1,
                    dict(transposed=False)),
+    # GPT-2's decoder layer (`fused_qkv.FusedQKVDecoderLayer`): LayerNorms, biased projections, no rotary
+    "dense_pre": ("fused_qkv.dense_pre_math",
+                  [HIDDEN, (HIDDEN,), (HIDDEN,), (3 * HIDDEN, HIDDEN), (3 * HIDDEN,)], 1,
+                  dict(eps=1e-5, heads=HEADS, head_dim=HEAD_DIM)),
+    "dense_post": ("fused_qkv.dense_post_math",
+                   [HIDDEN, HIDDEN, (HIDDEN, HIDDEN), (HIDDEN,), (HIDDEN,), (HIDDEN,)], 2,
+                   dict(bias=True, eps=1e-5)),
+    "dense_mlp_gelu_new": ("fused_qkv.dense_mlp_math",
+                           [HIDDEN, HIDDEN, (INTER, HIDDEN), (INTER,), (HIDDEN, INTER), (HIDDEN,)], 2,
+                           dict(up_bias=True, down_bias=True, act="gelu_new")),
+    "dense_mlp_relu_no_bias": ("fused_qkv.dense_mlp_math",
+                               [HIDDEN, HIDDEN, (INTER, HIDDEN), (HIDDEN, INTER)], 2,
+                               dict(up_bias=False, down_bias=False, act="relu")),
 }  # fmt: skip
 
 
 def math_of(fn_name: str):
-    """A block math function, or `activation.<name>` from the activation hub's layers."""
+    """A block math function, `activation.<name>` from the activation hub's layers, or `fused_qkv.<name>`
+    from the llm hub's GPT-2 layers."""
     if fn_name.startswith("activation."):
         return getattr(get_kernel("kernelize/activation", version=1).layers, fn_name.split(".", 1)[1])
+    if fn_name.startswith("fused_qkv."):
+        return getattr(block("fused_qkv"), fn_name.split(".", 1)[1])
     return getattr(block(), fn_name)
 
 
