@@ -485,15 +485,20 @@ _FUSED_QKV_PARAMS = (
 
 
 def _width(proj: nn.Module) -> tuple[int, int]:
-    """(in, out) features of an `nn.Linear` or a `Conv1D` (whose weight is stored `(in, out)`)."""
-    weight = proj.weight
-    return tuple(weight.shape) if type(proj).__name__ == "Conv1D" else tuple(weight.shape[::-1])
+    """(in, out) features of an `nn.Linear`, its packed `QuantizedLinear` or a `Conv1D` (whose weight is
+    stored `(in, out)`)."""
+    if type(proj).__name__ == "Conv1D":
+        return tuple(proj.weight.shape)
+    return proj.in_features, proj.out_features
+
+
+_C_ATTN = ("c_attn", "c_proj")  # GPT-2's attention projections
 
 
 def _fused_qkv_attention(module: nn.Module) -> Recognition | None:
     """GPT-2's attention (and look-alikes): `c_attn` projecting q | k | v, each `heads * head_dim` wide,
     `c_proj`, the scale in `scaling`, the forward GPT-2's. Recognised by structure; the probe verifies it."""
-    if not all(_projection(getattr(module, n, None)) for n in ("c_attn", "c_proj")):
+    if not all(_projection(getattr(module, n, None)) or _linear(getattr(module, n, None)) for n in _C_ATTN):
         return None
     kind, why = "attention", _fused_qkv_blocker(module)
     if why:
@@ -765,19 +770,20 @@ def _linear(module: nn.Module | None) -> bool:
     return isinstance(module, nn.Linear | QuantizedLinear)
 
 
-# the projections of the layers that serve packed weights: Llama-style attention, gated MLPs
+# the projections of the layers that serve packed weights: Llama-style and GPT-2 attention, gated MLPs
 _PACKED_SERVED = (
     ("q_proj", "k_proj", "v_proj", "o_proj"),
     ("qkv_proj", "o_proj"),
     ("gate_proj", "up_proj", "down_proj"),
     ("gate_up_proj", "down_proj"),
+    _C_ATTN,
 )
 
 
 def _packed(module: nn.Module) -> Recognition | None:
     """An attention or MLP with `QuantizedLinear` projections that no kernel layer serves packed (only the
-    Llama-style attention and the gated MLPs do): it runs its own forward, which calls the packed kernels.
-    Those the layers serve go on to the attention / MLP rules."""
+    Llama-style and GPT-2 attention and the gated MLPs do): it runs its own forward, which calls the packed
+    kernels. Those the layers serve go on to the attention / MLP rules."""
     from kernelize.quant.model import packed_reason
 
     name = type(module).__name__

@@ -55,10 +55,12 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, fmt: str = "q8_0") -> QuantizedLinear:
-        """``lin`` quantized to ``fmt`` (its bias kept as f32); ``lin`` itself is left as it was."""
-        q = cls(lin.in_features, lin.out_features, fmt, bias=lin.bias is not None)
-        q.set_packed(quantize(lin.weight.detach(), fmt))
+    def from_linear(cls, lin: nn.Module, fmt: str = "q8_0") -> QuantizedLinear:
+        """``lin`` (an ``nn.Linear``, or transformers' ``Conv1D``, whose weight is stored ``(in, out)``)
+        quantized to ``fmt`` (its bias kept as f32); ``lin`` itself is left as it was."""
+        weight = linear_weight(lin)
+        q = cls(weight.shape[1], weight.shape[0], fmt, bias=lin.bias is not None)
+        q.set_packed(quantize(weight.detach(), fmt))
         if lin.bias is not None:
             q.bias.data = lin.bias.detach().float().clone()
         return q
@@ -109,6 +111,17 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
 
 
+def linear_weight(module: nn.Module) -> torch.Tensor | None:
+    """The ``(out, in)`` weight of an ``nn.Linear`` or of transformers' ``Conv1D`` (``y = x @ W + b``, its
+    weight stored ``(in, out)``: the same layer transposed), None for any other module."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight.t()
+    return None
+
+
 @dataclass
 class QuantizeSummary:
     """What :func:`quantize_model` did: the layers replaced and skipped, and the weights' bytes before and
@@ -121,8 +134,9 @@ class QuantizeSummary:
 
 
 def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()) -> QuantizeSummary:
-    """Replace every ``nn.Linear`` of ``model`` (in place; the LM head included) by a
-    :class:`QuantizedLinear` of format ``fmt``. Embeddings and other modules stay float.
+    """Replace every ``nn.Linear`` of ``model`` (in place; the LM head included), and every transformers
+    ``Conv1D`` (GPT-2's projections), by a :class:`QuantizedLinear` of format ``fmt``. Embeddings and other
+    modules stay float.
 
     Args:
         model: the model (its linear layers on the CPU).
@@ -142,19 +156,20 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()
     f = get_format(fmt)
     summary = QuantizeSummary()
     for name, mod in list(model.named_modules()):
-        if not isinstance(mod, nn.Linear):
+        weight = linear_weight(mod)
+        if weight is None:
             continue
         if name in skip or name.rsplit(".", 1)[-1] in skip:
             summary.skipped[name] = "skipped by name"
             continue
-        if mod.in_features % f.block_size:
-            summary.skipped[name] = f"in_features {mod.in_features} is not a multiple of {f.block_size}"
+        if weight.shape[1] % f.block_size:
+            summary.skipped[name] = f"in_features {weight.shape[1]} is not a multiple of {f.block_size}"
             continue
         q = QuantizedLinear.from_linear(mod, f.name)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, q)
         summary.replaced.append(name)
-        summary.bytes_before += mod.weight.numel() * mod.weight.element_size()
+        summary.bytes_before += weight.numel() * weight.element_size()
         summary.bytes_after += q.packed.nbytes
         logger.debug("quantize_model: %s -> QuantizedLinear(%s)", name, f.name)
     logger.info(
@@ -165,4 +180,4 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()
     return summary
 
 
-__all__ = ["QuantizeSummary", "QuantizedLinear", "quantize_model"]
+__all__ = ["QuantizeSummary", "QuantizedLinear", "linear_weight", "quantize_model"]

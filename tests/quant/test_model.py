@@ -124,3 +124,29 @@ def test_skipped_and_reasons() -> None:
     assert packed_reason(nn.Linear(4, 4)) is None
     with pytest.raises(ValueError, match="unknown quantized format 'q5_k'"):
         quantize_for_kernelize(model, "q5_k")
+
+
+def test_gpt2_conv1d_projections_are_packed_and_its_attention_serves_them() -> None:
+    """GPT-2's `Conv1D` projections (weight stored `(in, out)`) are packed like linears: none stays float.
+    Its attention layer runs the packed c_attn / c_proj around the attention kernel; its MLP runs its own
+    forward over the packed projections, with the reason."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    before = _bytes(model)
+    kernelize_model(model, quantize="q8_0")
+    assert not [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    assert isinstance(model.transformer.h[0].attn.c_attn, QuantizedLinear)
+    assert _bytes(model) < 0.75 * before  # the float projection weights are gone (embeddings stay)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert _cosine(got, want) > 0.999
+    choices = inspect(model)
+    attn = choices["transformer.h.0.attn"]
+    assert attn.uses_kernel and attn.kernel_layer == "FusedQKVAttention"
+    assert "packed q8_0 weights" in choices["transformer.h.0.mlp"].reason
+    out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 9)
