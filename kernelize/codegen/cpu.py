@@ -133,6 +133,10 @@ def _normalize(k: PointwiseKernel | RowKernel) -> PointwiseKernel | RowKernel:
 # ---- inner-loop splitting -------------------------------------------------------------------------------
 Piece = tuple[int, int]  # a sub-range [start, stop) of the inner axis
 MAX_PIECES = 4  # each piece repeats the loop body: past a few, the code grows more than the tests cost
+# ... unless every cut is a concat's (its pieces' loads masked at the same bounds): a piece then renders only
+# the operand it reads, so the code grows by one load per piece, while one loop with the tests reads every
+# operand masked at each element (DenseNet's BN + ReLU over a 5-piece channel concat: 0.27 ms one loop)
+MAX_CONCAT_PIECES = 32
 
 
 def inner_pieces(k: Kernel) -> list[Piece] | None:
@@ -152,17 +156,21 @@ def inner_pieces(k: Kernel) -> list[Piece] | None:
     n = k.domain[last]
     if not isinstance(n, int) or n > BLOCK:
         return None
-    cuts: set = set()
+    masks: set = set()
+    concats: set = set()
     for e in k.body:
         if isinstance(e, Load):
-            cuts.update(b for ax, lo, hi in e.mask if ax == last for b in (lo, hi))
+            masks.update(b for ax, lo, hi in e.mask if ax == last for b in (lo, hi))
         elif e.op is Op.CONCAT and e.arg.axis == last:
-            cuts.update(e.arg.ends[: len(e.src) - 1])
+            concats.update(e.arg.ends[: len(e.src) - 1])
+    cuts = masks | concats
     if not cuts or not all(isinstance(c, int) for c in cuts):
         return None
     points = sorted({0, n} | {c for c in cuts if 0 < c < n})
     pieces = list(zip(points, points[1:]))
-    return pieces if 1 <= len(pieces) <= MAX_PIECES else None
+    inner = {c for c in masks if 0 < c < n}
+    limit = MAX_CONCAT_PIECES if concats and inner <= concats else MAX_PIECES
+    return pieces if 1 <= len(pieces) <= limit else None
 
 
 def concat_pick(e: Compute, piece: Piece) -> int:

@@ -32,7 +32,7 @@ from kernelize.autokernel.kernels import (
     loop_kernel,
     row_invariant,
 )
-from kernelize.codegen.cpu import inner_pieces, render
+from kernelize.codegen.cpu import MAX_CONCAT_PIECES, inner_pieces, render
 from kernelize.codegen.cpu_backend import CpuBackend
 from kernelize.codegen.cpu_build import CompilerNotFoundError
 from kernelize.ir.dtypes import DType
@@ -410,16 +410,33 @@ def test_inner_loop_splits_at_static_mask_bounds():
 
 
 def test_masked_loads_from_index_zero_test_only_the_upper_bound():
-    """Past ``MAX_PIECES`` pieces the loop is not split and the masks stay tests; one starting at index 0
-    renders without its always-true lower test: written out, gcc 12 left a loop with several masked f32
-    loads scalar (rotary's cos / sin gradients: rotate-half of every head)."""
+    """Past ``MAX_CONCAT_PIECES`` pieces the loop is not split and the masks stay tests; one starting at
+    index 0 renders without its always-true lower test: written out, gcc 12 left a loop with several masked
+    f32 loads scalar (rotary's cos / sin gradients: rotate-half of every head)."""
     g = Graph()
-    x = g.input("x", ("n", 10), DType.F32)
-    g.output(g.exp(g.concat([g.slice(x, 1, a, a + 2) for a in (8, 6, 4, 2, 0)], 1)))
+    width = 2 * (MAX_CONCAT_PIECES + 1)
+    x = g.input("x", ("n", width), DType.F32)
+    g.output(g.exp(g.concat([g.slice(x, 1, a, a + 2) for a in range(width - 2, -1, -2)], 1)))
     k, src = _planned_source(g)
-    assert inner_pieces(k) is None and src.count("#pragma omp simd\n") == 1
+    assert inner_pieces(k) is None and "for (int64_t i1 = 2;" not in src  # no loop per piece
     assert "(i1 < 2)" in src and "i1 >= 2 && i1 < 4" in src and ">= 0 &&" not in src, src
-    _check_compiled(g, [rand((5, 10), DType.F32)])
+    _check_compiled(g, [rand((5, width), DType.F32)])
+
+
+def test_a_concat_of_many_pieces_is_one_loop_per_piece():
+    """Cut only at a concat's bounds (its pieces' loads masked there), the loop splits up to
+    ``MAX_CONCAT_PIECES`` pieces, each reading only its operand: DenseNet's pre-activation BN + ReLU over the
+    channel concat of every earlier layer's output."""
+    g = Graph()
+    pieces = [g.input(f"x{i}", ("n", w), DType.F32) for i, w in enumerate((24, 12, 12, 12, 12, 12, 12))]
+    scale, shift = g.input("s", (96,), DType.F32), g.input("b", (96,), DType.F32)
+    g.output(g.clamp(g.add(g.mul(g.concat(pieces, 1), scale), shift), 0.0))
+    k, src = _planned_source(g)
+    assert inner_pieces(k) == [(0, 24), *((a, a + 12) for a in range(24, 96, 12))]
+    assert src.count("#pragma omp simd\n") == 7 and "? kz_ld" not in src, src
+    for rows in (1, 7, 129):
+        xs = [rand((rows, p.shape[1]), DType.F32) for p in pieces]
+        _check_compiled(g, [*xs, rand((96,), DType.F32), rand((96,), DType.F32)])
 
 
 def test_pad_and_concat_pieces_on_the_inner_axis():
