@@ -9,7 +9,10 @@ kernel forward on the same arguments, and compares the outputs tensor by tensor.
 raises, returns another structure, or differs by more than the dtype's tolerance (relative to the largest
 reference value) is refused; the reference output is handed on, so the modules after it are probed on
 correct inputs. Each module is judged on its own: a decoder layer's kernel forward runs its submodules'
-checked forwards.
+checked forwards. Inside an MoE layer, the kernel forward's experts take the routing the module's own
+forward gave them (`kernelize.model_experts.Routing`): a bf16 rounding difference before the router can
+flip a near-tie token to another expert, which moves that token's output by far more than the tolerance
+although every kernel is right (Qwen3-MoE layout, bf16: one of four decoder layers was refused so).
 
 Example:
     >>> refused, ran = verify_replacements(model, targets, lambda: model(input_ids=ids))  # doctest: +SKIP
@@ -27,6 +30,7 @@ from torch import nn
 
 from kernelize.layer.kernelize import original_forward
 from kernelize.model_attention import reference_attention
+from kernelize.model_experts import Routing
 from kernelize.shards import shards_of
 
 __all__ = ["TOLERANCE", "difference", "evaluating", "verify_replacements"]
@@ -113,11 +117,12 @@ class _Checked:
         probe, path = self.probe, self.path
         if probe.reference or path in probe.refused:
             return self.own(*args, **kwargs)
-        with probe.as_reference():
+        routing = Routing(self.module)  # the experts modules inside (an MoE decoder layer's)
+        with probe.as_reference(), routing.recording():
             want = self.own(*args, **kwargs)
         probe.ran.add(path)
-        try:
-            got = self.kernel(*args, **kwargs)
+        try:  # the kernel forward's experts take the routing its own forward's took (see `Routing`)
+            got = routing.pinning(lambda: self.kernel(*args, **kwargs))()
         except Exception as exc:  # any failure of the kernel path refuses it; the reference stands
             raised = f"the kernel forward raised {type(exc).__name__}: {exc}"
             probe.refused[path] = sharded(self.module) or raised

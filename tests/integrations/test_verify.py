@@ -157,3 +157,69 @@ def test_without_verify_the_kernels_are_installed_unprobed(monkeypatch) -> None:
     with kernelized(tiny_model("llama"), verify=False) as fast:
         assert kernelize.inspect(fast)["model.norm"].uses_kernel
     assert calls == []
+
+
+class _MoELayer(torch.nn.Module):
+    """A top-1 router and transformers' Qwen3-MoE experts module; experts 0 and 1 score the same, and more
+    than the others, for every (positive) input, so top-k breaks the tie by index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
+
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=1
+        )
+        config._experts_implementation = "eager"
+        torch.manual_seed(0)
+        self.experts = qwen3_moe.Qwen3MoeExperts(config)
+        for p in self.experts.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        self.gate = torch.nn.Linear(32, 4, bias=False)
+        with torch.no_grad():
+            self.gate.weight.uniform_(-0.1, 0.1)
+            self.gate.weight[:2] = 1.0
+
+    def route(self, x: torch.Tensor, lift: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, expert index per token); `lift`: that expert's score for token 0 a hair higher (as a
+        rounding difference upstream would make it)."""
+        logits = self.gate(x)
+        if lift is not None:
+            logits[0, lift] += 1e-4
+        weights, index = logits.softmax(-1).topk(1, dim=-1)
+        return self.experts(x, index, weights), index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.route(x)[0]
+
+
+def test_a_layer_whose_routing_flips_at_a_near_tie_is_judged_on_the_routing_its_own_forward_took() -> None:
+    """Inside an MoE layer the kernel forward's experts take the routing the module's own forward gave
+    them: a token that a rounding difference sends to the other of two tied experts is no kernel's error,
+    while a kernel forward that is wrong is still refused."""
+    import types
+
+    from kernelize.integrations.verify import verify_replacements
+
+    layer = _MoELayer().eval()
+    x = torch.rand(6, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, index = layer.route(x)
+        other = 1 - index[0].item()  # the tied expert top-k did not pick for token 0
+        got, flipped_index = layer.route(x, lift=other)
+    assert index[0].item() in (0, 1) and flipped_index[0].item() == other
+    assert torch.equal(index[1:], flipped_index[1:])
+    assert "differs by" in difference(got, want)  # unpinned, the flip alone refuses the layer
+
+    def flipped(self, x):  # the same math, token 0 routed to the other tied expert
+        return self.route(x, lift=other)[0]
+
+    def wrong(self, x):
+        return self.route(x, lift=other)[0] * 1.1
+
+    for kernel, refused in ((flipped, False), (wrong, True)):
+        layer.forward = types.MethodType(kernel, layer)  # the installed kernel forward
+        found, ran = verify_replacements(layer, {"layer": layer}, lambda: layer(x))
+        del layer.forward
+        assert ran == {"layer"}
+        assert ("layer" in found) is refused, found
