@@ -55,6 +55,14 @@ CASES = {
     "mlp": ("mlp_math", [HIDDEN, HIDDEN, (2 * INTER, HIDDEN), (HIDDEN, INTER)], 2, dict(act="silu")),
     "mlp_gelu_tanh": ("mlp_math", [HIDDEN, HIDDEN, (2 * INTER, HIDDEN), (HIDDEN, INTER)], 2,
                       dict(act="gelu_pytorch_tanh")),
+    # LayerNorm styles (Starcoder2, Jais2, OLMo): weight and bias, the weight only, neither
+    "pre_attention_layernorm": (
+        "pre_attention_math", [HIDDEN, HEAD_DIM, HEAD_DIM, (HIDDEN,), (HIDDEN,), (QKV, HIDDEN), (QKV,)], 3,
+        dict(ROT, norm="LayerNorm:2", neox=True, bias=True)),
+    "post_attention_layernorm_no_bias": ("post_attention_math", [HIDDEN, HIDDEN, (HIDDEN, HIDDEN), (HIDDEN,)],
+                                         2, dict(eps=1e-5, norm="LayerNorm:1")),
+    "post_attention_layernorm_plain": ("post_attention_math", [HIDDEN, HIDDEN, (HIDDEN, HIDDEN)], 2,
+                                       dict(eps=1e-5, norm="LayerNorm:0")),
     # the non-gated MLP's two matmuls (the activation hub's DenseMLP): Linear and Conv1D weights
     "dense_up_gelu_new": ("activation.dense_up_math", [HIDDEN, (INTER, HIDDEN), (INTER,)], 1,
                           dict(act="gelu_new", transposed=False)),

@@ -159,3 +159,45 @@ def test_gated_norms_get_the_kernel(model_type: str, class_name: str) -> None:
         assert hub.kernels_ran(fast.get_submodule(path)).backend == "cpu"
         layer = kernelize.inspect(fast)["model.layers.0"]  # linear attention: its class is marked, it is not
         assert not layer.uses_kernel and "submodules differ" in layer.reason, str(layer)
+
+
+def _graphs_run(model, ids, mask, monkeypatch) -> list[str]:
+    """The names of the graph functions one forward of `model` runs through `hub.run`."""
+    names, run = [], hub.run
+
+    def counting(owner, fn, *args, **kwargs):
+        names.append(fn.__name__)
+        return run(owner, fn, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hub, "run", counting)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    return names
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["starcoder2", "jais2", "llama-layernorm-no-bias"])
+def test_layer_norm_decoder_layers_run_the_block(family: str, monkeypatch) -> None:
+    """Llama-style layers with LayerNorms (with a bias: Starcoder2, Jais2; without: a Llama whose norms are
+    swapped for `nn.LayerNorm(bias=False)`) run the block's graphs, the norms inside them."""
+    if family == "llama-layernorm-no-bias":
+        eager = zoo.tiny_causal_lm("llama")
+        for layer in eager.model.layers:
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                norm = torch.nn.LayerNorm(eager.config.hidden_size, bias=False)
+                torch.nn.init.normal_(norm.weight, 1.0, 0.2)
+                setattr(layer, name, norm)
+    else:
+        eager = zoo.tiny_causal_lm(family)
+    ids, mask = zoo.padded_batch(eager.config.vocab_size)
+    with kernelized(eager) as fast:
+        layers = len(fast.model.layers)
+        for i in range(layers):
+            assert kernelize.inspect(fast)[f"model.layers.{i}"].uses_kernel
+        names = _graphs_run(fast, ids, mask, monkeypatch)
+        assert names.count("pre_attention_math") == layers, names
+        assert names.count("post_attention_math") == layers, names
+        real = mask.bool()
+        want, got = zoo.logits(eager, ids, mask), zoo.logits(fast, ids, mask)
+        torch.testing.assert_close(got[real], want[real], atol=1e-4 * want[real].abs().max(), rtol=1e-4)

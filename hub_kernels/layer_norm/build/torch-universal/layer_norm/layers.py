@@ -96,6 +96,46 @@ def gated_rms_norm_math(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
 NORM_MATH = {"RMSNorm": rms_norm_math, "GemmaRMSNorm": gemma_rms_norm_math}
 # norm layer name -> its residual-add + norm math (for decoder layers that fuse the two)
 FUSED_ADD_MATH = {"RMSNorm": fused_add_rms_norm_math, "GemmaRMSNorm": fused_add_gemma_rms_norm_math}
+# LayerNorm's math by how many of (weight, bias) it has: both, the weight only, neither
+LAYER_NORM_MATH = {2: layer_norm_math, 1: layer_norm_nobias_math, 0: layer_norm_plain_math}
+
+
+# ---- a norm as a decoder layer's graphs take it: a style (a string, part of the graph's signature) and its
+# parameters. "RMSNorm" / "GemmaRMSNorm": the weight; "LayerNorm:<k>": the first k of (weight, bias).
+def norm_style(name: str, module: nn.Module) -> str | None:
+    """The style of `module`, whose kernel layer is `name`; None where the graphs cannot take it (a
+    LayerNorm with a bias but no weight, or over several axes)."""
+    if name in NORM_MATH:
+        return name
+    if name != "LayerNorm" or len(getattr(module, "normalized_shape", ())) != 1:
+        return None
+    weight, bias = module.weight, module.bias
+    if weight is None and bias is not None:
+        return None
+    return f"LayerNorm:{(weight is not None) + (bias is not None)}"
+
+
+def norm_params(style: str, module: nn.Module) -> list[torch.Tensor]:
+    """The parameters of `module` a style's math reads, in its order."""
+    if style.startswith("LayerNorm:"):
+        return [p for p in (module.weight, module.bias) if p is not None]
+    return [module.weight]
+
+
+def styled_norm(x: torch.Tensor, params, style: str, eps: float) -> torch.Tensor:
+    """`style`'s norm of `x`, taking its parameters from the iterator `params`."""
+    if style.startswith("LayerNorm:"):
+        k = int(style.split(":")[1])
+        return LAYER_NORM_MATH[k](x, *(next(params) for _ in range(k)), eps=eps)
+    return NORM_MATH[style](x, next(params), eps=eps)
+
+
+def fused_add_norm_math(x: torch.Tensor, residual: torch.Tensor, *params, style: str, eps: float):
+    """`(norm(x + residual), x + residual)` for any style (the RMS styles: `FUSED_ADD_MATH`'s)."""
+    if style in FUSED_ADD_MATH:
+        return FUSED_ADD_MATH[style](x, residual, *params, eps=eps)
+    total = x + residual
+    return styled_norm(total, iter(params), style, eps), total
 
 
 def _eps(module: nn.Module, x: torch.Tensor | None = None) -> float:

@@ -27,8 +27,8 @@ instead (`_run_packed`): [input norm] graph, one packed q|k|v call over the merg
 gate|up call with `act(gate) * up` in its epilogue, the packed down_proj, and `[norm] + residual`.
 
 The block runs when the layer's attention runs this hub's `CausalSelfAttention` (query / key norms, if
-any, per head, in graph 1 before the rotary: Qwen3, Gemma 3), each of its norms is an RMSNorm kernel layer
-of the `kernelize/layer_norm` hub, and nothing needs gradients (nor dropout: eval mode). Graph 4 is the
+any, per head, in graph 1 before the rotary: Qwen3, Gemma 3), each of its norms is an RMSNorm or a LayerNorm
+kernel layer of the `kernelize/layer_norm` hub (a style and its parameters: `norm_style`, `norm_params`), and nothing needs gradients (nor dropout: eval mode). Graph 4 is the
 MLP when it is the activation hub's `GatedMLP` / `FusedGatedMLP` with bias-free projections and a gated
 activation the table knows; any other MLP (an MoE block with its router and experts kernels, biased
 projections) runs its own forward between graph 3 and the `[norm] + residual` graph (`Block.own_mlp` says
@@ -84,8 +84,9 @@ def _rotate(x, cos, sin, qkv, *qk_weights, heads, kv_heads, head_dim, neox, qk_n
 
 
 def _normed(h, weights, style, eps):
-    """`style`'s norm of `h` with the next of `weights` (`h` itself when the slot has no norm)."""
-    return h if style is None else _hubs()[0].NORM_MATH[style](h, next(weights), eps=eps)
+    """`style`'s norm of `h` with its parameters from the iterator `weights` (`h` itself when the slot has
+    no norm; styles: the layer_norm hub's `norm_style`)."""
+    return h if style is None else _hubs()[0].styled_norm(h, weights, style, eps)
 
 
 def pre_attention_math(x, cos, sin, *weights, norm, eps, bias=False, **p):
@@ -113,7 +114,7 @@ def residual_norm_math(o, residual, *weights, norm_post=None, eps_post=0.0, norm
     o = _normed(o, w, norm_post, eps_post)
     if norm is None:
         return o + residual
-    return _hubs()[0].FUSED_ADD_MATH[norm](o, residual, next(w), eps=eps)
+    return _hubs()[0].fused_add_norm_math(o, residual, *w, style=norm, eps=eps)
 
 
 def mlp_partial_math(x, gate_up, down, *, act):
@@ -133,9 +134,9 @@ def after_mlp_math(y, residual, *weights, norm=None, eps=0.0):
     return _normed(y, iter(weights), norm, eps) + residual
 
 
-def norm_math(x, weight, *, norm, eps):
+def norm_math(x, *params, norm, eps):
     """`norm(x)`: the packed block's input norm (its q|k|v matmul is a packed call)."""
-    return _hubs()[0].NORM_MATH[norm](x, weight, eps=eps)
+    return _hubs()[0].styled_norm(x, iter(params), norm, eps)
 
 
 def rotate_math(qkv, cos, sin, *, heads, kv_heads, head_dim, neox):
@@ -217,10 +218,12 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     act = None if own_mlp else activation.hidden_act_of(mlp)
     slots = norms_of(layer)
     style, eps = dict.fromkeys(NORM_SLOTS), dict.fromkeys(NORM_SLOTS, 0.0)
+    by_forward[norms.LayerNorm.forward] = "LayerNorm"
     for slot, name in slots.items():
-        style[slot] = by_forward.get(_installed(getattr(layer, name)))
+        module = getattr(layer, name)
+        style[slot] = norms.norm_style(by_forward.get(_installed(module), ""), module)
         if style[slot] is None:
-            return f"{name} does not run an RMSNorm kernel layer"
+            return f"{name} does not run an RMSNorm or LayerNorm (one axis) kernel layer"
         eps[slot] = norms.eps_of(getattr(layer, name))
     attn = layer.self_attn
     shards = (shards_of(attn), None if own_mlp else shards_of(mlp))  # its own forward: its own collectives
@@ -270,7 +273,8 @@ def _qk_norm(attn: nn.Module, by_forward: dict, packed: Any) -> dict | str:
     styles = {by_forward.get(_installed(n)) for n in found}
     eps = {norms.eps_of(n) for n in found}
     shapes = {tuple(getattr(n, "weight", torch.empty(0)).shape) for n in found}
-    if len(styles) != 1 or None in styles or len(eps) != 1 or shapes != {(attn.head_dim,)}:
+    one_rms_style = len(styles) == 1 and styles <= set(norms.NORM_MATH)
+    if not one_rms_style or len(eps) != 1 or shapes != {(attn.head_dim,)}:
         return "the attention's query/key norms are not per-head RMSNorm kernel layers of one style and eps"
     return {"qk_norm": styles.pop(), "qk_eps": eps.pop()}
 
@@ -358,7 +362,7 @@ def run_block(
     if block.packed is not None:
         return _run_packed(layer, block, x, position_embeddings, attend)
     attn, mlp = layer.self_attn, layer.mlp
-    weight_of = {slot: getattr(layer, name).weight for slot, name in block.norms.items()}
+    weight_of = _norm_params(layer, block)
     cos, sin = rotary_tables(attn, *position_embeddings)
     weight, bias = qkv_params(attn)
     qk_w = [attn.q_norm.weight, attn.k_norm.weight] if block.pre.get("qk_norm") else []
@@ -402,9 +406,17 @@ def row_parallel(owner: nn.Module, shards: Shards, x: torch.Tensor, proj: nn.Mod
     return y if proj.bias is None else y + local(proj.bias)
 
 
-def _weights(weight_of: dict[str, torch.Tensor], *slots: str) -> list[torch.Tensor]:
-    """The norm weights of those of `slots` the layer has, in order (the graphs take them so)."""
-    return [weight_of[slot] for slot in slots if slot in weight_of]
+def _weights(weight_of: dict[str, list[torch.Tensor]], *slots: str) -> list[torch.Tensor]:
+    """The norm parameters of those of `slots` the layer has, in order (the graphs take them so)."""
+    return [p for slot in slots if slot in weight_of for p in weight_of[slot]]
+
+
+def _norm_params(layer: nn.Module, block: Block) -> dict[str, list[torch.Tensor]]:
+    """slot -> the parameters its norm's style reads (an RMSNorm's weight; a LayerNorm's weight and bias)."""
+    styles = {"input": block.pre["norm"], "post_attn": block.post["norm_post"], "pre_ff": block.post["norm"]}
+    styles["post_ff"] = block.mlp["norm"]
+    norms = _hubs()[0]
+    return {slot: norms.norm_params(styles[slot], getattr(layer, name)) for slot, name in block.norms.items()}
 
 
 def _gate_up(mlp: nn.Module, block: Block) -> torch.Tensor:
@@ -425,12 +437,12 @@ def _run_packed(
     from kernelize.quant.ops import linear
 
     attn, mlp = layer.self_attn, layer.mlp
-    weight_of = {slot: getattr(layer, name).weight for slot, name in block.norms.items()}
+    weight_of = _norm_params(layer, block)
     pre, (qkv_names, gate_up_names) = block.pre, block.packed
     calls = _packed_calls(layer, block)
     h = x
     if pre["norm"] is not None:
-        h = hub.run(layer, norm_math, [x], [weight_of["input"]], norm=pre["norm"], eps=pre["eps"])
+        h = hub.run(layer, norm_math, [x], weight_of["input"], norm=pre["norm"], eps=pre["eps"])
     qkv = _project(calls[0], h, lambda h: linear(h, *merged_packed(attn, qkv_names)))
     rotary = {name: pre[name] for name in ("heads", "kv_heads", "head_dim", "neox")}
     q, k, v = hub.run(attn, rotate_math, [qkv, *rotary_tables(attn, *position_embeddings)], **rotary)

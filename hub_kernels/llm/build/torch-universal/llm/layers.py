@@ -243,11 +243,17 @@ def attend(
     return out.reshape(query.shape[0], query.shape[2], -1), weights
 
 
-def add_norm(owner: nn.Module, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, style: str):
-    """`(norm(x + residual), x + residual)` as one generated kernel; `style` names the norm's math."""
+def add_norm(owner: nn.Module, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor, name: str):
+    """`(norm(x + residual), x + residual)` as one generated kernel; `name`: the norm's kernel layer
+    (RMSNorm, GemmaRMSNorm, LayerNorm). A norm the fused math does not take runs its own forward."""
     layers = _norms()
-    math = layers.FUSED_ADD_MATH[style]
-    return hub.run(owner, math, [x, residual], [norm.weight], eps=layers.eps_of(norm))
+    style = layers.norm_style(name, norm)
+    if style is None:
+        total = x + residual
+        return norm(total), total
+    params = layers.norm_params(style, norm)
+    eps = layers.eps_of(norm)
+    return hub.run(owner, layers.fused_add_norm_math, [x, residual], params, style=style, eps=eps)
 
 
 def decoder_forward(
@@ -301,7 +307,7 @@ def decoder_forward(
 
 
 class PreNormDecoderLayer(nn.Module):
-    """A decoder layer (Llama, Qwen2, Mistral, Gemma, Phi-3, OLMo2) with the parameter order
+    """A decoder layer (Llama, Qwen2, Mistral, Gemma, Phi-3, OLMo2, Starcoder2) with the parameter order
     `(hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings)`: in inference
     three generated graphs around the attention kernel (`block.py`), else its residual add and pre-MLP norm
     as one kernel (two stores: the normalised input of the MLP and the new residual) and the submodules'
