@@ -27,10 +27,11 @@ instead (`_run_packed`): [input norm] graph, one packed q|k|v call over the merg
 gate|up call with `act(gate) * up` in its epilogue, the packed down_proj, and `[norm] + residual`.
 
 The block runs when the layer's attention runs this hub's `CausalSelfAttention` (query / key norms, if
-any, per head, in graph 1 before the rotary: Qwen3, Gemma 3), each of its norms is an RMSNorm or a LayerNorm
-kernel layer of the `kernelize/layer_norm` hub (a style and its parameters: `norm_style`, `norm_params`), and nothing needs gradients (nor dropout: eval mode). Graph 4 is the
-MLP when it is the activation hub's `GatedMLP` / `FusedGatedMLP` with bias-free projections and a gated
-activation the table knows; any other MLP (an MoE block with its router and experts kernels, biased
+any, per head, in graph 1 before the rotary: Qwen3, Gemma 3), each of its norms is an RMSNorm or a
+LayerNorm kernel layer of the `kernelize/layer_norm` hub (a style and its parameters: `norm_style`,
+`norm_params`), and nothing needs gradients (nor dropout: eval mode). Graph 4 is the MLP when it is
+the activation hub's `GatedMLP` / `FusedGatedMLP` with bias-free projections and a gated activation the
+table knows; any other MLP (an MoE block with its router and experts kernels, biased
 projections) runs its own forward between graph 3 and the `[norm] + residual` graph (`Block.own_mlp` says
 why): an MoE layer then makes two graph calls around its attention where it made seven (Qwen3-MoE layout,
 f32 decode, 2 threads: 14.3 -> 13.0 ms per token). Under tensor parallelism (the Megatron split of
