@@ -142,38 +142,41 @@ def _hubs() -> tuple[Any, Any]:
     return tuple(get_kernel(f"kernelize/{name}", version=1).layers for name in ("layer_norm", "activation"))
 
 
-def _plus(y: torch.Tensor, bias: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    return y + bias[0] if bias else y
+def _linear(x, weights, bias: bool):
+    """`x @ W.T (+ b)` with W (and b) the next of the iterator `weights`."""
+    y = x @ next(weights).t()
+    return y + next(weights) if bias else y
 
 
-def dense_pre_math(x, ln_weight, ln_bias, weight, *bias, eps, heads, head_dim):
-    """(q, k, v) of `layer_norm(x) @ W.T (+ b)`, each `(batch, heads, seq, head_dim)`: views of one buffer,
-    which the cache and the attention kernel read through strides."""
-    qkv = _plus(_hubs()[0].layer_norm_math(x, ln_weight, ln_bias, eps=eps) @ weight.t(), bias)
+def dense_pre_math(x, *weights, norm, eps, bias, heads, head_dim):
+    """(q, k, v) of `norm(x) @ W.T (+ b)`, each `(batch, heads, seq, head_dim)`: views of one buffer, which
+    the cache and the attention kernel read through strides. `weights`: the norm's (its style's, see the
+    layer_norm hub's `norm_style`), W[, b]."""
+    w = iter(weights)
+    qkv = _linear(_hubs()[0].styled_norm(x, w, norm, eps), w, bias)
     width = heads * head_dim
     split = (qkv[..., i * width : (i + 1) * width] for i in range(3))
     return tuple(t.view(x.shape[0], x.shape[1], heads, head_dim).transpose(1, 2) for t in split)
 
 
-def dense_post_math(attn, residual, weight, *params, bias, eps):
-    """`(layer_norm(h), h)` for `h = attn @ W.T (+ b) + residual`; `params`: [the bias,] the norm's weight
-    and bias."""
-    h = _plus(attn @ weight.t(), params[:1] if bias else ()) + residual
-    return _hubs()[0].layer_norm_math(h, *params[-2:], eps=eps), h
+def dense_post_math(attn, residual, *weights, bias, norm, eps):
+    """`(norm(h), h)` for `h = attn @ W.T (+ b) + residual`; `weights`: W[, b], the norm's."""
+    w = iter(weights)
+    return _hubs()[0].fused_add_norm_math(_linear(attn, w, bias), residual, *w, style=norm, eps=eps)
 
 
-def dense_mlp_math(x, residual, up, *params, up_bias, down_bias, act):
-    """`act(x @ W_up.T (+ b)) @ W_down.T (+ b) + residual`; `params`: [up bias,] W_down[, down bias]."""
-    rest = iter(params)
-    h = _hubs()[1].ACT_MATH[act](_plus(x @ up.t(), (next(rest),) if up_bias else ()))
-    return _plus(h @ next(rest).t(), (next(rest),) if down_bias else ()) + residual
+def dense_mlp_math(x, residual, *weights, up_bias, down_bias, act):
+    """`act(x @ W_up.T (+ b)) @ W_down.T (+ b) + residual`; `weights`: W_up[, b], W_down[, b]."""
+    w = iter(weights)
+    return _linear(_hubs()[1].ACT_MATH[act](_linear(x, w, up_bias)), w, down_bias) + residual
 
 
 @dataclass(frozen=True)
 class DenseBlock:
-    """What one GPT-2-style layer's graphs read: the norms' epsilons, the heads, the MLP's activation and
-    projection names."""
+    """What one GPT-2-style layer's graphs read: the norms' styles and epsilons, the heads, the MLP's
+    activation and projection names."""
 
+    norms: tuple[str, str]
     eps: tuple[float, float]
     heads: int
     head_dim: int
@@ -200,19 +203,21 @@ def _dense_plan(layer: nn.Module) -> DenseBlock | str:
     if _installed(mlp) is not activation.DenseMLP.forward:
         return "mlp does not run the DenseMLP kernel layer"
     up_name, down_name, act = mlp.kernelize_dense_mlp
+    styles = []
     for name in ("ln_1", "ln_2"):
         ln = getattr(layer, name)
-        whole = ln.weight is not None and ln.bias is not None and len(ln.normalized_shape) == 1
-        if _installed(ln) is not norms.LayerNorm.forward or not whole:
-            return f"{name} is not a LayerNorm kernel layer with a weight and a bias over one axis"
+        kernel = _installed(ln) is norms.LayerNorm.forward
+        styles.append(norms.norm_style("LayerNorm", ln) if kernel else None)
+        if styles[-1] is None:
+            return f"{name} is not a LayerNorm kernel layer over one axis (with a weight where it has a bias)"
     if any(shards_of(m) is not None for m in (attn, mlp)):
         return "tensor-parallel shards: the submodules run their own forwards and collectives"
     projections = (attn.c_attn, attn.c_proj, getattr(mlp, up_name), getattr(mlp, down_name))
     if any(_weight(p) is None for p in projections):
         return "a projection is packed, or a Conv1D weight shares its storage (it cannot be re-laid)"
-    eps = (float(layer.ln_1.eps), float(layer.ln_2.eps))
-    heads = layer.ln_1.weight.numel() // attn.head_dim  # the hidden size is heads * head_dim (recognition)
-    return DenseBlock(eps, heads, attn.head_dim, act, (up_name, down_name))
+    eps = (norms.eps_of(layer.ln_1), norms.eps_of(layer.ln_2))
+    heads = layer.ln_1.normalized_shape[0] // attn.head_dim  # hidden = heads * head_dim (recognition)
+    return DenseBlock(tuple(styles), eps, heads, attn.head_dim, act, (up_name, down_name))
 
 
 _SUBMODULES = ("attn", "mlp", "ln_1", "ln_2")
@@ -257,18 +262,17 @@ def run_dense_block(
     if any(w is None for w in weights):
         return None
     batch, seq = x.shape[:2]
-    pre_w = [ln_1.weight, ln_1.bias, weights[0], *_biased(attn.c_attn)]
-    shape = dict(heads=block.heads, head_dim=block.head_dim)
-    q, k, v = hub.run(attn, dense_pre_math, [x], pre_w, eps=block.eps[0], **shape)
+    norms = _hubs()[0]
+    pre_w = [*norms.norm_params(block.norms[0], ln_1), weights[0], *_biased(attn.c_attn)]
+    pre = dict(norm=block.norms[0], eps=block.eps[0], bias=attn.c_attn.bias is not None)
+    q, k, v = hub.run(attn, dense_pre_math, [x], pre_w, heads=block.heads, head_dim=block.head_dim, **pre)
     if cache is not None:
         cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's own half
         k, v = kv_cache.update(cache, k, v, attn.layer_idx)
     out, _ = attention_forward(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
-    post_w = [weights[1], *_biased(attn.c_proj), ln_2.weight, ln_2.bias]
-    bias = attn.c_proj.bias is not None
-    normed, h = hub.run(
-        layer, dense_post_math, [out.reshape(batch, seq, -1), x], post_w, bias=bias, eps=block.eps[1]
-    )
+    post_w = [weights[1], *_biased(attn.c_proj), *norms.norm_params(block.norms[1], ln_2)]
+    post = dict(norm=block.norms[1], eps=block.eps[1], bias=attn.c_proj.bias is not None)
+    normed, h = hub.run(layer, dense_post_math, [out.reshape(batch, seq, -1), x], post_w, **post)
     mlp_w = [weights[2], *_biased(up), weights[3], *_biased(down)]
     flags = dict(up_bias=up.bias is not None, down_bias=down.bias is not None, act=block.act)
     return hub.run(mlp, dense_mlp_math, [normed, h], mlp_w, **flags)
