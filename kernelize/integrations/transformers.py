@@ -571,7 +571,7 @@ def _attention_blocker(module: nn.Module) -> str | None:
 # ---- decoder layers: residual adds + norms at any of four places ----------------------------------------
 _DECODER_OPTIONAL = frozenset({"resid_attn_dropout", "resid_mlp_dropout"})  # Phi-3 (identity in eval)
 # forward parameter order -> (the kernel layer taking it, its attention child, its norms' layer names)
-_PRE_NORMS = ("RMSNorm", "GemmaRMSNorm", "LayerNorm")  # LayerNorm: Starcoder2, OLMo, Jais2, PhiMoE...
+_PRE_NORMS = ("RMSNorm", "GemmaRMSNorm", "LayerNorm")  # LayerNorm: Starcoder2, Jais2, PhiMoE
 _DECODER_SIGNATURES = {
     ("self", "hidden_states", "attention_mask", "position_ids", "cache", "use_cache"): (
         "PreNormDecoderLayer",

@@ -59,6 +59,9 @@ class QuantizedLinear(nn.Module):
         """``lin`` (an ``nn.Linear``, or transformers' ``Conv1D``, whose weight is stored ``(in, out)``)
         quantized to ``fmt`` (its bias kept as f32); ``lin`` itself is left as it was."""
         weight = linear_weight(lin)
+        if weight is None:
+            kind = type(lin).__name__
+            raise TypeError(f"QuantizedLinear.from_linear: expected an nn.Linear or a Conv1D, got {kind}")
         q = cls(weight.shape[1], weight.shape[0], fmt, bias=lin.bias is not None)
         q.set_packed(quantize(weight.detach(), fmt))
         if lin.bias is not None:
