@@ -12,6 +12,7 @@ implementation with transformers, switches the model to it, and calls `kernelize
 | same; forward == `(1 + w) * rmsnorm(x)` (Gemma, probed) | `GemmaRMSNorm` | `kernelize/layer_norm` |
 | forward `(x, gate)` == `w * rmsnorm(x) * act(gate)` (Qwen3.5, probed) | `GatedRMSNorm` | (same) |
 | same, with or without a bias; forward == `layer_norm(x)` (probed) | `LayerNorm` | `kernelize/layer_norm` |
+| no parameters (OLMo, nanochat); == rmsnorm / layer_norm, eps probed | `RMSNorm`, `LayerNorm` | (same) |
 | `gate_proj`, `up_proj`, `down_proj`, gated activation (probed) | `GatedMLP` | `kernelize/activation` |
 | `gate_up_proj`, `down_proj` (Phi-3), gated activation (probed) | `FusedGatedMLP` | `kernelize/activation` |
 | `fc1`/`fc2`, `c_fc`/`c_proj`, `dense_h_to_4h`/`dense_4h_to_h`...; activation probed | `DenseMLP` | (same) |
@@ -157,6 +158,46 @@ def _norm(module: nn.Module) -> Recognition | None:
                 return Recognition("norm", name, reason, per_instance=shared)
     known = "layer_norm(x), w * rmsnorm(x) or (1 + w) * rmsnorm(x)"
     return _eager("norm", f"forward matches none of {known} (probed)")
+
+
+_PROBE_EPS = (1e-5, 1e-6, 1e-8, 1e-12)  # a norm that keeps its epsilon in its forward: the common ones
+
+
+def _plain_norm(module: nn.Module) -> Recognition | None:
+    """A norm without parameters (OLMo's LayerNorm; nanochat's and HRM's RMSNorm): its math and, when it
+    keeps its epsilon in its forward (OLMo), its epsilon, probed on inputs of unit and of tiny variance (where
+    the epsilon decides the output)."""
+    if "Norm" not in type(module).__name__ or any(
+        True for _ in itertools.chain(module.parameters(), module.buffers(), module.children())
+    ):
+        return None
+    shape = getattr(module, "normalized_shape", None)
+    if shape is not None and not (
+        isinstance(shape, tuple | list) and len(shape) == 1 and isinstance(shape[0], int)
+    ):
+        return _eager("norm", f"normalized_shape {shape}: not one axis")
+    width = 64 if shape is None else shape[0]
+    eps = _eps_of(module)
+    gen = torch.Generator().manual_seed(1)
+    xs = [3 * torch.randn(3, width, generator=gen) + 1, 1e-3 * torch.randn(3, width, generator=gen)]
+    with torch.no_grad():
+        got = [type(module).forward(module, x) for x in xs]
+        for e in (eps,) if eps is not None else _PROBE_EPS:
+            candidates = {
+                "LayerNorm": [torch.nn.functional.layer_norm(x, (width,), None, None, e) for x in xs],
+                "RMSNorm": [_rms(x, e) for x in xs],
+            }
+            for name, want in candidates.items():
+                if all(
+                    g.shape == w.shape and torch.allclose(g, w, rtol=1e-5, atol=1e-5)
+                    for g, w in zip(got, want)
+                ):
+                    setup = {} if eps is not None else {"kernelize_eps": e}
+                    reason = f"no parameters; forward equals the `{name}` math with eps {e:g} (probed)"
+                    return Recognition("norm", name, reason, setup)
+    return _eager(
+        "norm", "no parameters, and the forward matches neither layer_norm(x) nor rmsnorm(x) (probed)"
+    )
 
 
 def _norm_layers() -> Any:
@@ -671,7 +712,7 @@ def _decoder(module: nn.Module) -> Recognition | None:
     layer, _, norm_layers = found
     styles = {}
     for slot, name in slots.items():
-        norm = _norm(getattr(module, name))
+        norm = _norm(getattr(module, name)) or _plain_norm(getattr(module, name))
         if norm is None or norm.layer_name not in norm_layers:
             return _eager("decoder", f"{name} is not a recognised {' or '.join(norm_layers)}")
         styles[slot] = norm.layer_name
@@ -802,6 +843,7 @@ RULES: tuple[Callable[[nn.Module], Recognition | None], ...] = (
     _packed,
     _gated_norm,
     _norm,
+    _plain_norm,
     _mlp,
     _alibi_attention,
     _fused_qkv_attention,

@@ -201,3 +201,45 @@ def test_layer_norm_decoder_layers_run_the_block(family: str, monkeypatch) -> No
         real = mask.bool()
         want, got = zoo.logits(eager, ids, mask), zoo.logits(fast, ids, mask)
         torch.testing.assert_close(got[real], want[real], atol=1e-4 * want[real].abs().max(), rtol=1e-4)
+
+
+class _HardCodedEpsNorm(torch.nn.Module):
+    """A norm without parameters whose epsilon lives in its forward (as OLMo's)."""
+
+    def __init__(self, width: int, eps: float, rms: bool) -> None:
+        super().__init__()
+        self.normalized_shape, self._e, self._rms = (width,), eps, rms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._rms:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._e)
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, None, None, self._e)
+
+
+@pytest.mark.parametrize("eps, rms", [(1e-5, False), (1e-6, True), (1e-3, False)])
+def test_a_norm_without_parameters_is_recognised_with_its_probed_epsilon(eps: float, rms: bool) -> None:
+    from kernelize.integrations.transformers import _plain_norm
+
+    found = _plain_norm(_HardCodedEpsNorm(48, eps, rms))
+    if eps == 1e-3:  # not an epsilon the probe tries: left eager, with the reason
+        assert found.layer_name is None and "matches neither" in found.reason
+        return
+    assert found.layer_name == ("RMSNorm" if rms else "LayerNorm"), found
+    assert found.setup == {"kernelize_eps": eps}
+
+
+@needs_kernel
+def test_olmo_layers_with_parameter_free_layer_norms_run_the_block(monkeypatch) -> None:
+    """OLMo's norms have no parameters and keep eps = 1e-5 in their forward: recognised by probe, they run
+    inside the block's graphs (style `LayerNorm:0`)."""
+    eager = zoo.tiny_causal_lm("olmo")
+    ids, mask = zoo.padded_batch(eager.config.vocab_size)
+    with kernelized(eager) as fast:
+        layers = len(fast.model.layers)
+        assert fast.model.layers[0].input_layernorm.kernelize_eps == 1e-5
+        assert kernelize.inspect(fast)["model.norm"].uses_kernel
+        names = _graphs_run(fast, ids, mask, monkeypatch)
+        assert names.count("pre_attention_math") == layers, names
+        real = mask.bool()
+        want, got = zoo.logits(eager, ids, mask), zoo.logits(fast, ids, mask)
+        torch.testing.assert_close(got[real], want[real], atol=1e-4 * want[real].abs().max(), rtol=1e-4)

@@ -101,15 +101,16 @@ LAYER_NORM_MATH = {2: layer_norm_math, 1: layer_norm_nobias_math, 0: layer_norm_
 
 
 # ---- a norm as a decoder layer's graphs take it: a style (a string, part of the graph's signature) and its
-# parameters. "RMSNorm" / "GemmaRMSNorm": the weight; "LayerNorm:<k>": the first k of (weight, bias).
+# parameters. "RMSNorm" / "GemmaRMSNorm": the weight; "RMSNorm:0": none (nanochat's); "LayerNorm:<k>": the
+# first k of (weight, bias) (OLMo's has neither).
 def norm_style(name: str, module: nn.Module) -> str | None:
     """The style of `module`, whose kernel layer is `name`; None where the graphs cannot take it (a
     LayerNorm with a bias but no weight, or over several axes)."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if name in NORM_MATH:
-        return name
+        return name if weight is not None else "RMSNorm:0" if name == "RMSNorm" else None
     if name != "LayerNorm" or len(getattr(module, "normalized_shape", ())) != 1:
         return None
-    weight, bias = module.weight, module.bias
     if weight is None and bias is not None:
         return None
     return f"LayerNorm:{(weight is not None) + (bias is not None)}"
@@ -117,9 +118,10 @@ def norm_style(name: str, module: nn.Module) -> str | None:
 
 def norm_params(style: str, module: nn.Module) -> list[torch.Tensor]:
     """The parameters of `module` a style's math reads, in its order."""
-    if style.startswith("LayerNorm:"):
-        return [p for p in (module.weight, module.bias) if p is not None]
-    return [module.weight]
+    found = [getattr(module, "weight", None), getattr(module, "bias", None)]
+    if style == "RMSNorm:0":
+        return []
+    return [p for p in found if p is not None] if style.startswith("LayerNorm:") else found[:1]
 
 
 def styled_norm(x: torch.Tensor, params, style: str, eps: float) -> torch.Tensor:
@@ -127,6 +129,8 @@ def styled_norm(x: torch.Tensor, params, style: str, eps: float) -> torch.Tensor
     if style.startswith("LayerNorm:"):
         k = int(style.split(":")[1])
         return LAYER_NORM_MATH[k](x, *(next(params) for _ in range(k)), eps=eps)
+    if style == "RMSNorm:0":
+        return rms_norm_plain_math(x, eps=eps)
     return NORM_MATH[style](x, next(params), eps=eps)
 
 
@@ -139,7 +143,8 @@ def fused_add_norm_math(x: torch.Tensor, residual: torch.Tensor, *params, style:
 
 
 def _eps(module: nn.Module, x: torch.Tensor | None = None) -> float:
-    for name in ("variance_epsilon", "eps", "epsilon"):
+    # kernelize_eps: set by `kernelize_model` on a norm that keeps its epsilon in its forward (OLMo's)
+    for name in ("variance_epsilon", "eps", "epsilon", "kernelize_eps"):
         value = getattr(module, name, None)
         if isinstance(value, int | float):
             return float(value)
@@ -225,8 +230,8 @@ class GemmaRMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm; reads `self.weight`, `self.bias` (either may be None), `self.eps` and `normalized_shape`
-    (one or more trailing dims, as `torch.nn.LayerNorm`)."""
+    """LayerNorm; reads `self.weight`, `self.bias` (either may be None or absent: OLMo's has neither),
+    the epsilon and `normalized_shape` (one or more trailing dims, as `torch.nn.LayerNorm`)."""
 
     has_backward = True
     can_torch_compile = True
@@ -234,7 +239,7 @@ class LayerNorm(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         hub.require_float(type(self).__name__, input)
         eps = _eps(self, input)
-        x, (w, b), shape = _flat(self, input, self.weight, self.bias)
+        x, (w, b), shape = _flat(self, input, getattr(self, "weight", None), getattr(self, "bias", None))
         if w is None:
             y = hub.run(self, layer_norm_plain_math, [x], eps=eps)
         elif b is None:
