@@ -171,6 +171,9 @@ def _plain_norm(module: nn.Module) -> Recognition | None:
         True for _ in itertools.chain(module.parameters(), module.buffers(), module.children())
     ):
         return None
+    shared = type(module).__module__.startswith("torch.")  # torch's classes are everyone's: instances only
+    if shared and not isinstance(module, nn.LayerNorm | nn.RMSNorm):  # GroupNorm, InstanceNorm: other axes
+        return None
     shape = getattr(module, "normalized_shape", None)
     if shape is not None and not (
         isinstance(shape, tuple | list) and len(shape) == 1 and isinstance(shape[0], int)
@@ -179,7 +182,9 @@ def _plain_norm(module: nn.Module) -> Recognition | None:
     width = 64 if shape is None else shape[0]
     eps = _eps_of(module)
     gen = torch.Generator().manual_seed(1)
+    # unit and tiny variance (the epsilon decides), and 3-D (a norm over more than the last axis differs)
     xs = [3 * torch.randn(3, width, generator=gen) + 1, 1e-3 * torch.randn(3, width, generator=gen)]
+    xs.append(torch.randn(2, 3, width, generator=gen) * torch.arange(1.0, 4.0).view(1, 3, 1))
     with torch.no_grad():
         got = [type(module).forward(module, x) for x in xs]
         for e in (eps,) if eps is not None else _PROBE_EPS:
@@ -194,7 +199,7 @@ def _plain_norm(module: nn.Module) -> Recognition | None:
                 ):
                     setup = {} if eps is not None else {"kernelize_eps": e}
                     reason = f"no parameters; forward equals the `{name}` math with eps {e:g} (probed)"
-                    return Recognition("norm", name, reason, setup)
+                    return Recognition("norm", name, reason, setup, per_instance=shared)
     return _eager(
         "norm", "no parameters, and the forward matches neither layer_norm(x) nor rmsnorm(x) (probed)"
     )

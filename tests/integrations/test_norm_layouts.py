@@ -243,3 +243,23 @@ def test_olmo_layers_with_parameter_free_layer_norms_run_the_block(monkeypatch) 
         real = mask.bool()
         want, got = zoo.logits(eager, ids, mask), zoo.logits(fast, ids, mask)
         torch.testing.assert_close(got[real], want[real], atol=1e-4 * want[real].abs().max(), rtol=1e-4)
+
+
+class _GroupNormLike(torch.nn.Module):
+    """A parameter-free norm over the last two axes: equal to a last-axis layer norm on 2-D inputs only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (
+            torch.nn.functional.layer_norm(x, x.shape[-2:], None, None, 1e-5)
+            if x.dim() > 2
+            else (torch.nn.functional.layer_norm(x, x.shape[-1:], None, None, 1e-5))
+        )
+
+
+def test_a_parameter_free_norm_over_other_axes_is_not_taken_for_a_layer_norm() -> None:
+    from kernelize.integrations.transformers import _plain_norm
+
+    assert "matches neither" in _plain_norm(_GroupNormLike()).reason
+    assert _plain_norm(torch.nn.GroupNorm(1, 8, affine=False)) is None  # torch's, over other axes
+    found = _plain_norm(torch.nn.LayerNorm(16, elementwise_affine=False))
+    assert found.layer_name == "LayerNorm" and found.per_instance and found.setup == {}

@@ -118,10 +118,11 @@ def norm_style(name: str, module: nn.Module) -> str | None:
 
 def norm_params(style: str, module: nn.Module) -> list[torch.Tensor]:
     """The parameters of `module` a style's math reads, in its order."""
-    found = [getattr(module, "weight", None), getattr(module, "bias", None)]
     if style == "RMSNorm:0":
         return []
-    return [p for p in found if p is not None] if style.startswith("LayerNorm:") else found[:1]
+    if style.startswith("LayerNorm:"):
+        return [p for p in (getattr(module, "weight", None), getattr(module, "bias", None)) if p is not None]
+    return [module.weight]
 
 
 def styled_norm(x: torch.Tensor, params, style: str, eps: float) -> torch.Tensor:
