@@ -13,10 +13,9 @@ import torch
 from torch import nn
 
 import kernelize
-from kernelize import hub
 from kernelize.models import zoo
 
-from .test_transformers import kernelized
+from .test_transformers import graphs_run, kernelized
 
 transformers = pytest.importorskip("transformers")
 
@@ -154,21 +153,6 @@ def layer_choices(model: nn.Module) -> dict:
 
 
 BLOCK_GRAPHS = ("dense_pre_math", "dense_post_math", "dense_mlp_math")
-
-
-def graphs_run(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, monkeypatch) -> list[str]:
-    """The names of the graph functions one forward of `model` runs through `hub.run`."""
-    names, run = [], hub.run
-
-    def counting(owner, fn, *args, **kwargs):
-        names.append(fn.__name__)
-        return run(owner, fn, *args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(hub, "run", counting)
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask)
-    return names
 
 
 @pytest.mark.parametrize("changes", [{}, {"activation_function": "relu"}], ids=["gelu_new", "relu"])

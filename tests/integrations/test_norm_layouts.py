@@ -14,6 +14,7 @@ from kernelize.models import zoo
 
 from .test_transformers import (
     assert_same_logits_and_tokens,
+    graphs_run,
     kernelized,
     needs_kernel,
     padded_batch,
@@ -161,21 +162,6 @@ def test_gated_norms_get_the_kernel(model_type: str, class_name: str) -> None:
         assert not layer.uses_kernel and "submodules differ" in layer.reason, str(layer)
 
 
-def _graphs_run(model, ids, mask, monkeypatch) -> list[str]:
-    """The names of the graph functions one forward of `model` runs through `hub.run`."""
-    names, run = [], hub.run
-
-    def counting(owner, fn, *args, **kwargs):
-        names.append(fn.__name__)
-        return run(owner, fn, *args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(hub, "run", counting)
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask)
-    return names
-
-
 @needs_kernel
 @pytest.mark.parametrize("family", ["starcoder2", "jais2", "llama-layernorm-no-bias"])
 def test_layer_norm_decoder_layers_run_the_block(family: str, monkeypatch) -> None:
@@ -195,7 +181,7 @@ def test_layer_norm_decoder_layers_run_the_block(family: str, monkeypatch) -> No
         layers = len(fast.model.layers)
         for i in range(layers):
             assert kernelize.inspect(fast)[f"model.layers.{i}"].uses_kernel
-        names = _graphs_run(fast, ids, mask, monkeypatch)
+        names = graphs_run(fast, ids, mask, monkeypatch)
         assert names.count("pre_attention_math") == layers, names
         assert names.count("post_attention_math") == layers, names
         real = mask.bool()
@@ -238,7 +224,7 @@ def test_olmo_layers_with_parameter_free_layer_norms_run_the_block(monkeypatch) 
         layers = len(fast.model.layers)
         assert fast.model.layers[0].input_layernorm.kernelize_eps == 1e-5
         assert kernelize.inspect(fast)["model.norm"].uses_kernel
-        names = _graphs_run(fast, ids, mask, monkeypatch)
+        names = graphs_run(fast, ids, mask, monkeypatch)
         assert names.count("pre_attention_math") == layers, names
         real = mask.bool()
         want, got = zoo.logits(eager, ids, mask), zoo.logits(fast, ids, mask)

@@ -87,6 +87,23 @@ def kernelized(model: torch.nn.Module, **kwargs) -> Iterator[torch.nn.Module]:
         yield kernelize_model(fast, **kwargs)
 
 
+def graphs_run(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, monkeypatch) -> list[str]:
+    """The names of the graph functions one forward of `model` runs through `hub.run`, in order."""
+    from kernelize import hub
+
+    names, run = [], hub.run
+
+    def counting(owner, fn, *args, **kwargs):
+        names.append(fn.__name__)
+        return run(owner, fn, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hub, "run", counting)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    return names
+
+
 def padded_batch(batch: int = 2, seq: int = 11, pad: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids and mask: the first row starts with `pad` pad tokens."""
     ids = torch.randint(1, TINY["vocab_size"], (batch, seq))

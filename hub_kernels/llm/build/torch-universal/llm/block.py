@@ -300,15 +300,23 @@ def _packed_names(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]] |
 def block_of(layer: nn.Module, x: torch.Tensor, attention_layer: type) -> Block | None:
     """`layer`'s block for this call, or None (its submodules run their own forwards, reason noted)."""
     subs = ("self_attn", "mlp", *norms_of(layer).values())
+    return planned(layer, x, subs, lambda layer: _plan(layer, attention_layer))
+
+
+def planned(layer: nn.Module, x: torch.Tensor, subs: tuple[str, ...], plan: Any) -> Any:
+    """The block `plan(layer)` makes (or why not: a string) for this call, or None (the submodules run their
+    own forwards, the reason noted): made once while the forwards installed on the submodules `subs` stay
+    the same, and only in inference with nothing hooked on those submodules."""
     installed = tuple(_installed(getattr(layer, name)) for name in subs)
     cached = layer.__dict__.get("_kernelize_block")
     if cached is None or cached[0] != installed:
-        cached = layer.__dict__["_kernelize_block"] = (installed, _plan(layer, attention_layer))
-        if not isinstance(cached[1], str) and cached[1].own_mlp:
-            note_fallback(layer, cached[1].own_mlp, "the block runs the MLP's own forward")
+        cached = layer.__dict__["_kernelize_block"] = (installed, plan(layer))
+        own_mlp = getattr(cached[1], "own_mlp", None)
+        if own_mlp:
+            note_fallback(layer, own_mlp, "the block runs the MLP's own forward")
     block = cached[1]
     if not isinstance(block, str):
-        block = _hooked(layer) or block
+        block = _hooked(layer, subs) or block
     if isinstance(block, str):
         note_fallback(layer, block, "submodules run their own forwards")
         return None
@@ -317,13 +325,12 @@ def block_of(layer: nn.Module, x: torch.Tensor, attention_layer: type) -> Block 
     return block
 
 
-def _hooked(layer: nn.Module, names: tuple[str, ...] | None = None) -> str | None:
-    """Why this call must go through the submodules `names` (default: the attention, the MLP and the
-    norms): the block does not call them, so hooks on them (transformers' `output_attentions` capture among
-    them) would not see their calls."""
+def _hooked(layer: nn.Module, names: tuple[str, ...]) -> str | None:
+    """Why this call must go through the submodules `names`: the block does not call them, so hooks on them
+    (transformers' `output_attentions` capture among them) would not see their calls."""
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
         return "global module forward hooks are registered"
-    for name in names or ("self_attn", "mlp", *norms_of(layer).values()):  # the submodules it bypasses
+    for name in names:  # the submodules the block bypasses
         sub = getattr(layer, name)
         for hook in (*sub._forward_pre_hooks.values(), *sub._forward_hooks.values()):
             if (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) == _CAPTURE_HOOK:

@@ -225,21 +225,9 @@ _SUBMODULES = ("attn", "mlp", "ln_1", "ln_2")
 
 def dense_block_of(layer: nn.Module, x: torch.Tensor) -> DenseBlock | None:
     """`layer`'s block for this call, or None (its own forward runs; the reason noted for `inspect`)."""
-    from .block import _any_grad, _hooked, _installed
+    from .block import planned
 
-    installed = tuple(_installed(getattr(layer, name)) for name in _SUBMODULES)
-    cached = layer.__dict__.get("_kernelize_block")
-    if cached is None or cached[0] != installed:
-        cached = layer.__dict__["_kernelize_block"] = (installed, _dense_plan(layer))
-    block = cached[1]
-    if not isinstance(block, str):
-        block = _hooked(layer, _SUBMODULES) or block
-    if isinstance(block, str):
-        note_fallback(layer, block, "submodules run their own forwards")
-        return None
-    if layer.training or (torch.is_grad_enabled() and (x.requires_grad or _any_grad(layer))):
-        return None  # training keeps the modules' own forwards (dropout, autograd through each kernel)
-    return block
+    return planned(layer, x, _SUBMODULES, _dense_plan)
 
 
 def _biased(proj: nn.Module) -> list[torch.Tensor]:
