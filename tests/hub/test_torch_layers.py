@@ -69,14 +69,16 @@ def test_torch_rms_norm_with_default_eps(dtype, affine, shape) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("affine, bias", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("affine, bias", [(True, True), (True, False), (False, False), ("bias only", True)])
 def test_torch_layer_norm_over_two_trailing_dims(dtype, affine, bias) -> None:
     torch.manual_seed(0)
-    layer = TorchLayerNorm((4, 6), elementwise_affine=affine, bias=bias).to(dtype)
+    layer = TorchLayerNorm((4, 6), elementwise_affine=bool(affine), bias=bias).to(dtype)
     if affine:
         nn.init.normal_(layer.weight)
         if bias:
             nn.init.normal_(layer.bias)
+    if affine == "bias only":  # F.layer_norm(x, shape, None, bias): the bias still applies
+        layer.weight = None
     x = (torch.randn(2, 7, 4, 6) * 3 + 1).to(dtype)
     want = layer(x)
     model = _kernelized(layer)

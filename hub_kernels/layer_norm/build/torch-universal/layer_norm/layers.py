@@ -58,6 +58,11 @@ def layer_norm_nobias_math(x: torch.Tensor, weight: torch.Tensor, *, eps: float)
     return (centered * torch.rsqrt(var + eps) * _up(weight)).to(x.dtype)
 
 
+def layer_norm_bias_math(x: torch.Tensor, bias: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """A layer norm with a bias but no weight (as `F.layer_norm(x, shape, None, bias)`)."""
+    return (_up(layer_norm_plain_math(x, eps=eps)) + _up(bias)).to(x.dtype)
+
+
 def layer_norm_plain_math(x: torch.Tensor, *, eps: float) -> torch.Tensor:
     xf = _up(x)
     centered = xf - xf.mean(-1, keepdim=True)
@@ -241,7 +246,9 @@ class LayerNorm(nn.Module):
         hub.require_float(type(self).__name__, input)
         eps = _eps(self, input)
         x, (w, b), shape = _flat(self, input, getattr(self, "weight", None), getattr(self, "bias", None))
-        if w is None:
+        if w is None and b is not None:
+            y = hub.run(self, layer_norm_bias_math, [x], [b], eps=eps)
+        elif w is None:
             y = hub.run(self, layer_norm_plain_math, [x], eps=eps)
         elif b is None:
             y = hub.run(self, layer_norm_nobias_math, [x], [w], eps=eps)
