@@ -37,7 +37,6 @@ weights) runs the layer's own forward, its submodules' kernel forwards inside, w
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +48,8 @@ from kernelize.layer.kernelize import original_forward
 from kernelize.merge import linear_layout
 from kernelize.model_attention import attention_forward, note_fallback
 from kernelize.shards import shards_of
+
+from .block import _hubs, _installed, planned  # the norm / activation hubs, one block planner
 
 
 def conv1d_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -134,14 +135,6 @@ class FusedQKVAttention(nn.Module):
 
 
 # ---- GPT-2's decoder layer: three graphs around the attention kernel --------------------------------------
-@functools.cache
-def _hubs() -> tuple[Any, Any]:
-    """The layers modules of the norm and activation hubs the layer's math is made of."""
-    from kernelize.layer.hub import get_kernel
-
-    return tuple(get_kernel(f"kernelize/{name}", version=1).layers for name in ("layer_norm", "activation"))
-
-
 def _linear(x, weights, bias: bool):
     """`x @ W.T (+ b)` with W (and b) the next of the iterator `weights`."""
     y = x @ next(weights).t()
@@ -194,9 +187,7 @@ def _weight(proj: nn.Module) -> torch.Tensor | None:
 
 def _dense_plan(layer: nn.Module) -> DenseBlock | str:
     """The layer's block, or why its submodules must run their own forwards."""
-    from .block import _installed
-
-    norms, activation = _hubs()
+    norms, activation = _hubs()[:2]
     attn, mlp = layer.attn, layer.mlp
     if _installed(attn) is not FusedQKVAttention.forward:
         return "attn does not run the FusedQKVAttention kernel layer"
@@ -225,8 +216,6 @@ _SUBMODULES = ("attn", "mlp", "ln_1", "ln_2")
 
 def dense_block_of(layer: nn.Module, x: torch.Tensor) -> DenseBlock | None:
     """`layer`'s block for this call, or None (its own forward runs; the reason noted for `inspect`)."""
-    from .block import planned
-
     return planned(layer, x, _SUBMODULES, _dense_plan)
 
 
