@@ -83,9 +83,29 @@ def update(
         vbuf[:, :, :held].copy_(layer.values)
     kbuf[:, :, held : held + new].copy_(key)
     vbuf[:, :, held : held + new].copy_(value)
-    layer.keys, layer.values = kbuf[:, :, : held + new], vbuf[:, :, : held + new]
+    return advance(layer, kbuf, vbuf, held + new)
+
+
+def room(cache: Any, layer_idx: int, new: int) -> tuple[Any, torch.Tensor, torch.Tensor, int] | None:
+    """Where :func:`update` would write ``new`` positions of layer ``layer_idx`` in place, in the room of
+    the buffers it made last time: ``(layer, keys buffer, values buffer, positions held)``; None when it
+    would not (no room left, or the layer changed since). A caller that writes them itself (a replayed
+    decode step) then calls :func:`advance`."""
+    layer = _plain_layer(cache, layer_idx)
+    held = getattr(layer, "_kernelize_room", None)
+    if held is None or held[2] is not layer.keys or held[3] is not layer.values:
+        return None
+    n = layer.keys.shape[2]
+    return (layer, held[0], held[1], n) if held[0].shape[2] >= n + new else None
+
+
+def advance(
+    layer: Any, kbuf: torch.Tensor, vbuf: torch.Tensor, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make the layer's keys and values the first ``total`` positions of ``kbuf`` / ``vbuf`` (written)."""
+    layer.keys, layer.values = kbuf[:, :, :total], vbuf[:, :, :total]
     layer._kernelize_room = (kbuf, vbuf, layer.keys, layer.values)
     return layer.keys, layer.values
 
 
-__all__ = ["update"]
+__all__ = ["advance", "room", "update"]

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -76,7 +77,7 @@ def render_attention(kernel: AttentionKernel, prelude: str) -> tuple[str, str]:
     return source, name
 
 
-ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_float, ctypes.c_int]
+ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int]  # the scale as its f32 bits
 
 
 def unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -84,18 +85,28 @@ def unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def scale_bits(scale: float) -> int:
+    """The f32 bits of ``scale``, as the kernel takes it (an integer argument, so that a replay program
+    calls it as it calls the other kernels)."""
+    return struct.unpack("<I", struct.pack("<f", scale))[0]
+
+
 def attention_launcher(fn, kernel: AttentionKernel, scale: float | None = None):
-    """A ``launch(operands, [out], sizes)`` calling the compiled function with the operands' own strides.
+    """A ``launch(operands, [out], sizes)`` calling the compiled function with the operands' own strides;
+    ``launch.c_call(operands, [out])`` is the same call for ``kz_replay`` (:class:`CCall`; its ``keep``
+    holds the sizes array ``[batch, heads, kv heads, query length, key length]`` and the strides array the
+    arguments point to: a replay program may write a new key length into the first).
 
     ``scale`` overrides the node's (one compiled kernel serves every scale: it is a call argument).
     """
-    args: AttentionArgs = kernel.node.arg
-    scale = args.scale if scale is None else scale
-    get_threads = torch.get_num_threads
+    from kernelize.runtime.backend import CCall
 
-    def launch(
-        reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int] | None = None
-    ) -> None:
+    args: AttentionArgs = kernel.node.arg
+    bits = scale_bits(args.scale if scale is None else scale)
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    error = f"cpu attention kernel {kernel.name}: out of memory for the decode partials"
+
+    def arguments(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]):
         q, k, v, m, sinks = split_operands(reads, args)
         k, v = unit_last(k), unit_last(v)
         (out,) = writes
@@ -104,22 +115,25 @@ def attention_launcher(fn, kernel: AttentionKernel, scale: float | None = None):
             sinks = sinks.float().contiguous()
         shape = (ctypes.c_int64 * 5)(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
         st = (*q.stride(), *k.stride(), *v.stride(), *(m.stride() if m is not None else (0, 0, 0, 0)))
-        rc = fn(
-            q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            m.data_ptr() if m is not None else None,
-            sinks.data_ptr() if sinks is not None else None,
-            out.data_ptr(),
-            shape,
-            (ctypes.c_int64 * 16)(*st),
-            scale,
-            get_threads(),
-        )
-        if rc:
-            raise MemoryError(f"cpu attention kernel {kernel.name}: out of memory for the decode partials")
+        ptrs = [t.data_ptr() if t is not None else 0 for t in (q, k, v, m, sinks, out)]
+        return ptrs, shape, (ctypes.c_int64 * 16)(*st), (k, v, sinks)
 
+    def launch(
+        reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int] | None = None
+    ) -> None:
+        ptrs, shape, strides, _ = arguments(reads, writes)
+        if fn(*ptrs, shape, strides, bits, torch.get_num_threads()):
+            raise MemoryError(error)
+
+    def c_call(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> CCall:
+        ptrs, shape, strides, held = arguments(reads, writes)
+        addresses = (ctypes.addressof(shape), ctypes.addressof(strides))
+        return CCall(
+            address, (*ptrs, *addresses, bits), error, raises=MemoryError, keep=(shape, strides, *held)
+        )
+
+    launch.c_call = c_call
     return launch
 
 
-__all__ = ["attention_launcher", "check_attention_kernel", "render_attention", "unit_last"]
+__all__ = ["attention_launcher", "check_attention_kernel", "render_attention", "scale_bits", "unit_last"]

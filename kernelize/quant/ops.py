@@ -18,10 +18,13 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kernelize.quant import gpu, kernels
 from kernelize.quant.formats import PackedWeight
+from kernelize.runtime.backend import CCall
 
 FEW_ROWS = 8  # rows up to which the packed kernel runs (decode); above, panels of dequantized weight
 PANEL_ROWS = 256  # output rows per dequantized panel (256 x 4096 f32: 4 MiB, stays in the last-level cache)
@@ -176,6 +179,32 @@ class FewRows:
         w, s, n, b = self.weight_ptrs
         entry(x.data_ptr(), m, k, w, s, n, b, out.data_ptr(), torch.get_num_threads(), self.up, self.act)
         return out.view(*x.shape[:-1], self.n_out)
+
+    # where c_call's arguments hold x's and the output's data pointers, and the thread count
+    X_ARG, OUT_ARG, THREADS_ARG = 0, 7, 8
+
+    def c_call(self, x: torch.Tensor, out: torch.Tensor) -> CCall | None:
+        """The call ``self(x)`` makes, writing into ``out`` (``[rows, n]`` contiguous, x's dtype), for a
+        replay program (:class:`kernelize.runtime.replay.Program`; the thread count goes to argument
+        :attr:`THREADS_ARG`); None for what the call does not take."""
+        k, m = self.k, x.numel() // self.k
+        entry = self.entries.get(x.dtype)
+        if (
+            x.shape[-1] != k
+            or not x.is_cpu
+            or not x.is_contiguous()
+            or entry is None
+            or not 0 < m <= FEW_ROWS
+        ):
+            return None
+        if out.shape[-1] != self.n_out or out.numel() != m * self.n_out or not out.is_contiguous():
+            return None
+        if out.dtype != x.dtype:
+            return None
+        w, s, n, b = self.weight_ptrs
+        fn = ctypes.cast(entry, ctypes.c_void_p).value
+        args = (x.data_ptr(), m, k, w, s, n, b, out.data_ptr(), 0, self.up, self.act)
+        return CCall(fn, args, "the packed few-row kernel cannot fail", keep=(self.packed, self.bias))
 
 
 def _cpu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from kernelize.codegen.cpu_build import WORKERS, with_workers, workers_policy
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
-from kernelize.runtime.backend import Backend, CompiledKernel
+from kernelize.runtime.backend import Backend, CCall, CompiledKernel
 from kernelize.runtime.buffers import (
     Buffers,
     arena_for,
@@ -233,6 +233,23 @@ _BOUND_CACHE_MAX = 256  # distinct input signatures remembered per compiled grap
 CPU_LIBRARY = {Op.POOL: (cpu_pool.supports, cpu_pool.pool)}
 # runs of generated steps go to C in one call (kernelize.runtime.replay); KERNELIZE_REPLAY=0 keeps Python
 REPLAY = os.environ.get("KERNELIZE_REPLAY", "1") != "0"
+
+
+class FixedCall(NamedTuple):
+    """:meth:`CompiledGraph.fixed_call`: a graph's C calls on buffers that stay the same from run to run.
+
+    Attributes:
+        calls: the calls in order, as made on the inputs they were built from.
+        patches: ``(call, argument, input, byte offset)``: where a varying input's data pointer (plus the
+            offset of the view of it the call reads) goes.
+        outputs: the graph's outputs, on ``writes``.
+        writes: the buffers the kernels write (the program that makes the calls holds them).
+    """
+
+    calls: tuple[CCall, ...]
+    patches: tuple[tuple[int, int, int, int], ...]
+    outputs: tuple[torch.Tensor, ...]
+    writes: tuple[torch.Tensor, ...]
 
 
 class CompiledGraph:
@@ -445,6 +462,46 @@ class CompiledGraph:
             views[node] = out
         return self._run_direct(inputs, bound, views)
 
+    def fixed_call(self, inputs: Sequence[torch.Tensor], varying: Sequence[int]) -> FixedCall | None:
+        """For a CPU graph of generated kernels only: the C calls a run on ``inputs`` makes, writing into
+        buffers allocated here that stay the same from run to run, for a replay program
+        (:class:`kernelize.runtime.replay.Program`) that makes them again with other inputs of the same
+        signature. ``varying``: the inputs whose data pointers change between runs (the rest, weights, stay
+        put); where the calls read them is in :attr:`FixedCall.patches`. None for any other graph (a library
+        step, a conv, a kernel with no C call at these sizes), or an input read through a copy."""
+        if self.device.type != "cpu" or self.backend == "reference":
+            return None
+        bound = self._bind(inputs)
+        if any(not inputs[j].is_contiguous() for j in varying):
+            return None
+        vals: dict[Node, torch.Tensor] = {**self._consts, **dict(zip(self.graph.inputs, inputs))}
+        spans = [(j, inputs[j].data_ptr(), inputs[j].data_ptr() + inputs[j].nbytes) for j in varying]
+        calls, patches, writes_all = [], [], []
+        for i, step in enumerate(self._steps):
+            k, compiled = step.kernel, step.compiled
+            if step.library or step.operands or step.conv is not None or compiled is None:
+                return None
+            if compiled.c_call is None or compiled.fresh is not None:
+                return None
+            reads = [vals[b] if b in vals else materialize(b, vals, bound.env) for b in k.reads]
+            writes = [torch.empty(s, dtype=b.dtype.torch) for b, s in zip(k.writes, bound.shapes[i])]
+            call = compiled.c_call(reads, writes, bound.sizes[i])
+            if call is None:
+                return None
+            slots = call.slots or range(len(reads) + len(writes))
+            for t, a in zip(reads, slots):
+                hit = [(j, t.data_ptr() - lo) for j, lo, hi in spans if lo <= t.data_ptr() < hi]
+                if hit and a is None:
+                    return None  # a varying input the call sees only through a derived argument
+                patches += [(len(calls), a, j, offset) for j, offset in hit]
+            calls.append(call)
+            writes_all += writes
+            vals.update(zip(k.writes, writes))
+        outs = [materialize_view(o, vals, bound.env, bound.views) for o in self.graph.outputs]
+        if any(lo <= o.data_ptr() < hi for o in outs for _, lo, hi in spans):
+            return None  # an output that is (a view of) a varying input: it would not stay put
+        return FixedCall(tuple(calls), tuple(patches), tuple(outs), tuple(writes_all))
+
     def _check_out(self, j: int, out: torch.Tensor, want: tuple) -> None:
         """``out`` is contiguous with output ``j``'s (shape, dtype, device) ``want``, else ValueError."""
         if (tuple(out.shape), out.dtype, out.device) != want or not out.is_contiguous():
@@ -633,6 +690,7 @@ __all__ = [
     "BACKENDS",
     "CompiledGraph",
     "CompiledModule",
+    "FixedCall",
     "compile_graph",
     "default_device",
     "print_kernels",

@@ -44,14 +44,136 @@ class KzCall(ctypes.Structure):
 
 
 @functools.cache
-def _replay_fn():
-    """``kz_replay``, compiled once (disk-cached like every kernel)."""
+def _replay_lib() -> ctypes.CDLL:
+    """``cpu_replay.cpp`` compiled once (disk-cached like every kernel)."""
     from kernelize.codegen.cpu_build import build_shared_object, load
     from kernelize.codegen.template import load_template
 
-    fn = load(build_shared_object(load_template("cpu_replay.cpp"), "kz_replay")).kz_replay
-    fn.argtypes, fn.restype = [ctypes.POINTER(KzCall), ctypes.c_int], ctypes.c_int
-    return fn
+    lib = load(build_shared_object(load_template("cpu_replay.cpp"), "kz_replay"))
+    lib.kz_replay.argtypes, lib.kz_replay.restype = [ctypes.POINTER(KzCall), ctypes.c_int], ctypes.c_int
+    return lib
+
+
+def _replay_fn():
+    """``kz_replay``."""
+    return _replay_lib().kz_replay
+
+
+def copy_rows_call(src: torch.Tensor, dst: torch.Tensor) -> CCall | None:
+    """The call copying ``src`` into ``dst`` (same shape and dtype) as rows of their last axis, for a replay
+    program (``kz_copy_rows``); None when the last axis is not dense in both or the rows are not evenly
+    spaced (one stride over the leading axes)."""
+    if src.shape != dst.shape or src.dtype != dst.dtype or not src.numel():
+        return None
+    rows, width = src.numel() // src.shape[-1], src.shape[-1] * src.element_size()
+    spaced = [_row_stride(t) for t in (src, dst)]
+    if None in spaced or (src.shape[-1] > 1 and (src.stride(-1) != 1 or dst.stride(-1) != 1)):
+        return None
+    size = src.element_size()
+    fn = ctypes.cast(_replay_lib().kz_copy_rows, ctypes.c_void_p).value
+    args = (src.data_ptr(), dst.data_ptr(), rows, width, spaced[0] * size, spaced[1] * size)
+    return CCall(fn, args, "kz_copy_rows cannot fail")
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The element distance between consecutive rows (over all leading axes) of ``t``, or None when the
+    rows are not evenly spaced."""
+    lead = [(n, st) for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1]
+    if not lead:
+        return t.shape[-1]
+    step = lead[-1][1]
+    for (_, st), (n_in, st_in) in zip(lead[:-1], lead[1:]):
+        if st != st_in * n_in:
+            return None
+    return step
+
+
+class Program:
+    """A fixed sequence of C calls run by one ``kz_replay`` call, with named slots written per run: the few
+    pointers and sizes that change from one run to the next (a decode step's input and output, the cache
+    position). Everything else the calls read and write is fixed: the program holds those buffers
+    (:meth:`hold`) for as long as it lives.
+
+    Example:
+        >>> program = Program()  # doctest: +SKIP
+        >>> program.add(norm_call, x=0)  # argument 0 of the call is the slot "x"
+        >>> program.run(x=hidden.data_ptr())
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[CCall, int, dict[tuple[int, int], str]]] = []
+        self._held: list = []
+        self._calls: ctypes.Array | None = None
+        self._patches: tuple[tuple[int, int, int, str], ...] = ()
+        self._threads: tuple[tuple[int, int], ...] = ()
+        self._threads_set = 0  # the thread count the calls hold
+
+    def add(self, call: CCall, threads_at: int | None = None, **slots: int | tuple[int, int]) -> int:
+        """Append ``call``; its thread count goes to argument ``threads_at`` (default: after its arguments,
+        :class:`CCall`'s convention; -1: it takes none); ``slots``: slot name -> argument index, or
+        (argument index, byte offset added to the slot's value). Returns the call's index."""
+        assert self._calls is None, "Program.add after the first run"
+        at = len(call.args) if threads_at is None else threads_at
+        assert len(call.args) <= REPLAY_ARGS and at < REPLAY_ARGS, "too many arguments for kz_replay"
+        where = {(a, 0) if isinstance(a, int) else a: name for name, a in slots.items()}
+        self._entries.append((call, at, where))
+        self.hold(*call.keep)
+        return len(self._entries) - 1
+
+    def add_graph(self, fixed, names: dict[int, str]) -> None:
+        """Append a graph's calls (:class:`kernelize.runtime.compiled.FixedCall`); ``names``: varying input
+        index -> the slot its data pointer comes from. Holds the graph's buffers."""
+        for c, call in enumerate(fixed.calls):
+            slots = {}
+            for pc, a, j, offset in fixed.patches:
+                if pc == c:
+                    slots[(a, offset)] = names[j]
+            assert self._calls is None, "Program.add_graph after the first run"
+            self._entries.append((call, len(call.args), slots))
+            self.hold(*call.keep)
+        self.hold(*fixed.writes)
+
+    def hold(self, *objects) -> None:
+        """Keep ``objects`` (the buffers the calls' pointers point into) alive with the program."""
+        self._held.extend(objects)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _seal(self) -> None:
+        calls = (KzCall * len(self._entries))()
+        for c, (call, _, _) in enumerate(self._entries):
+            calls[c].fn = call.fn
+            for a, v in enumerate(call.args):
+                calls[c].args[a] = v
+        self._patches = tuple(
+            (c, a, offset, name)
+            for c, (_, _, s) in enumerate(self._entries)
+            for (a, offset), name in s.items()
+        )
+        self._threads = tuple((c, at) for c, (_, at, _) in enumerate(self._entries) if at >= 0)
+        self._calls = calls
+
+    def run(self, **values: int) -> None:
+        """Write ``values`` into their slots and the thread count into every call, then make the calls.
+
+        Raises:
+            the first failing call's exception type (:attr:`CCall.raises`) with its message.
+        """
+        if self._calls is None:
+            self._seal()
+        calls = self._calls
+        for c, a, offset, name in self._patches:
+            calls[c].args[a] = values[name] + offset
+        threads = torch.get_num_threads()
+        if threads != self._threads_set:
+            for c, a in self._threads:
+                calls[c].args[a] = threads
+            self._threads_set = threads
+        rc = _replay_fn()(calls, len(self._entries))
+        if rc:
+            call = self._entries[rc - 1][0]
+            raise call.raises(call.error)
 
 
 @dataclass
@@ -219,4 +341,4 @@ def _size(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["Batch", "KzCall", "batch_of", "step_call"]
+__all__ = ["Batch", "KzCall", "Program", "batch_of", "copy_rows_call", "step_call"]

@@ -172,3 +172,36 @@ def test_a_conv_reading_the_graph_input_replays_with_an_nhwc_copy():
     for x, out in zip(xs, outs, strict=True):
         torch.testing.assert_close(out, evaluate(g, [x])[0], rtol=1e-4, atol=1e-5)
     assert [type(u) for u in _program(cg)][:1] == [Batch] and 0 in _program(cg)[0].steps
+
+
+def test_a_program_of_fixed_calls_patches_its_slots_on_every_run():
+    """`CompiledGraph.fixed_call` + `Program`: a graph's calls on fixed buffers, the varying input patched
+    (through a view of it at an offset), then `kz_copy_rows` into a patched output: equal to the graph's own
+    runs, bit for bit, for inputs at new addresses."""
+    from kernelize.runtime.replay import Program, copy_rows_call
+
+    g = Graph()
+    x = g.input("x", (B, 64), "f32")
+    g.output(g.softmax(g.mul(g.exp(g.mul(x, g.const(0.5))), g.const(3.0))))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    fixed = cg.fixed_call([torch.randn(4, 64)], varying=(0,))
+    assert fixed is not None and fixed.patches and all(p[2] == 0 for p in fixed.patches)
+    program = Program()
+    program.add_graph(fixed, {0: "x"})
+    program.add(copy_rows_call(fixed.outputs[0], torch.empty(4, 64)), threads_at=-1, out=1)
+    for _ in range(3):
+        xs, out = torch.randn(4, 64), torch.empty(4, 64)
+        program.run(x=xs.data_ptr(), out=out.data_ptr())
+        assert torch.equal(out, cg(xs)[0])
+
+
+def test_copy_rows_takes_evenly_spaced_rows_only():
+    from kernelize.runtime.replay import Program, copy_rows_call
+
+    src = torch.randn(3, 5, 8)[:, 1:4]  # rows 8 apart within a block, blocks 40 apart: not evenly spaced
+    assert copy_rows_call(src, torch.empty(3, 3, 8)) is None
+    buf, new = torch.zeros(2, 6, 10, 4), torch.randn(2, 6, 1, 4)  # a cache row: rows 40 apart
+    program = Program()
+    program.add(copy_rows_call(new, buf[:, :, 7:8]), threads_at=-1)
+    program.run()
+    assert torch.equal(buf[:, :, 7:8], new) and not buf[:, :, :7].any() and not buf[:, :, 8:].any()

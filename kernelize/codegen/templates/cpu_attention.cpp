@@ -433,7 +433,12 @@ int prefill(const Args& a, int nthreads) {
 }  // namespace
 
 extern "C" int $NAME$(const kz_t* q, const kz_t* k, const kz_t* v, const kz_tm* m, const float* sinks, kz_t* o,
-                      const int64_t* sizes, const int64_t* strides, float scale, int kz_nthreads) {
+                      const int64_t* sizes, const int64_t* strides, int64_t scale_bits, int kz_nthreads) {
+    // the scale comes as its f32 bits in an integer argument: every argument is integer-class, so a replay
+    // program (kernelize/runtime/replay.py) calls this as it calls the other kernels
+    const uint32_t sb = (uint32_t)scale_bits;
+    float scale;
+    memcpy(&scale, &sb, sizeof scale);
     Args a;
     a.q = q, a.k = k, a.v = v, a.m = m, a.sinks = sinks, a.o = o;
     a.B = sizes[0], a.HQ = sizes[1], a.HKV = sizes[2], a.LQ = sizes[3], a.LK = sizes[4];

@@ -4,6 +4,7 @@
 // AArch64 C calling conventions pass the same way, so one signature of KZ_REPLAY_ARGS int64 arguments calls
 // them all: the arguments past a kernel's own are ignored.
 #include <stdint.h>
+#include <string.h>
 
 #define KZ_REPLAY_ARGS 16
 struct kz_call {
@@ -22,5 +23,14 @@ extern "C" int kz_replay(const kz_call* calls, int n) {
                                                   a[11], a[12], a[13], a[14], a[15]);
         if (rc) return i + 1;
     }
+    return 0;
+}
+
+// kz_copy_rows: `rows` rows of `bytes` bytes from src (rows `src_stride` bytes apart) to dst (`dst_stride`
+// apart): what a replay program runs for a copy between kernels (a decode step's new key / value into the
+// cache's room). Returns 0 (the replay convention).
+extern "C" int kz_copy_rows(const char* src, char* dst, int64_t rows, int64_t bytes, int64_t src_stride,
+                            int64_t dst_stride) {
+    for (int64_t r = 0; r < rows; ++r) memcpy(dst + r * dst_stride, src + r * src_stride, (size_t)bytes);
     return 0;
 }

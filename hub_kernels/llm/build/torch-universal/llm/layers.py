@@ -41,6 +41,7 @@ from .alibi import ResidualAlibiAttention as ResidualAlibiAttention
 from .block import ROTARY_TABLES as ROTARY_TABLES  # read by the one call
 from .block import block_of, norms_of, rotary_tables, row_parallel, run_block
 from .causal_lm import CausalLMWithLoss as CausalLMWithLoss  # a layer of this repository
+from .decode_step import replayed
 from .fused_qkv import FusedQKVAttention as FusedQKVAttention  # layers of this repository
 from .fused_qkv import FusedQKVDecoderLayer as FusedQKVDecoderLayer
 
@@ -270,6 +271,10 @@ def decoder_forward(
     block = block_of(layer, hidden_states, CausalSelfAttention)
     if block is not None and position_embeddings is not None:
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+
+        out = replayed(layer, block, hidden_states, position_embeddings, attention_mask, cache, kwargs)
+        if out is not None:
+            return out
 
         def attend_here(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return attend(layer.self_attn, q, k, v, attention_mask, cache, kwargs)[0]

@@ -1,0 +1,279 @@
+"""A decoder layer's decode step as one replayed call: every kernel of the block, the cache write and the
+attention, from C, with no Python between them (issue #33 item 6).
+
+Decoding one token, the block's Python (looking up each graph, binding its shapes, allocating its outputs,
+the cache bookkeeping, a ctypes call per kernel) took about as long as its packed q4_0 kernels on a small
+model. Here a layer's first decode step builds a :class:`~kernelize.runtime.replay.Program`: the C calls of
+its graphs (:meth:`~kernelize.runtime.compiled.CompiledGraph.fixed_call`), of its packed projections
+(:meth:`~kernelize.quant.ops.FewRows.c_call`) and of the attention kernel, with the buffers between them
+held by the program. Each step after that writes the few values that change into the program (the input's
+and output's addresses, the rotary tables', the cache row the new key and value go to, the key length) and
+makes one ``kz_replay`` call; transformers' cache object then shows the new position, as
+:func:`kernelize.kv_cache.update` leaves it.
+
+It runs the same kernels on the same values as the block's Python path, so the outputs are bit for bit the
+same. A step that is not a plain decode step (more than one token, a mask, a cache without room for the
+new row, hooks, training: anything the Python path handles differently) goes the Python way; so does a
+layer whose graphs are not all generated C kernels (the reason is kept on the layer and logged at debug
+level: the same kernels run, with Python between them). A changed
+weight (another tensor, or the same one moved) or a new cache buffer builds the program again.
+``KERNELIZE_DECODE_REPLAY=0`` turns it off.
+
+Example:
+    >>> out = replayed(layer, block, hidden, position_embeddings, None, cache, {})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernelize import kv_cache
+from kernelize.hub import backend_for, entry_for, note_kernels, note_ran
+from kernelize.model_attention import _REFERENCE, call_fallback_reason
+from kernelize.runtime.replay import Program, copy_rows_call
+
+from .block import (
+    Block,
+    _norm_params,
+    _packed_calls,
+    _weights,
+    after_mlp_math,
+    mlp_math,
+    norm_math,
+    post_attention_math,
+    pre_attention_math,
+    residual_norm_math,
+    rotary_tables,
+    rotate_math,
+)
+
+logger = logging.getLogger(__name__)
+ENABLED = os.environ.get("KERNELIZE_DECODE_REPLAY", "1") != "0"
+
+
+class _Step:
+    """A layer's built program and what a run writes besides its slots: the attention's sizes array."""
+
+    __slots__ = ("program", "sizes", "sources")
+
+    def __init__(self, program: Program, sizes: Any, sources: tuple) -> None:
+        self.program, self.sizes, self.sources = program, sizes, sources
+
+
+def replayed(
+    layer: nn.Module,
+    block: Block,
+    x: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    cache: Any,
+    kwargs: dict[str, Any],
+) -> torch.Tensor | None:
+    """The layer's output for one decode token ``x`` ``[1, 1, hidden]`` through its program, or None: the
+    block's Python path runs this step (module docstring)."""
+    if not ENABLED or cache is None or attention_mask is not None or x.shape[:2] != (1, 1) or not x.is_cpu:
+        return None
+    if block.attn_shards is not None or block.mlp_shards is not None or block.own_mlp or _REFERENCE.get():
+        return None
+    attn = layer.self_attn
+    if call_fallback_reason(attn, x, x, 0.0, kwargs) is not None or not x.is_contiguous():
+        return None
+    cos, sin = rotary_tables(attn, *position_embeddings)
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    where = kv_cache.room(cache, attn.layer_idx, 1)
+    if where is None:
+        return None
+    cache_layer, kbuf, vbuf, held = where
+    key = (block, x.dtype, cos.shape, cos.dtype, kbuf.data_ptr(), vbuf.data_ptr(), kbuf.shape)
+    built = layer.__dict__.get("_kernelize_decode_step")
+    if built is None or built[0] != key or not _unchanged(built[1]):
+        step = _build(layer, block, x, cos, sin, kbuf, vbuf, held)
+        if isinstance(step, str):  # not a fallback: the same kernels run, with Python between them
+            logger.debug("decode steps of %s run the block's Python path: %s", type(layer).__name__, step)
+        built = layer.__dict__["_kernelize_decode_step"] = (key, step)
+    step = built[1]
+    if isinstance(step, str):
+        return None
+    out = torch.empty_like(x)
+    step.sizes[4] = held + 1  # the attention's key length
+    row = kbuf.stride(2) * kbuf.element_size()
+    step.program.run(
+        x=x.data_ptr(),
+        cos=cos.data_ptr(),
+        sin=sin.data_ptr(),
+        out=out.data_ptr(),
+        key=kbuf.data_ptr() + held * row,
+        value=vbuf.data_ptr() + held * vbuf.stride(2) * vbuf.element_size(),
+    )
+    kv_cache.advance(cache_layer, kbuf, vbuf, held + 1)
+    return out
+
+
+def _sources(layer: nn.Module) -> tuple[tuple, tuple[torch.Tensor, ...], list[int]]:
+    """What the layer's program was built from: every submodule, parameter and buffer in its place, and
+    the parameters' and buffers' addresses (cheap to check per step; a replaced or moved one, as
+    `load_state_dict` into new tensors or `set_packed` leaves it, builds the program again)."""
+    places, tensors = [], []
+    for mod in layer.modules():
+        places += [(mod._modules, name, child) for name, child in mod._modules.items()]
+        for d in (mod._parameters, mod._buffers):
+            places += [(d, name, t) for name, t in d.items() if t is not None]
+            tensors += [t for t in d.values() if t is not None]
+    return tuple(places), tuple(tensors), [t.data_ptr() for t in tensors]
+
+
+def _unchanged(step: _Step | str) -> bool:
+    if isinstance(step, str):
+        return True
+    places, tensors, addresses = step.sources
+    return all(d.get(name) is t for d, name, t in places) and [t.data_ptr() for t in tensors] == addresses
+
+
+def _graph(prog: Program, owner: nn.Module, fn, inputs: list, weights: list, names: dict[int, str], **params):
+    """Append the graph ``fn`` on ``inputs`` (+ ``weights``) to ``prog``; ``names``: input index -> the slot
+    its address comes from per run. Returns its outputs (the program's buffers), or raises _NotFixed."""
+    tensors = [*inputs, *weights]
+    entry = entry_for(fn, tensors, len(inputs), params, backend_for(tensors[0].device))
+    fixed = entry.compiled.fixed_call(tensors, tuple(names))
+    if fixed is None:
+        raise _NotFixed(f"`{fn.__name__}` is not all generated kernels with C calls at these sizes")
+    note_ran(owner, entry)
+    prog.add_graph(fixed, names)
+    prog.hold(*weights)  # merged weights live in a cache the layer may drop
+    return fixed.outputs
+
+
+class _NotFixed(Exception):
+    """A piece of the step that a program cannot make (the message says which)."""
+
+
+def _build(layer, block, x, cos, sin, kbuf, vbuf, held) -> _Step | str:
+    """The layer's program for decode steps like this one, or why it has none."""
+    sources = _sources(layer)
+    try:
+        prog = Program()
+        out, sizes = (_packed if block.packed is not None else _dense)(
+            prog, layer, block, x, cos, sin, kbuf, vbuf, held
+        )
+        final = copy_rows_call(out, torch.empty_like(x))
+        if final is None:
+            raise _NotFixed("the layer's output is not a dense row")
+        prog.add(final, threads_at=-1, out=1)
+        prog.hold(*sources[1])  # the weights the calls read in place
+        return _Step(prog, sizes, sources)
+    except _NotFixed as e:
+        return str(e)
+
+
+def _attention(prog: Program, attn: nn.Module, q, k, v, kbuf, vbuf, held) -> tuple[torch.Tensor, Any]:
+    """The new key and value copied into the cache's row (slots `key`, `value`), then attention over the
+    cache: ``(output [1, 1, heads * head_dim], the call's sizes array)``."""
+    from kernelize.attention import AttentionUnsupported, _launcher
+    from kernelize.ir.ops import AttentionArgs
+
+    from .layers import sliding_window_of
+
+    if sliding_window_of(attn) is not None or getattr(attn, "attn_logit_softcapping", None) is not None:
+        raise _NotFixed("sliding-window or soft-capped attention")
+    if isinstance(getattr(attn, "sinks", None), torch.Tensor):
+        raise _NotFixed("attention sinks")
+    for new, buf, slot in ((k, kbuf, "key"), (v, vbuf, "value")):
+        call = copy_rows_call(new, buf[:, :, held : held + 1])
+        if call is None:
+            raise _NotFixed("a key or value the cache row cannot take as rows")
+        prog.add(call, threads_at=-1, **{slot: 1})
+    keys, values = kbuf[:, :, : held + 1], vbuf[:, :, : held + 1]
+    hq, hkv = q.shape[1], keys.shape[1]
+    scale = attn.scaling if getattr(attn, "scaling", None) is not None else 1.0 / math.sqrt(q.shape[3])
+    args = AttentionArgs(scale=float(scale), causal=False, mask="none", groups=hq // hkv)
+    try:
+        launch, record = _launcher(q, keys, values, None, args)
+    except AttentionUnsupported as e:
+        raise _NotFixed(f"the attention kernel declined: {e}") from None
+    c_call = getattr(launch, "c_call", None)
+    if c_call is None:
+        raise _NotFixed("the attention kernel has no C call on this backend")
+    note_kernels(attn, record)
+    out = torch.empty((1, hq, 1, values.shape[3]), dtype=q.dtype)
+    call = c_call([q, keys, values], [out])
+    prog.add(call)
+    prog.hold(out)
+    return out.view(1, 1, -1), call.keep[0]
+
+
+def _packed(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
+    """norm -> packed q|k|v -> rotary -> cache, attention -> packed o_proj -> residual and norms -> packed
+    gate|up with its activation -> packed down_proj -> [norm] + residual (`block._run_packed`'s steps)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    calls = _packed_calls(layer, block)
+    if any(c is None for c in calls):
+        raise _NotFixed("a packed projection's bias is not the few-row kernel's (f32)")
+    weight_of = _norm_params(layer, block)
+    pre = block.pre
+    h = x
+    if pre["norm"] is not None:
+        (h,) = _graph(
+            prog, layer, norm_math, [x], weight_of["input"], {0: "x"}, norm=pre["norm"], eps=pre["eps"]
+        )
+    qkv = _project(prog, calls[0], h, h is x)
+    rotary = {name: pre[name] for name in ("heads", "kv_heads", "head_dim", "neox")}
+    q, k, v = _graph(prog, attn, rotate_math, [qkv, cos, sin], [], {1: "cos", 2: "sin"}, **rotary)
+    o_in, sizes = _attention(prog, attn, q, k, v, kbuf, vbuf, held)
+    o = _project(prog, calls[1], o_in, False)
+    post_w = _weights(weight_of, "post_attn", "pre_ff")
+    h = _graph(prog, layer, residual_norm_math, [o, x], post_w, {1: "x"}, **block.post)
+    h, residual = (h[0], h[0]) if block.post["norm"] is None else h
+    y = _project(prog, calls[3], _project(prog, calls[2], h, False), False)
+    tail = {"norm": block.mlp["norm"], "eps": block.mlp["eps"]}
+    (out,) = _graph(prog, mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), {}, **tail)
+    return out, sizes
+
+
+def _project(prog: Program, call, x: torch.Tensor, varying: bool) -> torch.Tensor:
+    """A packed few-row product of ``x`` into a new buffer of the program (``varying``: x is the step's
+    input, slot `x`)."""
+    from kernelize.quant.ops import FewRows
+
+    out = torch.empty((*x.shape[:-1], call.n_out), dtype=x.dtype)
+    c_call = call.c_call(x, out)
+    if c_call is None:
+        raise _NotFixed("a packed projection the few-row kernel does not take")
+    prog.add(c_call, threads_at=FewRows.THREADS_ARG, **({"x": FewRows.X_ARG} if varying else {}))
+    prog.hold(x, out)
+    return out
+
+
+def _dense(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
+    """The three graphs of `block.run_block` around the cache write and the attention."""
+    from .block import _gate_up
+    from .layers import merged_qkv
+
+    attn, mlp = layer.self_attn, layer.mlp
+    weight_of = _norm_params(layer, block)
+    weight, bias = merged_qkv(attn)
+    qk_w = [attn.q_norm.weight, attn.k_norm.weight] if block.pre.get("qk_norm") else []
+    pre_w = [*_weights(weight_of, "input"), weight, *([] if bias is None else [bias]), *qk_w]
+    names = {0: "x", 1: "cos", 2: "sin"}
+    q, k, v = _graph(
+        prog, attn, pre_attention_math, [x, cos, sin], pre_w, names, bias=bias is not None, **block.pre
+    )
+    out, sizes = _attention(prog, attn, q, k, v, kbuf, vbuf, held)
+    o = attn.o_proj
+    post_w = [o.weight, *([] if o.bias is None else [o.bias]), *_weights(weight_of, "post_attn", "pre_ff")]
+    h = _graph(
+        prog, layer, post_attention_math, [out, x], post_w, {1: "x"}, bias=o.bias is not None, **block.post
+    )
+    h, residual = (h[0], h[0]) if block.post["norm"] is None else h
+    mlp_w = [_gate_up(mlp, block), mlp.down_proj.weight, *_weights(weight_of, "post_ff")]
+    (y,) = _graph(prog, mlp, mlp_math, [h, residual], mlp_w, {}, **block.mlp)
+    return y, sizes
+
+
+__all__ = ["ENABLED", "replayed"]

@@ -1,0 +1,85 @@
+"""The replayed decode step (hub_kernels/llm/.../decode_step.py): a decoder layer's decode token as one C
+call, bit for bit the block's Python path, rebuilt when a weight or the cache buffer changes."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from kernelize.integrations.transformers import kernelize_model
+from kernelize.runtime.replay import Program
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(dtype: torch.dtype, quantize: str | None) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval().to(dtype)
+    kernelize_model(model, quantize=quantize)
+    return model
+
+
+def _decode_step_module():
+    (mod,) = {
+        m for name, m in sys.modules.items() if name.endswith(".decode_step") and hasattr(m, "replayed")
+    }
+    return mod
+
+
+def _generate(model: nn.Module, new: int = 70):
+    """70 new tokens: past the first cache buffer's room (64 positions), so the program is built again."""
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize(
+    "dtype, quantize", [(torch.bfloat16, "q4_0"), (torch.float32, "q8_0"), (torch.bfloat16, None)]
+)
+def test_replayed_decode_steps_equal_the_python_path(monkeypatch, dtype, quantize):
+    model = _llama(dtype, quantize)
+    step = _decode_step_module()
+    runs = []
+    run = Program.run
+    monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append(1), run(self, **v))[1])
+    tokens, logits = _generate(model)
+    layers = model.model.layers
+    assert len(runs) >= 2 * 60  # two layers, nearly every decode step replayed
+    assert all(type(layer.__dict__["_kernelize_decode_step"][1]) is step._Step for layer in layers)
+    monkeypatch.setattr(step, "ENABLED", False)
+    runs.clear()
+    want_tokens, want_logits = _generate(model)
+    assert not runs
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_a_replaced_weight_builds_the_program_again(monkeypatch):
+    model = _llama(torch.bfloat16, None)
+    _generate(model, 4)
+    down = model.model.layers[1].mlp.down_proj
+    down.weight = nn.Parameter(down.weight.detach() * 2)  # a new tensor: the old program read the old one
+    tokens, logits = _generate(model, 8)
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model, 8)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_a_layer_whose_graphs_are_not_all_c_calls_keeps_why(monkeypatch):
+    """f32 dense projections run torch's GEMV inside the graph: no program, the reason kept on the layer
+    (not an `inspect` note: the same kernels run, with Python between them)."""
+    model = _llama(torch.float32, None)
+    runs = []
+    monkeypatch.setattr(Program, "run", lambda self, **v: runs.append(1))
+    _generate(model, 4)
+    assert not runs
+    reason = model.model.layers[0].__dict__["_kernelize_decode_step"][1]
+    assert isinstance(reason, str) and "pre_attention_math" in reason
