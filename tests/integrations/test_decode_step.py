@@ -35,7 +35,7 @@ def _decode_step_module():
 
 def _generate(model: nn.Module, new: int = 70):
     """70 new tokens: past the first cache buffer's room (64 positions), so the program is built again."""
-    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)  # fmt: skip
@@ -83,3 +83,22 @@ def test_a_layer_whose_graphs_are_not_all_c_calls_keeps_why(monkeypatch):
     assert not runs
     reason = model.model.layers[0].__dict__["_kernelize_decode_step"][1]
     assert isinstance(reason, str) and "pre_attention_math" in reason
+
+
+def test_an_moe_layer_replays_up_to_its_own_mlp(monkeypatch):
+    """Qwen3-MoE: the attention half of each layer replays, the sparse MLP (router and experts kernels)
+    runs its own forward on the program's output; tokens and logits equal the Python path's."""
+    from kernelize.models import zoo
+
+    torch.manual_seed(0)
+    model = zoo.tiny_causal_lm("qwen3_moe").to(torch.bfloat16)
+    kernelize_model(model)
+    runs = []
+    run = Program.run
+    monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append(1), run(self, **v))[1])
+    tokens, logits = _generate(model, 12)
+    steps = [layer.__dict__.get("_kernelize_decode_step", (None, None))[1] for layer in model.model.layers]
+    assert runs and all(s.outputs in (1, 2) for s in steps), steps
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model, 12)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)

@@ -12,12 +12,13 @@ makes one ``kz_replay`` call; transformers' cache object then shows the new posi
 :func:`kernelize.kv_cache.update` leaves it.
 
 It runs the same kernels on the same values as the block's Python path, so the outputs are bit for bit the
-same. A step that is not a plain decode step (more than one token, a mask, a cache without room for the
-new row, hooks, training: anything the Python path handles differently) goes the Python way; so does a
-layer whose graphs are not all generated C kernels (the reason is kept on the layer and logged at debug
-level: the same kernels run, with Python between them). A changed
-weight (another tensor, or the same one moved) or a new cache buffer builds the program again.
-``KERNELIZE_DECODE_REPLAY=0`` turns it off.
+same. A block whose MLP runs its own forward (an MoE block: router and experts kernels) replays up to the
+MLP's input, then runs the MLP and the residual after it as the Python path does. A step that is not a
+plain decode step (more than one token, a mask, a cache without room for the new row, hooks, training:
+anything the Python path handles differently) goes the Python way; so does a layer whose graphs are not
+all generated C kernels (the reason is kept on the layer and logged at debug level: the same kernels run,
+with Python between them). A changed weight (another tensor, or the same one moved) or a new cache buffer
+builds the program again. ``KERNELIZE_DECODE_REPLAY=0`` turns it off.
 
 Example:
     >>> out = replayed(layer, block, hidden, position_embeddings, None, cache, {})  # doctest: +SKIP
@@ -40,6 +41,7 @@ from kernelize.runtime.replay import Program, copy_rows_call
 
 from .block import (
     Block,
+    _after_mlp,
     _norm_params,
     _packed_calls,
     _weights,
@@ -60,10 +62,11 @@ ENABLED = os.environ.get("KERNELIZE_DECODE_REPLAY", "1") != "0"
 class _Step:
     """A layer's built program and what a run writes besides its slots: the attention's sizes array."""
 
-    __slots__ = ("program", "sizes", "sources")
+    __slots__ = ("outputs", "program", "sizes", "sources")
 
-    def __init__(self, program: Program, sizes: Any, sources: tuple) -> None:
+    def __init__(self, program: Program, sizes: Any, sources: tuple, outputs: int) -> None:
         self.program, self.sizes, self.sources = program, sizes, sources
+        self.outputs = outputs  # 1: the layer's output; 2: h and the residual before an MoE block's own MLP
 
 
 def replayed(
@@ -79,7 +82,7 @@ def replayed(
     block's Python path runs this step (module docstring)."""
     if not ENABLED or cache is None or attention_mask is not None or x.shape[:2] != (1, 1) or not x.is_cpu:
         return None
-    if block.attn_shards is not None or block.mlp_shards is not None or block.own_mlp or _REFERENCE.get():
+    if block.attn_shards is not None or block.mlp_shards is not None or _REFERENCE.get():
         return None
     attn = layer.self_attn
     if call_fallback_reason(attn, x, x, 0.0, kwargs) is not None or not x.is_contiguous():
@@ -102,6 +105,7 @@ def replayed(
     if isinstance(step, str):
         return None
     out = torch.empty_like(x)
+    residual = torch.empty_like(x) if step.outputs == 2 else out
     step.sizes[4] = held + 1  # the attention's key length
     row = kbuf.stride(2) * kbuf.element_size()
     step.program.run(
@@ -109,11 +113,18 @@ def replayed(
         cos=cos.data_ptr(),
         sin=sin.data_ptr(),
         out=out.data_ptr(),
+        residual=residual.data_ptr(),
         key=kbuf.data_ptr() + held * row,
         value=vbuf.data_ptr() + held * vbuf.stride(2) * vbuf.element_size(),
     )
     kv_cache.advance(cache_layer, kbuf, vbuf, held + 1)
-    return out
+    if not block.own_mlp:
+        return out
+    # the MoE block runs its own forward (router, experts kernel) on the program's h, as `run_block` does
+    y = layer.mlp(out)
+    y = y[0] if isinstance(y, tuple) else y
+    post_ff = _weights(_norm_params(layer, block), "post_ff") if block.mlp["norm"] is not None else []
+    return _after_mlp(layer.mlp, block, y, residual, post_ff)
 
 
 def _sources(layer: nn.Module) -> tuple[tuple, tuple[torch.Tensor, ...], list[int]]:
@@ -159,15 +170,18 @@ def _build(layer, block, x, cos, sin, kbuf, vbuf, held) -> _Step | str:
     sources = _sources(layer)
     try:
         prog = Program()
-        out, sizes = (_packed if block.packed is not None else _dense)(
+        if block.packed is not None and block.own_mlp:
+            raise _NotFixed("packed projections around an MLP that runs its own forward")
+        outs, sizes = (_packed if block.packed is not None else _dense)(
             prog, layer, block, x, cos, sin, kbuf, vbuf, held
         )
-        final = copy_rows_call(out, torch.empty_like(x))
-        if final is None:
-            raise _NotFixed("the layer's output is not a dense row")
-        prog.add(final, threads_at=-1, out=1)
+        for out, slot in zip(outs, ("out", "residual")):  # into the step's own tensors
+            final = copy_rows_call(out, torch.empty_like(x))
+            if final is None:
+                raise _NotFixed("the layer's output is not a dense row")
+            prog.add(final, threads_at=-1, **{slot: 1})
         prog.hold(*sources[1])  # the weights the calls read in place
-        return _Step(prog, sizes, sources)
+        return _Step(prog, sizes, sources, len(outs))
     except _NotFixed as e:
         return str(e)
 
@@ -232,8 +246,7 @@ def _packed(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
     h, residual = (h[0], h[0]) if block.post["norm"] is None else h
     y = _project(prog, calls[3], _project(prog, calls[2], h, False), False)
     tail = {"norm": block.mlp["norm"], "eps": block.mlp["eps"]}
-    (out,) = _graph(prog, mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), {}, **tail)
-    return out, sizes
+    return _graph(prog, mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), {}, **tail), sizes
 
 
 def _project(prog: Program, call, x: torch.Tensor, varying: bool) -> torch.Tensor:
@@ -270,10 +283,11 @@ def _dense(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
     h = _graph(
         prog, layer, post_attention_math, [out, x], post_w, {1: "x"}, bias=o.bias is not None, **block.post
     )
+    if block.own_mlp:  # h (and the residual, when a norm makes h): the MoE block runs its own forward next
+        return h, sizes
     h, residual = (h[0], h[0]) if block.post["norm"] is None else h
     mlp_w = [_gate_up(mlp, block), mlp.down_proj.weight, *_weights(weight_of, "post_ff")]
-    (y,) = _graph(prog, mlp, mlp_math, [h, residual], mlp_w, {}, **block.mlp)
-    return y, sizes
+    return _graph(prog, mlp, mlp_math, [h, residual], mlp_w, {}, **block.mlp), sizes
 
 
 __all__ = ["ENABLED", "replayed"]
