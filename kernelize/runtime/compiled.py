@@ -481,7 +481,7 @@ class CompiledGraph:
             k, compiled = step.kernel, step.compiled
             if step.library or step.operands or step.conv is not None or compiled is None:
                 return None
-            if compiled.c_call is None or compiled.fresh is not None:
+            if compiled.c_call is None:  # (a kernel with `fresh` gives a C call only where it launches)
                 return None
             reads = [vals[b] if b in vals else materialize(b, vals, bound.env) for b in k.reads]
             writes = [torch.empty(s, dtype=b.dtype.torch) for b, s in zip(k.writes, bound.shapes[i])]

@@ -43,7 +43,8 @@ def _generate(model: nn.Module, new: int = 70):
 
 
 @pytest.mark.parametrize(
-    "dtype, quantize", [(torch.bfloat16, "q4_0"), (torch.float32, "q8_0"), (torch.bfloat16, None)]
+    "dtype, quantize",
+    [(torch.bfloat16, "q4_0"), (torch.float32, "q8_0"), (torch.bfloat16, None), (torch.float32, None)],
 )
 def test_replayed_decode_steps_equal_the_python_path(monkeypatch, dtype, quantize):
     model = _llama(dtype, quantize)
@@ -74,13 +75,20 @@ def test_a_replaced_weight_builds_the_program_again(monkeypatch):
 
 
 def test_a_layer_whose_graphs_are_not_all_c_calls_keeps_why(monkeypatch):
-    """f32 dense projections run torch's GEMV inside the graph: no program, the reason kept on the layer
-    (not an `inspect` note: the same kernels run, with Python between them)."""
-    model = _llama(torch.float32, None)
+    """A graph with a step that is not a C call (as a library GEMM past the few-row kernel's rows is): no
+    program, the Python path runs, the reason kept on the layer (not an `inspect` note: the same kernels
+    run, with Python between them)."""
+    from kernelize.runtime.compiled import CompiledGraph
+
+    model = _llama(torch.bfloat16, None)
+    want_tokens, want_logits = _generate(model, 4)
+    for layer in model.model.layers:
+        layer.__dict__.pop("_kernelize_decode_step")
+    monkeypatch.setattr(CompiledGraph, "fixed_call", lambda self, inputs, varying: None)
     runs = []
     monkeypatch.setattr(Program, "run", lambda self, **v: runs.append(1))
-    _generate(model, 4)
-    assert not runs
+    tokens, logits = _generate(model, 4)
+    assert not runs and torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
     reason = model.model.layers[0].__dict__["_kernelize_decode_step"][1]
     assert isinstance(reason, str) and "pre_attention_math" in reason
 
