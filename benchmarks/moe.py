@@ -12,7 +12,8 @@ Variants, round robin in one run (compare ratios, not absolute times):
 * `torch.compile` of the default model (prefill only; `--no-compile` leaves it out).
 
 Measured: prefill (one forward over a 512-token prompt, last logits), decode (greedy `generate` of 32 new
-tokens after a 16-token prompt, tokens/s, and whether the tokens equal eager's), and the experts alone in
+tokens after a 32-token prompt: tokens/s of the tokens after the first, `llm.bench_decode`, and whether the
+tokens equal eager's), and the experts alone in
 decode shape: one token's call with fresh routing over `--bw-layers` layers' experts (more bytes than the
 caches hold), GB/s of the selected experts' weights, against the read bandwidth of `torch.sum` over 1 GiB
 in the same run. Writes `<out>/moe.json`.
