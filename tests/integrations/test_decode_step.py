@@ -110,3 +110,19 @@ def test_an_moe_layer_replays_up_to_its_own_mlp(monkeypatch):
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 12)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_a_program_does_not_keep_a_finished_generations_cache():
+    """The programs hold their own buffers and the weights, never the cache's (a generation's cache is
+    freed with it)."""
+    model = _llama(torch.bfloat16, "q8_0")
+    cache = transformers.DynamicCache()
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        for _ in range(3):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    for layer, cached in zip(model.model.layers, cache.layers, strict=True):
+        step = layer.__dict__["_kernelize_decode_step"][1]
+        held = {t.untyped_storage().data_ptr() for t in step.program._held if isinstance(t, torch.Tensor)}
+        assert held and not held & {b.untyped_storage().data_ptr() for b in cached._kernelize_room[:2]}

@@ -217,7 +217,9 @@ def _attention(prog: Program, attn: nn.Module, q, k, v, kbuf, vbuf, held) -> tup
     note_kernels(attn, record)
     out = torch.empty((1, hq, 1, values.shape[3]), dtype=q.dtype)
     call = c_call([q, keys, values], [out])
-    prog.add(call)
+    # the cache's buffers are not held (a generation's cache is freed with it): one at the same address and
+    # of the same shape takes the same calls, and any other builds the program again
+    prog.add(call._replace(keep=call.keep[:2]))
     prog.hold(out)
     return out.view(1, 1, -1), call.keep[0]
 
