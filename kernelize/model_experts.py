@@ -196,6 +196,30 @@ def experts_forward(
     return fallback_forward(module, fallback)(module, hidden_states, top_k_index, top_k_weights)
 
 
+def experts_c_call(
+    module: torch.nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+):
+    """The C call ``experts_forward(module, x, index, weights)`` makes for these tensors, writing ``out``
+    (a :class:`~kernelize.runtime.backend.CCall` for a replay program), or None where that call would not
+    be one generated kernel's (the model's implementation, the many-pair path, another backend)."""
+    from kernelize.experts import ExpertsUnsupported, _args, _launcher
+
+    plan = _PLANS.get(module)
+    fallback = _FALLBACK.get(module, "grouped_mm")
+    if plan is None or plan[0] is not None or _library_wins(x, index, fallback):
+        return None
+    keywords = dict(plan[1])
+    act, gated = keywords.pop("act", "silu"), keywords.pop("gated")
+    up, down, biases = _operands(module, gated)
+    ops = (x, index, weights, up, down, *((biases["up_bias"], biases["down_bias"]) if biases else ()))
+    try:
+        launch, _ = _launcher(ops, _args(act, gated, bool(biases), tuple(sorted(keywords.items()))))
+    except ExpertsUnsupported:
+        return None
+    c_call = getattr(launch, "c_call", None)
+    return None if c_call is None else c_call(list(ops), [out])
+
+
 def _library_wins(hidden_states: torch.Tensor, top_k_index: torch.Tensor, fallback: str) -> bool:
     """Whether a call runs the model's previous implementation by choice: on the CPU past a few tokens, in
     f32, and in bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX). There the kernel's

@@ -36,10 +36,12 @@ logger = logging.getLogger(__name__)
 ROUTER_LAYER = "Router"  # the layer name `inspect` lists router modules under
 PROBE_TOKENS = 24  # rows of the probe (random hidden states, several per expert)
 # logits and weights tolerance of the probe per dtype (atol = rtol): the kernels compute in f32 as eager does
-# the router's projection: torch's matmul (a decode step's [1, H] x [H, E] is a small GEMV that torch runs on
-# the calling thread; the generated gemv opened a thread team per layer, and on a loaded 2-core machine a team
-# waits a scheduler slice for a late worker: Qwen3-MoE decode 661 against 446 ms/token)
-PROJECTION = "library"
+# the router's projection: the generated few-row kernel up to its rows (a decode step), torch's GEMM past
+# them. Against torch's matmul for every size (the choice until stop 50: a generated gemv then opened a thread
+# team per layer, and on a loaded 2-core machine a team waited a scheduler slice for a late worker), a
+# Qwen3-MoE decode step took 6.85 against 7.55 ms in bf16, 9.91 against 9.94 in f32 (2 threads, interleaved),
+# and the router graph is then all C calls, which a replayed decode step makes
+PROJECTION = "generate"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
@@ -85,6 +87,14 @@ class RouterForward:
 
         note_kernels(m, self.record)
         return tuple(self.compiled(hidden_states, *[getattr(m, p) for p in self.params]))
+
+    def fixed_call(self, hidden_states: torch.Tensor):
+        """The router graph's calls on ``hidden_states`` ``[T, H]`` (a buffer that stays put) for a replay
+        program (:meth:`~kernelize.runtime.compiled.CompiledGraph.fixed_call`), or None."""
+        m = self.module
+        if hidden_states.dim() != 2 or hidden_states.dtype != m.weight.dtype:
+            return None
+        return self.compiled.fixed_call([hidden_states, *[getattr(m, p) for p in self.params]], ())
 
 
 def _build(module: torch.nn.Module) -> tuple[Any, tuple[str, ...]] | str:

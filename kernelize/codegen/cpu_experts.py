@@ -122,38 +122,53 @@ def render_experts(kernel: ExpertsKernel, prelude: str) -> tuple[str, str]:
 
 def experts_launcher(fn, kernel: ExpertsKernel):
     """A ``launch(operands, [out], sizes)`` running the call on the generated kernel or, past
-    ``FEW_PAIRS`` routed pairs, on library GEMMs per expert (see the module docstring)."""
+    ``FEW_PAIRS`` routed pairs, on library GEMMs per expert (see the module docstring);
+    ``launch.c_call(operands, [out])`` is the generated kernel's call for ``kz_replay`` (None past
+    ``FEW_PAIRS``; its ``keep`` holds the strides array the arguments point to)."""
+    from kernelize.runtime.backend import CCall
+
     fn.restype, fn.argtypes = ctypes.c_int, ARGTYPES
     args: ExpertsArgs = kernel.node.arg
     get_threads = torch.get_num_threads
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+
+    def arguments(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]):
+        x, index, weights, up, down, *biases = reads
+        (out,) = writes
+        assert out.is_contiguous(), "experts output must be contiguous"
+        up, down = unit_last(up), unit_last(down)
+        ub, db = biases or (None, None)
+        st = (*x.stride(), *index.stride(), *weights.stride(), *up.stride()[:2], *down.stride()[:2])
+        st += (*ub.stride(), *db.stride()) if biases else (0,) * 4
+        ptrs = [t.data_ptr() for t in (x, index, weights, up, down)]
+        ptrs += [ub.data_ptr() if biases else 0, db.data_ptr() if biases else 0, out.data_ptr()]
+        return ptrs, x.shape[0], (ctypes.c_int64 * 14)(*st), (up, down)
+
+    def error(rc: int, tokens: int, experts: int) -> str:
+        what = ERRORS.get(rc, f"error {rc}").format(experts=experts)
+        return f"cpu experts kernel {kernel.name}: {what} in {tokens} tokens"
 
     def launch(
         reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int] | None = None
     ) -> None:
         x, index, weights, up, down, *biases = reads
-        (out,) = writes
-        assert out.is_contiguous(), "experts output must be contiguous"
         if index.numel() > FEW_PAIRS:
-            out.copy_(gemm_experts(x, index, weights, up, down, args, *biases))
+            writes[0].copy_(gemm_experts(x, index, weights, up, down, args, *biases))
             return
-        up, down = unit_last(up), unit_last(down)
-        ub, db = biases or (None, None)
-        st = (*x.stride(), *index.stride(), *weights.stride(), *up.stride()[:2], *down.stride()[:2])
-        st += (*ub.stride(), *db.stride()) if biases else (0,) * 4
-        ptrs = (t.data_ptr() for t in (x, index, weights, up, down))
-        rc = fn(
-            *ptrs,
-            ub.data_ptr() if biases else None,
-            db.data_ptr() if biases else None,
-            out.data_ptr(),
-            x.shape[0],
-            (ctypes.c_int64 * 14)(*st),
-            get_threads(),
-        )
+        ptrs, tokens, strides, _ = arguments(reads, writes)
+        rc = fn(*ptrs, tokens, strides, get_threads())
         if rc:
-            what = ERRORS.get(rc, f"error {rc}").format(experts=up.shape[0])
-            raise ValueError(f"cpu experts kernel {kernel.name}: {what} in {x.shape[0]} tokens")
+            raise ValueError(error(rc, tokens, up.shape[0]))
 
+    def c_call(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> CCall | None:
+        if reads[1].numel() > FEW_PAIRS:
+            return None
+        ptrs, tokens, strides, held = arguments(reads, writes)
+        message = error(2, tokens, reads[3].shape[0]) + " (or out of memory for its scratch)"
+        args = (*ptrs, tokens, ctypes.addressof(strides))
+        return CCall(address, args, message, raises=ValueError, keep=(strides, *held))
+
+    launch.c_call = c_call
     return launch
 
 

@@ -93,9 +93,10 @@ def test_a_layer_whose_graphs_are_not_all_c_calls_keeps_why(monkeypatch):
     assert isinstance(reason, str) and "pre_attention_math" in reason
 
 
-def test_an_moe_layer_replays_up_to_its_own_mlp(monkeypatch):
-    """Qwen3-MoE: the attention half of each layer replays, the sparse MLP (router and experts kernels)
-    runs its own forward on the program's output; tokens and logits equal the Python path's."""
+def test_an_moe_layer_replays_with_its_router_and_experts(monkeypatch):
+    """Qwen3-MoE: each layer's program runs the router graph and the experts kernel too (a probe showed
+    they are all the sparse block computes); tokens and logits equal the Python path's. A hook on the
+    experts sends the steps the Python way, which calls it."""
     from kernelize.models import zoo
 
     torch.manual_seed(0)
@@ -106,10 +107,16 @@ def test_an_moe_layer_replays_up_to_its_own_mlp(monkeypatch):
     monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append(1), run(self, **v))[1])
     tokens, logits = _generate(model, 12)
     steps = [layer.__dict__.get("_kernelize_decode_step", (None, None))[1] for layer in model.model.layers]
-    assert runs and all(s.outputs in (1, 2) for s in steps), steps
+    assert runs and all(s.moe and s.outputs == 1 for s in steps), steps  # router and experts in the program
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 12)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", True)
+    calls = []
+    model.model.layers[0].mlp.experts.register_forward_hook(lambda *a: calls.append(1))
+    runs.clear()
+    hooked_tokens, _ = _generate(model, 12)
+    assert calls and torch.equal(hooked_tokens, want_tokens)
 
 
 def test_a_program_does_not_keep_a_finished_generations_cache():

@@ -12,13 +12,14 @@ makes one ``kz_replay`` call; transformers' cache object then shows the new posi
 :func:`kernelize.kv_cache.update` leaves it.
 
 It runs the same kernels on the same values as the block's Python path, so the outputs are bit for bit the
-same. A block whose MLP runs its own forward (an MoE block: router and experts kernels) replays up to the
-MLP's input, then runs the MLP and the residual after it as the Python path does. A step that is not a
-plain decode step (more than one token, a mask, a cache without room for the new row, hooks, training:
-anything the Python path handles differently) goes the Python way; so does a layer whose graphs are not
-all generated C kernels (the reason is kept on the layer and logged at debug level: the same kernels run,
-with Python between them). A changed weight (another tensor, or the same one moved) or a new cache buffer
-builds the program again. ``KERNELIZE_DECODE_REPLAY=0`` turns it off.
+same. An MoE block's router graph and experts kernel join the program when a probe shows they are all the
+block computes (Qwen3-MoE, Mixtral); another MLP that runs its own forward (a shared expert, a router that
+is not a graph) runs it on the program's output, then the residual, as the Python path does. A step that
+is not a plain decode step (more than one token, a mask, a cache without room for the new row, hooks,
+training: anything the Python path handles differently) goes the Python way; so does a layer whose
+graphs are not all generated C kernels (the reason is kept on the layer and logged at debug level: the
+same kernels run, with Python between them). A changed weight (another tensor, or the same one moved) or
+a new cache buffer builds the program again. ``KERNELIZE_DECODE_REPLAY=0`` turns it off.
 
 Example:
     >>> out = replayed(layer, block, hidden, position_embeddings, None, cache, {})  # doctest: +SKIP
@@ -42,6 +43,7 @@ from kernelize.runtime.replay import Program, copy_rows_call
 from .block import (
     Block,
     _after_mlp,
+    _hooked,
     _norm_params,
     _packed_calls,
     _weights,
@@ -62,11 +64,14 @@ ENABLED = os.environ.get("KERNELIZE_DECODE_REPLAY", "1") != "0"
 class _Step:
     """A layer's built program and what a run writes besides its slots: the attention's sizes array."""
 
-    __slots__ = ("outputs", "program", "sizes", "sources")
+    __slots__ = ("moe", "outputs", "program", "sizes", "sources")
 
-    def __init__(self, program: Program, sizes: Any, sources: tuple, outputs: int) -> None:
+    def __init__(self, program: Program, sizes: Any, sources: tuple, outputs: int, moe: bool) -> None:
         self.program, self.sizes, self.sources = program, sizes, sources
         self.outputs = outputs  # 1: the layer's output; 2: h and the residual before an MoE block's own MLP
+        self.moe = (
+            moe  # the program runs the MoE block's router and experts (their hooks send it Python's way)
+        )
 
 
 def replayed(
@@ -102,7 +107,7 @@ def replayed(
             logger.debug("decode steps of %s run the block's Python path: %s", type(layer).__name__, step)
         built = layer.__dict__["_kernelize_decode_step"] = (key, step)
     step = built[1]
-    if isinstance(step, str):
+    if isinstance(step, str) or (step.moe and _hooked(layer.mlp, ("gate", "experts")) is not None):
         return None
     out = torch.empty_like(x)
     residual = torch.empty_like(x) if step.outputs == 2 else out
@@ -118,7 +123,7 @@ def replayed(
         value=vbuf.data_ptr() + held * vbuf.stride(2) * vbuf.element_size(),
     )
     kv_cache.advance(cache_layer, kbuf, vbuf, held + 1)
-    if not block.own_mlp:
+    if not block.own_mlp or step.moe:
         return out
     # the MoE block runs its own forward (router, experts kernel) on the program's h, as `run_block` does
     y = layer.mlp(out)
@@ -172,7 +177,7 @@ def _build(layer, block, x, cos, sin, kbuf, vbuf, held) -> _Step | str:
         prog = Program()
         if block.packed is not None and block.own_mlp:
             raise _NotFixed("packed projections around an MLP that runs its own forward")
-        outs, sizes = (_packed if block.packed is not None else _dense)(
+        outs, sizes, moe = (_packed if block.packed is not None else _dense)(
             prog, layer, block, x, cos, sin, kbuf, vbuf, held
         )
         for out, slot in zip(outs, ("out", "residual")):  # into the step's own tensors
@@ -181,7 +186,7 @@ def _build(layer, block, x, cos, sin, kbuf, vbuf, held) -> _Step | str:
                 raise _NotFixed("the layer's output is not a dense row")
             prog.add(final, threads_at=-1, **{slot: 1})
         prog.hold(*sources[1])  # the weights the calls read in place
-        return _Step(prog, sizes, sources, len(outs))
+        return _Step(prog, sizes, sources, len(outs), moe)
     except _NotFixed as e:
         return str(e)
 
@@ -248,7 +253,11 @@ def _packed(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
     h, residual = (h[0], h[0]) if block.post["norm"] is None else h
     y = _project(prog, calls[3], _project(prog, calls[2], h, False), False)
     tail = {"norm": block.mlp["norm"], "eps": block.mlp["eps"]}
-    return _graph(prog, mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), {}, **tail), sizes
+    return (
+        _graph(prog, mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), {}, **tail),
+        sizes,
+        False,
+    )
 
 
 def _project(prog: Program, call, x: torch.Tensor, varying: bool) -> torch.Tensor:
@@ -285,11 +294,57 @@ def _dense(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
     h = _graph(
         prog, layer, post_attention_math, [out, x], post_w, {1: "x"}, bias=o.bias is not None, **block.post
     )
-    if block.own_mlp:  # h (and the residual, when a norm makes h): the MoE block runs its own forward next
-        return h, sizes
     h, residual = (h[0], h[0]) if block.post["norm"] is None else h
+    if block.own_mlp:
+        y = _moe(prog, mlp, h)
+        if y is None:  # h (and the residual): the MoE block runs its own forward next
+            return ((h,) if h is residual else (h, residual)), sizes, False
+        tail = {"norm": block.mlp["norm"], "eps": block.mlp["eps"]}
+        outs = _graph(prog, mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), {}, **tail)
+        return outs, sizes, True
     mlp_w = [_gate_up(mlp, block), mlp.down_proj.weight, *_weights(weight_of, "post_ff")]
-    return _graph(prog, mlp, mlp_math, [h, residual], mlp_w, {}, **block.mlp), sizes
+    return _graph(prog, mlp, mlp_math, [h, residual], mlp_w, {}, **block.mlp), sizes, False
+
+
+def _moe(prog: Program, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
+    """An MoE block's forward as its router graph's calls then the experts kernel's, when a probe shows
+    that this is all the block computes (Qwen3-MoE, Mixtral, OLMoE: route, run the experts, reshape; a
+    shared expert or a scaling would differ); else None (the block's own forward runs on the program's
+    output). Returns the block's output, a buffer of the program."""
+    from kernelize.model_experts import EXPERTS_NAME, experts_c_call
+    from kernelize.model_router import RouterForward
+
+    gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    router = None if gate is None else gate.__dict__.get("forward")
+    config = getattr(experts, "config", None)
+    if (
+        not isinstance(router, RouterForward)
+        or getattr(config, "_experts_implementation", None) != EXPERTS_NAME
+    ):
+        return None
+    x = h.view(-1, h.shape[-1])
+    fixed = router.fixed_call(x)
+    if fixed is None or len(fixed.outputs) != 3:
+        return None
+    _, weights, index = fixed.outputs
+    y = torch.empty_like(x)
+    call = experts_c_call(experts, x, index, weights, y)
+    if call is None:
+        return None
+    probe = Program()
+    probe.add_graph(fixed, {})
+    probe.add(call)
+    with torch.no_grad():
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(0)))
+        want = mlp(h.clone())
+        probe.run()
+    want = want[0] if isinstance(want, tuple) else want
+    if not torch.equal(y.view(h.shape), want):
+        return None
+    prog.add_graph(fixed, {})
+    prog.add(call)
+    prog.hold(y)
+    return y.view(h.shape)
 
 
 __all__ = ["ENABLED", "replayed"]
