@@ -133,17 +133,18 @@ def _probe(module: torch.nn.Module, run: RouterForward) -> str | None:
 
     w = module.weight
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(PROBE_TOKENS, w.shape[1], generator=gen).to(w.device, w.dtype)
-    with torch.no_grad():
-        want, got = run.own(module, x), run(x)
-    if len(want) != len(got) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(want, got)):
-        return "the kernels' outputs differ from the forward's in number, shape or dtype"
     tol = TOLERANCE.get(w.dtype, 1e-5)
-    for i, (a, b) in enumerate(zip(want, got)):
-        if a.is_floating_point() and not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol):
-            return f"output {i} differs by {(a.float() - b.float()).abs().max().item():.3g} (probed)"
-        if not a.is_floating_point() and not same_choice(want[0].float(), b, a):
-            return f"output {i} (the indices) differs from the forward's choice (probed)"
+    for tokens in (PROBE_TOKENS, 2):  # the projection's library GEMM, then its few-row kernel (decode)
+        x = torch.randn(tokens, w.shape[1], generator=gen).to(w.device, w.dtype)
+        with torch.no_grad():
+            want, got = run.own(module, x), run(x)
+        if len(want) != len(got) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(want, got)):
+            return "the kernels' outputs differ from the forward's in number, shape or dtype"
+        for i, (a, b) in enumerate(zip(want, got)):
+            if a.is_floating_point() and not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol):
+                return f"output {i} differs by {(a.float() - b.float()).abs().max().item():.3g} (probed)"
+            if not a.is_floating_point() and not same_choice(want[0].float(), b, a):
+                return f"output {i} (the indices) differs from the forward's choice (probed)"
     return None
 
 
