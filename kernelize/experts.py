@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Any
 
 import torch
 
@@ -187,6 +188,21 @@ def _key(ops: tuple, args: ExpertsArgs) -> tuple:
     )
 
 
+def experts_launcher_for(ops: tuple, act: str, gated: bool, form: dict) -> tuple[Any, Any]:
+    """``(launch, record)`` of the compiled kernel :func:`grouped_experts` runs for operands ``ops``
+    (``x, index, weights, up, down[, up_bias, down_bias]``), built on first use; ``launch.c_call`` (where
+    the backend has one) is its C call for a replay program.
+
+    Raises:
+        ExpertsUnsupported: a form or backend the kernels do not take.
+    """
+    try:
+        args = _args(act, gated, len(ops) == 7, tuple(sorted(form.items())))
+    except (TypeError, ValueError) as exc:
+        raise ExpertsUnsupported(str(exc)) from exc
+    return _launcher(ops, args)
+
+
 def _launcher(ops: tuple, args: ExpertsArgs):
     key = _key(ops, args)
     backend = key[0]
@@ -244,4 +260,4 @@ def _build(backend: str, x, index, weights, up, down, *biases, args: ExpertsArgs
     return compiled.launch, KernelRecord(backend, ((compiled.name, compiled.source_hash),), sig)
 
 
-__all__ = ["ExpertsUnsupported", "grouped_experts"]
+__all__ = ["ExpertsUnsupported", "experts_launcher_for", "grouped_experts"]

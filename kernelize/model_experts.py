@@ -202,7 +202,7 @@ def experts_c_call(
     """The C call ``experts_forward(module, x, index, weights)`` makes for these tensors, writing ``out``
     (a :class:`~kernelize.runtime.backend.CCall` for a replay program), or None where that call would not
     be one generated kernel's (the model's implementation, the many-pair path, another backend)."""
-    from kernelize.experts import ExpertsUnsupported, _args, _launcher
+    from kernelize.experts import ExpertsUnsupported, experts_launcher_for
 
     plan = _PLANS.get(module)
     fallback = _FALLBACK.get(module, "grouped_mm")
@@ -213,7 +213,7 @@ def experts_c_call(
     up, down, biases = _operands(module, gated)
     ops = (x, index, weights, up, down, *((biases["up_bias"], biases["down_bias"]) if biases else ()))
     try:
-        launch, _ = _launcher(ops, _args(act, gated, bool(biases), tuple(sorted(keywords.items()))))
+        launch, _ = experts_launcher_for(ops, act, gated, keywords)
     except ExpertsUnsupported:
         return None
     c_call = getattr(launch, "c_call", None)
