@@ -30,10 +30,12 @@ $PRELUDE$
 // (KZ_QUANT_NO_VNNI: the AVX2 code even where VNNI is there; tests build it to check both agree bit for bit)
 #if KZ_QAVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(KZ_QUANT_NO_VNNI)
 #define KZ_QVNNI 1
-KZ_INLINE __m256i kz_dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+KZ_INLINE __m256i kz_dot4_acc(__m256i a, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(a, u, s); }
+KZ_INLINE __m256i kz_dot4(__m256i u, __m256i s) { return kz_dot4_acc(_mm256_setzero_si256(), u, s); }
 #elif KZ_QAVX2 && defined(__AVXVNNI__) && !defined(KZ_QUANT_NO_VNNI)
 #define KZ_QVNNI 1
-KZ_INLINE __m256i kz_dot4(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
+KZ_INLINE __m256i kz_dot4_acc(__m256i a, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(a, u, s); }
+KZ_INLINE __m256i kz_dot4(__m256i u, __m256i s) { return kz_dot4_acc(_mm256_setzero_si256(), u, s); }
 #else
 #define KZ_QVNNI 0
 #if KZ_QAVX2
@@ -306,8 +308,10 @@ KZ_INLINE void kz_row8_block(kz_q4_0, const uint8_t* const* w, int64_t off, cons
     const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xb));
     const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xb + 16)));
     const __m256i eight = _mm256_set1_epi8(8), m4 = _mm256_set1_epi8(15);
-#if KZ_QVNNI  // 8 * (the sum of each four x), what the offset takes off every pair's dot products
-    const __m256i xo = _mm256_add_epi32(kz_dot4(eight, xl), kz_dot4(eight, xh));
+#if KZ_QVNNI  // -8 * (the sum of each four x): what the offset takes off, where every pair's sums start
+    // (the dot products accumulate onto it: two vpdpbusd a pair, no add or subtract; q4_0 decode read 3-12%
+    // more GB/s at 2 threads, 6% at 1, in an interleaved A/B on the 300 M layout's shapes, same sums)
+    const __m256i nxo = _mm256_sub_epi32(_mm256_setzero_si256(), kz_dot4_acc(kz_dot4(eight, xl), eight, xh));
 #else
     const __m256i xo = _mm256_add_epi16(_mm256_maddubs_epi16(eight, xl), _mm256_maddubs_epi16(eight, xh));
 #endif
@@ -316,7 +320,7 @@ KZ_INLINE void kz_row8_block(kz_q4_0, const uint8_t* const* w, int64_t off, cons
         const __m256i v = _mm256_loadu2_m128i((const __m128i*)(w[2 * p + 1] + off + 2), (const __m128i*)(w[2 * p] + off + 2));
         const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
 #if KZ_QVNNI
-        const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(kz_dot4(lo, xl), kz_dot4(hi, xh)), xo));
+        const __m256 d = _mm256_cvtepi32_ps(kz_dot4_acc(kz_dot4_acc(nxo, lo, xl), hi, xh));
 #else
         const __m256i p16 = _mm256_sub_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), xo);
         const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
