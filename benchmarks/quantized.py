@@ -16,8 +16,10 @@ Part 3 (``kernelize``, its own JSON ``benchmarks/results/quantized_kernelize.jso
 (hidden 1536, 8 layers, intermediate 4096, vocab 32000) in bf16: greedy decode tok/s of the eager model,
 ``kernelize_model(model)`` and ``kernelize_model(model, quantize="q8_0" / "q4_0")``; the q8_0 model saved with
 ``kernelize.integrations.gguf.save`` and loaded back in a fresh process (its RSS increase against the file
-size, and its tok/s); and, when ``llama_cpp`` (llama-cpp-python) imports, llama.cpp's tok/s on that same file
-(else the JSON says "llama.cpp not installed"). The machine's load average is recorded before and after.
+size, and its tok/s); and, when ``llama_cpp`` (llama-cpp-python) imports, llama.cpp's tok/s on the q8_0 and
+q4_0 files (else the JSON says "llama.cpp not installed"), timed in the same round robin as the torch models
+(`generate` of exactly 32 tokens less `generate` of 1, no end-of-sequence token, medians of 5 rounds), so
+that the machine's swings hit both alike. The machine's load average is recorded before and after.
 
     .venv/bin/python benchmarks/quantized.py --parts kernelize
 """
@@ -28,12 +30,12 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -146,8 +148,9 @@ KERNELIZE_CONFIG = {
 }  # fmt: skip
 
 
-def _decode_tok_s(models: dict, new: int, repeat: int) -> dict[str, float]:
-    """Greedy decode tok/s of each model: `new` tokens after an 8-token prompt, less the prefill."""
+def _decode_tok_s(models: dict, new: int, repeat: int, others: dict | None = None) -> dict[str, float]:
+    """Greedy decode tok/s of each model: `new` tokens after an 8-token prompt, less the prefill; `others`:
+    name -> run(n) generating n tokens some other way (llama.cpp), timed in the same round robin."""
     prompt = torch.randint(0, 32000, (1, 8), generator=torch.Generator().manual_seed(0))
 
     def gen(m: torch.nn.Module, n: int) -> torch.Tensor:
@@ -157,9 +160,13 @@ def _decode_tok_s(models: dict, new: int, repeat: int) -> dict[str, float]:
     for name, m in models.items():
         fns[name + "/full"] = lambda m=m: gen(m, new)
         fns[name + "/prefill"] = lambda m=m: gen(m, 1)
+    for name, run in (others or {}).items():
+        fns[name + "/full"] = lambda run=run: run(new)
+        fns[name + "/prefill"] = lambda run=run: run(1)
     with torch.inference_mode():
         med = interleaved(fns, repeat, inner=1)
-    return {name: (new - 1) / (med[name + "/full"] - med[name + "/prefill"]) for name in models}
+    names = [*models, *(others or {})]
+    return {name: (new - 1) / (med[name + "/full"] - med[name + "/prefill"]) for name in names}
 
 
 # run in a fresh process: the RSS a gguf.load adds, against the file's size, and the loaded model's tok/s
@@ -188,39 +195,30 @@ def _rss() -> int:
     return 0
 
 
-def _llama_cpp(path: str, threads: int, new: int, prompt: list[int], ours: torch.Tensor) -> dict:
-    """llama.cpp on the GGUF file: greedy decode tok/s, and the cosine of its last-position logits on
-    ``prompt`` with ``ours`` (the kernelized model the file was saved from)."""
+def _llama_cpp(path: str, threads: int, prompt: list[int], ours: torch.Tensor) -> tuple[dict, Any]:
+    """llama.cpp on the GGUF file: ``(what it gave: status, the cosine of its last-position logits on
+    ``prompt`` with ``ours`` (the kernelized model the file was saved from), whether the argmax agrees;
+    run(n) generating n greedy tokens, or None)``."""
     try:
         import llama_cpp
     except ImportError:
-        return {"status": "llama.cpp not installed (pip install llama-cpp-python to compare)"}
+        return {"status": "llama.cpp not installed (pip install llama-cpp-python to compare)"}, None
     try:
         llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=64, logits_all=True, verbose=False)
     except (ValueError, RuntimeError) as exc:  # the file is not one llama.cpp loads: that is the finding
-        return {"status": f"llama.cpp did not load the file: {type(exc).__name__}: {exc}"}
+        return {"status": f"llama.cpp did not load the file: {type(exc).__name__}: {exc}"}, None
     llm.eval(prompt)
     theirs = torch.tensor(llm.scores[len(prompt) - 1]).float()
     cosine = torch.nn.functional.cosine_similarity(theirs, ours, dim=0).item()
 
-    def run(n: int) -> float:
+    def run(n: int) -> None:
         llm.reset()
-        t0 = time.perf_counter()
         for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0)):
             if i + 1 >= n:
                 break
-        return time.perf_counter() - t0
 
-    run(2)
-    full = statistics.median(run(new) for _ in range(3))
-    first = statistics.median(run(1) for _ in range(3))
     same = int(theirs.argmax()) == int(ours.argmax())
-    return {
-        "status": "ran",
-        "tok_s": (new - 1) / (full - first),
-        "logits_cosine": cosine,
-        "same_argmax": same,
-    }
+    return {"status": "ran", "logits_cosine": cosine, "same_argmax": same}, run
 
 
 def _load_fresh(path: str, threads: int) -> dict:
@@ -238,7 +236,7 @@ def _load_fresh(path: str, threads: int) -> dict:
     return loaded
 
 
-def bench_kernelize(threads: int, repeat: int = 3, new: int = 32) -> dict:
+def bench_kernelize(threads: int, repeat: int = 5, new: int = 32) -> dict:
     import transformers
 
     from kernelize.integrations import gguf
@@ -257,34 +255,38 @@ def bench_kernelize(threads: int, repeat: int = 3, new: int = 32) -> dict:
         kernelize_model(models[name], quantize=fmt)
         setup[name] = time.perf_counter() - t0
     out: dict = {"config": {**KERNELIZE_CONFIG, "dtype": "bfloat16"}, "new": new, "threads": threads}
-    out["load_avg_before"] = os.getloadavg()
-    tok_s = _decode_tok_s(models, new, repeat)
-    out["load_avg_after"] = os.getloadavg()
-    for name, value in tok_s.items():
-        out[name] = {"tok_s": value, "vs_bf16_eager": value / tok_s["bf16_eager"]}
-        if name in setup:
-            out[name]["kernelize_model_s"] = setup[name]
-        print(f"{name:15} {value:7.2f} tok/s ({value / tok_s['bf16_eager']:.2f}x eager bf16)", flush=True)
     prompt = torch.arange(3, 11).view(1, -1)  # the prompt llama.cpp is given below (token ids, no BOS)
     with torch.no_grad():
         ours = {f: models[f"{f}_kernelize"](prompt).logits[0, -1].float() for f in ("q8_0", "q4_0")}
     with tempfile.TemporaryDirectory() as tmp:
+        runs = {}
         for fmt in ("q8_0", "q4_0"):
             path = os.path.join(tmp, f"llama-{fmt}.gguf")
             t0 = time.perf_counter()
             gguf.save(models[f"{fmt}_kernelize"], path)
             out[f"gguf_{fmt}"] = {"save_s": time.perf_counter() - t0, "file_MB": os.path.getsize(path) / 1e6}
-        del models
+            out[f"llama_cpp_{fmt}"], run = _llama_cpp(path, threads, prompt[0].tolist(), ours[fmt])
+            if run is not None:
+                runs[f"llama_cpp_{fmt}"] = run
+        # every variant, llama.cpp's too, timed round robin in one loop: the machine's swings hit all alike
+        out["load_avg_before"] = os.getloadavg()
+        tok_s = _decode_tok_s(models, new, repeat, runs)
+        out["load_avg_after"] = os.getloadavg()
+        for name, value in tok_s.items():
+            if name.startswith("llama_cpp"):
+                out[name]["tok_s"] = value
+                ratio = out[name]["kernelize_vs_llama_cpp"] = (
+                    tok_s[name.replace("llama_cpp", "")[1:] + "_kernelize"] / value
+                )
+                print(f"{name:15} {value:7.2f} tok/s (kernelize {ratio:.2f}x)", flush=True)
+                continue
+            out[name] = {"tok_s": value, "vs_bf16_eager": value / tok_s["bf16_eager"]}
+            if name in setup:
+                out[name]["kernelize_model_s"] = setup[name]
+            print(f"{name:15} {value:7.2f} tok/s ({value / tok_s['bf16_eager']:.2f}x eager bf16)", flush=True)
+        del models, runs
         out["gguf_q8_0"]["load"] = _load_fresh(os.path.join(tmp, "llama-q8_0.gguf"), threads)
         print(f"gguf q8_0       {out['gguf_q8_0']}", flush=True)
-        for fmt in ("q8_0", "q4_0"):
-            ran = _llama_cpp(
-                os.path.join(tmp, f"llama-{fmt}.gguf"), threads, new, prompt[0].tolist(), ours[fmt]
-            )
-            out[f"llama_cpp_{fmt}"] = ran
-            if "tok_s" in ran:
-                ran["kernelize_vs_llama_cpp"] = out[f"{fmt}_kernelize"]["tok_s"] / ran["tok_s"]
-            print(f"llama.cpp {fmt}  {ran}", flush=True)
     return out
 
 

@@ -313,6 +313,17 @@ def _moe(r: dict) -> str:
     return f"decode {decode} eager, prefill {prefill} eager; experts read at {read} of `sum`'s bandwidth"
 
 
+def _packed(r: dict) -> str:
+    k = r["kernelize"]
+    cells = [
+        f"{fmt} {k[f'{fmt}_kernelize']['vs_bf16_eager']:.2f}x eager bf16, "
+        f"{k[f'llama_cpp_{fmt}']['kernelize_vs_llama_cpp']:.2f}x llama.cpp"
+        for fmt in ("q8_0", "q4_0")
+        if "kernelize_vs_llama_cpp" in k.get(f"llama_cpp_{fmt}", {})
+    ]
+    return "decode " + "; ".join(cells) if cells else ""
+
+
 def _gemv(r: dict) -> str:
     return f"few-row matmul {span([g['kernel_vs_linear'] for g in r['gemv']])} `F.linear`"
 
@@ -380,6 +391,7 @@ HEADLINES: list[tuple[str, str, Callable[[dict], str]]] = [
     ("One call on every causal-LM family", "models.json:sweep", _sweep),
     ("Decode / prefill at realistic sizes", "models.json:speed", _models_speed),
     ("Mixture of experts (Qwen3-MoE layout)", "moe.json:models", _moe),
+    ("Packed weights (300 M Llama, same GGUF file)", "quantized_kernelize.json:kernelize", _packed),
     ("Training", "train.json:layers", _train),
     ("ONNX models", "onnx_models.json:models", _onnx),
     ("GPU check", "gpu/*.json:sections", _gpu),
