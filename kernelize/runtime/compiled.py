@@ -472,6 +472,8 @@ class CompiledGraph:
         if self.device.type != "cpu" or self.backend == "reference":
             return None
         bound = self._bind(inputs)
+        if any(not (t.is_contiguous() or strided) for t, strided in zip(inputs, self._strided)):
+            return None  # a run reads a copy of it (a weight's copy could go stale)
         if any(not inputs[j].is_contiguous() for j in varying):
             return None
         vals: dict[Node, torch.Tensor] = {**self._consts, **dict(zip(self.graph.inputs, inputs))}

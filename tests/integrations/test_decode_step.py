@@ -133,3 +133,42 @@ def test_a_program_does_not_keep_a_finished_generations_cache():
         step = layer.__dict__["_kernelize_decode_step"][1]
         held = {t.untyped_storage().data_ptr() for t in step.program._held if isinstance(t, torch.Tensor)}
         assert held and not held & {b.untyped_storage().data_ptr() for b in cached._kernelize_room[:2]}
+
+
+def test_a_sliding_window_replays_while_the_keys_fit_in_it(monkeypatch):
+    """While the keys fit in the window it cuts nothing and the program's attention is the Python path's;
+    past it, steps go the Python way (which applies the window). Tokens and logits equal throughout."""
+    model = _llama(torch.bfloat16, "q8_0")
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = 16  # what sliding_window_of reads, as the model's forward passes it
+    runs = []
+    run = Program.run
+    monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append(1), run(self, **v))[1])
+    tokens, logits = _generate(model, 24)
+    # 5 prompt positions: decode steps with up to 16 keys replay (the first one builds the cache's room)
+    assert 2 * 8 <= len(runs) <= 2 * 11, len(runs)
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model, 24)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_a_program_busy_in_another_call_sends_the_step_the_python_way(monkeypatch):
+    model = _llama(torch.bfloat16, "q4_0")
+    want_tokens, want_logits = _generate(model, 6)
+    step_module = _decode_step_module()
+    build = step_module._build
+
+    def busy(*args):  # every program built as if another thread were running it
+        step = build(*args)
+        if not isinstance(step, str):
+            step.lock.acquire()
+        return step
+
+    monkeypatch.setattr(step_module, "_build", busy)
+    for layer in model.model.layers:
+        layer.__dict__.pop("_kernelize_decode_step")
+    runs = []
+    monkeypatch.setattr(Program, "run", lambda self, **v: runs.append(1))
+    tokens, logits = _generate(model, 6)
+    assert not runs and torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+    assert all(layer.__dict__["_kernelize_decode_step"][1].lock.locked() for layer in model.model.layers)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from typing import Any
 
 import torch
@@ -64,14 +65,18 @@ ENABLED = os.environ.get("KERNELIZE_DECODE_REPLAY", "1") != "0"
 class _Step:
     """A layer's built program and what a run writes besides its slots: the attention's sizes array."""
 
-    __slots__ = ("moe", "outputs", "program", "sizes", "sources")
+    __slots__ = ("lock", "moe", "outputs", "program", "sizes", "sources", "window")
 
-    def __init__(self, program: Program, sizes: Any, sources: tuple, outputs: int, moe: bool) -> None:
+    def __init__(self, program: Program, sizes: Any, sources: tuple, outputs: int, moe: bool, window) -> None:
         self.program, self.sizes, self.sources = program, sizes, sources
-        self.outputs = outputs  # 1: the layer's output; 2: h and the residual before an MoE block's own MLP
-        self.moe = (
-            moe  # the program runs the MoE block's router and experts (their hooks send it Python's way)
-        )
+        # 1: the layer's output; 2: h and the residual before an MoE block's own MLP
+        self.outputs = outputs
+        # the program runs the MoE block's router and experts (hooks on them send a step Python's way)
+        self.moe = moe
+        # the sliding window, which cuts nothing while the keys fit in it (then the attention call is the
+        # Python path's; past it, steps go Python's way)
+        self.window = window
+        self.lock = threading.Lock()  # a program's buffers serve one call at a time (another thread: Python)
 
 
 def replayed(
@@ -92,6 +97,8 @@ def replayed(
     attn = layer.self_attn
     if call_fallback_reason(attn, x, x, 0.0, kwargs) is not None or not x.is_contiguous():
         return None
+    if kwargs.get("alibi") is not None or kwargs.get("s_aux") is not None:  # score terms the program lacks
+        return None
     cos, sin = rotary_tables(attn, *position_embeddings)
     if not (cos.is_contiguous() and sin.is_contiguous()):
         return None
@@ -107,21 +114,27 @@ def replayed(
             logger.debug("decode steps of %s run the block's Python path: %s", type(layer).__name__, step)
         built = layer.__dict__["_kernelize_decode_step"] = (key, step)
     step = built[1]
-    if isinstance(step, str) or (step.moe and _hooked(layer.mlp, ("gate", "experts")) is not None):
+    if isinstance(step, str) or (step.window is not None and held + 1 > step.window):
         return None
-    out = torch.empty_like(x)
-    residual = torch.empty_like(x) if step.outputs == 2 else out
-    step.sizes[4] = held + 1  # the attention's key length
-    row = kbuf.stride(2) * kbuf.element_size()
-    step.program.run(
-        x=x.data_ptr(),
-        cos=cos.data_ptr(),
-        sin=sin.data_ptr(),
-        out=out.data_ptr(),
-        residual=residual.data_ptr(),
-        key=kbuf.data_ptr() + held * row,
-        value=vbuf.data_ptr() + held * vbuf.stride(2) * vbuf.element_size(),
-    )
+    if step.moe and _hooked(layer.mlp, ("gate", "experts")) is not None:
+        return None
+    if not step.lock.acquire(blocking=False):
+        return None
+    try:
+        out = torch.empty_like(x)
+        residual = torch.empty_like(x) if step.outputs == 2 else out
+        step.sizes[4] = held + 1  # the attention's key length
+        step.program.run(
+            x=x.data_ptr(),
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            out=out.data_ptr(),
+            residual=residual.data_ptr(),
+            key=kbuf.data_ptr() + held * kbuf.stride(2) * kbuf.element_size(),
+            value=vbuf.data_ptr() + held * vbuf.stride(2) * vbuf.element_size(),
+        )
+    finally:
+        step.lock.release()
     kv_cache.advance(cache_layer, kbuf, vbuf, held + 1)
     if not block.own_mlp or step.moe:
         return out
@@ -172,6 +185,8 @@ class _NotFixed(Exception):
 
 def _build(layer, block, x, cos, sin, kbuf, vbuf, held) -> _Step | str:
     """The layer's program for decode steps like this one, or why it has none."""
+    from .layers import sliding_window_of
+
     sources = _sources(layer)
     try:
         prog = Program()
@@ -186,7 +201,7 @@ def _build(layer, block, x, cos, sin, kbuf, vbuf, held) -> _Step | str:
                 raise _NotFixed("the layer's output is not a dense row")
             prog.add(final, threads_at=-1, **{slot: 1})
         prog.hold(*sources[1])  # the weights the calls read in place
-        return _Step(prog, sizes, sources, len(outs), moe)
+        return _Step(prog, sizes, sources, len(outs), moe, sliding_window_of(layer.self_attn))
     except _NotFixed as e:
         return str(e)
 
@@ -197,10 +212,8 @@ def _attention(prog: Program, attn: nn.Module, q, k, v, kbuf, vbuf, held) -> tup
     from kernelize.attention import AttentionUnsupported, _launcher
     from kernelize.ir.ops import AttentionArgs
 
-    from .layers import sliding_window_of
-
-    if sliding_window_of(attn) is not None or getattr(attn, "attn_logit_softcapping", None) is not None:
-        raise _NotFixed("sliding-window or soft-capped attention")
+    if getattr(attn, "attn_logit_softcapping", None) is not None:
+        raise _NotFixed("soft-capped attention")
     if isinstance(getattr(attn, "sinks", None), torch.Tensor):
         raise _NotFixed("attention sinks")
     for new, buf, slot in ((k, kbuf, "key"), (v, vbuf, "value")):
