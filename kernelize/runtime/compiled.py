@@ -478,6 +478,8 @@ class CompiledGraph:
             return None
         vals: dict[Node, torch.Tensor] = {**self._consts, **dict(zip(self.graph.inputs, inputs))}
         spans = [(j, inputs[j].data_ptr(), inputs[j].data_ptr() + inputs[j].nbytes) for j in varying]
+        # the storages a call may read: an operand made anew from them (a copy) would not follow a patch
+        known = {t.untyped_storage().data_ptr() for t in vals.values()}
         calls, patches, writes_all = [], [], []
         for i, step in enumerate(self._steps):
             k, compiled = step.kernel, step.compiled
@@ -486,7 +488,10 @@ class CompiledGraph:
             if compiled.c_call is None:  # (a kernel with `fresh` gives a C call only where it launches)
                 return None
             reads = [vals[b] if b in vals else materialize(b, vals, bound.env) for b in k.reads]
+            if any(t.untyped_storage().data_ptr() not in known for t in reads):
+                return None
             writes = [torch.empty(s, dtype=b.dtype.torch) for b, s in zip(k.writes, bound.shapes[i])]
+            known.update(w.untyped_storage().data_ptr() for w in writes)
             call = compiled.c_call(reads, writes, bound.sizes[i])
             if call is None:
                 return None
