@@ -172,3 +172,22 @@ def test_a_program_busy_in_another_call_sends_the_step_the_python_way(monkeypatc
     tokens, logits = _generate(model, 6)
     assert not runs and torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
     assert all(layer.__dict__["_kernelize_decode_step"][1].lock.locked() for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt2_layers_replay_their_three_graphs(monkeypatch, dtype):
+    """GPT-2's decoder layer (`FusedQKVDecoderLayer`: [ln_1] -> c_attn, the cache row and attention,
+    c_proj + residual -> ln_2, the MLP + residual) as one call per decode step: tokens and logits equal
+    the Python path's, across a cache reallocation."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128)
+    model = transformers.GPT2LMHeadModel(config).eval().to(dtype)
+    kernelize_model(model)
+    runs = []
+    run = Program.run
+    monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append(1), run(self, **v))[1])
+    tokens, logits = _generate(model)
+    assert len(runs) >= 2 * 60
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)

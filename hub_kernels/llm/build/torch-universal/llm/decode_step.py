@@ -1,5 +1,6 @@
 """A decoder layer's decode step as one replayed call: every kernel of the block, the cache write and the
-attention, from C, with no Python between them (issue #33 item 6).
+attention, from C, with no Python between them (issue #33 item 6). Llama-style blocks (`block.py`: dense,
+packed, MoE) and GPT-2's (`fused_qkv.py`) take it.
 
 Decoding one token, the block's Python (looking up each graph, binding its shapes, allocating its outputs,
 the cache bookkeeping, a ctypes call per kernel) took about as long as its packed q4_0 kernels on a small
@@ -45,6 +46,7 @@ from .block import (
     Block,
     _after_mlp,
     _hooked,
+    _hubs,
     _norm_params,
     _packed_calls,
     _weights,
@@ -90,26 +92,52 @@ def replayed(
 ) -> torch.Tensor | None:
     """The layer's output for one decode token ``x`` ``[1, 1, hidden]`` through its program, or None: the
     block's Python path runs this step (module docstring)."""
+    if block.attn_shards is not None or block.mlp_shards is not None:
+        return None
+    cos, sin = rotary_tables(layer.self_attn, *position_embeddings)
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    ran = _replay(layer, layer.self_attn, block, x, (cos, sin), attention_mask, cache, kwargs, _build_llama)
+    if ran is None:
+        return None
+    step, out, residual = ran
+    if not block.own_mlp or step.moe:
+        return out
+    # the MoE block runs its own forward (router, experts kernel) on the program's h, as `run_block` does
+    y = layer.mlp(out)
+    y = y[0] if isinstance(y, tuple) else y
+    post_ff = _weights(_norm_params(layer, block), "post_ff") if block.mlp["norm"] is not None else []
+    return _after_mlp(layer.mlp, block, y, residual, post_ff)
+
+
+def replayed_fused_qkv(
+    layer: nn.Module, block: Any, x: torch.Tensor, attention_mask: torch.Tensor | None, cache: Any, kwargs
+) -> torch.Tensor | None:
+    """GPT-2's decoder layer (`fused_qkv.run_dense_block`'s three graphs around the cache write and the
+    attention) for one decode token through its program, or None (the Python path runs this step)."""
+    cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's own half
+    ran = _replay(layer, layer.attn, block, x, (), attention_mask, cache, kwargs, _build_fused_qkv)
+    return None if ran is None else ran[1]
+
+
+def _replay(layer, attn, block, x, tables, attention_mask, cache, kwargs, build) -> tuple | None:
+    """Run the layer's program (built by ``build(prog, layer, block, x, tables, kbuf, vbuf, held)`` when
+    needed) for this step: ``(step, output, residual)``, or None when the step goes the Python way."""
     if not ENABLED or cache is None or attention_mask is not None or x.shape[:2] != (1, 1) or not x.is_cpu:
         return None
-    if block.attn_shards is not None or block.mlp_shards is not None or _REFERENCE.get():
-        return None
-    attn = layer.self_attn
-    if call_fallback_reason(attn, x, x, 0.0, kwargs) is not None or not x.is_contiguous():
+    if _REFERENCE.get() or call_fallback_reason(attn, x, x, 0.0, kwargs) is not None or not x.is_contiguous():
         return None
     if kwargs.get("alibi") is not None or kwargs.get("s_aux") is not None:  # score terms the program lacks
-        return None
-    cos, sin = rotary_tables(attn, *position_embeddings)
-    if not (cos.is_contiguous() and sin.is_contiguous()):
         return None
     where = kv_cache.room(cache, attn.layer_idx, 1)
     if where is None:
         return None
     cache_layer, kbuf, vbuf, held = where
-    key = (block, x.dtype, cos.shape, cos.dtype, kbuf.data_ptr(), vbuf.data_ptr(), kbuf.shape)
+    shapes = tuple((t.shape, t.dtype) for t in tables)
+    key = (block, x.dtype, shapes, kbuf.data_ptr(), vbuf.data_ptr(), kbuf.shape)
     built = layer.__dict__.get("_kernelize_decode_step")
     if built is None or built[0] != key or not _unchanged(built[1]):
-        step = _build(layer, block, x, cos, sin, kbuf, vbuf, held)
+        step = _build(layer, attn, block, x, tables, kbuf, vbuf, held, build)
         if isinstance(step, str):  # not a fallback: the same kernels run, with Python between them
             logger.debug("decode steps of %s run the block's Python path: %s", type(layer).__name__, step)
         built = layer.__dict__["_kernelize_decode_step"] = (key, step)
@@ -124,6 +152,7 @@ def replayed(
         out = torch.empty_like(x)
         residual = torch.empty_like(x) if step.outputs == 2 else out
         step.sizes[4] = held + 1  # the attention's key length
+        cos, sin = tables or (x, x)  # (no rotary tables: slots no call reads)
         step.program.run(
             x=x.data_ptr(),
             cos=cos.data_ptr(),
@@ -136,13 +165,7 @@ def replayed(
     finally:
         step.lock.release()
     kv_cache.advance(cache_layer, kbuf, vbuf, held + 1)
-    if not block.own_mlp or step.moe:
-        return out
-    # the MoE block runs its own forward (router, experts kernel) on the program's h, as `run_block` does
-    y = layer.mlp(out)
-    y = y[0] if isinstance(y, tuple) else y
-    post_ff = _weights(_norm_params(layer, block), "post_ff") if block.mlp["norm"] is not None else []
-    return _after_mlp(layer.mlp, block, y, residual, post_ff)
+    return step, out, residual
 
 
 def _sources(layer: nn.Module) -> tuple[tuple, tuple[torch.Tensor, ...], list[int]]:
@@ -183,27 +206,57 @@ class _NotFixed(Exception):
     """A piece of the step that a program cannot make (the message says which)."""
 
 
-def _build(layer, block, x, cos, sin, kbuf, vbuf, held) -> _Step | str:
+def _build(layer, attn, block, x, tables, kbuf, vbuf, held, build) -> _Step | str:
     """The layer's program for decode steps like this one, or why it has none."""
     from .layers import sliding_window_of
 
     sources = _sources(layer)
     try:
         prog = Program()
-        if block.packed is not None and block.own_mlp:
-            raise _NotFixed("packed projections around an MLP that runs its own forward")
-        outs, sizes, moe = (_packed if block.packed is not None else _dense)(
-            prog, layer, block, x, cos, sin, kbuf, vbuf, held
-        )
+        outs, sizes, moe = build(prog, layer, block, x, tables, kbuf, vbuf, held)
         for out, slot in zip(outs, ("out", "residual")):  # into the step's own tensors
             final = copy_rows_call(out, torch.empty_like(x))
             if final is None:
                 raise _NotFixed("the layer's output is not a dense row")
             prog.add(final, threads_at=-1, **{slot: 1})
         prog.hold(*sources[1])  # the weights the calls read in place
-        return _Step(prog, sizes, sources, len(outs), moe, sliding_window_of(layer.self_attn))
+        return _Step(prog, sizes, sources, len(outs), moe, sliding_window_of(attn))
     except _NotFixed as e:
         return str(e)
+
+
+def _build_llama(prog, layer, block, x, tables, kbuf, vbuf, held):
+    """`block.run_block`'s steps: packed (`_packed`) or dense (`_dense`)."""
+    if block.packed is not None and block.own_mlp:
+        raise _NotFixed("packed projections around an MLP that runs its own forward")
+    cos, sin = tables
+    return (_packed if block.packed is not None else _dense)(
+        prog, layer, block, x, cos, sin, kbuf, vbuf, held
+    )
+
+
+def _build_fused_qkv(prog, layer, block, x, tables, kbuf, vbuf, held):
+    """`fused_qkv.run_dense_block`'s steps: [ln_1] -> c_attn -> q, k, v; the cache row and attention;
+    c_proj + residual -> ln_2; c_fc -> act -> c_proj + residual."""
+    from .fused_qkv import _SUBMODULES, _biased, _weight, dense_mlp_math, dense_post_math, dense_pre_math
+
+    attn, mlp, ln_1, ln_2 = (getattr(layer, name) for name in _SUBMODULES)
+    up, down = (getattr(mlp, name) for name in block.mlp_names)
+    weights = [_weight(p) for p in (attn.c_attn, attn.c_proj, up, down)]
+    if any(w is None for w in weights):
+        raise _NotFixed("a projection's weight cannot be read as (out, in)")
+    norms = _hubs()[0]
+    pre_w = [*norms.norm_params(block.norms[0], ln_1), weights[0], *_biased(attn.c_attn)]
+    pre = dict(norm=block.norms[0], eps=block.eps[0], bias=attn.c_attn.bias is not None)
+    heads = dict(heads=block.heads, head_dim=block.head_dim)
+    q, k, v = _graph(prog, attn, dense_pre_math, [x], pre_w, {0: "x"}, **heads, **pre)
+    out, sizes = _attention(prog, attn, q, k, v, kbuf, vbuf, held)
+    post_w = [weights[1], *_biased(attn.c_proj), *norms.norm_params(block.norms[1], ln_2)]
+    post = dict(norm=block.norms[1], eps=block.eps[1], bias=attn.c_proj.bias is not None)
+    normed, h = _graph(prog, layer, dense_post_math, [out, x], post_w, {1: "x"}, **post)
+    mlp_w = [weights[2], *_biased(up), weights[3], *_biased(down)]
+    flags = dict(up_bias=up.bias is not None, down_bias=down.bias is not None, act=block.act)
+    return _graph(prog, mlp, dense_mlp_math, [normed, h], mlp_w, {}, **flags), sizes, False
 
 
 def _attention(prog: Program, attn: nn.Module, q, k, v, kbuf, vbuf, held) -> tuple[torch.Tensor, Any]:
@@ -360,4 +413,4 @@ def _moe(prog: Program, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
     return y.view(h.shape)
 
 
-__all__ = ["ENABLED", "replayed"]
+__all__ = ["ENABLED", "replayed", "replayed_fused_qkv"]

@@ -50,6 +50,7 @@ from kernelize.model_attention import attention_forward, note_fallback
 from kernelize.shards import shards_of
 
 from .block import _hubs, _installed, planned  # the norm / activation hubs, one block planner
+from .decode_step import replayed_fused_qkv
 
 
 def conv1d_math(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -276,6 +277,9 @@ class FusedQKVDecoderLayer(nn.Module):
         block = None if encoder_hidden_states is not None else dense_block_of(self, hidden_states)
         if block is not None:
             step = dict(kwargs, use_cache=use_cache)  # as GPT-2's layer passes them to its attention
+            out = replayed_fused_qkv(self, block, hidden_states, attention_mask, cache, step)
+            if out is not None:
+                return out
             out = run_dense_block(self, block, hidden_states, cache, attention_mask, step)
             if out is not None:
                 return out
