@@ -372,31 +372,57 @@ def run_block(
     attn, mlp = layer.self_attn, layer.mlp
     weight_of = _norm_params(layer, block)
     cos, sin = rotary_tables(attn, *position_embeddings)
-    weight, bias = qkv_params(attn)
-    qk_w = [attn.q_norm.weight, attn.k_norm.weight] if block.pre.get("qk_norm") else []
-    pre_w = [*_weights(weight_of, "input"), weight, *([] if bias is None else [bias]), *qk_w]
-    q, k, v = hub.run(attn, pre_attention_math, [x, cos, sin], pre_w, bias=bias is not None, **block.pre)
+    pre_w, bias = pre_weights(layer, block, weight_of, qkv_params)
+    q, k, v = hub.run(attn, pre_attention_math, [x, cos, sin], pre_w, bias=bias, **block.pre)
     out = attend(q, k, v)
     o = attn.o_proj
-    norms_w = _weights(weight_of, "post_attn", "pre_ff")
     if block.attn_shards is None:
-        post_w = [o.weight, *([] if o.bias is None else [o.bias]), *norms_w]
-        h = hub.run(layer, post_attention_math, [out, x], post_w, bias=o.bias is not None, **block.post)
+        post_w, bias = post_weights(layer, weight_of)
+        h = hub.run(layer, post_attention_math, [out, x], post_w, bias=bias, **block.post)
     else:  # the all-reduce of the o_proj product comes between it and the residual add
         o_out = row_parallel(attn, block.attn_shards, out, o)
-        h = hub.run(layer, residual_norm_math, [o_out, x], norms_w, **block.post)
+        h = hub.run(
+            layer, residual_norm_math, [o_out, x], _weights(weight_of, "post_attn", "pre_ff"), **block.post
+        )
     h, residual = (h, h) if block.post["norm"] is None else h
-    post_ff = _weights(weight_of, "post_ff")
     if block.own_mlp:
-        y = mlp(h)  # an MoE block may return (output, router scores), as gpt-oss's does
-        y = y[0] if isinstance(y, tuple) else y
-        return _after_mlp(mlp, block, y, residual, post_ff)
+        return own_mlp(layer, block, h, residual, weight_of)
+    post_ff = _weights(weight_of, "post_ff")
     if block.mlp_shards is None:
         mlp_w = [_gate_up(mlp, block), mlp.down_proj.weight, *post_ff]
         return hub.run(mlp, mlp_math, [h, residual], mlp_w, **block.mlp)
     act = block.mlp["act"]
     y = hub.run(mlp, mlp_partial_math, [h], [_gate_up(mlp, block), local(mlp.down_proj.weight)], act=act)
     return _after_mlp(mlp, block, block.mlp_shards.reduce(y), residual, post_ff)
+
+
+def pre_weights(layer: nn.Module, block: Block, weight_of: dict, qkv_params: Any) -> tuple[list, bool]:
+    """`pre_attention_math`'s weights (the input norm's, the merged q|k|v, its bias, the q / k norms') and
+    whether a bias is among them."""
+    attn = layer.self_attn
+    weight, bias = qkv_params(attn)
+    qk_w = [attn.q_norm.weight, attn.k_norm.weight] if block.pre.get("qk_norm") else []
+    return [*_weights(weight_of, "input"), weight, *([] if bias is None else [bias]), *qk_w], bias is not None
+
+
+def post_weights(layer: nn.Module, weight_of: dict) -> tuple[list, bool]:
+    """`post_attention_math`'s weights (o_proj's, its bias, the post-attention and pre-MLP norms') and
+    whether a bias is among them."""
+    o = layer.self_attn.o_proj
+    return [o.weight, *([] if o.bias is None else [o.bias]), *_weights(weight_of, "post_attn", "pre_ff")], (
+        o.bias is not None
+    )
+
+
+def own_mlp(layer: nn.Module, block: Block, h: torch.Tensor, residual: torch.Tensor, weight_of=None):
+    """The MLP's own forward on `h` (an MoE block may return (output, router scores), as gpt-oss's does),
+    then `[post-MLP norm] + residual`; `weight_of`: the norms' parameters (made here when None)."""
+    y = layer.mlp(h)
+    y = y[0] if isinstance(y, tuple) else y
+    post_ff = (
+        [] if block.mlp["norm"] is None else _weights(weight_of or _norm_params(layer, block), "post_ff")
+    )
+    return _after_mlp(layer.mlp, block, y, residual, post_ff)
 
 
 def _after_mlp(mlp: nn.Module, block: Block, y: torch.Tensor, residual: torch.Tensor, post_ff: list):

@@ -44,17 +44,18 @@ from kernelize.runtime.replay import Program, copy_rows_call
 
 from .block import (
     Block,
-    _after_mlp,
     _hooked,
-    _hubs,
     _norm_params,
     _packed_calls,
     _weights,
     after_mlp_math,
     mlp_math,
     norm_math,
+    own_mlp,
     post_attention_math,
+    post_weights,
     pre_attention_math,
+    pre_weights,
     residual_norm_math,
     rotary_tables,
     rotate_math,
@@ -103,11 +104,7 @@ def replayed(
     step, out, residual = ran
     if not block.own_mlp or step.moe:
         return out
-    # the MoE block runs its own forward (router, experts kernel) on the program's h, as `run_block` does
-    y = layer.mlp(out)
-    y = y[0] if isinstance(y, tuple) else y
-    post_ff = _weights(_norm_params(layer, block), "post_ff") if block.mlp["norm"] is not None else []
-    return _after_mlp(layer.mlp, block, y, residual, post_ff)
+    return own_mlp(layer, block, out, residual)  # on the program's h, as `run_block` runs it
 
 
 def replayed_fused_qkv(
@@ -238,25 +235,16 @@ def _build_llama(prog, layer, block, x, tables, kbuf, vbuf, held):
 def _build_fused_qkv(prog, layer, block, x, tables, kbuf, vbuf, held):
     """`fused_qkv.run_dense_block`'s steps: [ln_1] -> c_attn -> q, k, v; the cache row and attention;
     c_proj + residual -> ln_2; c_fc -> act -> c_proj + residual."""
-    from .fused_qkv import _SUBMODULES, _biased, _weight, dense_mlp_math, dense_post_math, dense_pre_math
+    from .fused_qkv import dense_graphs, dense_mlp_math, dense_post_math, dense_pre_math
 
-    attn, mlp, ln_1, ln_2 = (getattr(layer, name) for name in _SUBMODULES)
-    up, down = (getattr(mlp, name) for name in block.mlp_names)
-    weights = [_weight(p) for p in (attn.c_attn, attn.c_proj, up, down)]
-    if any(w is None for w in weights):
+    graphs = dense_graphs(layer, block)
+    if graphs is None:
         raise _NotFixed("a projection's weight cannot be read as (out, in)")
-    norms = _hubs()[0]
-    pre_w = [*norms.norm_params(block.norms[0], ln_1), weights[0], *_biased(attn.c_attn)]
-    pre = dict(norm=block.norms[0], eps=block.eps[0], bias=attn.c_attn.bias is not None)
-    heads = dict(heads=block.heads, head_dim=block.head_dim)
-    q, k, v = _graph(prog, attn, dense_pre_math, [x], pre_w, {0: "x"}, **heads, **pre)
-    out, sizes = _attention(prog, attn, q, k, v, kbuf, vbuf, held)
-    post_w = [weights[1], *_biased(attn.c_proj), *norms.norm_params(block.norms[1], ln_2)]
-    post = dict(norm=block.norms[1], eps=block.eps[1], bias=attn.c_proj.bias is not None)
+    (pre_w, pre), (post_w, post), (mlp_w, flags) = graphs
+    q, k, v = _graph(prog, layer.attn, dense_pre_math, [x], pre_w, {0: "x"}, **pre)
+    out, sizes = _attention(prog, layer.attn, q, k, v, kbuf, vbuf, held)
     normed, h = _graph(prog, layer, dense_post_math, [out, x], post_w, {1: "x"}, **post)
-    mlp_w = [weights[2], *_biased(up), weights[3], *_biased(down)]
-    flags = dict(up_bias=up.bias is not None, down_bias=down.bias is not None, act=block.act)
-    return _graph(prog, mlp, dense_mlp_math, [normed, h], mlp_w, {}, **flags), sizes, False
+    return _graph(prog, layer.mlp, dense_mlp_math, [normed, h], mlp_w, {}, **flags), sizes, False
 
 
 def _attention(prog: Program, attn: nn.Module, q, k, v, kbuf, vbuf, held) -> tuple[torch.Tensor, Any]:
@@ -318,12 +306,13 @@ def _packed(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
     h = _graph(prog, layer, residual_norm_math, [o, x], post_w, {1: "x"}, **block.post)
     h, residual = (h[0], h[0]) if block.post["norm"] is None else h
     y = _project(prog, calls[3], _project(prog, calls[2], h, False), False)
+    return _after_mlp_graph(prog, mlp, block, weight_of, y, residual), sizes, False
+
+
+def _after_mlp_graph(prog: Program, mlp: nn.Module, block: Block, weight_of: dict, y, residual):
+    """`[post-MLP norm](y) + residual` (`block._after_mlp`) appended to the program."""
     tail = {"norm": block.mlp["norm"], "eps": block.mlp["eps"]}
-    return (
-        _graph(prog, mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), {}, **tail),
-        sizes,
-        False,
-    )
+    return _graph(prog, mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), {}, **tail)
 
 
 def _project(prog: Program, call, x: torch.Tensor, varying: bool) -> torch.Tensor:
@@ -347,27 +336,18 @@ def _dense(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
 
     attn, mlp = layer.self_attn, layer.mlp
     weight_of = _norm_params(layer, block)
-    weight, bias = merged_qkv(attn)
-    qk_w = [attn.q_norm.weight, attn.k_norm.weight] if block.pre.get("qk_norm") else []
-    pre_w = [*_weights(weight_of, "input"), weight, *([] if bias is None else [bias]), *qk_w]
+    pre_w, bias = pre_weights(layer, block, weight_of, merged_qkv)
     names = {0: "x", 1: "cos", 2: "sin"}
-    q, k, v = _graph(
-        prog, attn, pre_attention_math, [x, cos, sin], pre_w, names, bias=bias is not None, **block.pre
-    )
+    q, k, v = _graph(prog, attn, pre_attention_math, [x, cos, sin], pre_w, names, bias=bias, **block.pre)
     out, sizes = _attention(prog, attn, q, k, v, kbuf, vbuf, held)
-    o = attn.o_proj
-    post_w = [o.weight, *([] if o.bias is None else [o.bias]), *_weights(weight_of, "post_attn", "pre_ff")]
-    h = _graph(
-        prog, layer, post_attention_math, [out, x], post_w, {1: "x"}, bias=o.bias is not None, **block.post
-    )
+    post_w, bias = post_weights(layer, weight_of)
+    h = _graph(prog, layer, post_attention_math, [out, x], post_w, {1: "x"}, bias=bias, **block.post)
     h, residual = (h[0], h[0]) if block.post["norm"] is None else h
     if block.own_mlp:
         y = _moe(prog, mlp, h)
         if y is None:  # h (and the residual): the MoE block runs its own forward next
             return ((h,) if h is residual else (h, residual)), sizes, False
-        tail = {"norm": block.mlp["norm"], "eps": block.mlp["eps"]}
-        outs = _graph(prog, mlp, after_mlp_math, [y, residual], _weights(weight_of, "post_ff"), {}, **tail)
-        return outs, sizes, True
+        return _after_mlp_graph(prog, mlp, block, weight_of, y, residual), sizes, True
     mlp_w = [_gate_up(mlp, block), mlp.down_proj.weight, *_weights(weight_of, "post_ff")]
     return _graph(prog, mlp, mlp_math, [h, residual], mlp_w, {}, **block.mlp), sizes, False
 

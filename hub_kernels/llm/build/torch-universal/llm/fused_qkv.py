@@ -234,26 +234,38 @@ def run_dense_block(
 ) -> torch.Tensor | None:
     """The layer's output for `x` as three graphs around the attention kernel; None where a weight can no
     longer be read as `(out, in)` (the caller runs the layer's own forward)."""
+    graphs = dense_graphs(layer, block)
+    if graphs is None:
+        return None
+    (pre_w, pre), (post_w, post), (mlp_w, flags) = graphs
+    attn, mlp = layer.attn, layer.mlp
+    batch, seq = x.shape[:2]
+    q, k, v = hub.run(attn, dense_pre_math, [x], pre_w, **pre)
+    if cache is not None:
+        cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's own half
+        k, v = kv_cache.update(cache, k, v, attn.layer_idx)
+    out, _ = attention_forward(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+    normed, h = hub.run(layer, dense_post_math, [out.reshape(batch, seq, -1), x], post_w, **post)
+    return hub.run(mlp, dense_mlp_math, [normed, h], mlp_w, **flags)
+
+
+def dense_graphs(layer: nn.Module, block: DenseBlock) -> tuple | None:
+    """The weights and parameters of the layer's three graphs, `((pre_w, pre), (post_w, post), (mlp_w,
+    flags))` for `dense_pre_math`, `dense_post_math`, `dense_mlp_math`; None where a weight can no longer
+    be read as `(out, in)`."""
     attn, mlp, ln_1, ln_2 = (getattr(layer, name) for name in _SUBMODULES)
     up, down = (getattr(mlp, name) for name in block.mlp_names)
     weights = [_weight(p) for p in (attn.c_attn, attn.c_proj, up, down)]
     if any(w is None for w in weights):
         return None
-    batch, seq = x.shape[:2]
     norms = _hubs()[0]
     pre_w = [*norms.norm_params(block.norms[0], ln_1), weights[0], *_biased(attn.c_attn)]
     pre = dict(norm=block.norms[0], eps=block.eps[0], bias=attn.c_attn.bias is not None)
-    q, k, v = hub.run(attn, dense_pre_math, [x], pre_w, heads=block.heads, head_dim=block.head_dim, **pre)
-    if cache is not None:
-        cache = getattr(cache, "self_attention_cache", cache)  # an EncoderDecoderCache's own half
-        k, v = kv_cache.update(cache, k, v, attn.layer_idx)
-    out, _ = attention_forward(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
     post_w = [weights[1], *_biased(attn.c_proj), *norms.norm_params(block.norms[1], ln_2)]
     post = dict(norm=block.norms[1], eps=block.eps[1], bias=attn.c_proj.bias is not None)
-    normed, h = hub.run(layer, dense_post_math, [out.reshape(batch, seq, -1), x], post_w, **post)
     mlp_w = [weights[2], *_biased(up), weights[3], *_biased(down)]
     flags = dict(up_bias=up.bias is not None, down_bias=down.bias is not None, act=block.act)
-    return hub.run(mlp, dense_mlp_math, [normed, h], mlp_w, **flags)
+    return (pre_w, dict(pre, heads=block.heads, head_dim=block.head_dim)), (post_w, post), (mlp_w, flags)
 
 
 class FusedQKVDecoderLayer(nn.Module):
