@@ -782,8 +782,9 @@ _CAUSAL_LM_PARAMS = (
 
 
 def _causal_lm(module: nn.Module) -> Recognition | None:
-    head = getattr(module, "lm_head", None)
-    if not (isinstance(head, nn.Linear) and isinstance(getattr(module, "model", None), nn.Module)):
+    # a packed head (kernelize_model(quantize=...)) takes the decode step; its loss is the module's own
+    head, base = getattr(module, "lm_head", None), getattr(module, "model", None)
+    if not (_linear(head) and isinstance(base, nn.Module)):
         return None
     kind = "causal_lm"
     loss = getattr(module, "loss_function", None)

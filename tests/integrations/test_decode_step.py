@@ -191,3 +191,82 @@ def test_gpt2_layers_replay_their_three_graphs(monkeypatch, dtype):
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+# ---- the model's whole decode step (decode_model.py) --------------------------------------------------
+def _decode_model_module():
+    (mod,) = {m for name, m in sys.modules.items() if name.endswith(".decode_model")}
+    return mod
+
+
+def _count_layer_calls(monkeypatch, model: nn.Module) -> list[int]:
+    """Per layer, how many times its (kernelized) forward runs from here on."""
+    (layers_module,) = {
+        m for name, m in sys.modules.items() if name.endswith(".layers") and hasattr(m, "decoder_forward")
+    }
+    index = {id(layer): i for i, layer in enumerate(model.model.layers)}
+    calls = [0] * len(index)
+    forward = layers_module.decoder_forward
+
+    def counted(layer, *args):
+        calls[index[id(layer)]] += 1
+        return forward(layer, *args)
+
+    monkeypatch.setattr(layers_module, "decoder_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype, quantize", [(torch.bfloat16, "q4_0"), (torch.float32, None)])
+def test_the_model_step_runs_decode_tokens_without_the_layers_forwards(monkeypatch, dtype, quantize):
+    """After one checked step, a decode token calls no layer's forward (each layer's program runs from the
+    model's step); tokens and logits equal the layers' Python path's, across a cache reallocation."""
+    model = _llama(dtype, quantize)
+    calls = _count_layer_calls(monkeypatch, model)
+    tokens, logits = _generate(model)
+    assert model.__dict__["_kernelize_model_step"][2] is True
+    # the prompt, the first decode step (no cache room yet), the checked step, the reallocation's step
+    assert max(calls) <= 5, calls
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model)
+    assert max(calls) >= 70
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_a_base_model_that_computes_more_keeps_its_own_decode_step(monkeypatch):
+    """The check compares the logits of the model's own step with the path's: a base model that scales its
+    embeddings (as Gemma's does) differs, keeps its own forward, and says why in `inspect`."""
+
+    class Scaled(transformers.LlamaModel):
+        def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+            return super().forward(inputs_embeds=self.embed_tokens(input_ids) * 2, **kwargs)
+
+    model = _llama(torch.float32, None)
+    model.model.__class__ = Scaled
+    calls = _count_layer_calls(monkeypatch, model)
+    tokens, logits = _generate(model, 8)
+    verdict = model.__dict__["_kernelize_model_step"][2]
+    assert verdict == _decode_model_module()._DIFFERS and min(calls) >= 8
+    assert any("decode steps run the model's own forward" in n for n in model._kernelize_choice.notes)
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model, 8)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_hooks_and_padding_send_decode_steps_through_the_model(monkeypatch):
+    """A forward hook on a layer sees every step; a padded prompt's mask goes the model's own way."""
+    model = _llama(torch.bfloat16, "q8_0")
+    seen = []
+    handle = model.model.layers[1].register_forward_hook(lambda *args: seen.append(1))
+    _generate(model, 8)
+    assert len(seen) == 8
+    handle.remove()
+    calls = _count_layer_calls(monkeypatch, model)
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[0, 1, 1, 1, 1]])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert min(calls) == 6
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    with torch.inference_mode():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, want)

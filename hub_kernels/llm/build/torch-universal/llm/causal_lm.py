@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .decode_model import model_step
+
 IGNORE_INDEX = -100
 # what transformers' loss function reads from the call's kwargs (the rest go to the base model too)
 _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
@@ -94,9 +96,23 @@ class CausalLMWithLoss(nn.Module):
         if (
             labels is None
             or not (self.training and torch.is_grad_enabled())
+            or not isinstance(self.lm_head, nn.Linear)  # a packed head: no float weight for the fused loss
             or kwargs.get("return_dict") is False
         ):
-            return type(self).forward(self, labels=labels, logits_to_keep=logits_to_keep, **named, **kwargs)
+
+            def own() -> Any:
+                return type(self).forward(
+                    self, labels=labels, logits_to_keep=logits_to_keep, **named, **kwargs
+                )
+
+            if labels is None:  # a decode step with no module calls between the layers' programs
+                out = model_step(
+                    self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache,
+                    logits_to_keep, kwargs, own,
+                )  # fmt: skip
+                if out is not None:
+                    return out
+            return own()
         outputs = self.model(**named, **kwargs)
         extra = {k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs}
         return _output(outputs, causal_lm_loss(self, outputs.last_hidden_state, labels, extra))

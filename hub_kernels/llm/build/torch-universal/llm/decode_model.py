@@ -1,0 +1,211 @@
+"""A causal LM's whole decode step with no module calls between its layers' replayed programs (#33 item 6).
+
+With each decoder layer's step one replayed C call (`decode_step.py`), what was left per token was the
+Python around those calls: per layer, the module call, transformers' layer wrapper, the block's checks and
+the cache bookkeeping; per model, the base model's forward (its mask, position ids, output objects). On a
+300 M Llama at q4_0 that was ~2 ms of a ~7.5 ms token, and slower than the same code in a tight loop,
+since each layer's weights stream the interpreter's data out of the caches.
+
+`model_step` runs a plain decode step (one token, a cache with room, no mask or an all-ones one, no
+hooks, no outputs requested beyond the logits) as: the token embedding, the rotary tables, then every
+layer's program (each layer's readiness checked before any runs, so a step either runs whole or goes the
+model's own way), the final norm and the LM head (module calls: their hooks run). Which base models this
+fits is not read from their source: the first such step runs it, rolls the cache back, runs the model's own
+forward, and keeps the path only when the logits are bit for bit the same (else the reason goes into
+``kernelize.inspect``). A model whose mask could stop being None (a sliding window the keys are about to
+reach, chunked attention) goes its own way at those steps. ``KERNELIZE_DECODE_REPLAY=0`` turns it off
+with the layers' programs.
+
+Example:
+    >>> out = model_step(lm, input_ids, None, None, cache, None, True, 1, {}, own)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
+from kernelize.model_attention import note_fallback
+
+from . import decode_step
+from .block import _CAPTURE_HOOK, _capturing, block_of, own_mlp, rotary_tables
+
+logger = logging.getLogger(__name__)
+# in the causal LM's __dict__: (key, parts, verdict): None (not checked yet), True or why not
+_STATE = "_kernelize_model_step"
+_DIFFERS = "the model's own decode step computes more than embed -> rotary -> layers -> norm -> head"
+# the call's keywords a plain decode step may carry (what `generate` passes besides the named arguments)
+_PLAIN_KWARGS = frozenset({"return_dict"})
+
+
+def model_step(
+    lm: nn.Module,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cache: Any,
+    inputs_embeds: torch.Tensor | None,
+    use_cache: bool | None,
+    logits_to_keep: Any,
+    kwargs: dict[str, Any],
+    own_forward: Callable[[], Any],
+) -> Any:
+    """The causal LM's output for this call through the fast path, or None: the model's own forward
+    (``own_forward()``) runs it (not a plain decode step, or a model this path does not fit; module
+    docstring). The step that checks the path returns ``own_forward()``'s output."""
+    if not decode_step.ENABLED or input_ids is None or inputs_embeds is not None:
+        return None
+    if position_ids is not None and position_ids.shape != (1, 1):
+        return None
+    if cache is None or use_cache is not True or not isinstance(logits_to_keep, int):
+        return None
+    if not _PLAIN_KWARGS.issuperset(kwargs) or kwargs.get("return_dict") is False:
+        return None
+    if input_ids.shape != (1, 1) or not input_ids.is_cpu or lm.training or torch.is_grad_enabled():
+        return None
+    if attention_mask is not None and not (attention_mask.dim() == 2 and bool(attention_mask.all())):
+        return None
+    base = getattr(lm, "model", None)
+    config = getattr(base, "config", None)
+    if getattr(config, "output_hidden_states", False) or getattr(config, "output_attentions", False):
+        return None
+    key = _key(lm, base)
+    state = lm.__dict__.get(_STATE)
+    if state is None or state[0] != key:
+        parts = _parts(lm, base)
+        state = lm.__dict__[_STATE] = (key, parts, parts if isinstance(parts, str) else None)
+        if isinstance(parts, str):
+            _note(lm, parts)
+    _, parts, verdict = state
+    if isinstance(verdict, str) or _blocked(base, parts[3]):
+        return None
+    if verdict:
+        return _run(parts, input_ids, position_ids, cache)
+    # the first plain step: run it both ways and compare
+    saved = [(c, c.keys, c.values, getattr(c, "_kernelize_room", None)) for c in _kv_layers(cache)]
+    try:
+        fast = _run(parts, input_ids, position_ids, cache)
+    except (
+        Exception
+    ) as e:  # a part called otherwise than this path calls it (a rotary that takes a layer type)
+        fast = f"the path raised {type(e).__name__}: {e}"
+    if fast is None:  # not every layer could run its program this step: try again at the next
+        return None
+    for c, keys, values, room in saved:  # as before the step: the model's own forward writes the same rows
+        c.keys, c.values, c._kernelize_room = keys, values, room
+    own = own_forward()
+    verdict = fast if isinstance(fast, str) else True if torch.equal(fast.logits, own.logits) else _DIFFERS
+    lm.__dict__[_STATE] = (key, parts, verdict)
+    if verdict is not True:
+        _note(lm, verdict)
+    return own
+
+
+def _parts(lm: nn.Module, base: nn.Module | None) -> tuple | str:
+    """(embedding, rotary, norm, layers, head): what the path calls, or why the model has none of them."""
+    if base is None:
+        return "no base model"
+    names = ("embed_tokens", "rotary_emb", "norm", "layers")
+    missing = [n for n in names if not isinstance(getattr(base, n, None), nn.Module)]
+    if missing:
+        return f"the base model has no {', '.join(missing)}"
+    config = getattr(base, "config", None)
+    if getattr(config, "attention_chunk_size", None):
+        return "chunked attention (its mask changes with the position)"
+    from .layers import EmbeddingsFirstDecoderLayer, PreNormDecoderLayer
+
+    layers = tuple(base.layers[: getattr(config, "num_hidden_layers", len(base.layers))])
+    ours = (PreNormDecoderLayer.forward, EmbeddingsFirstDecoderLayer.forward)
+    if not all(getattr(layer.__dict__.get("forward"), "__func__", None) in ours for layer in layers):
+        return "a layer does not run kernelize's decoder layer (its steps are not replayed programs)"
+    return base.embed_tokens, base.rotary_emb, base.norm, layers, lm.lm_head
+
+
+def _kv_layers(cache: Any) -> list:
+    """The cache's layers that hold keys and values (what a step may move on)."""
+    return [c for c in getattr(cache, "layers", ()) if hasattr(c, "keys") and hasattr(c, "values")]
+
+
+def _key(lm: nn.Module, base: nn.Module | None) -> tuple:
+    """What the model's parts were found from (cheap to compare per step): the base model's and its layer
+    list's submodules, the head and the base model's forward."""
+    layers = getattr(base, "layers", None)
+    subs = tuple(layers._modules.values()) if isinstance(layers, nn.Module) else ()
+    mods = tuple(base._modules.values()) if isinstance(base, nn.Module) else ()
+    return base, mods, subs, lm._modules.get("lm_head"), type(base).forward
+
+
+def _note(lm: nn.Module, reason: str) -> None:
+    logger.debug("decode steps of %s run the model's own forward: %s", type(lm).__name__, reason)
+    note_fallback(lm, reason, "decode steps run the model's own forward")
+
+
+def _blocked(base: nn.Module, layers: tuple) -> bool:
+    """Whether hooks the path would skip are registered (on the base model or a layer, or global ones), or
+    transformers is capturing outputs."""
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks or _capturing():
+        return True
+    for mod in (base, *layers):
+        for hook in (*mod._forward_pre_hooks.values(), *mod._forward_hooks.values()):
+            if (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) != _CAPTURE_HOOK:
+                return True
+    return False
+
+
+def _run(parts: tuple, input_ids: torch.Tensor, position_ids: torch.Tensor | None, cache: Any) -> Any:
+    """The step through every layer's program, or None (before anything ran) when a layer cannot take it."""
+    embed, rotary, norm, layers, head = parts
+    from .layers import CausalSelfAttention
+
+    x = embed(input_ids)
+    if position_ids is None:  # as the base model makes them
+        position_ids = (torch.arange(1, device=x.device) + cache.get_seq_length()).unsqueeze(0)
+    position_embeddings = rotary(x, position_ids=position_ids)
+    kwargs = {"position_ids": position_ids, "use_cache": True}
+    plans = []
+    try:
+        for layer in layers:
+            block = block_of(layer, x, CausalSelfAttention)
+            if block is None or block.attn_shards is not None or block.mlp_shards is not None:
+                return None
+            tables = rotary_tables(layer.self_attn, *position_embeddings)
+            if not (tables[0].is_contiguous() and tables[1].is_contiguous()):
+                return None
+            args = (layer, layer.self_attn, block, x, tables, None, cache, kwargs, decode_step._build_llama)
+            ready = decode_step.prepare(*args, margin=1)
+            if ready is None:
+                return None
+            plans.append((layer, block, tables, ready))
+    finally:
+        if len(plans) < len(layers):
+            for plan in plans:
+                decode_step.release(plan[3])
+    for i, (layer, block, tables, ready) in enumerate(plans):
+        try:
+            step, out, residual = decode_step.execute(ready, x, tables)
+            x = out if not block.own_mlp or step.moe else own_mlp(layer, block, out, residual)
+        except BaseException:
+            for later in plans[i + 1 :]:
+                decode_step.release(later[3])
+            raise
+    logits = head(norm(x))
+    return _output(logits, cache)
+
+
+def _output(logits: torch.Tensor, cache: Any) -> Any:
+    """The causal LM's output type with the logits and the cache (named `cache` since transformers 5.24)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    return CausalLMOutputWithPast(
+        logits=logits, **{"cache" if "cache" in fields else "past_key_values": cache}
+    )
+
+
+__all__ = ["model_step"]
