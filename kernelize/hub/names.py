@@ -42,6 +42,7 @@ HUB_LAYERS: Mapping[str, Mapping[str, str]] = {
         "PreNormDecoderLayer": "PreNormDecoderLayer",
         "EmbeddingsFirstDecoderLayer": "EmbeddingsFirstDecoderLayer",
         "CausalLMWithLoss": "CausalLMWithLoss",
+        "MoECausalLM": "MoECausalLM",
     },
     "linear": {
         "Linear": "Linear",

@@ -26,6 +26,7 @@ implementation with transformers, switches the model to it, and calls `kernelize
 | the model's `lm_head`, a plain `nn.Linear` (its class becomes `LMHead`) | `Linear` | `kernelize/linear` |
 | training: input embeddings, an `nn.Embedding` (class: `TokenEmbedding`) | `Embedding` | `kernelize/linear` |
 | `model` + `lm_head` + transformers' `ForCausalLMLoss` | `CausalLMWithLoss` | `kernelize/llm` |
+| the same with `output_router_logits` (an MoE model's; decode steps only) | `MoECausalLM` | `kernelize/llm` |
 
 A module that looks like one of these but does not match is left eager, and `kernelize.inspect(model)`
 says why; so does a replaced attention module whose calls took the eager path (see
@@ -779,6 +780,7 @@ _CAUSAL_LM_PARAMS = (
     *("self", "input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "labels"),
     *("use_cache", "logits_to_keep", "kwargs"),
 )
+_MOE_CAUSAL_LM_PARAMS = (*_CAUSAL_LM_PARAMS[:-2], "output_router_logits", *_CAUSAL_LM_PARAMS[-2:])
 
 
 def _causal_lm(module: nn.Module) -> Recognition | None:
@@ -799,6 +801,8 @@ def _causal_lm(module: nn.Module) -> Recognition | None:
     if missing:
         return _eager(kind, f"the forward does not call {', '.join(missing)}")
     params = tuple("cache" if p == "past_key_values" else p for p in params)  # its name before 5.24
+    if params == _MOE_CAUSAL_LM_PARAMS:  # its loss adds the router's: the module's own
+        return Recognition(kind, "MoECausalLM", "decode steps: the layers' programs back to back")
     if params != _CAUSAL_LM_PARAMS:
         return _eager(kind, f"forward parameters {params} differ from a causal LM's {_CAUSAL_LM_PARAMS}")
     for extra in ("softcap", "aux_loss"):

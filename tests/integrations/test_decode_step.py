@@ -108,6 +108,7 @@ def test_an_moe_layer_replays_with_its_router_and_experts(monkeypatch):
     tokens, logits = _generate(model, 12)
     steps = [layer.__dict__.get("_kernelize_decode_step", (None, None))[1] for layer in model.model.layers]
     assert runs and all(s.moe and s.outputs == 1 for s in steps), steps  # router and experts in the program
+    assert model.__dict__["_kernelize_model_step"][2] is True  # `MoECausalLM`: the layers back to back
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 12)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
@@ -270,3 +271,20 @@ def test_hooks_and_padding_send_decode_steps_through_the_model(monkeypatch):
     with torch.inference_mode():
         want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, want)
+
+
+def test_a_window_of_zero_cuts_nothing_and_replays(monkeypatch):
+    """Qwen2-MoE's attention has no `sliding_window` and its config says 0 on full-attention layers: no
+    window, as the attention reads it; its layers replay (the shared expert runs its own forward after)."""
+    from kernelize.models import zoo
+
+    torch.manual_seed(0)
+    model = zoo.tiny_causal_lm("qwen2_moe")
+    kernelize_model(model)
+    tokens, logits = _generate(model, 8)
+    steps = [layer.__dict__["_kernelize_decode_step"][1] for layer in model.model.layers]
+    assert all(s.window is None and s.outputs == 2 for s in steps)
+    assert model.__dict__["_kernelize_model_step"][2] is True
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model, 8)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)

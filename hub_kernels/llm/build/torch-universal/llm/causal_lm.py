@@ -116,3 +116,46 @@ class CausalLMWithLoss(nn.Module):
         outputs = self.model(**named, **kwargs)
         extra = {k: kwargs[k] for k in _LOSS_KWARGS if k in kwargs}
         return _output(outputs, causal_lm_loss(self, outputs.last_hidden_state, labels, extra))
+
+
+class MoECausalLM(nn.Module):
+    """An MoE `*ForCausalLM` forward (`output_router_logits` among its parameters): a plain decode step runs
+    the layers' programs back to back (`decode_model.py`); every other call, and any call that asks for the
+    router's logits (the auxiliary loss reads them), is the module's own forward."""
+
+    has_backward = True
+    can_torch_compile = False
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> Any:
+        named = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        named.update(inputs_embeds=inputs_embeds, use_cache=use_cache, labels=labels)
+        named.update(output_router_logits=output_router_logits, logits_to_keep=logits_to_keep)
+        if cache is not None:
+            named[_cache_name(self)] = cache
+
+        def own() -> Any:
+            return type(self).forward(self, **named, **kwargs)
+
+        router = output_router_logits
+        if router is None:
+            router = getattr(getattr(self, "config", None), "output_router_logits", False)
+        if labels is None and not router:
+            out = model_step(
+                self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache,
+                logits_to_keep, kwargs, own,
+            )  # fmt: skip
+            if out is not None:
+                return out
+        return own()

@@ -41,6 +41,7 @@ from .alibi import ResidualAlibiAttention as ResidualAlibiAttention
 from .block import ROTARY_TABLES as ROTARY_TABLES  # read by the one call
 from .block import block_of, norms_of, rotary_tables, row_parallel, run_block
 from .causal_lm import CausalLMWithLoss as CausalLMWithLoss  # a layer of this repository
+from .causal_lm import MoECausalLM as MoECausalLM  # a layer of this repository
 from .decode_step import replayed
 from .fused_qkv import FusedQKVAttention as FusedQKVAttention  # layers of this repository
 from .fused_qkv import FusedQKVDecoderLayer as FusedQKVDecoderLayer
