@@ -298,9 +298,17 @@ KZ_INLINE uint64_t kz_ld16(const uint8_t* p) {
 // the f16 scales at byte `off` of rows w[0..7] as f32 lanes [s0 s2 s4 s6 | s1 s3 s5 s7]: pair p's
 // [s_2p x4 | s_2p+1 x4] is then one in-lane shuffle
 KZ_INLINE __m256 kz_scales8(const uint8_t* const* w, int64_t off) {
-    const uint64_t lo = kz_ld16(w[0] + off) | kz_ld16(w[2] + off) << 16 | kz_ld16(w[4] + off) << 32 | kz_ld16(w[6] + off) << 48;
-    const uint64_t hi = kz_ld16(w[1] + off) | kz_ld16(w[3] + off) << 16 | kz_ld16(w[5] + off) << 32 | kz_ld16(w[7] + off) << 48;
-    return _mm256_cvtph_ps(_mm_set_epi64x((int64_t)hi, (int64_t)lo));
+    // (perf) one vpinsrw from memory per row: the shifts and ors of two 64-bit words took ~2x the ops
+    // (q4_0 decode, interleaved A/B on the 300 M layout's shapes: +2-4% GB/s at 1 and 2 threads, q8_0 even)
+    __m128i h = _mm_cvtsi32_si128((int)kz_ld16(w[0] + off));
+    h = _mm_insert_epi16(h, (short)kz_ld16(w[2] + off), 1);
+    h = _mm_insert_epi16(h, (short)kz_ld16(w[4] + off), 2);
+    h = _mm_insert_epi16(h, (short)kz_ld16(w[6] + off), 3);
+    h = _mm_insert_epi16(h, (short)kz_ld16(w[1] + off), 4);
+    h = _mm_insert_epi16(h, (short)kz_ld16(w[3] + off), 5);
+    h = _mm_insert_epi16(h, (short)kz_ld16(w[5] + off), 6);
+    h = _mm_insert_epi16(h, (short)kz_ld16(w[7] + off), 7);
+    return _mm256_cvtph_ps(h);
 }
 #define KZ_PAIR_SCALE(S, p) _mm256_shuffle_ps(S, S, (p) * 0x55)
 // q4_0: pair p's vector holds row 2p's 16 bytes in the low half, row 2p+1's in the high half
