@@ -144,10 +144,12 @@ def test_a_sliding_window_replays_while_the_keys_fit_in_it(monkeypatch):
         layer.self_attn.sliding_window = 16  # what sliding_window_of reads, as the model's forward passes it
     runs = []
     run = Program.run
-    monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append(1), run(self, **v))[1])
+    monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append("key" in v), run(self, **v))[1])
     tokens, logits = _generate(model, 24)
-    # 5 prompt positions: decode steps with up to 16 keys replay (the first one builds the cache's room)
-    assert 2 * 8 <= len(runs) <= 2 * 11, len(runs)
+    layer_runs = sum(runs)  # the layers' programs (the LM head's takes no cache row)
+    # 5 prompt positions: decode steps with up to 16 keys replay (the first one builds the cache's room; the
+    # step that checks the model's path runs them twice)
+    assert 2 * 8 <= layer_runs <= 2 * 12, layer_runs
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 24)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
@@ -225,6 +227,8 @@ def test_the_model_step_runs_decode_tokens_without_the_layers_forwards(monkeypat
     calls = _count_layer_calls(monkeypatch, model)
     tokens, logits = _generate(model)
     assert model.__dict__["_kernelize_model_step"][2] is True
+    tail = model.lm_head.__dict__["_kernelize_decode_tail"]  # norm -> packed head: one call
+    assert isinstance(tail, _decode_model_module()._Tail) if quantize else isinstance(tail, str)
     # the prompt, the first decode step (no cache room yet), the checked step, the reallocation's step
     assert max(calls) <= 5, calls
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
@@ -254,13 +258,22 @@ def test_a_base_model_that_computes_more_keeps_its_own_decode_step(monkeypatch):
 
 
 def test_hooks_and_padding_send_decode_steps_through_the_model(monkeypatch):
-    """A forward hook on a layer sees every step; a padded prompt's mask goes the model's own way."""
+    """A forward hook on a layer sees every step (the model's own forward runs them), one on the LM head
+    too (the path calls the head's module); a padded prompt's mask goes the model's own way."""
     model = _llama(torch.bfloat16, "q8_0")
+    _generate(model, 4)  # the path checked, without hooks
     seen = []
+    handle = model.lm_head.register_forward_hook(lambda *args: seen.append(1))
+    calls = _count_layer_calls(monkeypatch, model)
+    _generate(model, 8)
+    assert len(seen) == 8 and max(calls) < 8  # the layers' programs ran from the model's step
+    handle.remove()
+    seen.clear()
     handle = model.model.layers[1].register_forward_hook(lambda *args: seen.append(1))
     _generate(model, 8)
     assert len(seen) == 8
     handle.remove()
+    monkeypatch.undo()
     calls = _count_layer_calls(monkeypatch, model)
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
     mask = torch.tensor([[0, 1, 1, 1, 1]])
