@@ -109,6 +109,13 @@ def test_an_moe_layer_replays_with_its_router_and_experts(monkeypatch):
     steps = [layer.__dict__.get("_kernelize_decode_step", (None, None))[1] for layer in model.model.layers]
     assert runs and all(s.moe and s.outputs == 1 for s in steps), steps  # router and experts in the program
     assert model.__dict__["_kernelize_model_step"][2] is True  # `MoECausalLM`: the layers back to back
+    with torch.inference_mode():  # the path's output is the model's own type
+        cache = transformers.DynamicCache(config=model.config)
+        ids = torch.tensor([[1, 2, 3]])
+        for _ in range(3):
+            out = model(ids, cache=cache, use_cache=True)
+            ids = out.logits[:, -1:].argmax(-1)
+    assert type(out).__name__ == "MoeCausalLMOutputWithPast" and out.cache is cache
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 12)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)

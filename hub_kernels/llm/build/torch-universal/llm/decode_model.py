@@ -82,14 +82,15 @@ def model_step(
     state = lm.__dict__.get(_STATE)
     if state is None or state[0] != key:
         parts = _parts(lm, base)
-        state = lm.__dict__[_STATE] = (key, parts, parts if isinstance(parts, str) else None)
+        state = lm.__dict__[_STATE] = (key, parts, parts if isinstance(parts, str) else None, None)
         if isinstance(parts, str):
             _note(lm, parts)
-    _, parts, verdict = state
+    _, parts, verdict, output_type = state
     if isinstance(verdict, str) or _blocked(base, parts[3]):
         return None
     if verdict:
-        return _run(parts, input_ids, position_ids, cache)
+        logits = _run(parts, input_ids, position_ids, cache)
+        return None if logits is None else _output(output_type, logits, cache)
     # the first plain step: run it both ways and compare (not while hooks on the parts it calls would see
     # their calls twice)
     if any(m._forward_hooks or m._forward_pre_hooks for m in (*parts[:3], parts[4])):
@@ -99,15 +100,17 @@ def model_step(
         fast = _run(parts, input_ids, position_ids, cache)
     except (
         Exception
-    ) as e:  # a part called otherwise than this path calls it (a rotary that takes a layer type)
+    ) as e:  # a part called otherwise than the path calls it (Olmo3's rotary takes a layer type)
         fast = f"the path raised {type(e).__name__}: {e}"
     if fast is None:  # not every layer could run its program this step: try again at the next
         return None
     for c, keys, values, room in saved:  # as before the step: the model's own forward writes the same rows
         c.keys, c.values, c._kernelize_room = keys, values, room
     own = own_forward()
-    verdict = fast if isinstance(fast, str) else True if torch.equal(fast.logits, own.logits) else _DIFFERS
-    lm.__dict__[_STATE] = (key, parts, verdict)
+    logits = getattr(own, "logits", None)
+    same = torch.is_tensor(logits) and not isinstance(fast, str) and torch.equal(fast, logits)
+    verdict = fast if isinstance(fast, str) else True if same else _DIFFERS
+    lm.__dict__[_STATE] = (key, parts, verdict, type(own))  # the path's outputs are the model's type
     if verdict is not True:
         _note(lm, verdict)
     return own
@@ -165,7 +168,8 @@ def _blocked(base: nn.Module, layers: tuple) -> bool:
 
 
 def _run(parts: tuple, input_ids: torch.Tensor, position_ids: torch.Tensor | None, cache: Any) -> Any:
-    """The step through every layer's program, or None (before anything ran) when a layer cannot take it."""
+    """The step's logits through every layer's program, or None (before anything ran) when a layer cannot
+    take it."""
     embed, rotary, norm, layers, head = parts
     from .layers import CausalSelfAttention
 
@@ -200,7 +204,7 @@ def _run(parts: tuple, input_ids: torch.Tensor, position_ids: torch.Tensor | Non
             for later in plans[i + 1 :]:
                 decode_step.release(later[3])
             raise
-    return _output(_tail(norm, head, x), cache)
+    return _tail(norm, head, x)
 
 
 class _Tail:
@@ -272,14 +276,11 @@ def _build_tail(norm: nn.Module, head: nn.Module, x: torch.Tensor, forwards: tup
     return _Tail(prog, sources, x.dtype, forwards, call.n_out)
 
 
-def _output(logits: torch.Tensor, cache: Any) -> Any:
-    """The causal LM's output type with the logits and the cache (named `cache` since transformers 5.24)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
-    return CausalLMOutputWithPast(
-        logits=logits, **{"cache" if "cache" in fields else "past_key_values": cache}
-    )
+def _output(output_type: type, logits: torch.Tensor, cache: Any) -> Any:
+    """The model's own output type (as the checked step returned it) with the logits and the cache (named
+    `cache` since transformers 5.24)."""
+    fields = {f.name for f in dataclasses.fields(output_type)}
+    return output_type(logits=logits, **{"cache" if "cache" in fields else "past_key_values": cache})
 
 
 __all__ = ["model_step"]
