@@ -137,6 +137,7 @@ def test_a_program_does_not_keep_a_finished_generations_cache():
         out = model(ids, past_key_values=cache, use_cache=True)
         for _ in range(3):
             out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    assert model.__dict__["_kernelize_model_step"][2] is True  # `past_key_values=` takes the model's step too
     for layer, cached in zip(model.model.layers, cache.layers, strict=True):
         step = layer.__dict__["_kernelize_decode_step"][1]
         held = {t.untyped_storage().data_ptr() for t in step.program._held if isinstance(t, torch.Tensor)}
@@ -307,4 +308,20 @@ def test_a_window_of_zero_cuts_nothing_and_replays(monkeypatch):
     assert model.__dict__["_kernelize_model_step"][2] is True
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 8)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_a_path_that_raises_on_the_checked_step_keeps_the_models_forward(monkeypatch):
+    """OLMo3's rotary takes the layer type, which the path does not pass: the checked step's error rolls
+    the cache back, the model's own forward runs that step and every later one, and `inspect` says why."""
+    from kernelize.models import zoo
+
+    torch.manual_seed(0)
+    model = zoo.tiny_causal_lm("olmo3")
+    kernelize_model(model)
+    tokens, logits = _generate(model, 6)
+    verdict = model.__dict__["_kernelize_model_step"][2]
+    assert isinstance(verdict, str) and verdict.startswith("the path raised TypeError")
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model, 6)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)

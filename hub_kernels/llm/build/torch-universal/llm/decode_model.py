@@ -64,6 +64,9 @@ def model_step(
     docstring). The step that checks the path returns ``own_forward()``'s output."""
     if not decode_step.ENABLED or input_ids is None or inputs_embeds is not None:
         return None
+    if cache is None and "past_key_values" in kwargs:  # the cache's name before transformers 5.24
+        kwargs = dict(kwargs)
+        cache = kwargs.pop("past_key_values")
     if position_ids is not None and position_ids.shape != (1, 1):
         return None
     if cache is None or use_cache is not True or not isinstance(logits_to_keep, int):
