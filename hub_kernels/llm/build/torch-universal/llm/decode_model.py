@@ -40,7 +40,8 @@ from . import decode_step
 from .block import _CAPTURE_HOOK, _capturing, _installed, block_of, own_mlp, rotary_tables
 
 logger = logging.getLogger(__name__)
-# in the causal LM's __dict__: (key, parts, verdict): None (not checked yet), True or why not
+# in the causal LM's __dict__: (key, parts, verdict, the model's output type); verdict: None (not checked
+# yet), True, or why not
 _STATE = "_kernelize_model_step"
 _DIFFERS = "the model's own decode step computes more than embed -> rotary -> layers -> norm -> head"
 # the call's keywords a plain decode step may carry (what `generate` passes besides the named arguments)
@@ -101,9 +102,7 @@ def model_step(
     saved = [(c, c.keys, c.values, getattr(c, "_kernelize_room", None)) for c in _kv_layers(cache)]
     try:
         fast = _run(parts, input_ids, position_ids, cache)
-    except (
-        Exception
-    ) as e:  # a part called otherwise than the path calls it (Olmo3's rotary takes a layer type)
+    except Exception as e:  # a part called otherwise than the path calls it (OLMo3's rotary: a layer type)
         fast = f"the path raised {type(e).__name__}: {e}"
     if fast is None:  # not every layer could run its program this step: try again at the next
         return None
@@ -216,13 +215,11 @@ class _Tail:
     __slots__ = ("dtype", "forwards", "lock", "n_out", "program", "sources")
 
     def __init__(self, program: Program, sources: tuple, dtype: torch.dtype, forwards: tuple, n_out: int):
-        self.program, self.sources, self.dtype, self.forwards, self.n_out = (
-            program,
-            sources,
+        self.program, self.sources, self.n_out = program, sources, n_out
+        self.dtype, self.forwards = (
             dtype,
             forwards,
-            n_out,
-        )
+        )  # what it was built for: x's dtype, the installed forwards
         self.lock = threading.Lock()
 
 
