@@ -325,3 +325,22 @@ def test_a_path_that_raises_on_the_checked_step_keeps_the_models_forward(monkeyp
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 6)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_a_layer_given_another_forward_takes_the_model_off_the_path():
+    """After the path is checked, a layer whose forward is replaced (here: a counting wrapper of its class's
+    own forward) runs at every step: the model's forward runs them."""
+    model = _llama(torch.float32, None)
+    _generate(model, 4)
+    assert model.__dict__["_kernelize_model_step"][2] is True
+    layer = model.model.layers[1]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = counted
+    _generate(model, 6)
+    assert len(calls) == 6  # the prompt and five decode steps
+    assert "kernelize's decoder layer" in model.__dict__["_kernelize_model_step"][2]

@@ -145,11 +145,14 @@ def _kv_layers(cache: Any) -> list:
 
 def _key(lm: nn.Module, base: nn.Module | None) -> tuple:
     """What the model's parts were found from (cheap to compare per step): the base model's and its layer
-    list's submodules, the head and the base model's forward."""
+    list's submodules, the forwards installed on the layers (kernelize's, or their own again), the head
+    and the base model's forward."""
     layers = getattr(base, "layers", None)
     subs = tuple(layers._modules.values()) if isinstance(layers, nn.Module) else ()
     mods = tuple(base._modules.values()) if isinstance(base, nn.Module) else ()
-    return base, mods, subs, lm._modules.get("lm_head"), type(base).forward
+    forwards = tuple(layer.__dict__.get("forward") for layer in subs)
+    own = (type(base).forward, getattr(base, "__dict__", {}).get("forward"))
+    return base, mods, subs, forwards, lm._modules.get("lm_head"), own
 
 
 def _note(lm: nn.Module, reason: str) -> None:
