@@ -243,8 +243,7 @@ def _build(layer, attn, block, x, tables, kbuf, vbuf, held, build) -> _Step | st
                 raise _NotFixed("the layer's output is not a dense row")
             prog.add(final, threads_at=-1, **{slot: 1})
         prog.hold(*sources[1])  # the weights the calls read in place
-        # a window of 0 cuts nothing, as the attention's score modification reads it (Qwen2-MoE's config)
-        return _Step(prog, sizes, sources, len(outs), moe, sliding_window_of(attn) or None)
+        return _Step(prog, sizes, sources, len(outs), moe, sliding_window_of(attn))
     except _NotFixed as e:
         return str(e)
 

@@ -178,10 +178,11 @@ def project_out(module: nn.Module, out: torch.Tensor, proj: nn.Linear | None = N
 
 
 def sliding_window_of(module: nn.Module) -> int | None:
-    """The window the model's own forward passes to its attention function (module attribute, else config)."""
+    """The window the model's own forward passes to its attention function (module attribute, else config);
+    None for none, and for 0, which cuts nothing (Qwen2-MoE's config says 0 on its full-attention layers)."""
     if hasattr(module, "sliding_window"):
-        return module.sliding_window
-    return getattr(module.config, "sliding_window", None)
+        return module.sliding_window or None
+    return getattr(module.config, "sliding_window", None) or None
 
 
 class CausalSelfAttention(nn.Module):
