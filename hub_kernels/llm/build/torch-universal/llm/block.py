@@ -196,6 +196,15 @@ def norms_of(layer: nn.Module) -> dict[str, str]:
     return getattr(layer, "kernelize_norms", None) or default
 
 
+def norm_style_of(module: nn.Module) -> str | None:
+    """The style of the norm kernel layer installed on `module` (the layer_norm hub's `norm_style`: an
+    RMSNorm's or a one-axis LayerNorm's), or None when it runs neither."""
+    norms = _hubs()[0]
+    by_forward = {getattr(norms, name).forward: name for name in norms.NORM_MATH}
+    by_forward[norms.LayerNorm.forward] = "LayerNorm"
+    return norms.norm_style(by_forward.get(_installed(module), ""), module)
+
+
 def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     """The block of `layer`, or why its submodules must run their own forwards."""
     norms, activation, _ = _hubs()
@@ -219,10 +228,8 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     act = None if own_mlp else activation.hidden_act_of(mlp)
     slots = norms_of(layer)
     style, eps = dict.fromkeys(NORM_SLOTS), dict.fromkeys(NORM_SLOTS, 0.0)
-    by_forward[norms.LayerNorm.forward] = "LayerNorm"
     for slot, name in slots.items():
-        module = getattr(layer, name)
-        style[slot] = norms.norm_style(by_forward.get(_installed(module), ""), module)
+        style[slot] = norm_style_of(getattr(layer, name))
         if style[slot] is None:
             return f"{name} does not run an RMSNorm or LayerNorm (one axis) kernel layer"
         eps[slot] = norms.eps_of(getattr(layer, name))

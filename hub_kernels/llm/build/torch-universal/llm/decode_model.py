@@ -219,10 +219,8 @@ class _Tail:
 
     def __init__(self, program: Program, sources: tuple, dtype: torch.dtype, forwards: tuple, n_out: int):
         self.program, self.sources, self.n_out = program, sources, n_out
-        self.dtype, self.forwards = (
-            dtype,
-            forwards,
-        )  # what it was built for: x's dtype, the installed forwards
+        # what it was built for: x's dtype, the forwards installed on the norm and the head
+        self.dtype, self.forwards = dtype, forwards
         self.lock = threading.Lock()
 
 
@@ -251,14 +249,12 @@ def _build_tail(norm: nn.Module, head: nn.Module, x: torch.Tensor, forwards: tup
     from kernelize.quant.module import QuantizedLinear
     from kernelize.quant.ops import FewRows
 
-    from .block import _hubs, norm_math
+    from .block import _hubs, norm_math, norm_style_of
 
     if not isinstance(head, QuantizedLinear) or not FewRows.takes(head.packed, head.bias):
         return "the LM head is not a packed few-row product"
     norms = _hubs()[0]
-    by_forward = {getattr(norms, name).forward: name for name in norms.NORM_MATH}
-    by_forward[norms.LayerNorm.forward] = "LayerNorm"
-    style = norms.norm_style(by_forward.get(forwards[0], ""), norm)
+    style = norm_style_of(norm)
     if style is None:
         return "the final norm does not run an RMSNorm or LayerNorm kernel layer"
     prog = Program()
