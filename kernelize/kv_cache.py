@@ -12,8 +12,10 @@ It appends in place only while nothing else changed the layer since its last app
 ``values`` must be the very views it set then (a crop, a beam reorder, a batch select or a reset replace
 them, and the next step starts a new buffer). So every view it ever handed out stays as it was: positions
 are written only past the longest view of the buffer. Any other cache or layer kind (sliding windows,
-static, quantized, offloaded caches), a layer still empty, or states that do not match the cached ones in
-batch, heads, head size, dtype or device, goes through ``cache.update`` unchanged.
+static, quantized, offloaded caches), or states that do not match the cached ones in batch, heads, head
+size, dtype or device, goes through ``cache.update`` unchanged. A layer still empty (a prompt's step) fills
+through ``cache.update``, then its keys and values move to a buffer with room, so that the first decode
+step appends in place too (a replayed decode step, `hub_kernels/llm`, runs only on such a layer).
 
 Example:
     >>> from transformers import DynamicCache  # doctest: +SKIP
@@ -63,40 +65,58 @@ def update(
     ([batch, heads, new, head_dim]) appended, written in place where the layer allows (module docstring)."""
     layer = _plain_layer(cache, layer_idx)
     if layer is None or not (_fits(layer.keys, key) and _fits(layer.values, value)):
-        return cache.update(key, value, layer_idx)
+        keys, values = cache.update(key, value, layer_idx)
+        if layer is None:  # a layer this call filled (a prompt's): its keys move to a buffer with room
+            layer = _plain_layer(cache, layer_idx)
+            if layer is not None and layer.keys is keys and layer.values is values:
+                return _with_room(layer, keys.shape[2], 0)
+        return keys, values
     held, new = layer.keys.shape[2], key.shape[2]
-    # (keys buffer, values buffer, the keys view and values view set from them last time)
-    room = getattr(layer, "_kernelize_room", None)
-    if (
-        room is not None
-        and room[2] is layer.keys
-        and room[3] is layer.values
-        and room[0].shape[2] >= held + new
-    ):
+    room = _own_room(layer)
+    if room is not None and room[0].shape[2] >= held + new:
         kbuf, vbuf = room[0], room[1]
-    else:  # a new buffer with room at the end, holding what the layer holds
-        size = held + new + max(MIN_ROOM, int((held + new) * (GROWTH - 1)))
-        kbuf, vbuf = (
-            t.new_empty(t.shape[0], t.shape[1], size, t.shape[3]) for t in (layer.keys, layer.values)
-        )
-        kbuf[:, :, :held].copy_(layer.keys)
-        vbuf[:, :, :held].copy_(layer.values)
+    else:
+        kbuf, vbuf = _with_room(layer, held, new, views=False)
     kbuf[:, :, held : held + new].copy_(key)
     vbuf[:, :, held : held + new].copy_(value)
     return advance(layer, kbuf, vbuf, held + new)
 
 
-def room(cache: Any, layer_idx: int, new: int) -> tuple[Any, torch.Tensor, torch.Tensor, int] | None:
-    """Where :func:`update` would write ``new`` positions of layer ``layer_idx`` in place, in the room of
-    the buffers it made last time: ``(layer, keys buffer, values buffer, positions held)``; None when it
-    would not (no room left, or the layer changed since). A caller that writes them itself (a replayed
-    decode step) then calls :func:`advance`."""
-    layer = _plain_layer(cache, layer_idx)
-    held = getattr(layer, "_kernelize_room", None)
-    if held is None or held[2] is not layer.keys or held[3] is not layer.values:
+def _own_room(layer: Any) -> tuple | None:
+    """(keys buffer, values buffer, keys view, values view) of the layer's last append here, when nothing
+    replaced the layer's keys and values since (a crop, a beam reorder, a reset)."""
+    room = getattr(layer, "_kernelize_room", None)
+    if room is None or room[2] is not layer.keys or room[3] is not layer.values:
         return None
-    n = layer.keys.shape[2]
-    return (layer, held[0], held[1], n) if held[0].shape[2] >= n + new else None
+    return room
+
+
+def _with_room(layer: Any, held: int, new: int, views: bool = True):
+    """New buffers holding the layer's ``held`` positions with room for ``new`` more and then some; with
+    ``views`` the layer's keys and values become views of them (as :func:`advance` returns them), else the
+    buffers are returned."""
+    size = held + new + max(MIN_ROOM, int((held + new) * (GROWTH - 1)))
+    kbuf, vbuf = (t.new_empty(t.shape[0], t.shape[1], size, t.shape[3]) for t in (layer.keys, layer.values))
+    kbuf[:, :, :held].copy_(layer.keys)
+    vbuf[:, :, :held].copy_(layer.values)
+    return advance(layer, kbuf, vbuf, held) if views else (kbuf, vbuf)
+
+
+def room(cache: Any, layer_idx: int, new: int) -> tuple[Any, torch.Tensor, torch.Tensor, int] | None:
+    """Where :func:`update` would write ``new`` positions of layer ``layer_idx`` in place:
+    ``(layer, keys buffer, values buffer, positions held)``, in the room of the buffers it made last time
+    (moved to larger ones when full); None when it would not write in place (the layer changed since its
+    last append here, or is not a plain one). A caller that writes them itself (a replayed decode step)
+    then calls :func:`advance`."""
+    layer = _plain_layer(cache, layer_idx)
+    room = None if layer is None else _own_room(layer)
+    if room is None:
+        return None
+    held = layer.keys.shape[2]
+    if room[0].shape[2] < held + new:
+        _with_room(layer, held, new)
+        room = layer._kernelize_room
+    return layer, room[0], room[1], held
 
 
 def advance(

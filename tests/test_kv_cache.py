@@ -42,12 +42,31 @@ def test_appends_equal_dynamic_cache_through_growth_and_keep_earlier_views():
 
 def test_steps_within_the_room_write_in_place():
     cache = DynamicCache()
-    kv_cache.update(cache, *states(4, 0), 0)
-    kv_cache.update(cache, *states(1, 1), 0)  # the first append makes the buffer
+    kv_cache.update(cache, *states(4, 0), 0)  # the prompt's keys move to a buffer with room
+    assert cache.layers[0].keys._base is not None
     base = cache.layers[0].keys.data_ptr()
     for step in range(20):
         kv_cache.update(cache, *states(1, 2 + step), 0)
         assert cache.layers[0].keys.data_ptr() == base
+
+
+def test_room_moves_a_full_layer_to_larger_buffers():
+    """`room` (what a replayed decode step writes into) gives the next row's place; when the buffer is
+    full it moves the layer's keys and values to larger buffers first, the earlier views kept."""
+    ours, ref = DynamicCache(), DynamicCache()
+    k, v = states(5, 0)
+    kv_cache.update(ours, k, v, 0)
+    ref.update(k, v, 0)
+    views = []
+    for step in range(150):
+        layer, kbuf, vbuf, held = kv_cache.room(ours, 0, 1)
+        assert held == 5 + step and kbuf.shape[2] > held
+        k, v = states(1, step + 1)
+        kbuf[:, :, held : held + 1].copy_(k)
+        vbuf[:, :, held : held + 1].copy_(v)
+        views.append((kv_cache.advance(layer, kbuf, vbuf, held + 1), ref.update(k, v, 0)))
+    assert all(torch.equal(a, b) for got, want in views for a, b in zip(got, want))
+    assert len({got[0].data_ptr() for got, _ in views}) >= 2  # it moved at least once
 
 
 @pytest.mark.parametrize("change", ["crop", "reorder", "reset", "deepcopy", "replace"])

@@ -66,7 +66,7 @@ class QuantizedLinear(nn.Module):
         q.set_packed(quantize(weight.detach(), fmt))
         if lin.bias is not None:
             q.bias.data = lin.bias.detach().float().clone()
-        return q
+        return q.train(lin.training)  # an eval model's layers stay in eval mode
 
     def set_packed(self, packed: PackedWeight) -> None:
         """Take ``packed``'s bytes and scales (its format and shape must be this module's)."""

@@ -59,6 +59,41 @@ def _replay_fn():
     return _replay_lib().kz_replay
 
 
+@functools.cache
+def _patched_fn():
+    """``kz_replay_patched``."""
+    fn = _replay_lib().kz_replay_patched
+    i64 = ctypes.POINTER(ctypes.c_int64)
+    fn.argtypes, fn.restype = [ctypes.POINTER(KzCall), ctypes.c_int, i64, ctypes.c_int, i64], ctypes.c_int
+    return fn
+
+
+_TREE_EPOCH = [0]
+
+
+def _bump(*_: object) -> None:
+    _TREE_EPOCH[0] += 1
+
+
+@functools.cache
+def _watch_tree() -> None:
+    for register in (
+        torch.nn.modules.module.register_module_module_registration_hook,
+        torch.nn.modules.module.register_module_parameter_registration_hook,
+        torch.nn.modules.module.register_module_buffer_registration_hook,
+    ):
+        register(_bump)
+
+
+def tree_epoch() -> int:
+    """A count of the submodule, parameter and buffer assignments made in this process since the first call
+    (torch's global registration hooks; a deletion is not counted): equal counts mean no module got another
+    submodule, parameter or buffer in between, which a replay program built from a module tree checks per
+    run in one comparison instead of walking the tree."""
+    _watch_tree()
+    return _TREE_EPOCH[0]
+
+
 def copy_rows_call(src: torch.Tensor, dst: torch.Tensor) -> CCall | None:
     """The call copying ``src`` into ``dst`` (same shape and dtype) as rows of their last axis, for a replay
     program (``kz_copy_rows``); None when the last axis is not dense in both or the rows are not evenly
@@ -92,7 +127,8 @@ class Program:
     """A fixed sequence of C calls run by one ``kz_replay`` call, with named slots written per run: the few
     pointers and sizes that change from one run to the next (a decode step's input and output, the cache
     position). Everything else the calls read and write is fixed: the program holds those buffers
-    (:meth:`hold`) for as long as it lives.
+    (:meth:`hold`) for as long as it lives. The slots are written from C (``kz_replay_patched``), so a run
+    costs the same Python however many calls read a slot.
 
     Example:
         >>> program = Program()  # doctest: +SKIP
@@ -102,11 +138,12 @@ class Program:
 
     def __init__(self) -> None:
         self._entries: list[tuple[CCall, int, dict[tuple[int, int], str]]] = []
+        self._cells: list[tuple[ctypes.Array, int, str]] = []  # int64 cells outside the calls: (array, index)
         self._held: list = []
         self._calls: ctypes.Array | None = None
-        self._patches: tuple[tuple[int, int, int, str], ...] = ()
-        self._threads: tuple[tuple[int, int], ...] = ()
-        self._threads_set = 0  # the thread count the calls hold
+        self._patches: ctypes.Array | None = None
+        self._values: ctypes.Array | None = None
+        self.slots: tuple[str, ...] = ()  # the slot names, in the order :meth:`run_values` takes them
 
     def add(self, call: CCall, threads_at: int | None = None, **slots: int | tuple[int, int]) -> int:
         """Append ``call``; its thread count goes to argument ``threads_at`` (default: after its arguments,
@@ -119,6 +156,13 @@ class Program:
         self._entries.append((call, at, where))
         self.hold(*call.keep)
         return len(self._entries) - 1
+
+    def add_cell(self, array: ctypes.Array, index: int, slot: str) -> None:
+        """Element ``index`` of the int64 ``array`` (an argument array a call points to: the attention's
+        sizes) takes the value of ``slot`` on every run."""
+        assert self._calls is None, "Program.add_cell after the first run"
+        self._cells.append((array, index, slot))
+        self.hold(array)
 
     def add_graph(self, fixed, names: dict[int, str]) -> None:
         """Append a graph's calls (:class:`kernelize.runtime.compiled.FixedCall`); ``names``: varying input
@@ -133,6 +177,16 @@ class Program:
             self.hold(*call.keep)
         self.hold(*fixed.writes)
 
+    def include(self, other: Program, rename: Mapping[str, str]) -> None:
+        """Append ``other``'s calls and cells, its slots renamed by ``rename`` (the others keep their names):
+        several programs run as one call. The buffers stay shared with ``other``: the two must not run at
+        the same time."""
+        assert self._calls is None, "Program.include after the first run"
+        for call, at, slots in other._entries:
+            self._entries.append((call, at, {k: rename.get(n, n) for k, n in slots.items()}))
+        self._cells += [(a, i, rename.get(n, n)) for a, i, n in other._cells]
+        self.hold(*other._held)
+
     def hold(self, *objects) -> None:
         """Keep ``objects`` (the buffers the calls' pointers point into) alive with the program."""
         self._held.extend(objects)
@@ -140,40 +194,57 @@ class Program:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _seal(self) -> None:
+    def _seal(self, order: Sequence[str] = ()) -> None:
         calls = (KzCall * len(self._entries))()
         for c, (call, _, _) in enumerate(self._entries):
             calls[c].fn = call.fn
             for a, v in enumerate(call.args):
                 calls[c].args[a] = v
-        self._patches = tuple(
-            (c, a, offset, name)
+        names = [n for _, _, s in self._entries for n in s.values()] + [n for _, _, n in self._cells]
+        names = list(dict.fromkeys([*(n for n in order if n in names), *names]))
+        index = {n: i for i, n in enumerate(names)}
+        base, size, argument = ctypes.addressof(calls), ctypes.sizeof(KzCall), KzCall.args.offset
+        patches = [
+            (base + c * size + argument + 8 * a, index[name], offset)
             for c, (_, _, s) in enumerate(self._entries)
             for (a, offset), name in s.items()
-        )
-        self._threads = tuple((c, at) for c, (_, at, _) in enumerate(self._entries) if at >= 0)
+        ]
+        patches += [(ctypes.addressof(arr) + 8 * i, index[name], 0) for arr, i, name in self._cells]
+        threads = len(names)  # the thread count is the value after the slots'
+        at_threads = [(c, at) for c, (_, at, _) in enumerate(self._entries) if at >= 0]
+        patches += [(base + c * size + argument + 8 * at, threads, 0) for c, at in at_threads]
+        self._patches = (ctypes.c_int64 * (3 * len(patches)))(*(v for p in patches for v in p))
+        self._npatches = len(patches)
+        self._values = (ctypes.c_int64 * (len(names) + 1))()
+        self.slots = tuple(names)
         self._calls = calls
 
     def run(self, **values: int) -> None:
-        """Write ``values`` into their slots and the thread count into every call, then make the calls.
+        """Write ``values`` (slot name -> value) into their slots and the thread count into every call, then
+        make the calls.
 
         Raises:
             the first failing call's exception type (:attr:`CCall.raises`) with its message.
         """
         if self._calls is None:
             self._seal()
-        calls = self._calls
-        for c, a, offset, name in self._patches:
-            calls[c].args[a] = values[name] + offset
-        threads = torch.get_num_threads()
-        if threads != self._threads_set:
-            for c, a in self._threads:
-                calls[c].args[a] = threads
-            self._threads_set = threads
-        rc = _replay_fn()(calls, len(self._entries))
+        self.run_values([values[n] for n in self.slots])
+
+    def run_values(self, values: Sequence[int]) -> None:
+        """:meth:`run` with the slots' values in the order of :attr:`slots` (sealed by a first :meth:`run`
+        or :meth:`seal`)."""
+        self._values[:] = [*values, torch.get_num_threads()]
+        rc = _patched_fn()(self._calls, len(self._entries), self._patches, self._npatches, self._values)
         if rc:
             call = self._entries[rc - 1][0]
             raise call.raises(call.error)
+
+    def seal(self, order: Sequence[str] = ()) -> tuple[str, ...]:
+        """Fix the calls (no more :meth:`add`); returns :attr:`slots`: the slots named in ``order`` first, in
+        that order (a caller that writes its values as a list lays them out as it likes)."""
+        if self._calls is None:
+            self._seal(order)
+        return self.slots
 
 
 @dataclass
@@ -341,4 +412,4 @@ def _size(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["Batch", "KzCall", "Program", "batch_of", "copy_rows_call", "step_call"]
+__all__ = ["Batch", "KzCall", "Program", "batch_of", "copy_rows_call", "step_call", "tree_epoch"]

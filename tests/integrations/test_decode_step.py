@@ -33,6 +33,25 @@ def _decode_step_module():
     return mod
 
 
+def _record_runs(monkeypatch) -> list[tuple[str, ...]]:
+    """From here on, the slots of every program run (a layer's has `key`; the model's chain of every layer's
+    programs has `key0`, `key1`, ...)."""
+    runs = []
+    run_values = Program.run_values
+
+    def spy(self, values):
+        runs.append(self.slots)
+        return run_values(self, values)
+
+    monkeypatch.setattr(Program, "run_values", spy)
+    return runs
+
+
+def _layer_steps(runs: list[tuple[str, ...]], layers: int) -> int:
+    """How many layer steps the recorded runs replayed (a chain's run: every layer's)."""
+    return sum(layers if "key0" in slots else 1 for slots in runs if "key" in slots or "key0" in slots)
+
+
 def _generate(model: nn.Module, new: int = 70):
     """70 new tokens: past the first cache buffer's room (64 positions), so the program is built again."""
     ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
@@ -49,12 +68,10 @@ def _generate(model: nn.Module, new: int = 70):
 def test_replayed_decode_steps_equal_the_python_path(monkeypatch, dtype, quantize):
     model = _llama(dtype, quantize)
     step = _decode_step_module()
-    runs = []
-    run = Program.run
-    monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append(1), run(self, **v))[1])
+    runs = _record_runs(monkeypatch)
     tokens, logits = _generate(model)
     layers = model.model.layers
-    assert len(runs) >= 2 * 60  # two layers, nearly every decode step replayed
+    assert _layer_steps(runs, 2) >= 2 * 60  # two layers, nearly every decode step replayed
     assert all(type(layer.__dict__["_kernelize_decode_step"][1]) is step._Step for layer in layers)
     monkeypatch.setattr(step, "ENABLED", False)
     runs.clear()
@@ -85,8 +102,7 @@ def test_a_layer_whose_graphs_are_not_all_c_calls_keeps_why(monkeypatch):
     for layer in model.model.layers:
         layer.__dict__.pop("_kernelize_decode_step")
     monkeypatch.setattr(CompiledGraph, "fixed_call", lambda self, inputs, varying: None)
-    runs = []
-    monkeypatch.setattr(Program, "run", lambda self, **v: runs.append(1))
+    runs = _record_runs(monkeypatch)
     tokens, logits = _generate(model, 4)
     assert not runs and torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
     reason = model.model.layers[0].__dict__["_kernelize_decode_step"][1]
@@ -102,13 +118,11 @@ def test_an_moe_layer_replays_with_its_router_and_experts(monkeypatch):
     torch.manual_seed(0)
     model = zoo.tiny_causal_lm("qwen3_moe").to(torch.bfloat16)
     kernelize_model(model)
-    runs = []
-    run = Program.run
-    monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append(1), run(self, **v))[1])
+    runs = _record_runs(monkeypatch)
     tokens, logits = _generate(model, 12)
     steps = [layer.__dict__.get("_kernelize_decode_step", (None, None))[1] for layer in model.model.layers]
     assert runs and all(s.moe and s.outputs == 1 for s in steps), steps  # router and experts in the program
-    assert model.__dict__["_kernelize_model_step"][2] is True  # `MoECausalLM`: the layers back to back
+    assert model.__dict__["_kernelize_model_step"].verdict is True  # `MoECausalLM`: the layers back to back
     with torch.inference_mode():  # the path's output is the model's own type
         cache = transformers.DynamicCache(config=model.config)
         ids = torch.tensor([[1, 2, 3]])
@@ -137,7 +151,9 @@ def test_a_program_does_not_keep_a_finished_generations_cache():
         out = model(ids, past_key_values=cache, use_cache=True)
         for _ in range(3):
             out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
-    assert model.__dict__["_kernelize_model_step"][2] is True  # `past_key_values=` takes the model's step too
+    assert (
+        model.__dict__["_kernelize_model_step"].verdict is True
+    )  # `past_key_values=` takes the model's step too
     for layer, cached in zip(model.model.layers, cache.layers, strict=True):
         step = layer.__dict__["_kernelize_decode_step"][1]
         held = {t.untyped_storage().data_ptr() for t in step.program._held if isinstance(t, torch.Tensor)}
@@ -150,11 +166,9 @@ def test_a_sliding_window_replays_while_the_keys_fit_in_it(monkeypatch):
     model = _llama(torch.bfloat16, "q8_0")
     for layer in model.model.layers:
         layer.self_attn.sliding_window = 16  # what sliding_window_of reads, as the model's forward passes it
-    runs = []
-    run = Program.run
-    monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append("key" in v), run(self, **v))[1])
+    runs = _record_runs(monkeypatch)
     tokens, logits = _generate(model, 24)
-    layer_runs = sum(runs)  # the layers' programs (the LM head's takes no cache row)
+    layer_runs = _layer_steps(runs, 2)  # the layers' programs (the LM head's takes no cache row)
     # 5 prompt positions: decode steps with up to 16 keys replay (the first one builds the cache's room; the
     # step that checks the model's path runs them twice)
     assert 2 * 8 <= layer_runs <= 2 * 12, layer_runs
@@ -178,8 +192,7 @@ def test_a_program_busy_in_another_call_sends_the_step_the_python_way(monkeypatc
     monkeypatch.setattr(step_module, "_build", busy)
     for layer in model.model.layers:
         layer.__dict__.pop("_kernelize_decode_step")
-    runs = []
-    monkeypatch.setattr(Program, "run", lambda self, **v: runs.append(1))
+    runs = _record_runs(monkeypatch)
     tokens, logits = _generate(model, 6)
     assert not runs and torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
     assert all(layer.__dict__["_kernelize_decode_step"][1].lock.locked() for layer in model.model.layers)
@@ -194,11 +207,9 @@ def test_gpt2_layers_replay_their_three_graphs(monkeypatch, dtype):
     config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128)
     model = transformers.GPT2LMHeadModel(config).eval().to(dtype)
     kernelize_model(model)
-    runs = []
-    run = Program.run
-    monkeypatch.setattr(Program, "run", lambda self, **v: (runs.append(1), run(self, **v))[1])
+    runs = _record_runs(monkeypatch)
     tokens, logits = _generate(model)
-    assert len(runs) >= 2 * 60
+    assert _layer_steps(runs, 2) >= 2 * 60
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
@@ -234,7 +245,7 @@ def test_the_model_step_runs_decode_tokens_without_the_layers_forwards(monkeypat
     model = _llama(dtype, quantize)
     calls = _count_layer_calls(monkeypatch, model)
     tokens, logits = _generate(model)
-    assert model.__dict__["_kernelize_model_step"][2] is True
+    assert model.__dict__["_kernelize_model_step"].verdict is True
     tail = model.lm_head.__dict__["_kernelize_decode_tail"]  # norm -> packed head: one call
     assert isinstance(tail, _decode_model_module()._Tail) if quantize else isinstance(tail, str)
     # the prompt, the first decode step (no cache room yet), the checked step, the reallocation's step
@@ -257,7 +268,7 @@ def test_a_base_model_that_computes_more_keeps_its_own_decode_step(monkeypatch):
     model.model.__class__ = Scaled
     calls = _count_layer_calls(monkeypatch, model)
     tokens, logits = _generate(model, 8)
-    verdict = model.__dict__["_kernelize_model_step"][2]
+    verdict = model.__dict__["_kernelize_model_step"].verdict
     assert verdict == _decode_model_module()._DIFFERS and min(calls) >= 8
     assert any("decode steps run the model's own forward" in n for n in model._kernelize_choice.notes)
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
@@ -305,7 +316,7 @@ def test_a_window_of_zero_cuts_nothing_and_replays(monkeypatch):
     tokens, logits = _generate(model, 8)
     steps = [layer.__dict__["_kernelize_decode_step"][1] for layer in model.model.layers]
     assert all(s.window is None and s.outputs == 2 for s in steps)
-    assert model.__dict__["_kernelize_model_step"][2] is True
+    assert model.__dict__["_kernelize_model_step"].verdict is True
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 8)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
@@ -320,7 +331,7 @@ def test_a_path_that_raises_on_the_checked_step_keeps_the_models_forward(monkeyp
     model = zoo.tiny_causal_lm("olmo3")
     kernelize_model(model)
     tokens, logits = _generate(model, 6)
-    verdict = model.__dict__["_kernelize_model_step"][2]
+    verdict = model.__dict__["_kernelize_model_step"].verdict
     assert isinstance(verdict, str) and verdict.startswith("the path raised TypeError")
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 6)
@@ -332,7 +343,7 @@ def test_a_layer_given_another_forward_takes_the_model_off_the_path():
     own forward) runs at every step: the model's forward runs them."""
     model = _llama(torch.float32, None)
     _generate(model, 4)
-    assert model.__dict__["_kernelize_model_step"][2] is True
+    assert model.__dict__["_kernelize_model_step"].verdict is True
     layer = model.model.layers[1]
     calls = []
 
@@ -343,4 +354,77 @@ def test_a_layer_given_another_forward_takes_the_model_off_the_path():
     layer.forward = counted
     _generate(model, 6)
     assert len(calls) == 6  # the prompt and five decode steps
-    assert "kernelize's decoder layer" in model.__dict__["_kernelize_model_step"][2]
+    assert "kernelize's decoder layer" in model.__dict__["_kernelize_model_step"].verdict
+
+
+def test_every_layer_runs_in_one_call_and_a_new_or_grown_cache_builds_nothing(monkeypatch):
+    """After the checked step, a decode token is one call of every layer's program and the head's (the
+    chain); a second generation (a new cache) and the cache's move to larger buffers past 64 positions
+    build no program again, and the tokens and logits equal the layers' Python path's."""
+    model = _llama(torch.bfloat16, "q4_0")
+    _generate(model, 4)
+    builds = []
+    step_module = _decode_step_module()
+    build = step_module._build
+    monkeypatch.setattr(step_module, "_build", lambda *args: (builds.append(1), build(*args))[1])
+    runs = _record_runs(monkeypatch)
+    tokens, logits = _generate(model)
+    assert not builds
+    chained = [slots for slots in runs if "key0" in slots]
+    assert len(chained) >= 68 and all("logits" in slots for slots in chained), len(chained)
+    monkeypatch.setattr(step_module, "ENABLED", False)
+    want_tokens, want_logits = _generate(model)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def _generate_changing(model: nn.Module, change, at: int = 4, new: int = 10):
+    """Greedy tokens and logits of `new` tokens, ``change()`` made between two decode steps (before the
+    forward of token ``at + 1``)."""
+
+    class Change(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] == 5 + at - 1:
+                change()
+            return scores
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True,
+                             logits_processor=transformers.LogitsProcessorList([Change()]))  # fmt: skip
+    return out.sequences, torch.stack(out.logits)
+
+
+def test_a_weight_whose_storage_changes_is_read_anew(monkeypatch):
+    """`weight.data = ...` (as `module.to(...)` does) gives a parameter new storage without assigning a
+    parameter: the next step (here within one generation) sees the new address, builds the program again
+    and reads the new values."""
+
+    def run(model):
+        down = model.model.layers[0].mlp.down_proj
+
+        def change():
+            down.weight.data = down.weight.data * 2
+
+        return _generate_changing(model, change)
+
+    model = _llama(torch.float32, None)
+    _generate(model, 4)
+    tokens, logits = run(model)
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = run(_llama(torch.float32, None))
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_a_hook_registered_during_a_generation_sees_the_later_steps():
+    """A hook registered between two decode steps of one generation sees every later forward (the fifth
+    token's to the tenth): the chain's check counts the hooks registered anywhere."""
+    model = _llama(torch.bfloat16, "q8_0")
+    _generate(model, 4)
+    seen, handles = [], []
+    layer = model.model.layers[1]
+    _generate_changing(
+        model, lambda: handles.append(layer.mlp.register_forward_hook(lambda *a: seen.append(1)))
+    )
+    handles[0].remove()
+    assert len(seen) == 10 - 4

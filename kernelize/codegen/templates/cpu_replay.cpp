@@ -26,6 +26,18 @@ extern "C" int kz_replay(const kz_call* calls, int n) {
     return 0;
 }
 
+// kz_replay_patched: first `values[patches[3p + 1]] + patches[3p + 2]` into the int64 at address
+// `patches[3p]`, for each of the `npatches` patches (the arguments and size cells that change per run: a
+// decode step's input and output, the cache row, the key length, the thread count), then kz_replay
+extern "C" int kz_replay_patched(const kz_call* calls, int n, const int64_t* patches, int npatches,
+                                 const int64_t* values) {
+    for (int p = 0; p < npatches; ++p) {
+        const int64_t* q = patches + 3 * p;
+        *(int64_t*)(intptr_t)q[0] = values[q[1]] + q[2];
+    }
+    return kz_replay(calls, n);
+}
+
 // kz_copy_rows: `rows` rows of `bytes` bytes from src (rows `src_stride` bytes apart) to dst (`dst_stride`
 // apart): what a replay program runs for a copy between kernels (a decode step's new key / value into the
 // cache's room). Returns 0 (the replay convention).

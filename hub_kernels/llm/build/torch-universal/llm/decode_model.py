@@ -25,24 +25,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import threading
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
+from torch.utils.hooks import RemovableHandle
 
-from kernelize.model_attention import note_fallback
-from kernelize.runtime.replay import Program
+from kernelize import kv_cache
+from kernelize.model_attention import _REFERENCE, note_fallback
+from kernelize.runtime.replay import Program, tree_epoch
 
 from . import decode_step
-from .block import _CAPTURE_HOOK, _capturing, _installed, block_of, own_mlp, rotary_tables
+from .block import _CAPTURE_HOOK, ROTARY_TABLES, _capturing, _installed, block_of, own_mlp, rotary_tables
 
 logger = logging.getLogger(__name__)
-# in the causal LM's __dict__: (key, parts, verdict, the model's output type); verdict: None (not checked
-# yet), True, or why not
-_STATE = "_kernelize_model_step"
+_STATE = "_kernelize_model_step"  # in the causal LM's __dict__: a `_State`
 _DIFFERS = "the model's own decode step computes more than embed -> rotary -> layers -> norm -> head"
 # the call's keywords a plain decode step may carry (what `generate` passes besides the named arguments)
 _PLAIN_KWARGS = frozenset({"return_dict"})
@@ -82,26 +84,30 @@ def model_step(
     config = getattr(base, "config", None)
     if getattr(config, "output_hidden_states", False) or getattr(config, "output_attentions", False):
         return None
-    key = _key(lm, base)
     state = lm.__dict__.get(_STATE)
-    if state is None or state[0] != key:
+    if state is not None and state.verdict is True and state.chain is not None and state.chain.fresh():
+        logits = _run_chain(state.chain, state.parts, input_ids, position_ids, cache)
+        if logits is not None:
+            return _output(state.output_type, logits, cache)
+    key = _key(lm, base)
+    if state is None or state.key != key:
         parts = _parts(lm, base)
-        state = lm.__dict__[_STATE] = (key, parts, parts if isinstance(parts, str) else None, None)
+        state = lm.__dict__[_STATE] = _State(key, parts)
         if isinstance(parts, str):
             _note(lm, parts)
-    _, parts, verdict, output_type = state
+    parts, verdict = state.parts, state.verdict
     if isinstance(verdict, str) or _blocked(base, parts[3]):
         return None
     if verdict:
-        logits = _run(parts, input_ids, position_ids, cache)
-        return None if logits is None else _output(output_type, logits, cache)
+        logits = _run(state, base, input_ids, position_ids, cache)
+        return None if logits is None else _output(state.output_type, logits, cache)
     # the first plain step: run it both ways and compare (not while hooks on the parts it calls would see
     # their calls twice)
     if any(m._forward_hooks or m._forward_pre_hooks for m in (*parts[:3], parts[4])):
         return None
     saved = [(c, c.keys, c.values, getattr(c, "_kernelize_room", None)) for c in _kv_layers(cache)]
     try:
-        fast = _run(parts, input_ids, position_ids, cache)
+        fast = _run(state, base, input_ids, position_ids, cache)
     except Exception as e:  # a part called otherwise than the path calls it (OLMo3's rotary: a layer type)
         fast = f"the path raised {type(e).__name__}: {e}"
     if fast is None:  # not every layer could run its program this step: try again at the next
@@ -111,11 +117,24 @@ def model_step(
     own = own_forward()
     logits = getattr(own, "logits", None)
     same = torch.is_tensor(logits) and not isinstance(fast, str) and torch.equal(fast, logits)
-    verdict = fast if isinstance(fast, str) else True if same else _DIFFERS
-    lm.__dict__[_STATE] = (key, parts, verdict, type(own))  # the path's outputs are the model's type
-    if verdict is not True:
-        _note(lm, verdict)
+    state.verdict = fast if isinstance(fast, str) else True if same else _DIFFERS
+    state.output_type = type(own)  # the path's outputs are the model's type
+    if state.verdict is not True:
+        _note(lm, state.verdict)
     return own
+
+
+class _State:
+    """What the model step keeps on the causal LM: the key its parts were found from, the parts (embedding,
+    rotary, norm, layers, head) or why none, the verdict of the checked step (None: not checked yet; True;
+    or why not), the model's output type, and the layers' programs run as one (:class:`_Chain`)."""
+
+    __slots__ = ("chain", "key", "output_type", "parts", "verdict")
+
+    def __init__(self, key: tuple, parts: tuple | str) -> None:
+        self.key, self.parts = key, parts
+        self.verdict = parts if isinstance(parts, str) else None
+        self.output_type, self.chain = None, None
 
 
 def _parts(lm: nn.Module, base: nn.Module | None) -> tuple | str:
@@ -172,10 +191,12 @@ def _blocked(base: nn.Module, layers: tuple) -> bool:
     return False
 
 
-def _run(parts: tuple, input_ids: torch.Tensor, position_ids: torch.Tensor | None, cache: Any) -> Any:
+def _run(state: _State, base: nn.Module, input_ids: torch.Tensor, position_ids, cache: Any) -> Any:
     """The step's logits through every layer's program, or None (before anything ran) when a layer cannot
-    take it."""
-    embed, rotary, norm, layers, head = parts
+    take it. Every layer's readiness is checked here; the programs then run as one call (the chain, which
+    the next steps reuse while :meth:`_Chain.fresh`), or one by one where an MLP runs its own forward
+    between them."""
+    embed, rotary, norm, layers, head = state.parts
     from .layers import CausalSelfAttention
 
     x = embed(input_ids)
@@ -201,6 +222,16 @@ def _run(parts: tuple, input_ids: torch.Tensor, position_ids: torch.Tensor | Non
         if len(plans) < len(layers):
             for plan in plans:
                 decode_step.release(plan[3])
+    one_table = len({_table_kind(layer) for layer in layers}) == 1
+    if one_table and all(ready[0].outputs == 1 for *_, ready in plans):
+        tail = _tail_of(norm, head, x)
+        chain = state.chain
+        steps = tuple(ready[0] for *_, ready in plans)
+        if chain is None or chain.steps != steps or chain.tail is not tail or chain.dtype != x.dtype:
+            chain = state.chain = _Chain(steps, tail, x, plans[0][2], layers)
+        if tail is None or tail.lock.acquire(blocking=False):
+            chain.watch(base, layers, norm, head)
+            return _chain_run(chain, x, plans[0][2], [ready[1:] for *_, ready in plans], norm, head)
     for i, (layer, block, tables, ready) in enumerate(plans):
         try:
             step, out, residual = decode_step.execute(ready, x, tables)
@@ -210,6 +241,177 @@ def _run(parts: tuple, input_ids: torch.Tensor, position_ids: torch.Tensor | Non
                 decode_step.release(later[3])
             raise
     return _tail(norm, head, x)
+
+
+class _Chain:
+    """Every layer's program, then the final norm's and packed LM head's (`_Tail`) where there is one, as
+    one replayed call. Slots: the embedding `h0`, the rotary tables `cos` / `sin`, per layer the cache row
+    `key{i}` / `value{i}` and key length `keylen{i}`, the hidden state between two layers `h{i}` (the
+    chain's own two buffers), the last layer's output `hidden` and the `logits`. The programs' buffers stay
+    the layers' own: a run holds every layer's lock.
+
+    A step after the one that checked every layer takes it when :meth:`fresh` (the same checks, in a few
+    comparisons instead of a walk over the model): no submodule, parameter or buffer assigned anywhere
+    since (`tree_epoch`), no hook registered anywhere (torch's hook handle count), the same forwards
+    installed on the base model, the layers, their submodules, the norm and the head, no layer training,
+    the weights at the same addresses, and transformers not capturing outputs."""
+
+    def __init__(self, steps: tuple, tail: _Tail | None, x: torch.Tensor, tables: tuple, layers: tuple):
+        self.steps, self.tail, self.dtype = steps, tail, x.dtype
+        self.table = (tables[0].shape, tables[0].dtype)  # the rotary tables' shape and dtype
+        n = len(steps)
+        prog = Program()
+        hidden = [torch.empty_like(x) for _ in range(min(n - 1, 2))]
+        per_layer = (*decode_step.ROW_SLOTS, *decode_step.BUFFER_SLOTS)
+        for i, step in enumerate(steps):
+            out = "hidden" if i == n - 1 else f"h{i + 1}"
+            prog.include(step.program, {"x": f"h{i}", "out": out, **{k: f"{k}{i}" for k in per_layer}})
+        if tail is not None:
+            prog.include(tail.program, {"x": "hidden"})
+        prog.hold(*hidden)
+        head = ("h0", "cos", "sin", "hidden", "logits")
+        order = [*head, *(f"h{i}" for i in range(1, n)), *(f"{k}{i}" for i in range(n) for k in per_layer)]
+        at = {name: i for i, name in enumerate(prog.seal(order))}
+        self.template = [0] * len(at)
+        for i in range(1, n):
+            self.template[at[f"h{i}"]] = hidden[(i - 1) % 2].data_ptr()  # (a layer's input is not its output)
+        self.at = tuple(at.get(name, -1) for name in head)
+        # per layer, where its row and buffer values start (laid out in `per_layer`'s order)
+        self.starts = tuple(at[f"key{i}"] for i in range(n))
+        assert all(at[f"{k}{i}"] == self.starts[i] + j for i in range(n) for j, k in enumerate(per_layer))
+        self.width = len(per_layer)
+        self.program, self.n_out = prog, None if tail is None else tail.n_out
+        self.locks = tuple(step.lock for step in steps) + (() if tail is None else (tail.lock,))
+        self.cache_at = tuple(layer.self_attn.layer_idx for layer in layers)
+        self.windows = tuple(step.window for step in steps)
+        self.tables = ROTARY_TABLES[_table_kind(layers[0])]  # every layer's (`_run` checks)
+        self._watched = None
+
+    def watch(self, base: nn.Module, layers: tuple, norm: nn.Module, head: nn.Module) -> None:
+        """Snapshot what :meth:`fresh` compares, right after every layer was checked."""
+        mods = [base, norm, head]
+        for layer in layers:
+            mods += [layer, *layer._modules.values()]
+        for step, layer in zip(self.steps, layers):
+            if step.moe:  # hooks on the router or the experts send a step the Python way
+                mods += layer.mlp._modules.values()
+        tensors = [t for step in self.steps for t in step.sources[1]]
+        if self.tail is not None:
+            tensors += self.tail.sources[1]
+        dicts = tuple(m.__dict__ for m in mods)
+        self._watched = (
+            tree_epoch(),
+            RemovableHandle.next_id,
+            type(base).forward,
+            dicts,
+            tuple(map(dict.get, dicts, repeat("forward"))),
+            layers,  # (the slow path checks the layers' mode)
+            tuple(tensors),
+            list(map(torch.Tensor.data_ptr, tensors)),
+            base,
+        )
+
+    def fresh(self) -> bool:
+        """Whether every check of the slow path would pass as it did at :meth:`watch` (class docstring)."""
+        w = self._watched
+        return (
+            w is not None
+            and w[0] == tree_epoch()
+            and w[1] == RemovableHandle.next_id
+            and type(w[8]).forward is w[2]
+            and all(map(operator.is_, map(dict.get, w[3], repeat("forward")), w[4]))
+            and not any(map(_TRAINING, w[5]))
+            and list(map(torch.Tensor.data_ptr, w[6])) == w[7]
+            and not _capturing()
+            and not _REFERENCE.get()
+        )
+
+
+_TRAINING = operator.attrgetter("training")
+
+
+def _table_kind(layer: nn.Module) -> str:
+    return getattr(layer.self_attn, "rotary_tables", "same")
+
+
+def _run_chain(chain: _Chain, parts: tuple, input_ids: torch.Tensor, position_ids, cache: Any) -> Any:
+    """A fresh chain's step (the embedding and rotary module calls, then the one call), or None before
+    anything ran (a cache layer without room, a window reached, a program busy in another thread)."""
+    embed, rotary, norm, _, head = parts
+    rows = _cache_rows(chain, cache)
+    if rows is None:
+        return None
+    x = embed(input_ids)
+    if position_ids is None:
+        position_ids = (torch.arange(1, device=x.device) + rows[0][3]).unsqueeze(0)
+    cos, sin = map(chain.tables, rotary(x, position_ids=position_ids))
+    if (
+        x.dtype != chain.dtype
+        or x.shape[:2] != (1, 1)
+        or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+        or (cos.shape, cos.dtype) != chain.table
+        or sin.shape != cos.shape
+    ):
+        return None
+    locks = chain.locks
+    for i, lock in enumerate(locks):
+        if not lock.acquire(blocking=False):
+            for held in locks[:i]:
+                held.release()
+            return None
+    return _chain_run(chain, x, (cos, sin), rows, norm, head)
+
+
+def _cache_rows(chain: _Chain, cache: Any) -> list | None:
+    """Per layer (cache layer, keys buffer, values buffer, positions held) where the chain's programs write
+    this step's row (`kv_cache.room`, which moves a full layer to larger buffers), or None."""
+    from transformers.cache_utils import DynamicCache
+
+    if type(cache) is not DynamicCache:
+        return None
+    layers = cache.layers
+    if len(layers) <= max(chain.cache_at):
+        return None
+    rows = []
+    for at, window in zip(chain.cache_at, chain.windows):
+        layer = layers[at]
+        room = layer.__dict__.get("_kernelize_room")  # (perf) `room`'s checks, the common case inline
+        if room is None or room[2] is not layer.keys or room[3] is not layer.values:
+            return None
+        held = room[2].shape[2]
+        if room[0].shape[2] > held:
+            row = (layer, room[0], room[1], held)
+        else:
+            row = kv_cache.room(cache, at, 1)
+            if row is None:
+                return None
+        if window is not None and held + 2 > window:
+            return None
+        rows.append(row)
+    return rows
+
+
+def _chain_run(chain: _Chain, x: torch.Tensor, tables: tuple, rows: list, norm, head) -> torch.Tensor:
+    """Run the chain (every lock in ``chain.locks`` held: released here) on the embedding ``x``; the cache
+    layers show the new row. Returns the logits."""
+    try:
+        values = chain.template.copy()
+        hidden = torch.empty_like(x)
+        logits = None if chain.n_out is None else torch.empty((*x.shape[:-1], chain.n_out), dtype=x.dtype)
+        for at, v in zip(chain.at, (x, *tables, hidden, logits)):
+            if at >= 0:
+                values[at] = v.data_ptr()
+        width = chain.width
+        for start, (_, kbuf, vbuf, held) in zip(chain.starts, rows):
+            row = decode_step.row_values(kbuf, vbuf, held) + decode_step.buffer_values(kbuf, vbuf)
+            values[start : start + width] = row
+        chain.program.run_values(values)
+    finally:
+        for lock in chain.locks:
+            lock.release()
+    for layer, kbuf, vbuf, held in rows:
+        kv_cache.advance(layer, kbuf, vbuf, held + 1)
+    return logits if logits is not None else head(norm(hidden))
 
 
 class _Tail:
@@ -224,9 +426,9 @@ class _Tail:
         self.lock = threading.Lock()
 
 
-def _tail(norm: nn.Module, head: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`head(norm(x))`: one call where the norm is a kernel layer's and the head a packed few-row product
-    (their Python took ~0.2 ms of a q4_0 token), else the modules' calls."""
+def _tail_of(norm: nn.Module, head: nn.Module, x: torch.Tensor) -> _Tail | None:
+    """The norm and head's replayed call for ``x`` (built or checked again), or None: their module calls
+    run them (a float head, or hooks on either)."""
     built = head.__dict__.get("_kernelize_decode_tail")
     forwards = (_installed(norm), _installed(head))
     if built is None or (
@@ -235,7 +437,14 @@ def _tail(norm: nn.Module, head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     ):
         built = head.__dict__["_kernelize_decode_tail"] = _build_tail(norm, head, x, forwards)
     hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (norm, head))  # their calls run them
-    if isinstance(built, str) or hooked or not built.lock.acquire(blocking=False):
+    return None if isinstance(built, str) or hooked else built
+
+
+def _tail(norm: nn.Module, head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`head(norm(x))`: one call where the norm is a kernel layer's and the head a packed few-row product
+    (their Python took ~0.2 ms of a q4_0 token), else the modules' calls."""
+    built = _tail_of(norm, head, x)
+    if built is None or not built.lock.acquire(blocking=False):
         return head(norm(x))
     try:
         logits = torch.empty((*x.shape[:-1], built.n_out), dtype=x.dtype)

@@ -8,19 +8,20 @@ model. Here a layer's first decode step builds a :class:`~kernelize.runtime.repl
 its graphs (:meth:`~kernelize.runtime.compiled.CompiledGraph.fixed_call`), of its packed projections
 (:meth:`~kernelize.quant.ops.FewRows.c_call`) and of the attention kernel, with the buffers between them
 held by the program. Each step after that writes the few values that change into the program (the input's
-and output's addresses, the rotary tables', the cache row the new key and value go to, the key length) and
-makes one ``kz_replay`` call; transformers' cache object then shows the new position, as
+and output's addresses, the rotary tables', the cache's buffers and the row the new key and value go to,
+the key length) and makes one ``kz_replay`` call; transformers' cache object then shows the new position, as
 :func:`kernelize.kv_cache.update` leaves it.
 
 It runs the same kernels on the same values as the block's Python path, so the outputs are bit for bit the
 same. An MoE block's router graph and experts kernel join the program when a probe shows they are all the
 block computes (Qwen3-MoE, Mixtral); another MLP that runs its own forward (a shared expert, a router that
 is not a graph) runs it on the program's output, then the residual, as the Python path does. A step that
-is not a plain decode step (more than one token, a mask, a cache without room for the new row, hooks,
-training: anything the Python path handles differently) goes the Python way; so does a layer whose
-graphs are not all generated C kernels (the reason is kept on the layer and logged at debug level: the
-same kernels run, with Python between them). A changed weight (another tensor, or the same one moved) or
-a new cache buffer builds the program again. ``KERNELIZE_DECODE_REPLAY=0`` turns it off.
+is not a plain decode step (more than one token, a mask, a cache layer `kv_cache` does not append to in
+place, hooks, training: anything the Python path handles differently) goes the Python way; so does a layer
+whose graphs are not all generated C kernels (the reason is kept on the layer and logged at debug level:
+the same kernels run, with Python between them). A changed weight (another tensor, or the same one moved)
+builds the program again; a new cache, or a full one moved to a larger buffer, does not.
+``KERNELIZE_DECODE_REPLAY=0`` turns it off.
 
 Example:
     >>> out = replayed(layer, block, hidden, position_embeddings, None, cache, {})  # doctest: +SKIP
@@ -67,12 +68,13 @@ ENABLED = os.environ.get("KERNELIZE_DECODE_REPLAY", "1") != "0"
 
 
 class _Step:
-    """A layer's built program and what a run writes besides its slots: the attention's sizes array."""
+    """A layer's built program (slots: `x`, `cos`, `sin`, `out`, `residual`, :data:`ROW_SLOTS`,
+    :data:`BUFFER_SLOTS`) and what it was built from."""
 
-    __slots__ = ("lock", "moe", "outputs", "program", "sizes", "sources", "window")
+    __slots__ = ("lock", "moe", "outputs", "program", "sources", "window")
 
-    def __init__(self, program: Program, sizes: Any, sources: tuple, outputs: int, moe: bool, window) -> None:
-        self.program, self.sizes, self.sources = program, sizes, sources
+    def __init__(self, program: Program, sources: tuple, outputs: int, moe: bool, window) -> None:
+        self.program, self.sources = program, sources
         # 1: the layer's output; 2: h and the residual before an MoE block's own MLP
         self.outputs = outputs
         # the program runs the MoE block's router and experts (hooks on them send a step Python's way)
@@ -142,7 +144,7 @@ def prepare(
         return None
     cache_layer, kbuf, vbuf, held = where
     shapes = tuple((t.shape, t.dtype) for t in tables)
-    key = (block, x.dtype, shapes, kbuf.data_ptr(), vbuf.data_ptr(), kbuf.shape)
+    key = (block, x.dtype, shapes, buffer_kind(kbuf), buffer_kind(vbuf))
     built = layer.__dict__.get("_kernelize_decode_step")
     if built is None or built[0] != key or not _unchanged(built[1]):
         step = _build(layer, attn, block, x, tables, kbuf, vbuf, held, build)
@@ -170,7 +172,6 @@ def execute(ready: tuple, x: torch.Tensor, tables: tuple) -> tuple:
     try:
         out = torch.empty_like(x)
         residual = torch.empty_like(x) if step.outputs == 2 else out
-        step.sizes[4] = held + 1  # the attention's key length
         cos, sin = tables or (x, x)  # (no rotary tables: slots no call reads)
         step.program.run(
             x=x.data_ptr(),
@@ -178,13 +179,44 @@ def execute(ready: tuple, x: torch.Tensor, tables: tuple) -> tuple:
             sin=sin.data_ptr(),
             out=out.data_ptr(),
             residual=residual.data_ptr(),
-            key=kbuf.data_ptr() + held * kbuf.stride(2) * kbuf.element_size(),
-            value=vbuf.data_ptr() + held * vbuf.stride(2) * vbuf.element_size(),
+            **dict(zip(ROW_SLOTS, row_values(kbuf, vbuf, held))),
+            **dict(zip(BUFFER_SLOTS, buffer_values(kbuf, vbuf))),
         )
     finally:
         step.lock.release()
     kv_cache.advance(cache_layer, kbuf, vbuf, held + 1)
     return step, out, residual
+
+
+# the slots of the cache's buffers (their addresses; the strides of the batch and heads axes, in elements
+# for the attention and in bytes for the row copy), written per run: a step's program serves any buffers of
+# the same kind (`buffer_kind`), so a new cache or a grown one builds nothing
+BUFFER_SLOTS = ("kbase", "vbase", "kst0", "kst1", "vst0", "vst1", "krows", "vrows")
+ROW_SLOTS = ("key", "value", "keylen")  # where this step's key and value go, and the key length after it
+
+
+def buffer_kind(buf: torch.Tensor) -> tuple:
+    """What a program reads of a cache buffer besides the slots: dtype, batch, heads, head size and the
+    strides of the positions and of the head size."""
+    return buf.dtype, buf.shape[0], buf.shape[1], buf.shape[3], buf.stride(2), buf.stride(3)
+
+
+def buffer_values(kbuf: torch.Tensor, vbuf: torch.Tensor) -> tuple[int, ...]:
+    """The values of :data:`BUFFER_SLOTS` for these buffers."""
+    ks, vs = kbuf.stride(), vbuf.stride()
+    return (
+        kbuf.data_ptr(), vbuf.data_ptr(), ks[0], ks[1], vs[0], vs[1],
+        ks[1] * kbuf.element_size(), vs[1] * vbuf.element_size(),
+    )  # fmt: skip
+
+
+def row_values(kbuf: torch.Tensor, vbuf: torch.Tensor, held: int) -> tuple[int, int, int]:
+    """The values of :data:`ROW_SLOTS` for a step after ``held`` positions."""
+    return (
+        kbuf.data_ptr() + held * kbuf.stride(2) * kbuf.element_size(),
+        vbuf.data_ptr() + held * vbuf.stride(2) * vbuf.element_size(),
+        held + 1,
+    )
 
 
 def _sources(layer: nn.Module) -> tuple[tuple, tuple[torch.Tensor, ...], list[int]]:
@@ -236,14 +268,14 @@ def _build(layer, attn, block, x, tables, kbuf, vbuf, held, build) -> _Step | st
     sources = _sources(layer)
     try:
         prog = Program()
-        outs, sizes, moe = build(prog, layer, block, x, tables, kbuf, vbuf, held)
+        outs, moe = build(prog, layer, block, x, tables, kbuf, vbuf, held)
         for out, slot in zip(outs, ("out", "residual")):  # into the step's own tensors
             final = copy_rows_call(out, torch.empty_like(x))
             if final is None:
                 raise _NotFixed("the layer's output is not a dense row")
             prog.add(final, threads_at=-1, **{slot: 1})
         prog.hold(*sources[1])  # the weights the calls read in place
-        return _Step(prog, sizes, sources, len(outs), moe, sliding_window_of(attn))
+        return _Step(prog, sources, len(outs), moe, sliding_window_of(attn))
     except _NotFixed as e:
         return str(e)
 
@@ -268,14 +300,14 @@ def _build_fused_qkv(prog, layer, block, x, tables, kbuf, vbuf, held):
         raise _NotFixed("a projection's weight cannot be read as (out, in)")
     (pre_w, pre), (post_w, post), (mlp_w, flags) = graphs
     q, k, v = _graph(prog, layer.attn, dense_pre_math, [x], pre_w, {0: "x"}, **pre)
-    out, sizes = _attention(prog, layer.attn, q, k, v, kbuf, vbuf, held)
+    out = _attention(prog, layer.attn, q, k, v, kbuf, vbuf, held)
     normed, h = _graph(prog, layer, dense_post_math, [out, x], post_w, {1: "x"}, **post)
-    return _graph(prog, layer.mlp, dense_mlp_math, [normed, h], mlp_w, {}, **flags), sizes, False
+    return _graph(prog, layer.mlp, dense_mlp_math, [normed, h], mlp_w, {}, **flags), False
 
 
-def _attention(prog: Program, attn: nn.Module, q, k, v, kbuf, vbuf, held) -> tuple[torch.Tensor, Any]:
+def _attention(prog: Program, attn: nn.Module, q, k, v, kbuf, vbuf, held) -> torch.Tensor:
     """The new key and value copied into the cache's row (slots `key`, `value`), then attention over the
-    cache: ``(output [1, 1, heads * head_dim], the call's sizes array)``."""
+    cache (the key length: slot `keylen`): its output ``[1, 1, heads * head_dim]``."""
     from kernelize.attention import AttentionUnsupported, _launcher
     from kernelize.ir.ops import AttentionArgs
 
@@ -283,11 +315,11 @@ def _attention(prog: Program, attn: nn.Module, q, k, v, kbuf, vbuf, held) -> tup
         raise _NotFixed("soft-capped attention")
     if isinstance(getattr(attn, "sinks", None), torch.Tensor):
         raise _NotFixed("attention sinks")
-    for new, buf, slot in ((k, kbuf, "key"), (v, vbuf, "value")):
+    for new, buf, slot, rows in ((k, kbuf, "key", "krows"), (v, vbuf, "value", "vrows")):
         call = copy_rows_call(new, buf[:, :, held : held + 1])
         if call is None:
             raise _NotFixed("a key or value the cache row cannot take as rows")
-        prog.add(call, threads_at=-1, **{slot: 1})
+        prog.add(call, threads_at=-1, **{slot: 1, rows: 5})  # kz_copy_rows(src, dst, .., dst row stride)
     keys, values = kbuf[:, :, : held + 1], vbuf[:, :, : held + 1]
     hq, hkv = q.shape[1], keys.shape[1]
     scale = attn.scaling if getattr(attn, "scaling", None) is not None else 1.0 / math.sqrt(q.shape[3])
@@ -302,11 +334,14 @@ def _attention(prog: Program, attn: nn.Module, q, k, v, kbuf, vbuf, held) -> tup
     note_kernels(attn, record)
     out = torch.empty((1, hq, 1, values.shape[3]), dtype=q.dtype)
     call = c_call([q, keys, values], [out])
-    # the cache's buffers are not held (a generation's cache is freed with it): one at the same address and
-    # of the same shape takes the same calls, and any other builds the program again
-    prog.add(call._replace(keep=call.keep[:2]))
+    # the cache's buffers are not held (a generation's cache is freed with it): their addresses and strides
+    # are slots (the strides array: q's, k's, v's, the mask's)
+    prog.add(call._replace(keep=call.keep[:2]), kbase=1, vbase=2)
+    prog.add_cell(call.keep[0], 4, "keylen")  # the sizes array's key length
+    for at, slot in ((4, "kst0"), (5, "kst1"), (8, "vst0"), (9, "vst1")):
+        prog.add_cell(call.keep[1], at, slot)
     prog.hold(out)
-    return out.view(1, 1, -1), call.keep[0]
+    return out.view(1, 1, -1)
 
 
 def _packed(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
@@ -326,13 +361,13 @@ def _packed(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
     qkv = _project(prog, calls[0], h, h is x)
     rotary = {name: pre[name] for name in ("heads", "kv_heads", "head_dim", "neox")}
     q, k, v = _graph(prog, attn, rotate_math, [qkv, cos, sin], [], {1: "cos", 2: "sin"}, **rotary)
-    o_in, sizes = _attention(prog, attn, q, k, v, kbuf, vbuf, held)
+    o_in = _attention(prog, attn, q, k, v, kbuf, vbuf, held)
     o = _project(prog, calls[1], o_in, False)
     post_w = _weights(weight_of, "post_attn", "pre_ff")
     h = _graph(prog, layer, residual_norm_math, [o, x], post_w, {1: "x"}, **block.post)
     h, residual = (h[0], h[0]) if block.post["norm"] is None else h
     y = _project(prog, calls[3], _project(prog, calls[2], h, False), False)
-    return _after_mlp_graph(prog, mlp, block, weight_of, y, residual), sizes, False
+    return _after_mlp_graph(prog, mlp, block, weight_of, y, residual), False
 
 
 def _after_mlp_graph(prog: Program, mlp: nn.Module, block: Block, weight_of: dict, y, residual):
@@ -365,17 +400,17 @@ def _dense(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
     pre_w, bias = pre_weights(layer, block, weight_of, merged_qkv)
     names = {0: "x", 1: "cos", 2: "sin"}
     q, k, v = _graph(prog, attn, pre_attention_math, [x, cos, sin], pre_w, names, bias=bias, **block.pre)
-    out, sizes = _attention(prog, attn, q, k, v, kbuf, vbuf, held)
+    out = _attention(prog, attn, q, k, v, kbuf, vbuf, held)
     post_w, bias = post_weights(layer, weight_of)
     h = _graph(prog, layer, post_attention_math, [out, x], post_w, {1: "x"}, bias=bias, **block.post)
     h, residual = (h[0], h[0]) if block.post["norm"] is None else h
     if block.own_mlp:
         y = _moe(prog, mlp, h)
         if y is None:  # h (and the residual): the MoE block runs its own forward next
-            return ((h,) if h is residual else (h, residual)), sizes, False
-        return _after_mlp_graph(prog, mlp, block, weight_of, y, residual), sizes, True
+            return ((h,) if h is residual else (h, residual)), False
+        return _after_mlp_graph(prog, mlp, block, weight_of, y, residual), True
     mlp_w = [_gate_up(mlp, block), mlp.down_proj.weight, *_weights(weight_of, "post_ff")]
-    return _graph(prog, mlp, mlp_math, [h, residual], mlp_w, {}, **block.mlp), sizes, False
+    return _graph(prog, mlp, mlp_math, [h, residual], mlp_w, {}, **block.mlp), False
 
 
 def _moe(prog: Program, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
