@@ -428,3 +428,41 @@ def test_a_hook_registered_during_a_generation_sees_the_later_steps():
     )
     handles[0].remove()
     assert len(seen) == 10 - 4
+
+
+def test_a_layer_deleted_during_a_generation_takes_effect(monkeypatch):
+    """`del layers[i]` assigns nothing (no registration to count): the chain's check sees the layer list's
+    new dict, and the next step runs the model as it now is."""
+
+    def run(model):
+        def change():
+            del model.model.layers[1]
+            model.config.num_hidden_layers = 1
+
+        return _generate_changing(model, change)
+
+    model = _llama(torch.float32, None)
+    _generate(model, 4)
+    tokens, logits = run(model)
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = run(_llama(torch.float32, None))
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_a_dynamic_rope_gets_no_rotary_tables_made_ahead(monkeypatch):
+    """A dynamic RoPE's frequencies change with the positions it has seen: the chain calls the module at
+    every step instead of making its tables ahead; past its original length the tokens still match."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=32,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    kernelize_model(model)
+    tokens, logits = _generate(model, 40)
+    chain = model.__dict__["_kernelize_model_step"].chain
+    assert chain is not None and not chain.static_rotary
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model, 40)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)

@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kernelize import kv_cache
 from kernelize.model_attention import _REFERENCE, note_fallback
-from kernelize.runtime.replay import Program, tree_epoch
+from kernelize.runtime.replay import Program, copy_rows_call, tree_epoch
 
 from . import decode_step
 from .block import _CAPTURE_HOOK, ROTARY_TABLES, _capturing, _installed, block_of, own_mlp, rotary_tables
@@ -228,10 +228,12 @@ def _run(state: _State, base: nn.Module, input_ids: torch.Tensor, position_ids, 
         chain = state.chain
         steps = tuple(ready[0] for *_, ready in plans)
         if chain is None or chain.steps != steps or chain.tail is not tail or chain.dtype != x.dtype:
-            chain = state.chain = _Chain(steps, tail, x, plans[0][2], layers)
+            chain = state.chain = _Chain(steps, tail, x, plans[0][2], layers, embed, rotary)
         if tail is None or tail.lock.acquire(blocking=False):
-            chain.watch(base, layers, norm, head)
-            return _chain_run(chain, x, plans[0][2], [ready[1:] for *_, ready in plans], norm, head)
+            chain.watch(base, layers, embed, rotary, norm, head)
+            cos, sin = plans[0][2]
+            rows = [ready[1:] for *_, ready in plans]
+            return _chain_run(chain, int(input_ids), x, cos.data_ptr(), sin.data_ptr(), rows, norm, head)
     for i, (layer, block, tables, ready) in enumerate(plans):
         try:
             step, out, residual = decode_step.execute(ready, x, tables)
@@ -245,10 +247,14 @@ def _run(state: _State, base: nn.Module, input_ids: torch.Tensor, position_ids, 
 
 class _Chain:
     """Every layer's program, then the final norm's and packed LM head's (`_Tail`) where there is one, as
-    one replayed call. Slots: the embedding `h0`, the rotary tables `cos` / `sin`, per layer the cache row
-    `key{i}` / `value{i}` and key length `keylen{i}`, the hidden state between two layers `h{i}` (the
+    one replayed call; first the token's embedding row copied into the chain's buffer where the embedding is
+    a plain `nn.Embedding` of the model's dtype. Slots: the embedding `h0` (or its row `embed_row`), the
+    rotary tables `cos` / `sin`, per layer the cache row `key{i}` / `value{i}` and key length `keylen{i}`
+    and the cache's buffers (`decode_step.BUFFER_SLOTS`), the hidden state between two layers `h{i}` (the
     chain's own two buffers), the last layer's output `hidden` and the `logits`. The programs' buffers stay
-    the layers' own: a run holds every layer's lock.
+    the layers' own: a run holds every layer's lock. Where the rotary embedding's type has no state that
+    changes with the positions (not a dynamic or long RoPE), its tables for the next positions are made
+    ahead, `ROTARY_ROWS` at a time, by the same module calls (:meth:`rotary_at`).
 
     A step after the one that checked every layer takes it when :meth:`fresh` (the same checks, in a few
     comparisons instead of a walk over the model): no submodule, parameter or buffer assigned anywhere
@@ -256,11 +262,18 @@ class _Chain:
     installed on the base model, the layers, their submodules, the norm and the head, no layer training,
     the weights at the same addresses, and transformers not capturing outputs."""
 
-    def __init__(self, steps: tuple, tail: _Tail | None, x: torch.Tensor, tables: tuple, layers: tuple):
-        self.steps, self.tail, self.dtype = steps, tail, x.dtype
+    ROTARY_ROWS = 32
+
+    def __init__(self, steps, tail: _Tail | None, x: torch.Tensor, tables, layers, embed, rotary) -> None:
+        self.steps, self.tail, self.dtype, self.shape = steps, tail, x.dtype, x.shape
         self.table = (tables[0].shape, tables[0].dtype)  # the rotary tables' shape and dtype
         n = len(steps)
         prog = Program()
+        self.embedding = _plain_embedding(embed, x)
+        if self.embedding is not None:
+            h0 = torch.empty_like(x)
+            prog.add(copy_rows_call(self.embedding[:1].view(x.shape), h0), threads_at=-1, embed_row=0)
+            prog.hold(h0)
         hidden = [torch.empty_like(x) for _ in range(min(n - 1, 2))]
         per_layer = (*decode_step.ROW_SLOTS, *decode_step.BUFFER_SLOTS)
         for i, step in enumerate(steps):
@@ -269,13 +282,16 @@ class _Chain:
         if tail is not None:
             prog.include(tail.program, {"x": "hidden"})
         prog.hold(*hidden)
-        head = ("h0", "cos", "sin", "hidden", "logits")
+        head = ("h0", "cos", "sin", "hidden", "logits", "embed_row")
         order = [*head, *(f"h{i}" for i in range(1, n)), *(f"{k}{i}" for i in range(n) for k in per_layer)]
         at = {name: i for i, name in enumerate(prog.seal(order))}
         self.template = [0] * len(at)
         for i in range(1, n):
             self.template[at[f"h{i}"]] = hidden[(i - 1) % 2].data_ptr()  # (a layer's input is not its output)
+        if self.embedding is not None:
+            self.template[at["h0"]] = h0.data_ptr()
         self.at = tuple(at.get(name, -1) for name in head)
+        assert min(self.at[:4]) >= 0  # every layer's program reads h{i} and the rotary tables
         # per layer, where its row and buffer values start (laid out in `per_layer`'s order)
         self.starts = tuple(at[f"key{i}"] for i in range(n))
         assert all(at[f"{k}{i}"] == self.starts[i] + j for i in range(n) for j, k in enumerate(per_layer))
@@ -285,11 +301,33 @@ class _Chain:
         self.cache_at = tuple(layer.self_attn.layer_idx for layer in layers)
         self.windows = tuple(step.window for step in steps)
         self.tables = ROTARY_TABLES[_table_kind(layers[0])]  # every layer's (`_run` checks)
+        rope = getattr(rotary, "rope_type", None)
+        self.static_rotary = isinstance(rope, str) and "dynamic" not in rope and rope != "longrope"
+        self._rotary = None  # (first position, cos rows, sin rows)
         self._watched = None
 
-    def watch(self, base: nn.Module, layers: tuple, norm: nn.Module, head: nn.Module) -> None:
-        """Snapshot what :meth:`fresh` compares, right after every layer was checked."""
-        mods = [base, norm, head]
+    def rotary_at(self, rotary: nn.Module, position: int) -> tuple[int, int] | None:
+        """The addresses of the rotary tables at ``position`` (made ahead by the module's own calls, one
+        position each), or None: this step calls the module."""
+        made = self._rotary
+        if made is None or not made[0] <= position < made[0] + len(made[1]):
+            x = torch.empty(self.shape, dtype=self.dtype)
+            cos, sin = [], []
+            for p in range(position, position + self.ROTARY_ROWS):
+                c, s = map(self.tables, rotary(x, position_ids=torch.tensor([[p]])))
+                if (c.shape, c.dtype) != self.table or s.shape != c.shape:
+                    return None
+                cos.append(c.reshape(-1))
+                sin.append(s.reshape(-1))
+            made = self._rotary = (position, torch.stack(cos), torch.stack(sin))
+        row = (position - made[0]) * made[1].stride(0) * made[1].element_size()
+        return made[1].data_ptr() + row, made[2].data_ptr() + row
+
+    def watch(self, base, layers: tuple, embed, rotary, norm: nn.Module, head: nn.Module) -> None:
+        """Snapshot what :meth:`fresh` compares, right after every layer was checked (and drop the rotary
+        tables made ahead: the slow path's checks found the model as it is now)."""
+        self._rotary = None
+        mods = [base, embed, rotary, norm, head]
         for layer in layers:
             mods += [layer, *layer._modules.values()]
         for step, layer in zip(self.steps, layers):
@@ -298,6 +336,8 @@ class _Chain:
         tensors = [t for step in self.steps for t in step.sources[1]]
         if self.tail is not None:
             tensors += self.tail.sources[1]
+        if self.embedding is not None:
+            tensors.append(embed.weight)
         dicts = tuple(m.__dict__ for m in mods)
         self._watched = (
             tree_epoch(),
@@ -309,6 +349,8 @@ class _Chain:
             tuple(tensors),
             list(map(torch.Tensor.data_ptr, tensors)),
             base,
+            base.layers._modules,  # (`del layers[i]` makes a new dict; `del` assigns nothing)
+            len(base.layers._modules),
         )
 
     def fresh(self) -> bool:
@@ -319,6 +361,8 @@ class _Chain:
             and w[0] == tree_epoch()
             and w[1] == RemovableHandle.next_id
             and type(w[8]).forward is w[2]
+            and w[8].layers._modules is w[9]
+            and len(w[9]) == w[10]
             and all(map(operator.is_, map(dict.get, w[3], repeat("forward")), w[4]))
             and not any(map(_TRAINING, w[5]))
             and list(map(torch.Tensor.data_ptr, w[6])) == w[7]
@@ -335,31 +379,50 @@ def _table_kind(layer: nn.Module) -> str:
 
 
 def _run_chain(chain: _Chain, parts: tuple, input_ids: torch.Tensor, position_ids, cache: Any) -> Any:
-    """A fresh chain's step (the embedding and rotary module calls, then the one call), or None before
-    anything ran (a cache layer without room, a window reached, a program busy in another thread)."""
+    """A fresh chain's step (the embedding and the rotary tables as the chain makes them, or their module
+    calls; then the one call), or None before anything ran (a cache layer without room, a window reached,
+    a program busy in another thread, a token outside the vocabulary: the model's forward raises)."""
     embed, rotary, norm, _, head = parts
     rows = _cache_rows(chain, cache)
     if rows is None:
         return None
-    x = embed(input_ids)
-    if position_ids is None:
-        position_ids = (torch.arange(1, device=x.device) + rows[0][3]).unsqueeze(0)
-    cos, sin = map(chain.tables, rotary(x, position_ids=position_ids))
-    if (
-        x.dtype != chain.dtype
-        or x.shape[:2] != (1, 1)
-        or not (x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
-        or (cos.shape, cos.dtype) != chain.table
-        or sin.shape != cos.shape
-    ):
+    token = int(input_ids)
+    position = rows[0][3] if position_ids is None else int(position_ids)
+    x = None
+    if chain.embedding is None:
+        x = embed(input_ids)
+        if x.dtype != chain.dtype or x.shape != chain.shape or not x.is_contiguous():
+            return None
+    elif not 0 <= token < chain.embedding.shape[0]:
         return None
+    tables = chain.rotary_at(rotary, position) if chain.static_rotary else None
+    if tables is None:
+        if position_ids is None:
+            position_ids = torch.tensor([[position]])
+        like = x if x is not None else torch.empty(chain.shape, dtype=chain.dtype)
+        cos, sin = map(chain.tables, rotary(like, position_ids=position_ids))
+        if (cos.shape, cos.dtype) != chain.table or sin.shape != cos.shape:
+            return None
+        if not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        tables = (cos.data_ptr(), sin.data_ptr())  # (cos and sin live to the end of the call)
     locks = chain.locks
     for i, lock in enumerate(locks):
         if not lock.acquire(blocking=False):
             for held in locks[:i]:
                 held.release()
             return None
-    return _chain_run(chain, x, (cos, sin), rows, norm, head)
+    return _chain_run(chain, token, x, *tables, rows, norm, head)
+
+
+def _plain_embedding(embed: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The weight of ``embed`` when its forward is `nn.Embedding`'s own (a row of the weight per token) and
+    its rows are ``x``'s: the chain copies the row itself."""
+    if type(embed) is not nn.Embedding or "forward" in embed.__dict__ or embed.max_norm is not None:
+        return None
+    w = embed.weight
+    fits = w.dim() == 2 and w.dtype == x.dtype and w.stride(1) == 1 and w.shape[1] == x.shape[-1]
+    return w if fits and x.shape[:2] == (1, 1) else None
 
 
 def _cache_rows(chain: _Chain, cache: Any) -> list | None:
@@ -391,16 +454,25 @@ def _cache_rows(chain: _Chain, cache: Any) -> list | None:
     return rows
 
 
-def _chain_run(chain: _Chain, x: torch.Tensor, tables: tuple, rows: list, norm, head) -> torch.Tensor:
-    """Run the chain (every lock in ``chain.locks`` held: released here) on the embedding ``x``; the cache
-    layers show the new row. Returns the logits."""
+def _chain_run(chain: _Chain, token: int, x, cos: int, sin: int, rows: list, norm, head) -> torch.Tensor:
+    """Run the chain (every lock in ``chain.locks`` held: released here) on the token (its embedding row,
+    or ``x``, the embedding's output) with the rotary tables at ``cos`` / ``sin``; the cache layers show
+    the new row. Returns the logits."""
     try:
         values = chain.template.copy()
-        hidden = torch.empty_like(x)
-        logits = None if chain.n_out is None else torch.empty((*x.shape[:-1], chain.n_out), dtype=x.dtype)
-        for at, v in zip(chain.at, (x, *tables, hidden, logits)):
-            if at >= 0:
-                values[at] = v.data_ptr()
+        hidden = torch.empty(chain.shape, dtype=chain.dtype)
+        logits = (
+            None if chain.n_out is None else torch.empty((*chain.shape[:-1], chain.n_out), dtype=chain.dtype)
+        )
+        h0, at_cos, at_sin, at_hidden, at_logits, at_row = chain.at
+        values[at_cos], values[at_sin], values[at_hidden] = cos, sin, hidden.data_ptr()
+        if logits is not None:
+            values[at_logits] = logits.data_ptr()
+        if chain.embedding is None:
+            values[h0] = x.data_ptr()
+        else:
+            embedding = chain.embedding
+            values[at_row] = embedding.data_ptr() + token * embedding.stride(0) * embedding.element_size()
         width = chain.width
         for start, (_, kbuf, vbuf, held) in zip(chain.starts, rows):
             row = decode_step.row_values(kbuf, vbuf, held) + decode_step.buffer_values(kbuf, vbuf)
