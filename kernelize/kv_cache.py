@@ -12,8 +12,9 @@ It appends in place only while nothing else changed the layer since its last app
 ``values`` must be the very views it set then (a crop, a beam reorder, a batch select or a reset replace
 them, and the next step starts a new buffer). So every view it ever handed out stays as it was: positions
 are written only past the longest view of the buffer. Any other cache or layer kind (sliding windows,
-static, quantized, offloaded caches), or states that do not match the cached ones in batch, heads, head
-size, dtype or device, goes through ``cache.update`` unchanged. A layer still empty (a prompt's step) fills
+static, quantized, offloaded caches; a sliding window's layer once it would drop a position), or states
+that do not match the cached ones in batch, heads, head size, dtype or device, goes through
+``cache.update`` unchanged. A layer still empty (a prompt's step) fills
 through ``cache.update``, then its keys and values move to a buffer with room, so that the first decode
 step appends in place too (a replayed decode step, `hub_kernels/llm`, runs only on such a layer).
 
@@ -34,8 +35,10 @@ MIN_ROOM = 64  # positions
 
 
 def _plain_layer(cache: Any, layer_idx: int) -> Any:
-    """Layer ``layer_idx`` of ``cache`` if a filled plain ``DynamicLayer`` of a plain ``DynamicCache``."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    """Layer ``layer_idx`` of ``cache`` if a filled plain ``DynamicLayer`` of a plain ``DynamicCache``, or a
+    ``DynamicSlidingWindowLayer`` that has dropped nothing yet (below its window it holds every position,
+    as a ``DynamicLayer`` does, and counts them)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     if type(cache) is not DynamicCache or getattr(cache, "offloading", False):
         return None
@@ -43,9 +46,25 @@ def _plain_layer(cache: Any, layer_idx: int) -> Any:
     if not isinstance(layers, list) or not 0 <= layer_idx < len(layers):
         return None
     layer = layers[layer_idx]
-    if type(layer) is not DynamicLayer or not layer.is_initialized or layer.keys is None:
+    kind = type(layer)
+    if (
+        kind not in (DynamicLayer, DynamicSlidingWindowLayer)
+        or not layer.is_initialized
+        or layer.keys is None
+    ):
         return None
-    return layer if layer.keys.dim() == 4 and layer.keys.numel() else None
+    if layer.keys.dim() != 4 or not layer.keys.numel():
+        return None
+    if kind is DynamicSlidingWindowLayer and layer.cumulative_length != layer.keys.shape[2]:
+        return None
+    return layer
+
+
+def holds(layer: Any, total: int) -> bool:
+    """Whether the layer may hold ``total`` positions without dropping any (a sliding window's keeps the
+    last ``sliding_window - 1``)."""
+    window = getattr(layer, "sliding_window", None)
+    return window is None or total <= window - 1
 
 
 def _fits(old: torch.Tensor, new: torch.Tensor) -> bool:
@@ -64,14 +83,19 @@ def update(
     """``cache.update(key, value, layer_idx)``: the layer's keys and values with ``key`` / ``value``
     ([batch, heads, new, head_dim]) appended, written in place where the layer allows (module docstring)."""
     layer = _plain_layer(cache, layer_idx)
-    if layer is None or not (_fits(layer.keys, key) and _fits(layer.values, value)):
+    held, new = (0, 0) if layer is None else (layer.keys.shape[2], key.shape[2])
+    if layer is None or not (
+        _fits(layer.keys, key) and _fits(layer.values, value) and holds(layer, held + new)
+    ):
         keys, values = cache.update(key, value, layer_idx)
         if layer is None:  # a layer this call filled (a prompt's): its keys move to a buffer with room
             layer = _plain_layer(cache, layer_idx)
-            if layer is not None and layer.keys is keys and layer.values is values:
+            if layer is not None and all(
+                a.shape == b.shape and a.data_ptr() == b.data_ptr()
+                for a, b in ((layer.keys, keys), (layer.values, values))
+            ):
                 return _with_room(layer, keys.shape[2], 0)
         return keys, values
-    held, new = layer.keys.shape[2], key.shape[2]
     room = _own_room(layer)
     if room is not None and room[0].shape[2] >= held + new:
         kbuf, vbuf = room[0], room[1]
@@ -113,6 +137,8 @@ def room(cache: Any, layer_idx: int, new: int) -> tuple[Any, torch.Tensor, torch
     if room is None:
         return None
     held = layer.keys.shape[2]
+    if not holds(layer, held + new):
+        return None
     if room[0].shape[2] < held + new:
         _with_room(layer, held, new)
         room = layer._kernelize_room
@@ -124,8 +150,10 @@ def advance(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Make the layer's keys and values the first ``total`` positions of ``kbuf`` / ``vbuf`` (written)."""
     layer.keys, layer.values = kbuf[:, :, :total], vbuf[:, :, :total]
+    if hasattr(layer, "cumulative_length"):  # a sliding window's count of the positions seen
+        layer.cumulative_length = total
     layer._kernelize_room = (kbuf, vbuf, layer.keys, layer.values)
     return layer.keys, layer.values
 
 
-__all__ = ["advance", "room", "update"]
+__all__ = ["advance", "holds", "room", "update"]

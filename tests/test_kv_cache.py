@@ -121,6 +121,28 @@ def test_other_layers_and_mismatched_states_go_through_cache_update():
             assert torch.equal(g, w) and g.dtype == w.dtype
 
 
+def test_a_sliding_window_layer_appends_in_place_until_it_would_drop_a_position():
+    """Below its window a `DynamicSlidingWindowLayer` holds every position: appends go in place (its count of
+    positions moves with them); the append that would drop one goes through its own update, and every step
+    equals transformers' (states, sequence length, mask sizes)."""
+    config = transformers.MistralConfig(
+        num_hidden_layers=1, sliding_window=12, hidden_size=16, num_attention_heads=2, num_key_value_heads=1
+    )
+    ours, ref = DynamicCache(config=config), DynamicCache(config=config)
+    in_place = []
+    for step, n in enumerate([5, *[1] * 12]):
+        k, v = states(n, step)
+        for g, w in zip(kv_cache.update(ours, k, v, 0), ref.update(k, v, 0)):
+            assert torch.equal(g, w)
+        layer = ours.layers[0]
+        in_place.append(getattr(layer, "_kernelize_room", (None,) * 4)[2] is layer.keys)
+        assert layer.get_seq_length() == ref.layers[0].get_seq_length()
+        assert layer.get_mask_sizes(1) == ref.layers[0].get_mask_sizes(1)
+        assert torch.equal(layer.keys, ref.layers[0].keys) and torch.equal(layer.values, ref.layers[0].values)
+    assert in_place == [True] * 7 + [False] * 6  # 5 + 6 = 11 = window - 1 positions kept in place
+    assert kv_cache.room(ours, 0, 1) is None
+
+
 @pytest.mark.parametrize("beams", [1, 2])
 def test_generation_through_the_one_call_equals_eager(beams):
     from kernelize.integrations.transformers import kernelize_model

@@ -72,11 +72,17 @@ def marked(request):
     family = request.param
     cfg_name, model_name, module_path, norm_name, mlp_name, norm_mark = FAMILIES[family]
     module = importlib.import_module(f"transformers.{module_path}")
+    # every class of the family's module: only the two this test marks may be kernelized (a `kernelize_model`
+    # of another test leaves marks on the family's classes, as it does on a user's)
     classes = [getattr(module, norm_name), getattr(module, mlp_name)]
+    classes += [c for c in vars(module).values() if isinstance(c, type) and c not in classes]
     saved = [
         {k: cls.__dict__[k] for k in ("kernel_layer_name", "kernel_condition") if k in cls.__dict__}
         for cls in classes
     ]
+    for cls, attrs in zip(classes[2:], saved[2:]):
+        for k in attrs:
+            delattr(cls, k)
     kernelize.replace_kernel_forward_from_hub(classes[0], norm_mark)
     kernelize.replace_kernel_forward_from_hub(classes[1], "LlamaMLP")
     try:

@@ -466,3 +466,23 @@ def test_a_dynamic_rope_gets_no_rotary_tables_made_ahead(monkeypatch):
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 40)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_a_sliding_window_cache_replays_until_its_window_fills(monkeypatch):
+    """Mistral's cache has sliding-window layers: below the window they hold every position and the steps
+    replay (the model's step included); once a step would drop a position, the model's forward runs it.
+    Tokens and logits equal the Python path's on both sides of the window."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, sliding_window=16,
+    )  # fmt: skip
+    model = transformers.MistralForCausalLM(config).eval()
+    kernelize_model(model)
+    runs = _record_runs(monkeypatch)
+    tokens, logits = _generate(model, 24)
+    assert model.__dict__["_kernelize_model_step"].verdict is True
+    assert 2 * 6 <= _layer_steps(runs, 2) <= 2 * 12, _layer_steps(runs, 2)  # 5 prompt positions, window 16
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model, 24)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)

@@ -105,15 +105,16 @@ def model_step(
     # their calls twice)
     if any(m._forward_hooks or m._forward_pre_hooks for m in (*parts[:3], parts[4])):
         return None
-    saved = [(c, c.keys, c.values, getattr(c, "_kernelize_room", None)) for c in _kv_layers(cache)]
+    saved = [(c, dict(c.__dict__)) for c in _kv_layers(cache)]  # (keys, values, counts, the room: shallow)
     try:
         fast = _run(state, base, input_ids, position_ids, cache)
     except Exception as e:  # a part called otherwise than the path calls it (OLMo3's rotary: a layer type)
         fast = f"the path raised {type(e).__name__}: {e}"
     if fast is None:  # not every layer could run its program this step: try again at the next
         return None
-    for c, keys, values, room in saved:  # as before the step: the model's own forward writes the same rows
-        c.keys, c.values, c._kernelize_room = keys, values, room
+    for c, before in saved:  # as before the step: the model's own forward writes the same rows
+        c.__dict__.clear()
+        c.__dict__.update(before)
     own = own_forward()
     logits = getattr(own, "logits", None)
     same = torch.is_tensor(logits) and not isinstance(fast, str) and torch.equal(fast, logits)
@@ -449,6 +450,8 @@ def _cache_rows(chain: _Chain, cache: Any) -> list | None:
             if row is None:
                 return None
         if window is not None and held + 2 > window:
+            return None
+        if not kv_cache.holds(layer, held + 1):  # a sliding window's cache layer about to drop a position
             return None
         rows.append(row)
     return rows
