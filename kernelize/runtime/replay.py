@@ -143,6 +143,7 @@ class Program:
         self._calls: ctypes.Array | None = None
         self._patches: ctypes.Array | None = None
         self._values: ctypes.Array | None = None
+        self._npatches = 0
         self.slots: tuple[str, ...] = ()  # the slot names, in the order :meth:`run_values` takes them
 
     def add(self, call: CCall, threads_at: int | None = None, **slots: int | tuple[int, int]) -> int:
@@ -231,8 +232,9 @@ class Program:
         self.run_values([values[n] for n in self.slots])
 
     def run_values(self, values: Sequence[int]) -> None:
-        """:meth:`run` with the slots' values in the order of :attr:`slots` (sealed by a first :meth:`run`
-        or :meth:`seal`)."""
+        """:meth:`run` with the slots' values in the order of :attr:`slots` (see :meth:`seal`)."""
+        if self._calls is None:
+            self._seal()
         self._values[:] = [*values, torch.get_num_threads()]
         rc = _patched_fn()(self._calls, len(self._entries), self._patches, self._npatches, self._values)
         if rc:

@@ -205,3 +205,26 @@ def test_copy_rows_takes_evenly_spaced_rows_only():
     program.add(copy_rows_call(new, buf[:, :, 7:8]), threads_at=-1)
     program.run()
     assert torch.equal(buf[:, :, 7:8], new) and not buf[:, :, :7].any() and not buf[:, :, 8:].any()
+
+
+def test_programs_included_in_one_run_with_their_slots_renamed():
+    """`Program.include`: two programs' calls as one call, each one's slots renamed; `add_cell` writes a
+    slot into an int64 array a call points to; `seal(order)` lays the slots out for `run_values`."""
+    import ctypes
+
+    from kernelize.runtime.replay import Program, copy_rows_call
+
+    def copier() -> tuple[Program, ctypes.Array]:
+        program, cell = Program(), (ctypes.c_int64 * 3)()
+        program.add(copy_rows_call(torch.empty(2, 8), torch.empty(2, 8)), threads_at=-1, src=0, dst=1)
+        program.add_cell(cell, 2, "n")
+        return program, cell
+
+    (first, cell0), (second, cell1) = copier(), copier()
+    chain = Program()
+    chain.include(first, {"dst": "mid", "n": "n0"})
+    chain.include(second, {"src": "mid", "n": "n1"})
+    assert chain.seal(["src", "dst", "n1"]) == ("src", "dst", "n1", "mid", "n0")
+    x, mid, y = torch.randn(2, 8), torch.empty(2, 8), torch.empty(2, 8)
+    chain.run_values([x.data_ptr(), y.data_ptr(), 11, mid.data_ptr(), 7])
+    assert torch.equal(mid, x) and torch.equal(y, x) and (cell0[2], cell1[2]) == (7, 11)

@@ -10,8 +10,10 @@ since each layer's weights stream the interpreter's data out of the caches.
 hooks, no outputs requested beyond the logits) as: the token embedding, the rotary tables, then every
 layer's program (each layer's readiness checked before any runs, so a step either runs whole or goes the
 model's own way), the final norm and the LM head (one more replayed call where the head is packed and
-nothing hooks the two, else their module calls). Which base models this
-fits is not read from their source: the first such step runs it, rolls the cache back, runs the model's own
+nothing hooks the two, else their module calls). That walk's result is kept as one chain of every
+program (`_Chain`): the next steps run the whole token as one C call while a few comparisons show that
+nothing the walk checked has changed (`_Chain.fresh`). Which base models this fits is not read from their
+source: the first such step runs it, rolls the cache back, runs the model's own
 forward, and keeps the path only when the logits are bit for bit the same (else the reason goes into
 ``kernelize.inspect``). A model whose mask could stop being None (a sliding window the keys are about to
 reach, chunked attention) goes its own way at those steps. ``KERNELIZE_DECODE_REPLAY=0`` turns it off
