@@ -364,13 +364,12 @@ def _train(r: dict) -> str:
 def _onnx(r: dict) -> str:
     by_batch = ", ".join(
         f"batch {k.removeprefix('batch').split('_')[0]}"
-        + (f" at {v['threads']} threads" if "threads" in v else "")
-        + f": {v['geomean_vs_ort']:.2f}"
+        + (f" at {v['threads']} thread{'s' if v['threads'] != 1 else ''}" if "threads" in v else "")
+        + f" ({v['models']} model{'s' if v['models'] != 1 else ''}): {v['geomean_vs_ort']:.2f}"
+        + f" (worst {v['worst_vs_ort']:.2f})"
         for k, v in r["summary"].items()
     )
-    return (
-        f"kernelize / onnxruntime time, geomean of {len({x['model'] for x in r['rows']})} models: {by_batch}"
-    )
+    return f"kernelize / onnxruntime time, geomean: {by_batch}"
 
 
 def _gpu(r: dict) -> str:
