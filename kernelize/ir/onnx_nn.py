@@ -308,10 +308,33 @@ def pool_nd(g: Graph, x: Node, kind: str, w: PoolWindow, count_include_pad: bool
             continue
         axis = 2 + a
         shape = x.shape
+        if s == d == 1 and k <= SLICED_WINDOW and isinstance(shape[axis], int):
+            if kind == "max" or count_include_pad or lo == hi == 0:  # (else the divisor varies at the edges)
+                x = _sliced_window(g, x, kind, axis, k, lo, hi)
+                continue
         v = g.view(x, (shape[0], numel(shape[1:axis]), shape[axis], numel(shape[axis + 1 :])))
         y = g.pool(v, kind, (k, 1), (s, 1), (lo, 0, hi, 0), (d, 1), w.ceil_mode, count_include_pad)
         x = g.view(y, (*shape[:axis], y.shape[2], *shape[axis + 1 :]))
     return x
+
+
+SLICED_WINDOW = 16  # a stride-1 window along one axis up to this size is sums of shifted slices
+
+
+def _sliced_window(g: Graph, x: Node, kind: str, axis: int, k: int, lo: int, hi: int) -> Node:
+    """A stride-1 pooling window of ``k`` along ``axis`` (after padding it by ``lo`` / ``hi``) as the max or
+    the sum (over ``k``) of ``k`` shifted slices: one pointwise kernel's strided loads, where the pool of a
+    ``[N, C*D1, Da, ...]`` view (torch's LRN export pools the channels so) ran as torch's 2-d pool of a
+    one-channel image, 4 ms for AlexNet's first LRN."""
+    pads = [(0, 0)] * x.rank
+    pads[axis] = (lo, hi)
+    xp = g.pad(x, pads, float("-inf") if kind == "max" else 0)
+    out = x.shape[axis] + lo + hi - k + 1
+    y = g.slice(xp, axis, 0, out)
+    for j in range(1, k):
+        shifted = g.slice(xp, axis, j, j + out)
+        y = g.max(y, shifted) if kind == "max" else g.add(y, shifted)
+    return y if kind == "max" else g.div(y, float(k))
 
 
 def _global_pool(op: Op) -> Converter:
