@@ -14,9 +14,9 @@ them, and the next step starts a new buffer). So every view it ever handed out s
 are written only past the longest view of the buffer. Any other cache or layer kind (sliding windows,
 static, quantized, offloaded caches; a sliding window's layer once it would drop a position), or states
 that do not match the cached ones in batch, heads, head size, dtype or device, goes through
-``cache.update`` unchanged. A layer still empty (a prompt's step) fills
-through ``cache.update``, then its keys and values move to a buffer with room, so that the first decode
-step appends in place too (a replayed decode step, `hub_kernels/llm`, runs only on such a layer).
+``cache.update`` unchanged. A layer still empty (a prompt's step) fills through ``cache.update``, then
+its keys and values move to a buffer with room, so that the first decode step appends in place too (a
+replayed decode step, `hub_kernels/llm`, runs only on such a layer).
 
 Example:
     >>> from transformers import DynamicCache  # doctest: +SKIP

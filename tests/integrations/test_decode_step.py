@@ -400,19 +400,22 @@ def test_a_weight_whose_storage_changes_is_read_anew(monkeypatch):
     parameter: the next step (here within one generation) sees the new address, builds the program again
     and reads the new values."""
 
-    def run(model):
+    def change(model):
         down = model.model.layers[0].mlp.down_proj
+        down.weight.data = down.weight.data * 2
 
-        def change():
-            down.weight.data = down.weight.data * 2
+    _assert_a_change_takes_effect(monkeypatch, change)
 
-        return _generate_changing(model, change)
 
+def _assert_a_change_takes_effect(monkeypatch, change) -> None:
+    """``change(model)`` made between two decode steps of a generation (after one that checked the path):
+    tokens and logits equal the layers' Python path's with the same change on a fresh model."""
     model = _llama(torch.float32, None)
     _generate(model, 4)
-    tokens, logits = run(model)
+    tokens, logits = _generate_changing(model, lambda: change(model))
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
-    want_tokens, want_logits = run(_llama(torch.float32, None))
+    fresh = _llama(torch.float32, None)
+    want_tokens, want_logits = _generate_changing(fresh, lambda: change(fresh))
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
 
 
@@ -434,19 +437,11 @@ def test_a_layer_deleted_during_a_generation_takes_effect(monkeypatch):
     """`del layers[i]` assigns nothing (no registration to count): the chain's check sees the layer list's
     new dict, and the next step runs the model as it now is."""
 
-    def run(model):
-        def change():
-            del model.model.layers[1]
-            model.config.num_hidden_layers = 1
+    def change(model):
+        del model.model.layers[1]
+        model.config.num_hidden_layers = 1
 
-        return _generate_changing(model, change)
-
-    model = _llama(torch.float32, None)
-    _generate(model, 4)
-    tokens, logits = run(model)
-    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
-    want_tokens, want_logits = run(_llama(torch.float32, None))
-    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+    _assert_a_change_takes_effect(monkeypatch, change)
 
 
 def test_a_dynamic_rope_gets_no_rotary_tables_made_ahead(monkeypatch):
