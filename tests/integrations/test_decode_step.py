@@ -481,3 +481,27 @@ def test_a_sliding_window_cache_replays_until_its_window_fills(monkeypatch):
     monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
     want_tokens, want_logits = _generate(model, 24)
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
+def test_hooks_on_the_embedding_and_the_rotary_module_see_each_step(monkeypatch):
+    """The chain copies the embedding's row and makes rotary tables ahead only while nothing hooks those
+    modules: hooked, each sees one call per decode step (the rotary one with the step's own position), and
+    the tokens and logits equal the Python path's."""
+    model = _llama(torch.bfloat16, "q4_0")
+    _generate(model, 4)  # the path checked, the chain built
+    embeds, positions = [], []
+    handles = [
+        model.model.embed_tokens.register_forward_hook(lambda m, args, out: embeds.append(args[0].shape)),
+        model.model.rotary_emb.register_forward_hook(
+            lambda m, args, kwargs, out: positions.append(kwargs["position_ids"].flatten().tolist()),
+            with_kwargs=True,
+        ),
+    ]
+    tokens, logits = _generate(model, 8)
+    for handle in handles:
+        handle.remove()
+    assert len(embeds) == 8 and embeds[1:] == [(1, 1)] * 7
+    assert positions[1:] == [[p] for p in range(5, 12)]
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model, 8)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)

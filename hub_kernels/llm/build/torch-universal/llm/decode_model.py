@@ -257,7 +257,8 @@ class _Chain:
     chain's own two buffers), the last layer's output `hidden` and the `logits`. The programs' buffers stay
     the layers' own: a run holds every layer's lock. Where the rotary embedding's type has no state that
     changes with the positions (not a dynamic or long RoPE), its tables for the next positions are made
-    ahead, `ROTARY_ROWS` at a time, by the same module calls (:meth:`rotary_at`).
+    ahead, `ROTARY_ROWS` at a time, by the same module calls (:meth:`rotary_at`). A hooked embedding or
+    rotary module is called at every step instead (its output is then the row the chain copies).
 
     A step after the one that checked every layer takes it when :meth:`fresh` (the same checks, in a few
     comparisons instead of a walk over the model): no submodule, parameter or buffer assigned anywhere
@@ -307,6 +308,7 @@ class _Chain:
         rope = getattr(rotary, "rope_type", None)
         self.static_rotary = isinstance(rope, str) and "dynamic" not in rope and rope != "longrope"
         self._rotary = None  # (first position, cos rows, sin rows)
+        self.call_embed = self.call_rotary = False  # (set by `watch`)
         self._watched = None
 
     def rotary_at(self, rotary: nn.Module, position: int) -> tuple[int, int] | None:
@@ -330,6 +332,10 @@ class _Chain:
         """Snapshot what :meth:`fresh` compares, right after every layer was checked (and drop the rotary
         tables made ahead: the slow path's checks found the model as it is now)."""
         self._rotary = None
+        # hooked now (a later hook changes the hook count, and the next step walks again): module calls
+        self.call_embed, self.call_rotary = (
+            bool(m._forward_hooks or m._forward_pre_hooks) for m in (embed, rotary)
+        )
         mods = [base, embed, rotary, norm, head]
         for layer in layers:
             mods += [layer, *layer._modules.values()]
@@ -392,13 +398,13 @@ def _run_chain(chain: _Chain, parts: tuple, input_ids: torch.Tensor, position_id
     token = int(input_ids)
     position = rows[0][3] if position_ids is None else int(position_ids)
     x = None
-    if chain.embedding is None:
+    if chain.embedding is None or chain.call_embed:
         x = embed(input_ids)
         if x.dtype != chain.dtype or x.shape != chain.shape or not x.is_contiguous():
             return None
     elif not 0 <= token < chain.embedding.shape[0]:
         return None
-    tables = chain.rotary_at(rotary, position) if chain.static_rotary else None
+    tables = chain.rotary_at(rotary, position) if chain.static_rotary and not chain.call_rotary else None
     if tables is None:
         if position_ids is None:
             position_ids = torch.tensor([[position]])
@@ -475,6 +481,8 @@ def _chain_run(chain: _Chain, token: int, x, cos: int, sin: int, rows: list, nor
             values[at_logits] = logits.data_ptr()
         if chain.embedding is None:
             values[h0] = x.data_ptr()
+        elif x is not None:  # the module's output (a call that ran it: hooks, the slow path) is the row
+            values[at_row] = x.data_ptr()
         else:
             embedding = chain.embedding
             values[at_row] = embedding.data_ptr() + token * embedding.stride(0) * embedding.element_size()
