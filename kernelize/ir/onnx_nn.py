@@ -326,15 +326,22 @@ def _sliced_window(g: Graph, x: Node, kind: str, axis: int, k: int, lo: int, hi:
     the sum (over ``k``) of ``k`` shifted slices: one pointwise kernel's strided loads, where the pool of a
     ``[N, C*D1, Da, ...]`` view (torch's LRN export pools the channels so) ran as torch's 2-d pool of a
     one-channel image, 4 ms for AlexNet's first LRN."""
+    if kind == "max":
+        return _shifted(g, x, g.max, axis, k, lo, hi, float("-inf"))
+    return g.div(_shifted(g, x, g.add, axis, k, lo, hi, 0), float(k))
+
+
+def _shifted(g: Graph, x: Node, combine, axis: int, k: int, lo: int, hi: int, fill: float) -> Node:
+    """``combine`` (max or add) of the ``k`` shifted slices along ``axis`` of ``x`` padded by ``lo`` / ``hi``
+    with ``fill``: a stride-1 window of ``k``, as layout ops the planner turns into one kernel's loads."""
     pads = [(0, 0)] * x.rank
     pads[axis] = (lo, hi)
-    xp = g.pad(x, pads, float("-inf") if kind == "max" else 0)
+    xp = g.pad(x, pads, fill)
     out = x.shape[axis] + lo + hi - k + 1
     y = g.slice(xp, axis, 0, out)
     for j in range(1, k):
-        shifted = g.slice(xp, axis, j, j + out)
-        y = g.max(y, shifted) if kind == "max" else g.add(y, shifted)
-    return y if kind == "max" else g.div(y, float(k))
+        y = combine(y, g.slice(xp, axis, j, j + out))
+    return y
 
 
 def _global_pool(op: Op) -> Converter:
@@ -396,12 +403,7 @@ def _lrn(ctx: NodeContext) -> Node:
         raise ctx.unsupported(f"LRN over a symbolic channel dimension {c}")
     xf = g.cast(x, DType.F32) if x.dtype in (DType.F16, DType.BF16) else x
     lo, hi = (size - 1) // 2, size // 2  # the window is [c - floor((size-1)/2), c + ceil((size-1)/2)]
-    pads = [(0, 0)] * x.rank
-    pads[1] = (lo, hi)
-    sq = g.pad(g.mul(xf, xf), pads)
-    total = g.slice(sq, 1, 0, c)
-    for k in range(1, size):
-        total = g.add(total, g.slice(sq, 1, k, k + c))
+    total = _shifted(g, g.mul(xf, xf), g.add, 1, size, lo, hi, 0)
     den = g.pow(g.add(g.mul(total, alpha / size), float(bias)), float(beta))
     return g.cast(g.div(xf, den), x.dtype)
 
