@@ -8,7 +8,8 @@ shared render table into a function applied to every output value while it is in
 * ``dense``: any group size, kernel size, stride, padding and dilation, as an implicit GEMM. A tile of
   ``KZ_MR`` output pixels x :func:`panel` output channels accumulates in registers; the input rows of each
   tap are read through row pointers (taps in the padding read a zero row), so nothing is padded or copied.
-* ``depthwise``: one input channel per output channel, vectorised over channels.
+* ``depthwise``: one input channel per output channel (or per few: a channel multiplier), vectorised over
+  output channels.
 
 Why not oneDNN (which the runtime used for every conv before): side by side on one core (AVX-512, batch 1,
 thread CPU time), oneDNN's packed linear and conv primitives have ~15-25 us of fixed cost per call, and
@@ -72,7 +73,9 @@ def algorithm(kernel: Kernel) -> str | None:
     groups = conv.arg.groups
     if kh * kw > MAX_TAPS or cig > MAX_GROUP_CHANNELS or _choice() == "library":
         return None
-    if cig == 1 and co == groups:
+    # one input channel per group: depthwise, with a channel multiplier co / groups where it is below half a
+    # panel (oneDNN took 3.5 ms for a 16 -> 32 one at 112 x 112, 1 thread); wider ones stay dense below
+    if cig == 1 and (co == groups or co // groups < panel() // 2):
         return "depthwise"
     limit = LIBRARY_K[panel()]
     if limit is not None and cig * kh * kw >= limit:
@@ -137,9 +140,14 @@ def render(kernel: ConvKernel, renderer: Renderer) -> tuple[str, str]:
         NAME=name,
         WHAT=f"{algo} conv",
         EPILOGUE=_epilogue_struct(kernel, f"{name}_epilogue", renderer),
-        DRIVER=DRIVERS[algo],
+        DRIVER=DRIVERS[algo] + ("<true>" if algo == "depthwise" and _multiplier(kernel) else ""),
     )
     return source, name
+
+
+def _multiplier(kernel: Kernel) -> bool:
+    """Whether a depthwise CONV kernel has a channel multiplier (more output channels than input ones)."""
+    return kernel.node.src[1].shape[0] != kernel.node.arg.groups
 
 
 def chain_stages(chain: Kernel) -> tuple[Kernel | None, Kernel | None]:
@@ -333,7 +341,7 @@ class ConvCall:
         (y,) = writes
         d = self._dims_of(x.shape, y.shape, pixel_stride(y))
         ptrs = [0 if t is None else t.data_ptr() for t in (x, self.packed(w), b, r, y)]
-        if self.fn(*ptrs, d, torch.get_num_threads()):
+        if self.fn(*ptrs, d, cpu_build.threads()):
             raise RuntimeError(self._error(d))
 
     def c_call(
@@ -420,7 +428,7 @@ class ChainCall:
 
     def launch(self, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes=None) -> None:
         (y,) = writes
-        if self.fn(*self._args(reads, y, reads[self.x].shape), torch.get_num_threads()):
+        if self.fn(*self._args(reads, y, reads[self.x].shape), cpu_build.threads()):
             raise RuntimeError(self._error())
 
     def c_call(

@@ -98,6 +98,24 @@ def test_depthwise_convs_match_the_reference(x_shape, k, opts, act):
     _check(g, [torch.randn(x_shape)])
 
 
+MULTIPLIER = [  # (input shape, multiplier, kernel, options): output channel o reads input channel o // m
+    ((1, 16, 12, 13), 2, 3, dict(pad=(1, 1, 1, 1))),  # the sliding window; 32 outputs, two vectors
+    ((2, 7, 9, 10), 3, 3, dict(pad=(1, 1, 1, 1))),  # m off every vector width: block 2 starts at c0 % m = 1
+    ((1, 12, 11, 9), 4, 3, dict(stride=2, pad=(0, 1, 0, 1))),  # strided: the general form
+    ((1, 7, 8, 9), 2, 5, dict(pad=(2, 2, 2, 2), dil=2)),  # dilated
+    ((1, 3, 6, 6), 5, 3, dict(pad=(1, 1, 1, 1))),  # 15 outputs: a partial channel block
+]
+
+
+@pytest.mark.parametrize("x_shape, m, k, opts", MULTIPLIER)
+@pytest.mark.parametrize("act", ["none", "relu6"])
+def test_depthwise_convs_with_a_channel_multiplier_match_the_reference(x_shape, m, k, opts, act):
+    c = x_shape[1]
+    g = _graph(x_shape, c * m, k, groups=c, act=act, **opts)
+    cg = _check(g, [torch.randn(x_shape)])
+    assert "depthwise conv" in cpu_conv.render(cg.plan.kernels[0], CpuRenderer())[0]
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("act", list(ACTS))
 def test_residual_and_every_activation(bias, act):

@@ -5,8 +5,9 @@
 //                      implicit GEMM: a tile of KZ_MR output pixels x KZ_NR output channels accumulates in
 //                      registers over taps x input channels, reading the input rows through per-tap row
 //                      pointers (a zero row where a tap falls into the padding: no padded copy);
-//   kz_conv_depthwise: one input channel per output channel, vectorised over channels, KZ_DW_RUN output
-//                      pixels of a row at a time.
+//   kz_conv_depthwise: one input channel per output channel (or per `m` of them: a channel multiplier, where
+//                      output channel o reads input channel o / m), vectorised over output channels,
+//                      KZ_DW_RUN output pixels of a row at a time.
 // Weights come packed (cpu_conv.py pack_weight): dense [g][panel][kh][kw][cig][KZ_NR] with each group's
 // output channels zero-padded to whole panels; depthwise [kh][kw][c padded to a multiple of KZ_NR].
 #if defined(__x86_64__) || defined(__i386__)
@@ -98,6 +99,35 @@ KZ_INLINE kz_vec kz_vsigmoid(kz_vec x) {
 
 // the first n lanes at p (the rest 0) without reading past them
 KZ_INLINE kz_vec kz_vld(const float* p, int n) { return n >= KZ_VW ? kz_vload(p) : kz_vload_n(p, n); }
+// A depthwise conv with channel multiplier m reads, for output channels [c0, c0 + nc), the `n` input
+// channels from c0 / m, lane i taking input lane idx[i] = (c0 % m + i) / m: one load and one permute.
+struct kz_dw_rep {
+    int n;
+    kz_vint idx;
+};
+KZ_INLINE kz_dw_rep kz_dw_rep_of(int64_t m, int64_t c0, int nc) {
+    kz_dw_rep r;
+    const int64_t first = c0 % m;
+    for (int i = 0; i < KZ_VW; ++i) r.idx[i] = (int32_t)((first + (i < nc ? i : nc - 1)) / m);
+    r.n = (int)((first + nc - 1) / m + 1);
+    return r;
+}
+KZ_INLINE kz_vec kz_vexpand(const float* p, const kz_dw_rep& r) {
+    const kz_vec v = kz_vld(p, r.n);
+#if defined(__AVX512F__)
+    return _mm512_permutexvar_ps((__m512i)r.idx, v);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return _mm256_permutevar8x32_ps(v, (__m256i)r.idx);
+#else
+    kz_vec out;
+    for (int i = 0; i < KZ_VW; ++i) out[i] = v[r.idx[i]];
+    return out;
+#endif
+}
+// a depthwise conv's input lanes for output channels [c0, c0 + nc) at p (input channel c0 / m)
+template <bool REP> KZ_INLINE kz_vec kz_dw_load(const float* p, int nc, const kz_dw_rep& r) {
+    return REP ? kz_vexpand(p, r) : kz_vld(p, nc);
+}
 #define KZ_NV (KZ_NR / KZ_VW)             // vectors per panel row
 #define KZ_DW_RUN 8                       // output pixels per depthwise step
 #define KZ_MAX_TAPS 128                   // row pointers of a tile live on the stack (cpu_conv checks)
@@ -356,10 +386,11 @@ static int kz_conv_dense(const kz_conv_dims& d, const float* x, const float* wp,
 // pixels it does not store. `rows[t]` are the input rows of kernel rows [ky0, ky0 + nky) (column 0, channel
 // c0); `w` the weights of kernel row ky0, `wrow` floats per kernel row; y the row's first output pixel p.
 // Kept out of line: inlined into the caller, gcc ran out of registers and re-read every column.
-template <int KW, int SW, int R, class Epi>
+template <int KW, int SW, int R, class Epi, bool REP = false>
 static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, const float* const* rows, int nky,
                                                        const float* w, int64_t wrow, int64_t cpad, float* y,
-                                                       int64_t p, int64_t c0, int nc, const Epi& epi) {
+                                                       int64_t p, int64_t c0, int nc, const Epi& epi,
+                                                       const kz_dw_rep& rp = {}) {
     constexpr int NCOL = (R - 1) * SW + KW;
     kz_vec init;
     kz_conv_acc_init<1>(&init, c0, nc, epi);
@@ -375,7 +406,10 @@ static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, co
                 const float* q = rows[ky] + ix0 * d.c;
                 // (perf) a partial channel block (60 channels: 7 blocks of 8 and one of 4) loads masked
                 // here rather than taking the per-column bounds tests below
-                if (nc == KZ_VW) {
+                if constexpr (REP) {
+#pragma GCC unroll 32
+                    for (int j = 0; j < NCOL; ++j, q += d.c) in[j] = kz_vexpand(q, rp);
+                } else if (nc == KZ_VW) {
 #pragma GCC unroll 32
                     for (int j = 0; j < NCOL; ++j, q += d.c) in[j] = kz_vload(q);
                 } else {
@@ -386,7 +420,7 @@ static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, co
 #pragma GCC unroll 32
                 for (int j = 0; j < NCOL; ++j) {
                     const int64_t ix = ix0 + j;
-                    in[j] = kz_vld(ix >= 0 && ix < d.w ? rows[ky] + ix * d.c : kz_zero_row, nc);
+                    in[j] = kz_dw_load<REP>(ix >= 0 && ix < d.w ? rows[ky] + ix * d.c : kz_zero_row, nc, rp);
                 }
             }
 #pragma GCC unroll 8
@@ -405,23 +439,23 @@ static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, co
 
 // output pixels [ox0, ox0 + run) of row (n, oy), channels [c0, c0 + nc), kernel rows [ky0, ky1): any kernel
 // (dilated, or a width / stride without a sliding-window form), taps in the padding reading the zero row
-template <class Epi>
+template <bool REP, class Epi>
 KZ_INLINE void kz_conv_dw_any(const kz_conv_dims& d, const float* x, const float* wp, float* y, int64_t n,
                               int64_t oy, int64_t ox0, int run, int64_t c0, int nc, int64_t ky0, int64_t ky1,
-                              const Epi& epi) {
-    const int64_t cpad = (d.c + KZ_NR - 1) / KZ_NR * KZ_NR;
+                              const Epi& epi, const kz_dw_rep& rp) {
+    const int64_t cpad = (d.co + KZ_NR - 1) / KZ_NR * KZ_NR;
     kz_vec acc[KZ_DW_RUN];
     kz_conv_acc_init<1>(&acc[0], c0, nc, epi);
     for (int i = 1; i < KZ_DW_RUN; ++i) acc[i] = acc[0];
     for (int64_t ky = ky0; ky < ky1; ++ky) {
-        const float* xrow = x + (n * d.h + oy * d.sh - d.pt + ky * d.dh) * d.w * d.c + c0;
+        const float* xrow = x + (n * d.h + oy * d.sh - d.pt + ky * d.dh) * d.w * d.c + c0 * d.c / d.co;
         for (int64_t kx = 0; kx < d.kw; ++kx) {
             const kz_vec w = kz_vload(wp + (ky * d.kw + kx) * cpad + c0);
 #pragma GCC unroll 16
             for (int i = 0; i < KZ_DW_RUN; ++i) {
                 const int64_t ix = (ox0 + i) * d.sw - d.pl + kx * d.dw;
                 const float* q = i < run && ix >= 0 && ix < d.w ? xrow + ix * d.c : kz_zero_row;
-                acc[i] = kz_vfma(kz_vld(q, nc), w, acc[i]);
+                acc[i] = kz_vfma(kz_dw_load<REP>(q, nc, rp), w, acc[i]);
             }
         }
     }
@@ -431,45 +465,54 @@ KZ_INLINE void kz_conv_dw_any(const kz_conv_dims& d, const float* x, const float
 
 // output row (n, oy), channels [c0, c0 + nc): the sliding-window form when the kernel has one (KW > 0: the
 // caller checked width, stride and dilation), else runs of the general form
-template <int KW, int SW, int R, class Epi>
+template <int KW, int SW, int R, bool REP, class Epi>
 KZ_INLINE void kz_conv_dw_row(const kz_conv_dims& d, const float* x, const float* wp, float* y, int64_t n,
                               int64_t oy, int64_t c0, int nc, const Epi& epi) {
+    const kz_dw_rep rp = REP ? kz_dw_rep_of(d.co / d.c, c0, nc) : kz_dw_rep{};
+    const int64_t ci = c0 * d.c / d.co;  // the input channel of output channel c0
     int64_t ky0 = 0, ky1 = d.kh;  // the kernel rows whose input row exists
     while (ky0 < ky1 && oy * d.sh - d.pt + ky0 * d.dh < 0) ++ky0;
     while (ky1 > ky0 && oy * d.sh - d.pt + (ky1 - 1) * d.dh >= d.h) --ky1;
     if (KW > 0) {
-        const int64_t cpad = (d.c + KZ_NR - 1) / KZ_NR * KZ_NR, p = (n * d.oh + oy) * d.ow;
+        const int64_t cpad = (d.co + KZ_NR - 1) / KZ_NR * KZ_NR, p = (n * d.oh + oy) * d.ow;
         const float* rows[16];
-        for (int64_t ky = ky0; ky < ky1; ++ky) rows[ky - ky0] = x + (n * d.h + oy * d.sh - d.pt + ky * d.dh) * d.w * d.c + c0;
-        kz_conv_dw_slide<KW, SW, R>(d, rows, (int)(ky1 - ky0), wp + ky0 * KW * cpad + c0, KW * cpad, cpad,
-                                    y + p * d.ly + c0, p, c0, nc, epi);
+        for (int64_t ky = ky0; ky < ky1; ++ky) rows[ky - ky0] = x + (n * d.h + oy * d.sh - d.pt + ky * d.dh) * d.w * d.c + ci;
+        kz_conv_dw_slide<KW, SW, R, Epi, REP>(d, rows, (int)(ky1 - ky0), wp + ky0 * KW * cpad + c0, KW * cpad, cpad,
+                                              y + p * d.ly + c0, p, c0, nc, epi, rp);
         return;
     }
     for (int64_t ox = 0; ox < d.ow; ox += KZ_DW_RUN)
-        kz_conv_dw_any(d, x, wp, y, n, oy, ox, (int)(d.ow - ox < KZ_DW_RUN ? d.ow - ox : KZ_DW_RUN), c0, nc, ky0, ky1,
-                       epi);
+        kz_conv_dw_any<REP>(d, x, wp, y, n, oy, ox, (int)(d.ow - ox < KZ_DW_RUN ? d.ow - ox : KZ_DW_RUN), c0, nc, ky0,
+                            ky1, epi, rp);
 }
 
-template <int KW, int SW, int R, class Epi>
+template <int KW, int SW, int R, bool REP = false, class Epi>
 static void kz_conv_dw_rows(const kz_conv_dims& d, const float* x, const float* wp, float* y, const Epi& epi, int t,
                             int tn) {
-    const int64_t rows = d.n * d.oh, cblocks = (d.c + KZ_VW - 1) / KZ_VW;
+    const int64_t rows = d.n * d.oh, cblocks = (d.co + KZ_VW - 1) / KZ_VW;
     int64_t lo, hi;
     kz_range(rows * cblocks, t, tn, lo, hi);
     for (int64_t item = lo; item < hi; ++item) {
         const int64_t r = item / cblocks, c0 = (item % cblocks) * KZ_VW;
-        const int nc = d.c - c0 < KZ_VW ? (int)(d.c - c0) : KZ_VW;
-        kz_conv_dw_row<KW, SW, R>(d, x, wp, y, r / d.oh, r % d.oh, c0, nc, epi);
+        const int nc = d.co - c0 < KZ_VW ? (int)(d.co - c0) : KZ_VW;
+        kz_conv_dw_row<KW, SW, R, REP>(d, x, wp, y, r / d.oh, r % d.oh, c0, nc, epi);
     }
 }
 
-template <class Epi>
+// REP: a channel multiplier (output channels a multiple of the input's; cpu_conv.render picks the driver)
+template <bool REP = false, class Epi>
 static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                              const Epi& epi) {
-    const int64_t rows = d.n * d.oh, cblocks = (d.c + KZ_VW - 1) / KZ_VW;
-    if (d.nr != KZ_NR || d.ly < d.co) return 1;
-    if (rows * d.ow == 0 || d.c == 0) return 0;
-    const kz_team_t team = kz_team_work(nthreads, 2 * rows * d.ow * d.c * d.kh * d.kw, kz_conv_bytes(d));
+    const int64_t rows = d.n * d.oh;
+    if (d.nr != KZ_NR || d.ly < d.co || d.c != d.g || d.c < 1 || d.co % d.c || (!REP && d.co != d.c)) return 1;
+    if (rows * d.ow == 0 || d.co == 0) return 0;
+    const kz_team_t team = kz_team_work(nthreads, 2 * rows * d.ow * d.co * d.kh * d.kw, kz_conv_bytes(d));
+    if constexpr (REP)  // the general form, and the 3 x 3 stride-1 sliding window
+        return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
+            if (d.dw == 1 && d.kw == 3 && d.sw == 1) kz_conv_dw_rows<3, 1, 8, true>(d, x, wp, y, epi, t, tn);
+            else kz_conv_dw_rows<0, 0, KZ_DW_RUN, true>(d, x, wp, y, epi, t, tn);
+            return 0;
+        });
     return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
         // the kernel shapes of MobileNet / EfficientNet-style networks get the sliding-window form
         const int form = d.dw != 1 || d.kh > 16 ? 0 : (int)(d.kw * 10 + d.sw);
