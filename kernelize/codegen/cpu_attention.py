@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kernelize.autokernel.kernels import AttentionKernel
+from kernelize.codegen import cpu_build
 from kernelize.codegen.render import Renderer, c_name, score_mod_lines
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.attention import split_operands
@@ -122,7 +123,7 @@ def attention_launcher(fn, kernel: AttentionKernel, scale: float | None = None):
         reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int] | None = None
     ) -> None:
         ptrs, shape, strides, _ = arguments(reads, writes)
-        if fn(*ptrs, shape, strides, bits, torch.get_num_threads()):
+        if fn(*ptrs, shape, strides, bits, cpu_build.threads()):
             raise MemoryError(error)
 
     def c_call(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> CCall:

@@ -5,7 +5,7 @@ What a kernel compiles to and how its functions become one :class:`CompiledKerne
 kernel class (``_KINDS``): loop kernels are one function launched with (reads, writes, sizes, threads);
 a matmul kernel is its few-row function plus the epilogue run after torch's GEMM; attention and conv
 kernels bring launchers of their own (:mod:`.cpu_attention`, :mod:`.cpu_conv`). Symbolic dims and the
-thread count (``torch.get_num_threads()``) are call arguments.
+thread count (``cpu_build.threads()``: torch's) are call arguments.
 
 Example:
     >>> ck = CpuBackend().compile(kernel)  # doctest: +SKIP
@@ -51,7 +51,7 @@ from kernelize.runtime.backend import Backend, CCall, CompiledKernel
 def _launcher(fn, kernel: Kernel):
     symbols = kernel.symbols
     n_reads, n_writes = len(kernel.reads), len(kernel.writes)
-    get_threads = torch.get_num_threads
+    get_threads = cpu_build.threads
 
     def launch(
         reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]

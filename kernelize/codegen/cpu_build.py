@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+
 from kernelize.autokernel.kernels import Kernel
 from kernelize.runtime.backend import KernelCompileError
 from kernelize.runtime.diskcache import get_or_build
@@ -231,16 +233,40 @@ WORKERS = ctypes.c_int64(int(workers_policy() == "kernelize"))
 _WORKERS_LIB: list[ctypes.CDLL] = []
 
 
+_RUN = threading.local()  # .threads: the team size kernels take inside a run on kernelize's workers
+
+
+def threads() -> int:
+    """The team size a kernel call passes: ``torch.get_num_threads()``, or inside :func:`with_workers` (where
+    torch runs on one thread) the count torch had when the run began."""
+    return getattr(_RUN, "threads", 0) or torch.get_num_threads()
+
+
 def with_workers(call: Callable[[], T]) -> T:
     """``call()`` with kernel regions on kernelize's workers (the `auto` policy's switch around a compiled
-    graph's run that calls no long torch op), the switch restored after."""
+    graph's run that calls no long torch op), the switch restored after. torch runs on the calling thread
+    alone meanwhile, so none of the run's torch ops (a layout copy, a global mean) wakes torch's OpenMP pool,
+    whose workers would then spin for milliseconds beside kernelize's (docs/runtime.md "Threads"); kernels
+    take the count torch had (:func:`threads`)."""
     if WORKERS.value:
         return call()
-    WORKERS.value = 1
+    team = torch.get_num_threads()
+    WORKERS.value, _RUN.threads = 1, team
+    if team > 1:
+        torch.set_num_threads(1)
     try:
         return call()
     finally:
-        WORKERS.value = 0
+        WORKERS.value, _RUN.threads = 0, 0
+        if team > 1:
+            torch.set_num_threads(team)
+
+
+def openmp_away(threads: int) -> None:
+    """Keep the calling thread's OpenMP pool (torch's, a team of ``threads``) off its core before a run whose
+    torch ops use that pool (``templates/cpu_workers.cpp``, kz_openmp_away; docs/runtime.md "Threads")."""
+    if threads > 1:
+        workers().kz_openmp_away(threads)
 
 
 def workers() -> ctypes.CDLL:
@@ -252,6 +278,7 @@ def workers() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
         lib.kz_workers_hold.argtypes, lib.kz_workers_started.restype = [ctypes.c_int], ctypes.c_int
         lib.kz_workers_shares.restype = ctypes.c_int64
+        lib.kz_openmp_away.argtypes = [ctypes.c_int]
         _WORKERS_LIB.append(lib)
     return _WORKERS_LIB[0]
 
@@ -266,9 +293,9 @@ def load(path: Path) -> ctypes.CDLL:
                 pool = workers()
                 address = [
                     ctypes.cast(getattr(pool, f), ctypes.c_void_p)
-                    for f in ("kz_workers_region", "kz_workers_wait")
+                    for f in ("kz_workers_region", "kz_workers_wait", "kz_openmp_away")
                 ]
-                bind.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)]
+                bind.argtypes = [ctypes.c_void_p] * 3 + [ctypes.POINTER(ctypes.c_int64)]
                 bind(*address, ctypes.byref(WORKERS))
             binders = (
                 ("kz_bind_team_state", TEAM_DEADLINE),

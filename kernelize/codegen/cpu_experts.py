@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kernelize.autokernel.kernels import ExpertsKernel
+from kernelize.codegen import cpu_build
 from kernelize.codegen.cpu_attention import C_TYPES, unit_last
 from kernelize.codegen.render import c_name
 from kernelize.codegen.template import fill, load_template
@@ -129,7 +130,7 @@ def experts_launcher(fn, kernel: ExpertsKernel):
 
     fn.restype, fn.argtypes = ctypes.c_int, ARGTYPES
     args: ExpertsArgs = kernel.node.arg
-    get_threads = torch.get_num_threads
+    get_threads = cpu_build.threads
     address = ctypes.cast(fn, ctypes.c_void_p).value
 
     def arguments(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]):

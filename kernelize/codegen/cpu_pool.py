@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kernelize.codegen import cpu_build
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.graph import Node
 from kernelize.ir.ops import PoolArgs
@@ -59,7 +60,7 @@ def pool(node: Node, x: torch.Tensor, env: Mapping[str, int]) -> torch.Tensor:
     oh, ow = bind(node.shape, dict(env))[2:]
     y = torch.empty((n, oh, ow, c), dtype=x.dtype).permute(0, 3, 1, 2)
     d = _dims(node, tuple(x.shape), (oh, ow))
-    if _pool_fn()(x.data_ptr(), y.data_ptr(), d, torch.get_num_threads()):
+    if _pool_fn()(x.data_ptr(), y.data_ptr(), d, cpu_build.threads()):
         raise RuntimeError(_error(node, d))
     return y
 

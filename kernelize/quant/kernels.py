@@ -88,7 +88,7 @@ def gemv(
     up = 0 if act is None else n // 2
     entry(packed.format.name, x.dtype, out.dtype)(
         x.data_ptr(), m, k, packed.data.data_ptr(), _ptr(packed.scales), n - up, _ptr(bias), out.data_ptr(),
-        torch.get_num_threads(), up, GLU_ACTS.get(act, 0),
+        cpu_build.threads(), up, GLU_ACTS.get(act, 0),
     )  # fmt: skip
 
 
@@ -99,7 +99,7 @@ def dequantize_rows(packed: PackedWeight, n0: int, n1: int, out: torch.Tensor) -
     panel = out.view(-1)[: (n1 - n0) * k].view(n1 - n0, k)
     lib = library(name)
     getattr(lib, f"kz_quant_{name}_dequant")(
-        packed.data.data_ptr(), _ptr(packed.scales), n0, n1, k, panel.data_ptr(), torch.get_num_threads()
+        packed.data.data_ptr(), _ptr(packed.scales), n0, n1, k, panel.data_ptr(), cpu_build.threads()
     )
     return panel
 

@@ -22,6 +22,7 @@ import ctypes
 
 import torch
 
+from kernelize.codegen import cpu_build
 from kernelize.quant import gpu, kernels
 from kernelize.quant.formats import PackedWeight
 from kernelize.runtime.backend import CCall
@@ -177,7 +178,7 @@ class FewRows:
             return None
         out = torch.empty(m, self.n_out, dtype=x.dtype)
         w, s, n, b = self.weight_ptrs
-        entry(x.data_ptr(), m, k, w, s, n, b, out.data_ptr(), torch.get_num_threads(), self.up, self.act)
+        entry(x.data_ptr(), m, k, w, s, n, b, out.data_ptr(), cpu_build.threads(), self.up, self.act)
         return out.view(*x.shape[:-1], self.n_out)
 
     # where c_call's arguments hold x's and the output's data pointers, and the thread count

@@ -34,7 +34,7 @@ from torch import nn
 
 from kernelize.autokernel.kernels import Kernel
 from kernelize.codegen import cpu_pool
-from kernelize.codegen.cpu_build import WORKERS, with_workers, workers_policy
+from kernelize.codegen.cpu_build import openmp_away, with_workers, workers_policy
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
@@ -337,6 +337,8 @@ class CompiledGraph:
         """The eager implementation behind the custom op."""
         bound = self._bind(inputs)
         if not self.own_workers or bound.torch_pool:
+            if bound.torch_pool:  # its first parallel op may be torch's: its pool off this core first
+                openmp_away(torch.get_num_threads())
             return self._run(inputs, bound)
         return with_workers(lambda: self._run(inputs, bound))
 
@@ -391,8 +393,7 @@ class CompiledGraph:
             out = views.get(ep.tail)
             if out is None and step.conv.generated is not None and ep.tail in self.graph.outputs:
                 out = self._buffers.empty(ep.tail, shapes[0], nhwc=True)
-            with self._light_torch_op(bound, torch_op=step.conv.generated is None):
-                vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
+            vals[ep.tail] = step.conv(x, w, r, channels_last=ep.tail in self._cl, out=out)
         elif step.library:
             vals[k.node] = self._library(k, vals, bound)
         else:
@@ -597,30 +598,7 @@ class CompiledGraph:
         if node.op is Op.MATMUL and node.dtype.is_float and self.device.type == "cuda":
             out = torch.matmul(*args)  # cuBLAS accumulates 16-bit inputs in f32 already
             return out.to(node.dtype.torch).contiguous(memory_format=fmt)
-        with self._light_torch_op(bound):
-            return EVAL[node.op](node, args, env).to(node.dtype.torch).contiguous(memory_format=fmt)
-
-    @contextmanager
-    def _light_torch_op(self, bound: Bound, torch_op: bool = True) -> Iterator[None]:
-        """Around a torch op of a graph run on kernelize's workers (with ``bound`` it has only light ones:
-        see `schedule.LONG_MACS`): torch on this thread alone. One of torch's parallel ops would leave its
-        OpenMP workers spinning ~10 ms beside kernelize's (MobileNetV2's final mean: kernelize's worker then
-        took 13-25 of 48 shares). ``torch_op`` False (a generated conv): nothing changes."""
-        threads = torch.get_num_threads()
-        solo = (
-            torch_op
-            and WORKERS.value == 1
-            and not bound.torch_pool
-            and threads > 1
-            and self.device.type == "cpu"
-        )
-        if solo:
-            torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            if solo:
-                torch.set_num_threads(threads)
+        return EVAL[node.op](node, args, env).to(node.dtype.torch).contiguous(memory_format=fmt)
 
     def _conv_runner(self, k: Kernel, generated: CompiledKernel | None) -> ConvRunner:
         bias = k.epilogue.bias

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernelize.autokernel.layout import channel_map
-from kernelize.codegen import cpu_pool
+from kernelize.codegen import cpu_build, cpu_pool
 from kernelize.ir.graph import LAYOUT, Node, Op
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import CCall
@@ -235,7 +235,7 @@ class Program:
         """:meth:`run` with the slots' values in the order of :attr:`slots` (see :meth:`seal`)."""
         if self._calls is None:
             self._seal()
-        self._values[:] = [*values, torch.get_num_threads()]
+        self._values[:] = [*values, cpu_build.threads()]
         rc = _patched_fn()(self._calls, len(self._entries), self._patches, self._npatches, self._values)
         if rc:
             call = self._entries[rc - 1][0]
@@ -277,7 +277,7 @@ class Batch:
         calls = self.calls
         for c, a, b in self.patches:
             calls[c].args[a] = tensor(b).data_ptr()
-        threads = torch.get_num_threads()
+        threads = cpu_build.threads()
         for c, a in enumerate(self.nargs):
             calls[c].args[a] = threads
         rc = _replay_fn()(calls, len(self.nargs))

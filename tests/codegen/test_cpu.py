@@ -736,6 +736,74 @@ def test_kernels_share_torchs_openmp_pool():
     assert len(seen["runtimes"]) == 1, f"more than one OpenMP runtime mapped: {seen['runtimes']}"
 
 
+_POOL_AWAY = """
+import json, os, threading, torch
+from kernelize.codegen import cpu_build
+torch.set_num_threads(2)
+x = torch.ones(1 << 22)
+x.add_(1)  # torch's OpenMP pool has its worker
+allowed = os.sched_getaffinity(0)
+cpu_build.openmp_away(2)
+masks = {{int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}}
+kept = [t for t, m in masks.items() if m != allowed]
+x.add_(1)
+missing = [sorted(allowed - masks[t]) for t in kept]
+caller = threading.get_native_id() in kept
+print(json.dumps({{"kept": missing, "caller": caller, "right": bool((x == 3).all())}}))
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2, reason="Linux, 2 cores or more"
+)
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_openmp_pool_keeps_off_the_callers_core(switch):
+    """kz_openmp_away (cpu_workers.cpp): torch's OpenMP worker of a 2-thread team is no longer allowed on
+    one core (the caller's), the caller keeps every core, and torch's ops still run; with
+    ``KERNELIZE_OPENMP_AWAY=0`` no thread's affinity changes."""
+    env = {**os.environ, "KERNELIZE_OPENMP_AWAY": switch}
+    for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
+        env.pop(name, None)
+    out = subprocess.run([sys.executable, "-c", _POOL_AWAY.format()], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["right"] and not seen["caller"]
+    assert [len(missing) for missing in seen["kept"]] == ([1] if switch == "1" else [])
+
+
+def test_a_run_on_kernelizes_workers_keeps_torch_on_one_thread():
+    """cpu_build.with_workers: during the run torch has one thread (its ops wake no OpenMP worker beside
+    kernelize's) while kernels get the team torch had (cpu_build.threads()); both come back after, also
+    when the run raises. A compiled graph's kernels then still run on two threads: the worker takes shares."""
+    import time
+
+    from kernelize.codegen import cpu_build
+    from kernelize.runtime.compiled import compile_graph
+
+    if cpu_build.WORKERS.value:
+        pytest.skip("KERNELIZE_CPU_WORKERS=kernelize: regions always on kernelize's workers")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        state = lambda: (torch.get_num_threads(), cpu_build.threads(), cpu_build.WORKERS.value)  # noqa: E731
+        assert cpu_build.with_workers(state) == (1, 2, 1)
+        with pytest.raises(ZeroDivisionError):
+            cpu_build.with_workers(lambda: 1 / 0)
+        assert state() == (2, 2, 0)
+        g = Graph()
+        g.output(g.exp(g.input("x", (1024, 4096), DType.F32)))
+        cg = compile_graph(g, backend="cpu")
+        x = torch.randn(1024, 4096)
+        pool = cpu_build.workers()
+        before, deadline = pool.kz_workers_shares(), time.monotonic() + 10
+        while pool.kz_workers_shares() == before and time.monotonic() < deadline:
+            cpu_build.TEAM_DEADLINE.value = 0
+            torch.testing.assert_close(cg(x)[0], x.exp())
+        assert pool.kz_workers_shares() > before and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_late_worker_sends_every_kernel_library_to_one_thread_for_a_while():
     """The policy of "thread teams under load" (cpu_prelude.h), through two real kernel libraries: a
     region whose workers started late (> 0.5 ms) makes every library run regions on one thread until the

@@ -117,10 +117,12 @@ typedef int (*kz_body_fn)(void*, int, int);
 typedef int (*kz_run_fn)(int, int, kz_body_fn, void*, int64_t, int64_t*);
 static kz_run_fn kz_workers_run = nullptr;
 static void (*kz_workers_barrier)() = nullptr;
+static void (*kz_away_fn)(int) = nullptr;
 static int64_t kz_workers_local = 0;
 static int64_t* kz_workers_on = &kz_workers_local;
-extern "C" void kz_bind_workers(void* run, void* barrier, int64_t* on) {
+extern "C" void kz_bind_workers(void* run, void* barrier, void* away, int64_t* on) {
     kz_workers_run = (kz_run_fn)run, kz_workers_barrier = (void (*)())barrier, kz_workers_on = on;
+    kz_away_fn = (void (*)(int))away;
 }
 // one share of a body, as the workers call it: a local copy of the body, inlined here (KZ_BODY)
 template <class F> static int kz_share(void* body, int t, int tn) {
@@ -177,6 +179,7 @@ template <class F> static inline int kz_parallel_region(const kz_team_t& team, b
     } else {
         int64_t done = 0;
         int64_t* caller_done = &done;
+        if (kz_away_fn) kz_away_fn(team.n);  // OpenMP's pool off this core (cpu_workers.cpp)
 #pragma omp parallel num_threads(team.n) firstprivate(body) reduction(|: err) reduction(max: lag)
         {
             lag = kz_now_ns() - team.t0;

@@ -27,7 +27,16 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define KZ_SPIN_NS 200000LL  // a worker's spin after a region before it sleeps
 #define KZ_YIELD_NS 20000LL  // a wait's spin before it yields the core between polls
@@ -220,3 +229,73 @@ extern "C" void kz_workers_wait() {
 extern "C" void kz_workers_hold(int on) { pool->held.store(on); }
 extern "C" int kz_workers_started() { return pool->workers; }
 extern "C" int64_t kz_workers_shares() { return pool->shares.load(); }
+
+// ---- torch's OpenMP pool kept off the caller's core ------------------------------------------------------
+// Regions that run on OpenMP (a graph with oneDNN convs, a layer of a torch model; cpu_prelude.h) and
+// torch's own parallel ops wake libgomp's pool threads the same way, and Linux places a woken one on the
+// waker's busy core as it does kernelize's workers (above): on the 2-core VM a 2-thread OpenMP region of two
+// 0.3 ms shares took 2.5-3.5 ms after a 100 ms pause and 1.1-1.5 ms the region after (0.3 ms back to back),
+// ResNet-18 15 ms against 5.5. Kept off the caller's core, the first region took 0.4 ms and the next 0.3.
+// libgomp's threads cannot be hooked where they sleep, so they stay off the caller's last core: each
+// region on OpenMP asks kz_openmp_away, which costs a getcpu (vDSO) unless the caller changed cores. A
+// thread of the pool may then not run on that core while the caller runs elsewhere; the caller itself is
+// never restricted, so the scheduler moves it instead. The pool's threads (one pool per calling thread in
+// libgomp, and a team of n takes the pool's first n - 1) are found by a region that reports their ids,
+// again when the team size changes or one of them has gone. Off where the user placed OpenMP's threads
+// (OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY), and with $KERNELIZE_OPENMP_AWAY=0.
+#if defined(__linux__) && defined(_OPENMP)
+namespace {
+constexpr int kMaxPool = 1024;
+struct OpenmpPool {
+    int n = 0;          // the team size the threads were found for
+    int away = -1;      // the core they are kept off now
+    int count = 0;      // threads found (n - 1)
+    pid_t tids[kMaxPool];
+    Cores allowed[kMaxPool];
+};
+thread_local OpenmpPool omp_pool;
+bool openmp_away_on() {
+    static const bool on = [] {
+        const char* bind = getenv("OMP_PROC_BIND");
+        if ((bind && *bind && strcmp(bind, "false") != 0) || getenv("OMP_PLACES") || getenv("GOMP_CPU_AFFINITY"))
+            return false;
+        const char* e = getenv("KERNELIZE_OPENMP_AWAY");
+        return !(e && strcmp(e, "0") == 0);
+    }();
+    return on;
+}
+void find_openmp_pool(OpenmpPool& q, int n) {
+    q.n = n, q.away = -1, q.count = 0;
+    pid_t found[kMaxPool] = {};
+    int seen = 0;
+#pragma omp parallel num_threads(n) reduction(max : seen)
+    {
+        const int t = omp_get_thread_num();
+        if (t > 0 && t < kMaxPool) found[t] = (pid_t)syscall(SYS_gettid);
+        seen = omp_get_num_threads();
+    }
+    for (int t = 1; t < seen && t < kMaxPool; ++t)
+        if (found[t] > 0 && sched_getaffinity(found[t], sizeof(Cores), &q.allowed[q.count]) == 0)
+            q.tids[q.count++] = found[t];
+}
+}  // namespace
+
+extern "C" void kz_openmp_away(int nthreads) {
+    if (nthreads < 2 || !openmp_away_on()) return;
+    OpenmpPool& q = omp_pool;
+    const int cpu = this_cpu();
+    if (nthreads == q.n && cpu == q.away) return;
+    if (nthreads != q.n) find_openmp_pool(q, nthreads);
+    for (int i = 0; i < q.count; ++i) {
+        Cores c = q.allowed[i];
+        if (cpu >= 0 && cpu < CPU_SETSIZE && CPU_ISSET(cpu, &c) && CPU_COUNT(&c) > 1) CPU_CLR(cpu, &c);
+        if (sched_setaffinity(q.tids[i], sizeof c, &c) != 0) {  // gone (the pool changed): find it again
+            q.n = 0;
+            return;
+        }
+    }
+    q.away = cpu;
+}
+#else
+extern "C" void kz_openmp_away(int) {}
+#endif
