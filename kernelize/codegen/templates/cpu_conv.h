@@ -390,7 +390,7 @@ template <int KW, int SW, int R, class Epi, bool REP = false>
 static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, const float* const* rows, int nky,
                                                        const float* w, int64_t wrow, int64_t cpad, float* y,
                                                        int64_t p, int64_t c0, int nc, const Epi& epi,
-                                                       const kz_dw_rep& rp = {}) {
+                                                       const kz_dw_rep& rp = kz_dw_rep()) {
     constexpr int NCOL = (R - 1) * SW + KW;
     kz_vec init;
     kz_conv_acc_init<1>(&init, c0, nc, epi);
@@ -468,7 +468,7 @@ KZ_INLINE void kz_conv_dw_any(const kz_conv_dims& d, const float* x, const float
 template <int KW, int SW, int R, bool REP, class Epi>
 KZ_INLINE void kz_conv_dw_row(const kz_conv_dims& d, const float* x, const float* wp, float* y, int64_t n,
                               int64_t oy, int64_t c0, int nc, const Epi& epi) {
-    const kz_dw_rep rp = REP ? kz_dw_rep_of(d.co / d.c, c0, nc) : kz_dw_rep{};
+    const kz_dw_rep rp = REP ? kz_dw_rep_of(d.co / d.c, c0, nc) : kz_dw_rep();
     const int64_t ci = c0 * d.c / d.co;  // the input channel of output channel c0
     int64_t ky0 = 0, ky1 = d.kh;  // the kernel rows whose input row exists
     while (ky0 < ky1 && oy * d.sh - d.pt + ky0 * d.dh < 0) ++ky0;

@@ -245,13 +245,13 @@ extern "C" int64_t kz_workers_shares() { return pool->shares.load(); }
 // (OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY), and with $KERNELIZE_OPENMP_AWAY=0.
 #if defined(__linux__) && defined(_OPENMP)
 namespace {
-constexpr int kMaxPool = 1024;
+constexpr int kMaxPool = 256;  // pool threads kept off the caller's core (more stay as they are)
 struct OpenmpPool {
-    int n = 0;          // the team size the threads were found for
-    int away = -1;      // the core they are kept off now
-    int count = 0;      // threads found (n - 1)
+    int n = 0;        // the team size the threads were found for
+    int away = -1;    // the core they are kept off now
+    int count = 0;    // threads found (n - 1, at most kMaxPool)
+    Cores allowed;    // the caller's cores (a pool thread inherits its creator's; the caller is never kept off)
     pid_t tids[kMaxPool];
-    Cores allowed[kMaxPool];
 };
 thread_local OpenmpPool omp_pool;
 bool openmp_away_on() {
@@ -266,17 +266,18 @@ bool openmp_away_on() {
 }
 void find_openmp_pool(OpenmpPool& q, int n) {
     q.n = n, q.away = -1, q.count = 0;
-    pid_t found[kMaxPool] = {};
+    pid_t found[kMaxPool + 1] = {};
     int seen = 0;
 #pragma omp parallel num_threads(n) reduction(max : seen)
     {
         const int t = omp_get_thread_num();
-        if (t > 0 && t < kMaxPool) found[t] = (pid_t)syscall(SYS_gettid);
+        if (t > 0 && t <= kMaxPool) found[t] = (pid_t)syscall(SYS_gettid);
         seen = omp_get_num_threads();
     }
-    for (int t = 1; t < seen && t < kMaxPool; ++t)
-        if (found[t] > 0 && sched_getaffinity(found[t], sizeof(Cores), &q.allowed[q.count]) == 0)
-            q.tids[q.count++] = found[t];
+    for (int t = 1; t < seen && t <= kMaxPool; ++t)
+        if (found[t] > 0) q.tids[q.count++] = found[t];
+    q.allowed = cores_of_this_thread();
+    if (CPU_COUNT(&q.allowed) < 2) q.count = 0;  // one core (or none read): nothing to keep off
 }
 }  // namespace
 
@@ -286,14 +287,13 @@ extern "C" void kz_openmp_away(int nthreads) {
     const int cpu = this_cpu();
     if (nthreads == q.n && cpu == q.away) return;
     if (nthreads != q.n) find_openmp_pool(q, nthreads);
-    for (int i = 0; i < q.count; ++i) {
-        Cores c = q.allowed[i];
-        if (cpu >= 0 && cpu < CPU_SETSIZE && CPU_ISSET(cpu, &c) && CPU_COUNT(&c) > 1) CPU_CLR(cpu, &c);
+    Cores c = q.allowed;
+    if (cpu >= 0 && cpu < CPU_SETSIZE && CPU_ISSET(cpu, &c)) CPU_CLR(cpu, &c);
+    for (int i = 0; i < q.count; ++i)
         if (sched_setaffinity(q.tids[i], sizeof c, &c) != 0) {  // gone (the pool changed): find it again
             q.n = 0;
             return;
         }
-    }
     q.away = cpu;
 }
 #else
