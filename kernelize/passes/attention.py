@@ -4,7 +4,8 @@ The template, as model code writes it and the torch front end traces it (batched
 ``[B*H, L, D]`` views of ``[B, H, L, D]`` values)::
 
     s = view(matmul(view(q), view(kt)))          # [B, H, Lq, Lk]; kt = permute(k, (0, 1, 3, 2)), or any
-                                                 # permute whose last two axes are head dim and keys
+                                                 # permute whose last two axes are head dim and keys;
+                                                 # q and kt may each be times a scalar (ONNX exports)
     t = s | s * c | s / c | cap * tanh(s * c)    # the last: soft-capping (Gemma 2)
     x = t | t + mask | where(keep, t, -inf)
     out = view(matmul(view(softmax(x, axis=3)), view(v)))      # [B, H, Lq, Dv]
@@ -42,15 +43,27 @@ def _rank4(node: Node) -> Node:
     return node
 
 
-def _scores(s: Node) -> tuple[Node, Node] | None:
-    """(q, k^T) when ``s`` is ``q @ k^T`` over ``[B, H, L, D]`` operands, k^T a permute (a layout view)."""
+def _scores(s: Node) -> tuple[Node, Node, float] | None:
+    """(q, k^T, scale) when ``s`` is ``(q * a) @ (k^T * b)`` over ``[B, H, L, D]`` operands (scale ``a * b``,
+    each factor optional: ONNX exports of torch's attention scale both by ``sqrt(scale)``), k^T a permute
+    (a layout view)."""
     mm = s.src[0] if s.op is Op.VIEW and s.rank == 4 else s
     if mm.op is not Op.MATMUL:
         return None
-    q, kt = _rank4(mm.src[0]), _rank4(mm.src[1])
+    (q, a), (kt, b) = _factor(_rank4(mm.src[0])), _factor(_rank4(mm.src[1]))
     if q.rank != 4 or kt.rank != 4 or kt.op is not Op.PERMUTE:
         return None
-    return q, kt
+    return q, kt, a * b
+
+
+def _factor(x: Node) -> tuple[Node, float]:
+    """(y, c) when ``x`` is ``y * c`` for a nonzero scalar ``c`` (same dtype and shape), else (x, 1)."""
+    if x.op is Op.MUL and x.dtype.is_float:
+        for a, b in ((0, 1), (1, 0)):
+            c, y = scalar_value(x.src[b]), x.src[a]
+            if c is not None and c != 0 and y.dtype == x.dtype and y.shape == x.shape:
+                return y, float(c)
+    return x, 1.0
 
 
 def _logits(x: Node) -> tuple[Node, float, float | None, Node | None] | None:
@@ -116,7 +129,8 @@ def _attention(ctx: Context, root: Node) -> Node | None:
     qk = _scores(s)
     if qk is None:
         return None
-    q, k = qk[0], ctx.g.transpose(qk[1])
+    q, k, factors = qk[0], ctx.g.transpose(qk[1]), qk[2]
+    scale *= factors
     if len({q.dtype, k.dtype, v.dtype, probs.dtype, root.dtype}) != 1:
         return None
     mask = strip_broadcast(mask) if mask is not None else None

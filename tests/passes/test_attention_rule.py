@@ -62,6 +62,21 @@ def test_divided_scores_bool_mask_and_no_mask():
     assert [n.arg.scale for n in g.nodes if n.op is Op.ATTENTION] == [1.0]
 
 
+def test_query_and_key_scaled_apart():
+    """torch's attention as ONNX exports it: q and k^T each times sqrt(scale), then matmul, softmax, matmul
+    (DeiT, BERT, Swin in the ONNX benchmark); the factors multiply into the op's scale."""
+
+    def f(q, k, v, m):
+        s = (q * 0.5) @ (k.transpose(-1, -2) * 0.25)
+        return torch.softmax(s + m, dim=-1) @ v
+
+    g = _check(f, *_qkv(8, 11), torch.randn(8, 11))
+    (att,) = [n for n in g.nodes if n.op is Op.ATTENTION]
+    assert att.arg.scale == 0.125 and att.arg.mask == "add"
+    g = _check(lambda q, k, v: torch.softmax((q * 2.0) @ k.transpose(-1, -2) / 4.0, dim=-1) @ v, *_qkv())
+    assert [n.arg.scale for n in g.nodes if n.op is Op.ATTENTION] == [0.5]
+
+
 def test_left_alone_when_probabilities_are_used_or_softmax_is_not_over_keys():
     def returns_probs(q, k, v):
         p = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
