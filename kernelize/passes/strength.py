@@ -1,7 +1,8 @@
 """Strength reduction: cheaper ops with the same value.
 
 Division by a constant becomes multiplication by its reciprocal (floats only: integer division
-truncates), and powers with small constant exponents become multiplications or unary ops.
+truncates), and powers with small constant exponents become multiplications or unary ops, 0.75 and 1.5
+square roots.
 
 Example:
     before                                  after
@@ -58,11 +59,28 @@ _POW = {
 }
 
 
+# exponents 0.75 and 1.5 through square roots (vectorised, where powf is a scalar libm call per element: the
+# LRN of AlexNet's export, (k + a * sum x^2) ^ 0.75, took 0.9-1.4 ms of a 13 ms model on one thread). They
+# differ from pow by an ulp or two, agree at +-0, +inf and below 0, and at -inf, where pow gives +inf and a
+# root nan, are guarded. (0.25 and 0.5 are not here: their roots give -0 for -0.)
+_ROOTS = {
+    0.75: lambda g, x: g.mul(g.sqrt(x), g.sqrt(g.sqrt(x))),
+    1.5: lambda g, x: g.mul(x, g.sqrt(x)),
+}
+
+
 def _pow_const(ctx: Context, x: Node, e: Node) -> Node | None:
-    build = _POW.get(scalar_value(e))
-    if build is None or not x.dtype.is_float:
+    if not x.dtype.is_float:
         return None
-    return build(ctx.g, x)
+    exponent = scalar_value(e)
+    build = _POW.get(exponent)
+    if build is not None:
+        return build(ctx.g, x)
+    root = _ROOTS.get(exponent)
+    if root is None:
+        return None
+    g = ctx.g
+    return g.where(g.eq(x, -float("inf")), float("inf"), root(g, x))
 
 
 RULES: list[Rule] = [

@@ -65,6 +65,21 @@ def test_small_powers(e, want):
     torch.testing.assert_close(evaluate(out, [t])[0], evaluate(g, [t])[0], equal_nan=True)
 
 
+@pytest.mark.parametrize("e", [0.75, 1.5])
+def test_three_quarter_and_three_half_powers_are_square_roots(e):
+    """x ** 0.75 and x ** 1.5 as square roots, equal to torch.pow within an ulp or two, and exactly so at
+    +-0 (sign included), +-inf, below 0 and NaN; 0.25 stays (its root gives -0 for -0)."""
+    g, out = run(lambda g, x: g.pow(x, e), shape=(36,))
+    assert Op.POW not in ops(out) and Op.SQRT in ops(out)
+    t = torch.cat(
+        [torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -2.0]), torch.rand(30) * 9]
+    )
+    got, want = evaluate(out, [t])[0], torch.pow(t, e)
+    torch.testing.assert_close(got, want, rtol=3e-7, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(got[:2]), torch.signbit(want[:2]))
+    assert ops(run(lambda g, x: g.pow(x, 0.25))[1]) == [Op.POW]
+
+
 @pytest.mark.parametrize("c", [1e-45, 3e38, -1e-40])
 def test_division_whose_reciprocal_is_not_normal_stays(c):
     g, out = run(lambda g, x: g.div(x, c))
