@@ -244,20 +244,21 @@ def threads() -> int:
 
 def with_workers(call: Callable[[], T]) -> T:
     """``call()`` with kernel regions on kernelize's workers (the `auto` policy's switch around a compiled
-    graph's run that calls no long torch op), the switch restored after. torch runs on the calling thread
+    graph's run that calls no long torch op; under `kernelize` the switch is on already), the switch
+    restored after. torch runs on the calling thread
     alone meanwhile, so none of the run's torch ops (a layout copy, a global mean) wakes torch's OpenMP pool,
     whose workers would then spin for milliseconds beside kernelize's (docs/runtime.md "Threads"); kernels
     take the count torch had (:func:`threads`)."""
-    if WORKERS.value:
+    if getattr(_RUN, "threads", 0):  # inside a run already
         return call()
-    team = torch.get_num_threads()
+    team, switch = torch.get_num_threads(), WORKERS.value
     WORKERS.value, _RUN.threads = 1, team
     if team > 1:
         torch.set_num_threads(1)
     try:
         return call()
     finally:
-        WORKERS.value, _RUN.threads = 0, 0
+        WORKERS.value, _RUN.threads = switch, 0
         if team > 1:
             torch.set_num_threads(team)
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from kernelize.autokernel.kernels import Kernel
 from kernelize.codegen import cpu_pool
-from kernelize.codegen.cpu_build import openmp_away, with_workers, workers_policy
+from kernelize.codegen.cpu_build import WORKERS, openmp_away, with_workers, workers_policy
 from kernelize.ir.graph import Graph, Node, Op
 from kernelize.ir.reference import EVAL, bind_inputs, evaluate
 from kernelize.ir.shapes import bind
@@ -336,7 +336,8 @@ class CompiledGraph:
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The eager implementation behind the custom op."""
         bound = self._bind(inputs)
-        if not self.own_workers or bound.torch_pool:
+        workers = self.backend == "cpu" and (self.own_workers or WORKERS.value == 1)  # `auto` or `kernelize`
+        if not workers or bound.torch_pool:
             if bound.torch_pool:  # its first parallel op may be torch's: its pool off this core first
                 openmp_away(torch.get_num_threads())
             return self._run(inputs, bound)
