@@ -744,12 +744,12 @@ x = torch.ones(1 << 22)
 x.add_(1)  # torch's OpenMP pool has its worker
 allowed = os.sched_getaffinity(0)
 cpu_build.openmp_away(2)
-masks = {{int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}}
+masks = {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
 kept = [t for t, m in masks.items() if m != allowed]
 x.add_(1)
 missing = [sorted(allowed - masks[t]) for t in kept]
 caller = threading.get_native_id() in kept
-print(json.dumps({{"kept": missing, "caller": caller, "right": bool((x == 3).all())}}))
+print(json.dumps({"kept": missing, "caller": caller, "right": bool((x == 3).all())}))
 """
 
 
@@ -764,7 +764,7 @@ def test_openmp_pool_keeps_off_the_callers_core(switch):
     env = {**os.environ, "KERNELIZE_OPENMP_AWAY": switch}
     for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY"):
         env.pop(name, None)
-    out = subprocess.run([sys.executable, "-c", _POOL_AWAY.format()], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", _POOL_AWAY], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["right"] and not seen["caller"]

@@ -116,6 +116,15 @@ def test_depthwise_convs_with_a_channel_multiplier_match_the_reference(x_shape, 
     assert "depthwise conv" in cpu_conv.render(cg.plan.kernels[0], CpuRenderer())[0]
 
 
+def test_a_tall_depthwise_kernel_with_a_multiplier_takes_the_general_form():
+    """17 x 3 (more kernel rows than the sliding window's 16 row pointers) with multiplier 2."""
+    g = Graph()
+    x = g.input("x", (1, 2, 24, 7), "f32")
+    w = g.const(torch.randn(4, 1, 17, 3, generator=torch.Generator().manual_seed(3)))
+    g.output(g.conv(x, w, padding=(8, 1, 8, 1), groups=2))
+    _check(g, [torch.randn(1, 2, 24, 7)])
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("act", list(ACTS))
 def test_residual_and_every_activation(bias, act):

@@ -407,8 +407,9 @@ static int kz_conv_dense(const kz_conv_dims& d, const float* x, const float* wp,
 // sliding-window form: the (R - 1) * SW + KW input columns under a run's kernel row are loaded once into
 // registers and each feeds every output pixel whose window covers it (stride 1, 3 taps: 10 loads for 24
 // multiply-adds, not 24). Columns in the padding read the zero row; a run past the row's end computes
-// pixels it does not store. `rows[t]` are the input rows of kernel rows [ky0, ky0 + nky) (column 0, channel
-// c0); `w` the weights of kernel row ky0, `wrow` floats per kernel row; y the row's first output pixel p.
+// pixels it does not store. `rows[t]` are the input rows of kernel rows [ky0, ky0 + nky) (column 0, the
+// input channel of output channel c0); `w` the weights of kernel row ky0, `wrow` floats per kernel row; y
+// the row's first output pixel p.
 // Kept out of line: inlined into the caller, gcc ran out of registers and re-read every column.
 template <int KW, int SW, int R, class Epi, bool REP = false>
 static __attribute__((noinline)) void kz_conv_dw_slide(const kz_conv_dims& d, const float* const* rows, int nky,
@@ -531,15 +532,16 @@ static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float*
     if (d.nr != KZ_NR || d.ly < d.co || d.c != d.g || d.c < 1 || d.co % d.c || (!REP && d.co != d.c)) return 1;
     if (rows * d.ow == 0 || d.co == 0) return 0;
     const kz_team_t team = kz_team_work(nthreads, 2 * rows * d.ow * d.co * d.kh * d.kw, kz_conv_bytes(d));
-    if constexpr (REP)  // the general form, and the 3 x 3 stride-1 sliding window
+    // the kernel shapes of MobileNet / EfficientNet-style networks get the sliding-window form (its row
+    // pointers hold 16 kernel rows); with a multiplier, only the 3 x 3 stride-1 one
+    const int form = d.dw != 1 || d.kh > 16 ? 0 : (int)(d.kw * 10 + d.sw);
+    if constexpr (REP)
         return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
-            if (d.dw == 1 && d.kw == 3 && d.sw == 1) kz_conv_dw_rows<3, 1, 8, true>(d, x, wp, y, epi, t, tn);
+            if (form == 31) kz_conv_dw_rows<3, 1, 8, true>(d, x, wp, y, epi, t, tn);
             else kz_conv_dw_rows<0, 0, KZ_DW_RUN, true>(d, x, wp, y, epi, t, tn);
             return 0;
         });
     return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
-        // the kernel shapes of MobileNet / EfficientNet-style networks get the sliding-window form
-        const int form = d.dw != 1 || d.kh > 16 ? 0 : (int)(d.kw * 10 + d.sw);
         switch (form) {
             case 31: kz_conv_dw_rows<3, 1, 8>(d, x, wp, y, epi, t, tn); break;
             case 32: kz_conv_dw_rows<3, 2, 4>(d, x, wp, y, epi, t, tn); break;

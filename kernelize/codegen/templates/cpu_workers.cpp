@@ -123,11 +123,17 @@ Cores cores_of_this_thread() {
     return c;
 }
 void set_cores(const Cores& c) { pthread_setaffinity_np(pthread_self(), sizeof c, &c); }
+// `allowed` but `cpu` into `away`; false (away untouched) when that leaves nothing or changes nothing
+bool without(int cpu, const Cores& allowed, Cores& away) {
+    if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) return false;
+    away = allowed;
+    CPU_CLR(cpu, &away);
+    return true;
+}
 // restrict this thread to `allowed` but `cpu`; false when that leaves nothing or changes nothing
 bool keep_away(int cpu, const Cores& allowed) {
-    if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &allowed) || CPU_COUNT(&allowed) < 2) return false;
-    Cores away = allowed;
-    CPU_CLR(cpu, &away);
+    Cores away;
+    if (!without(cpu, allowed, away)) return false;
     set_cores(away);
     return true;
 }
@@ -277,7 +283,6 @@ void find_openmp_pool(OpenmpPool& q, int n) {
     for (int t = 1; t < seen && t <= kMaxPool; ++t)
         if (found[t] > 0) q.tids[q.count++] = found[t];
     q.allowed = cores_of_this_thread();
-    if (CPU_COUNT(&q.allowed) < 2) q.count = 0;  // one core (or none read): nothing to keep off
 }
 }  // namespace
 
@@ -287,8 +292,8 @@ extern "C" void kz_openmp_away(int nthreads) {
     const int cpu = this_cpu();
     if (nthreads == q.n && cpu == q.away) return;
     if (nthreads != q.n) find_openmp_pool(q, nthreads);
-    Cores c = q.allowed;
-    if (cpu >= 0 && cpu < CPU_SETSIZE && CPU_ISSET(cpu, &c)) CPU_CLR(cpu, &c);
+    Cores c;
+    if (!without(cpu, q.allowed, c)) return;  // one core, or the caller outside the cores it may use
     for (int i = 0; i < q.count; ++i)
         if (sched_setaffinity(q.tids[i], sizeof c, &c) != 0) {  // gone (the pool changed): find it again
             q.n = 0;
