@@ -24,7 +24,7 @@ from kernelize.autokernel.kernels import Kernel
 from kernelize.ir.graph import LAYOUT, Graph, Node, Op
 from kernelize.runtime.library import view_bases
 from kernelize.runtime.memory import Arena, OutputPool, empty_huge
-from kernelize.runtime.replay import C_LIBRARY
+from kernelize.runtime.replay import c_library
 from kernelize.runtime.schedule import Step
 
 ARENAS = 4  # input signatures whose arenas a compiled graph keeps
@@ -77,8 +77,9 @@ def arena_lifetimes(
             last[b] = i
     lives = {}
     for i, st in enumerate(steps):
-        # a library op one of our C functions runs (a pool) writes its NHWC output there when replayed
-        ours = st.library and st.kernel.node.op in C_LIBRARY and st.kernel.node in channels_last
+        # a library op one of our C functions runs (a pool, a global mean) writes its output there when
+        # replayed
+        ours = st.library and c_library(st.kernel.node, channels_last)
         if not ours and (st.library or st.compiled is None):
             continue
         for j, b in enumerate(st.kernel.writes):

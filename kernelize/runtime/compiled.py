@@ -230,7 +230,8 @@ def _ticking(bar: Any, every_s: float = 0.25) -> Iterator[None]:
 
 _BOUND_CACHE_MAX = 256  # distinct input signatures remembered per compiled graph
 # library ops the CPU runs with kernelize's own compiled functions where they apply: (applies(node, x), run)
-CPU_LIBRARY = {Op.POOL: (cpu_pool.supports, cpu_pool.pool)}
+_GLOBAL = (cpu_pool.global_supports, cpu_pool.global_reduce)
+CPU_LIBRARY = {Op.POOL: (cpu_pool.supports, cpu_pool.pool), Op.SUM: _GLOBAL, Op.MEAN: _GLOBAL}
 # runs of generated steps go to C in one call (kernelize.runtime.replay); KERNELIZE_REPLAY=0 keeps Python
 REPLAY = os.environ.get("KERNELIZE_REPLAY", "1") != "0"
 

@@ -33,7 +33,18 @@ from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import CCall
 
 # library ops one of our compiled C functions runs (op -> c_call(node, input, output) -> CCall | None)
-C_LIBRARY = {Op.POOL: cpu_pool.c_call}
+C_LIBRARY = {Op.POOL: cpu_pool.c_call, Op.SUM: cpu_pool.global_c_call, Op.MEAN: cpu_pool.global_c_call}
+
+
+def c_library(node: Node, channels_last: Container[Node]) -> bool:
+    """Whether one of our C functions (:data:`C_LIBRARY`) writes the LIBRARY ``node``'s output when its step
+    is replayed: a pool into an NHWC buffer, a global sum or mean into its ``[N, C, 1, 1]`` (the same memory
+    in either layout)."""
+    if node.op not in C_LIBRARY:
+        return False
+    return node in channels_last if node.op is Op.POOL else cpu_pool.is_global(node)
+
+
 REPLAY_ARGS = 16  # KZ_REPLAY_ARGS: the most integer arguments (the thread count included) a call passes
 
 
@@ -398,12 +409,11 @@ def _library_call(step, fixed, channels_last):
     """A library step's call where one of ours runs it from C (:data:`C_LIBRARY`), when it reads and writes
     fixed buffers the plan lays out NHWC."""
     node = step.kernel.node
-    call_of = C_LIBRARY.get(node.op)
-    x = fixed(node.src[0]) if call_of is not None and len(node.src) == 1 else None
+    x = fixed(node.src[0]) if c_library(node, channels_last) and len(node.src) == 1 else None
     y = fixed(node)
-    if x is None or y is None or node not in channels_last or node.src[0] not in channels_last:
+    if x is None or y is None or node.src[0] not in channels_last:
         return None
-    call = call_of(node, x, y)
+    call = C_LIBRARY[node.op](node, x, y)
     return None if call is None else (call, [], False)
 
 
@@ -414,4 +424,4 @@ def _size(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["Batch", "KzCall", "Program", "batch_of", "copy_rows_call", "step_call", "tree_epoch"]
+__all__ = ["Batch", "KzCall", "Program", "batch_of", "c_library", "copy_rows_call", "step_call", "tree_epoch"]

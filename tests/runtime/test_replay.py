@@ -158,6 +158,38 @@ def test_a_conv_reading_reordered_channels_replays_with_a_gather(split):
     assert convs[1] in batched  # the conv reading the view
 
 
+@pytest.mark.parametrize("op", ["mean", "sum"])
+def test_a_global_reduction_of_a_conv_replays_in_the_batch(monkeypatch, op):
+    """A lone mean (sum) over the image axes of a conv's NHWC output (a global average pool before a
+    classifier, 17 x 17: too long a row to read across channels) runs from C inside the batch, and matches
+    the reference, the Python steps and the library function on an NCHW tensor with NaN and inf in it."""
+    from kernelize.codegen import cpu_pool
+    from kernelize.ir.graph import Op
+
+    g = Graph()
+    x = g.input("x", (2, 8, 17, 17), "f32")
+    y = g.clamp(g.conv(x, g.const(torch.randn(24, 8, 3, 3) * 0.3), padding=(1, 1, 1, 1)), 0.0)
+    r = g.reduce(Op.MEAN if op == "mean" else Op.SUM, y, (2, 3), keepdim=True)
+    g.output(g.matmul(g.view(r, (2, 24)), g.const(torch.randn(24, 10) * 0.3)))
+    xs = torch.randn(2, 8, 17, 17)
+    want = evaluate(g, [xs])[0]
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for _ in range(2):
+        torch.testing.assert_close(cg(xs)[0], want, rtol=1e-5, atol=1e-5)
+    (lib,) = [i for i, st in enumerate(cg._steps) if st.library]
+    assert cg._steps[lib].kernel.node is r
+    assert any(lib in u.steps for u in _program(cg) if isinstance(u, Batch))
+    monkeypatch.setattr(compiled_mod, "REPLAY", False)
+    python = compile_graph(g, backend="cpu", cache=False)
+    torch.testing.assert_close(python(xs)[0], want, rtol=1e-5, atol=1e-5)
+    t = torch.randn(3, 5, 4, 7)
+    t[0, 1, 2, 3], t[1, 2, 0, 0], t[2, 4, 3, 6] = float("nan"), float("inf"), -float("inf")
+    ref = t.mean((2, 3), keepdim=True) if op == "mean" else t.sum((2, 3), keepdim=True)
+    node = g.reduce(r.op, g.input("t", (3, 5, 4, 7), "f32"), (2, 3), keepdim=True)
+    assert cpu_pool.global_supports(node, t) and not cpu_pool.global_supports(node, t.double())
+    torch.testing.assert_close(cpu_pool.global_reduce(node, t, {}), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 def test_a_conv_reading_the_graph_input_replays_with_an_nhwc_copy():
     """The stem conv reads the NCHW graph input: the batch copies it NHWC (its pointer patched per call)
     before the conv, so conv -> pool -> conv is one batch; each call sees its own input."""

@@ -3,7 +3,7 @@ $PRELUDE$
 // kz_pool: 2-D max / average pooling over NHWC f32 (kernelize/codegen/cpu_pool.py). An output pixel's window
 // is clipped to the input first, then each tap adds one run of C contiguous channels into the output row,
 // which stays in L1: the loops over channels are simd loops, and no padded copy or mask is made.
-// dims: n h w c oh ow kh kw sh sw pt pl pb pr dh dw kind (0 max, 1 avg) count_pad
+// dims: n h w c oh ow kh kw sh sw pt pl pb pr dh dw kind (0 max, 1 avg, 2 sum: a global sum) count_pad
 struct kz_pool_dims {
     int64_t n, h, w, c, oh, ow, kh, kw, sh, sw, pt, pl, pb, pr, dh, dw, kind, count_pad;
 };
@@ -44,7 +44,7 @@ KZ_INLINE void kz_pool_avg(const kz_pool_dims& d, const float* x, float* y, int6
 #pragma omp simd
             for (int64_t c = 0; c < d.c; ++c) y[c] += q[c];
         }
-    const float k = (float)count;
+    const float k = d.kind == 2 ? 1.0f : (float)count;
 #pragma omp simd
     for (int64_t c = 0; c < d.c; ++c) y[c] = y[c] / k;
 }
@@ -52,7 +52,7 @@ KZ_INLINE void kz_pool_avg(const kz_pool_dims& d, const float* x, float* y, int6
 extern "C" int kz_pool(const float* x, float* y, const int64_t* dims, int nthreads) {
     kz_pool_dims d;
     memcpy(&d, dims, sizeof d);
-    if (d.kind == 1 && (d.dh != 1 || d.dw != 1)) return 1;
+    if (d.kind != 0 && (d.dh != 1 || d.dw != 1)) return 1;
     const int64_t rows = d.n * d.oh;
     const kz_team_t team = kz_team_work(nthreads, rows * d.ow * d.c * d.kh * d.kw, 4 * d.n * d.c * (d.h * d.w + d.oh * d.ow));
     // items are runs of output pixels along a row: whole rows, or rows cut into `cuts` runs when there are
