@@ -231,14 +231,21 @@ def _matmul(
     return out.reshape(tuple(dom)) if flat else out.contiguous()
 
 
-def onednn_gemm(av: torch.Tensor, bv: torch.Tensor) -> bool:
+def onednn_gemm(av: torch.Tensor, bv: torch.Tensor, packed: bool = True) -> bool:
     """Whether an f32 GEMM over a constant weight runs in oneDNN with the weight packed once, instead of
     ``torch.matmul`` (MKL). Measured on the ONNX BERT-base (seq 128, 1 thread, AVX-512 AMD EPYC), the whole
     model against onnxruntime (which packs its weights too, for MLAS): 1.31x -> 0.96x at batch 1, 1.10x ->
-    0.96x at batch 8; ViT-base 1.19x -> 1.05x. ``KERNELIZE_CPU_GEMM=torch`` turns it off."""
+    0.96x at batch 8; ViT-base 1.19x -> 1.05x. Where torch's kernels stop at AVX2 MKL is the faster one:
+    on a Zen 3 EPYC (1 thread) oneDNN's packed GEMMs ran at 64-77 GFLOP/s on DeiT-small's and BERT's
+    shapes, MKL at 70-89 (onnxruntime 77-93), and DeiT-small took 155 ms a call with oneDNN, 140 with MKL.
+    So a compiled graph's GEMMs (``packed``) take oneDNN by default only where torch reports AVX-512; the
+    unpacked products of training (:func:`onednn_linear`, ``kernelize.hub.train_linear``, measured on
+    AVX-512 only) take it wherever it exists. ``KERNELIZE_CPU_GEMM=onednn`` or ``=torch`` decides instead."""
     choice = os.environ.get("KERNELIZE_CPU_GEMM", "").strip()
     if choice not in ("", "onednn", "torch"):
         raise ValueError(f"KERNELIZE_CPU_GEMM={choice!r}: expected `onednn` or `torch`")
+    if not choice and packed:
+        choice = "onednn" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "torch"
     return (
         choice != "torch"
         and av.dtype == bv.dtype == torch.float32
@@ -254,7 +261,7 @@ def onednn_linear(
     change every step), or None where :func:`onednn_gemm` says no. An LM head's chunk, 256 rows x 512 x
     32000 f32, 2 threads: ``h @ W.T`` 158 -> 209 GFLOP/s, ``dz @ W`` (``weight=W.t()``) 180 -> 208 against
     ``torch.mm`` (MKL); its weight-gradient product ``dz.T @ h`` is faster in MKL (181 against 125)."""
-    if x.dim() != 2 or not onednn_gemm(x, weight):
+    if x.dim() != 2 or not onednn_gemm(x, weight, packed=False):
         return None
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
@@ -296,6 +303,15 @@ def _packed(bv: torch.Tensor, packs: dict, mi: int) -> torch.Tensor:
     return entry[2]
 
 
+@functools.cache
+def onednn_gelu() -> bool:
+    """Whether a GELU after the GEMM is a oneDNN post-op (else the epilogue kernel's, over the GEMM's
+    output). Only where torch's kernels run AVX-512: on an AVX2 CPU (Zen 3) oneDNN's GELU post-op took
+    1.8 ms on a 198 x 1536 output (DeiT-small's MLP, 1 thread; the GEMM itself 2.9 ms), the generated
+    epilogue's vectorised erf a tenth of that."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 class DirectGemm(NamedTuple):
     """A MATMUL kernel that one oneDNN call computes whole, writing its output: ``act(x @ W + bias)`` or
     ``(x @ W + bias) op residual`` with ``op`` (``binary``) an add or a multiply (the residual add; a gated
@@ -335,7 +351,7 @@ def direct_gemm(k: Kernel) -> DirectGemm | None:
             continue
         if cur not in e.src or attr != "none" or residual is not None:
             return None
-        if e.op is Op.GELU and e.arg in ("none", "tanh"):
+        if e.op is Op.GELU and e.arg in ("none", "tanh") and onednn_gelu():
             attr, algorithm = "gelu", e.arg
         elif e.op in (Op.ADD, Op.MUL) and len(e.src) == 2:
             other = k.body[e.src[0] if e.src[1] == cur else e.src[1]]

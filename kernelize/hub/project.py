@@ -83,7 +83,7 @@ def train_linear(
         and (bias is None or bias.dtype == weight.dtype)
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled(x.device.type)  # autocast picks the matmul dtype: torch's call
-        and onednn_gemm(x, weight)
+        and onednn_gemm(x, weight, packed=False)
         and backend_for(x.device) == "cpu"  # not under use_backend("reference") or another forced backend
     ):
         return None

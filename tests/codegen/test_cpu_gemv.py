@@ -16,6 +16,7 @@ import torch
 from kernelize.autokernel.kernels import Compute, KernelKind
 from kernelize.autokernel.matmul import FEW_ROWS
 from kernelize.autokernel.plan import PlanSettings, plan
+from kernelize.codegen import cpu_gemv
 from kernelize.codegen.cpu_backend import CpuBackend
 from kernelize.codegen.cpu_gemv import DirectGemm, direct_gemm, lowp_gemm_in_f32
 from kernelize.ir.dtypes import DType
@@ -232,6 +233,7 @@ def packed_calls(monkeypatch):
     kernel after them)."""
     from kernelize.codegen import cpu_gemv
 
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "onednn")  # (the default only where torch runs AVX-512)
     if not cpu_gemv.onednn_gemm(torch.zeros(1, 1), torch.zeros(1, 1)):
         pytest.skip("torch without oneDNN linear ops")
     calls = []
@@ -301,7 +303,8 @@ def _matmul_kernel_of(g: Graph):
         ("gate", False, "gate"),
     ],
 )
-def test_direct_gemm_recognises_bias_gelu_and_residual(epilogue, bias, want):
+def test_direct_gemm_recognises_bias_gelu_and_residual(monkeypatch, epilogue, bias, want):
+    monkeypatch.setattr(cpu_gemv, "onednn_gelu", lambda: True)  # (by default only on AVX-512)
     gen = torch.Generator().manual_seed(8)
     w = torch.randn(24, 16, generator=gen)
     g = const_linear_graph(("m",), w, epilogue, torch.randn(24, generator=gen) if bias else None)
@@ -381,6 +384,8 @@ def direct_calls(monkeypatch):
     """Counts the kernels whose output one oneDNN call produced (no epilogue kernel)."""
     from kernelize.codegen import cpu_gemv
 
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "onednn")  # (the default only where torch runs AVX-512)
+    monkeypatch.setattr(cpu_gemv, "onednn_gelu", lambda: True)  # (likewise)
     if not cpu_gemv.onednn_gemm(torch.zeros(1, 1), torch.zeros(1, 1)):
         pytest.skip("torch without oneDNN linear ops")
     calls = []
@@ -422,6 +427,16 @@ def test_direct_gemm_off_with_torch_gemm(direct_calls, monkeypatch):
     g = const_linear_graph(("m",), torch.randn(24, 16, generator=gen), "gelu", torch.randn(24, generator=gen))
     check(g, inputs_for(g, {"m": 30}, gen), DType.F32)
     assert direct_calls == [False]
+
+
+def test_gelu_stays_in_the_epilogue_kernel_where_onednn_gelu_is_slow(monkeypatch):
+    """Where oneDNN's GELU post-op is slow (an AVX2 CPU's default), a GEMM with a bias and GELU is no direct
+    oneDNN call: the epilogue kernel applies both, and the result matches the reference."""
+    monkeypatch.setattr(cpu_gemv, "onednn_gelu", lambda: False)
+    gen = torch.Generator().manual_seed(13)
+    g = const_linear_graph(("m",), torch.randn(24, 16, generator=gen), "gelu", torch.randn(24, generator=gen))
+    assert direct_gemm(_matmul_kernel_of(g)) is None
+    check(g, inputs_for(g, {"m": 30}, gen), DType.F32)
 
 
 def test_constant_weight_with_other_epilogue_runs_packed_then_the_epilogue_kernel(packed_calls, direct_calls):
