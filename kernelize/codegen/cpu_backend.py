@@ -342,12 +342,15 @@ def _matmul_kernel(
     (source, few), (epi_source, epi_launch) = few_built, epi_built
     slots = [(b in temps, temps.index(b) if b in temps else kernel.reads.index(b)) for b in epi.reads]
     packs: dict = {}  # oneDNN-packed constant weights of this kernel, made on first use
+    spare: list = []  # the last call's GEMM outputs, written again by the next (a pop: each call its own)
 
     def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
         if rows_of(kernel, sizes) <= FEW_ROWS:
             return few(reads, writes, sizes)
-        mms = library_matmuls(kernel, reads, sizes, packs)
+        mms = library_matmuls(kernel, reads, sizes, packs, spare.pop() if spare else ())
         epi_launch([mms[i] if t else reads[i] for t, i in slots], writes, sizes)
+        if not spare:
+            spare.append(mms)
 
     direct = direct_gemm(kernel)
 

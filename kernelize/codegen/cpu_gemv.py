@@ -186,10 +186,16 @@ def _operand_view(
 
 
 def library_matmuls(
-    k: Kernel, reads: Sequence[torch.Tensor], sizes: Mapping[str, int], packs: dict | None = None
+    k: Kernel,
+    reads: Sequence[torch.Tensor],
+    sizes: Mapping[str, int],
+    packs: dict | None = None,
+    spare: Sequence[torch.Tensor] = (),
 ) -> list[torch.Tensor]:
     """Each matmul of ``k`` computed by a library GEMM on the kernel's operand buffers, row major over the
-    domain. ``packs`` (one dict per compiled kernel) holds oneDNN-packed copies of constant weights."""
+    domain. ``packs`` (one dict per compiled kernel) holds oneDNN-packed copies of constant weights;
+    ``spare`` an earlier call's outputs, which an MKL GEMM of the same shape writes into (a fresh output per
+    call faulted its pages in every time: DeiT-small's 72 GEMM outputs a call, 198 x 384 to 198 x 1536)."""
     parts = matmul_parts(k)
     rank = len(k.domain)
     dom = bind(k.domain, sizes)
@@ -209,7 +215,8 @@ def library_matmuls(
         if packs is not None and b.buffer.op is Op.CONST and (shared or rank == 2) and onednn_gemm(av, bv):
             out.append(_packed_matmul(av, bv, dom, packs, mi))
         elif av.dtype == bv.dtype == dtype.torch and not lowp_gemm_in_f32(dtype):
-            out.append(_matmul(av, bv, shared, dom))
+            into = spare[len(out)] if len(spare) > len(out) else None
+            out.append(_matmul(av, bv, shared, dom, into=into))
         else:  # mixed or slow 16-bit operands: the reference semantics, math in the accumulator type
             ct = torch.float64 if dtype is DType.F64 else torch.float32
             out.append(_matmul(av, bv, shared, dom, ct).to(dtype.torch))
@@ -217,16 +224,26 @@ def library_matmuls(
 
 
 def _matmul(
-    av: torch.Tensor, bv: torch.Tensor, shared: bool, dom: Sequence[int], ct: torch.dtype | None = None
+    av: torch.Tensor,
+    bv: torch.Tensor,
+    shared: bool,
+    dom: Sequence[int],
+    ct: torch.dtype | None = None,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``av @ bv`` row major over ``dom``, in ``ct`` when given. With weights shared by every batch index (a
-    linear layer over ``[B, H, W, C]``) it is one GEMM over all rows: torch.matmul of the broadcast operands
-    would run a batched GEMM of small matrices instead (measured 8x slower on ConvNeXt's MLPs)."""
+    """``av @ bv`` row major over ``dom``, in ``ct`` when given; into ``into`` when it is a contiguous tensor
+    of that shape and dtype. With weights shared by every batch index (a linear layer over ``[B, H, W, C]``)
+    it is one GEMM over all rows: torch.matmul of the broadcast operands would run a batched GEMM of small
+    matrices instead (measured 8x slower on ConvNeXt's MLPs)."""
     flat = shared and av.dim() > 2
     if flat:
         av, bv = av.reshape(-1, av.shape[-1]), bv[(0,) * (bv.dim() - 2)]
     if ct is not None:  # after the slice: a shared weight is widened once, not per batch index
         av, bv = av.to(ct), bv.to(ct)
+    if flat or av.dim() == 2:
+        fits = into is not None and into.is_contiguous() and into.shape == tuple(dom)
+        if fits and into.dtype == av.dtype and into.device == av.device:
+            return torch.matmul(av, bv, out=into.view(av.shape[0], bv.shape[-1])).view(tuple(dom))
     out = torch.matmul(av, bv)
     return out.reshape(tuple(dom)) if flat else out.contiguous()
 
