@@ -148,14 +148,13 @@ def _nhwc_product(group, b: Node) -> bool:
 def channels_inner(k: Kernel, nhwc: frozenset[Node]) -> Kernel:
     """A pointwise kernel storing an NHWC buffer, with its domain reordered so that the store is
     contiguous along the innermost axis (the generated loop runs over channels; an elementwise kernel over
-    NHWC operands becomes one flat loop); masks and concats follow their axes. Other kernels, and kernels
-    with gathers, are returned as they are."""
+    NHWC operands becomes one flat loop); masks and concats follow their axes, and a gather's index is a
+    body value whatever the loop order (a nearest upsample concatenated with a pool, 96 x 57 x 57 NHWC, ran
+    0.82 ms with pixels inner, 0.07 with channels). Other kernels are returned as they are."""
     if not isinstance(k, PointwiseKernel):
         return k
     store = next((s for s in k.stores if s.buffer in nhwc), None)
     if store is None:
-        return k
-    if any(isinstance(e, Load) and e.indirect for e in k.body):
         return k
     if not all(isinstance(s, int) for s in store.strides):
         return k

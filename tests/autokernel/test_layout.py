@@ -75,6 +75,25 @@ def test_buffers_around_squeeze_excite_are_nhwc_and_pointwise_runs_over_channels
     assert mean.node.op is Op.MEAN and mean.inputs == (dw.writes[0],)
 
 
+def test_an_upsample_gather_concatenated_between_convs_runs_over_channels():
+    """conv -> nearest 2x upsample (a gather per image axis) -> concat with another conv's output -> conv:
+    the concat's NHWC store runs over channels innermost, the gathers' indices per element as before, and
+    the result is the reference's."""
+    g = Graph()
+    x = g.input("x", (2, 6, 9, 11), "f32")
+    a = g.clamp(_conv(g, x, 6, 16, stride=2), 0, math.inf)  # 5 x 6
+    idx_h = g.const(torch.arange(9) // 2)
+    idx_w = g.const(torch.arange(11) // 2)
+    up = g.gather(g.gather(a, idx_h, axis=2), idx_w, axis=3)
+    b = g.clamp(_conv(g, x, 6, 8, seed=1), 0, math.inf)
+    g.output(_conv(g, g.concat([up, b], axis=1), 24, 5, k=1, seed=2))
+    p = plan(g, CPU)
+    (cat,) = [k for k in p.kernels if k.kind is KernelKind.POINTWISE and k.writes[0].rank == 4]
+    assert cat.writes[0] in p.channels_last and cat.domain[-1] == 24 and cat.stores[0].strides[-1] == 1
+    assert any(getattr(e, "indirect", ()) for e in cat.body)
+    _check(g, [torch.randn(2, 6, 9, 11)])
+
+
 @pytest.mark.parametrize("c,library", [(2048, True), (1280, True), (240, False), (440, False)])
 def test_a_short_mean_across_pixels_is_torchs_when_its_loads_alias_in_l1(c, library):
     """A global mean over 7 x 7 pixels of NHWC buffers: a step of 8 KiB (ResNet-50's 2048 channels) or
