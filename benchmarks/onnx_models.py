@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -265,6 +266,21 @@ def import_seconds() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def cpu_name() -> str:
+    """The CPU the rows were measured on, with the vector ISA torch's kernels use ("AMD EPYC, AVX2"): a
+    table merged from runs on several machines says which row came from which."""
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
@@ -279,7 +295,7 @@ def bench(name: str, batch: int, rounds: int, compile_times: bool, threads: int 
     torch.manual_seed(0)
     eager = _Logits(calibrated(build(), kind))
     torch.set_num_threads(threads)
-    row: dict = {"model": name, "batch": batch, "threads": threads}
+    row: dict = {"model": name, "batch": batch, "threads": threads, "cpu": cpu_name()}
     if compile_times:
         cold_dir = tempfile.mkdtemp(prefix="kcold")
         try:

@@ -99,19 +99,21 @@ def onnx_table(r: dict) -> str:
     openvino = any("ratio_vs_openvino" in x for x in r["rows"])
     head = ["model", "batch", *(["threads"] if threads else []), "kernelize ms", "onnxruntime ms"]
     head += ["kernelize / ort", *(["kernelize / OpenVINO"] if openvino else []), "kernelize / eager"]
+    cpus = any("cpu" in x for x in r["rows"])  # rows merged from runs on several machines say which
     rows = []
     for x in r["rows"]:
         row = [x["model"], str(x["batch"]), *([str(x.get("threads", "-"))] if threads else [])]
         row += [f"{x['kernelize_ms']:.1f}", f"{x['onnxruntime_ms']:.1f}", f"**{x['ratio_vs_ort']:.2f}**"]
         row += [f"{x['ratio_vs_openvino']:.2f}" if "ratio_vs_openvino" in x else "-"] if openvino else []
         row += [f"{x['ratio_vs_eager']:.2f}", f"{x['rel_diff_vs_ort']:.1e}"]
-        rows.append([*row, f"{x['cold_s']:.1f} / {x['warm_s']:.2f}" if "cold_s" in x else "-"])
+        row.append(f"{x['cold_s']:.1f} / {x['warm_s']:.2f}" if "cold_s" in x else "-")
+        rows.append([*row, x.get("cpu", "-")] if cpus else row)
     for batch, s in r.get("summary", {}).items():
         row = [f"geomean, {batch}", "", *([str(s.get("threads", ""))] if threads else []), "", ""]
         ov = [f"{s['geomean_vs_openvino']:.2f}" if "geomean_vs_openvino" in s else "-"] if openvino else []
         row += [f"**{s['geomean_vs_ort']:.2f}**", *ov]
-        rows.append([*row, f"worst {s['worst_vs_ort']:.2f}", "", ""])
-    return md([*head, "rel. diff vs ort", "cold / warm load s"], rows)
+        rows.append([*row, f"worst {s['worst_vs_ort']:.2f}", "", "", *([""] if cpus else [])])
+    return md([*head, "rel. diff vs ort", "cold / warm load s", *(["CPU"] if cpus else [])], rows)
 
 
 def threads_table(r: dict) -> str:
