@@ -254,7 +254,8 @@ def onednn_gemm(av: torch.Tensor, bv: torch.Tensor, packed: bool = True) -> bool
     model against onnxruntime (which packs its weights too, for MLAS): 1.31x -> 0.96x at batch 1, 1.10x ->
     0.96x at batch 8; ViT-base 1.19x -> 1.05x. Where torch's kernels stop at AVX2 MKL is the faster one:
     on a Zen 3 EPYC (1 thread) oneDNN's packed GEMMs ran at 64-77 GFLOP/s on DeiT-small's and BERT's
-    shapes, MKL at 70-89 (onnxruntime 77-93), and DeiT-small took 155 ms a call with oneDNN, 140 with MKL.
+    shapes, MKL at 70-89 (onnxruntime 77-93); whole models, one process, calls interleaved: DeiT-small
+    155 -> 150 ms, BERT-base 419 -> 384 ms with MKL.
     So a compiled graph's GEMMs (``packed``) take oneDNN by default only where torch reports AVX-512; the
     unpacked products of training (:func:`onednn_linear`, ``kernelize.hub.train_linear``, measured on
     AVX-512 only) take it wherever it exists. ``KERNELIZE_CPU_GEMM=onednn`` or ``=torch`` decides instead."""
@@ -323,9 +324,9 @@ def _packed(bv: torch.Tensor, packs: dict, mi: int) -> torch.Tensor:
 @functools.cache
 def onednn_gelu() -> bool:
     """Whether a GELU after the GEMM is a oneDNN post-op (else the epilogue kernel's, over the GEMM's
-    output). Only where torch's kernels run AVX-512: on an AVX2 CPU (Zen 3) oneDNN's GELU post-op took
-    1.8 ms on a 198 x 1536 output (DeiT-small's MLP, 1 thread; the GEMM itself 2.9 ms), the generated
-    epilogue's vectorised erf a tenth of that."""
+    output). Only where torch's kernels run AVX-512: on an AVX2 CPU (Zen 3) oneDNN's GELU post-op added
+    1.8 ms to the 2.9 ms GEMM of a 198 x 1536 output (DeiT-small's MLP, 1 thread), and the GEMM followed by
+    the epilogue kernel took that step 4.8 -> 3.7 ms."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
