@@ -263,7 +263,7 @@ def onednn_gemm(av: torch.Tensor, bv: torch.Tensor, packed: bool = True) -> bool
     if choice not in ("", "onednn", "torch"):
         raise ValueError(f"KERNELIZE_CPU_GEMM={choice!r}: expected `onednn` or `torch`")
     if not choice and packed:
-        choice = "onednn" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "torch"
+        choice = "onednn" if _avx512() else "torch"
     return (
         choice != "torch"
         and av.dtype == bv.dtype == torch.float32
@@ -327,6 +327,12 @@ def onednn_gelu() -> bool:
     output). Only where torch's kernels run AVX-512: on an AVX2 CPU (Zen 3) oneDNN's GELU post-op added
     1.8 ms to the 2.9 ms GEMM of a 198 x 1536 output (DeiT-small's MLP, 1 thread), and the GEMM followed by
     the epilogue kernel took that step 4.8 -> 3.7 ms."""
+    return _avx512()
+
+
+@functools.cache
+def _avx512() -> bool:
+    """Whether torch's CPU kernels (and so oneDNN's) run AVX-512 here: asked once, not per GEMM."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
