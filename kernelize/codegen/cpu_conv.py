@@ -261,21 +261,48 @@ def pack_weight(w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
 
 
 ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int]
-DIMS = 18  # values in a kz_conv_dims
+DIMS = 19  # values in a kz_conv_dims
+MAX_NCHW_K = 512  # the most products per output a conv reading an NCHW input takes (KZ_NCHW_MAX_K)
+# the longest kernel row (kw x input channels) read NCHW: above it the NHWC tiles' row segments are long
+# enough to pay for their pointers and for the image's NHWC copy. Zen 3, 1 thread, hot (`kz_to_nhwc` adds
+# ~0.09 ms on the NHWC side): 3 x 3 RGB stems (rows of 9) 0.27 -> 0.20 ms (MobileNet, 16 channels out),
+# 0.79 -> 0.37 (8 out, stride 1), 0.72 -> 0.66 (32 out); a 4 x 4 / 4 one (rows of 12) 0.62 -> 0.66; 7 x 7
+# ones (21) 3.1 -> 3.7 ms (64 out), 2.1 -> 1.7 (32 out); 11 x 11 / 4 (33) 1.3 -> 1.6
+MAX_NCHW_ROW = 9
+
+
+def reads_nchw(kernel: Kernel) -> bool:
+    """Whether the kernel reads an NCHW input as it comes (cpu_conv.h, kz_conv_nchw_tiles) rather than after
+    an NHWC copy: a dense conv of one group over few input channels (kernel rows of at most
+    :data:`MAX_NCHW_ROW` inputs, at most :data:`MAX_NCHW_K` products per output), such as a network's 3 x 3
+    stem over the caller's RGB image."""
+    co, cig, kh, kw = kernel.node.src[1].shape
+    return (
+        algorithm(kernel) == "dense"
+        and kernel.node.arg.groups == 1
+        and kw * cig <= MAX_NCHW_ROW
+        and cig * kh * kw <= MAX_NCHW_K
+    )
 
 
 def dims(
-    kernel: Kernel, x_shape: Sequence[int], y_shape: Sequence[int], ly: int | None = None
+    kernel: Kernel,
+    x_shape: Sequence[int],
+    y_shape: Sequence[int],
+    ly: int | None = None,
+    nchw: bool = False,
 ) -> ctypes.Array:
     """The ``kz_conv_dims`` array for an input and output of these (NCHW) shapes (then the panel width the
-    weights were packed with, which the kernel checks against its own, and ``ly``: floats between output
-    pixels, the output's channels unless it is a channel slice of a wider NHWC buffer)."""
+    weights were packed with, which the kernel checks against its own, ``ly``: floats between output
+    pixels, the output's channels unless it is a channel slice of a wider NHWC buffer, and whether the input
+    is stored NCHW rather than NHWC)."""
     a = kernel.node.arg
     n, c, h, w = x_shape
     _, co, oh, ow = y_shape
     kh, kw = kernel.node.src[1].shape[2:]
     top, left = a.padding[:2]
     values = (n, h, w, c, oh, ow, co, kh, kw, *a.stride, top, left, *a.dilation, a.groups, panel(), ly or co)
+    values += (int(nchw),)
     return (ctypes.c_int64 * len(values))(*values)
 
 
@@ -313,12 +340,15 @@ def pixel_stride(y: torch.Tensor | None) -> int | None:
 class ConvCall:
     """The compiled conv: ``launch([x, w, bias, residual], [y], sizes)`` into an NHWC output ``y``, and
     ``fresh([x, w, bias, residual], sizes)`` returning ``[y]`` in a new NHWC buffer. ``x``, ``residual`` and
-    ``y`` are NCHW-shaped channels-last tensors; ``w`` is the graph's ``[co, cig, kh, kw]`` weight, packed on
-    first use and kept (per weight tensor); ``bias`` and ``residual`` are None when the epilogue has none."""
+    ``y`` are NCHW-shaped channels-last tensors (``launch`` copies any other ``x`` channels-last, unless
+    the kernel reads it as it is: :meth:`takes_nchw`); ``w`` is the graph's ``[co, cig, kh, kw]`` weight,
+    packed on first use and kept (per weight tensor); ``bias`` and ``residual`` are None when the epilogue
+    has none."""
 
     def __init__(self, fn, kernel: Kernel) -> None:
         fn.argtypes, fn.restype = ARGTYPES, ctypes.c_int
         self.fn, self.kernel = fn, kernel
+        self.nchw = reads_nchw(kernel)
         self._dims: dict[tuple, ctypes.Array] = {}
         self._packed: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (address, weight, packed)
 
@@ -327,6 +357,10 @@ class ConvCall:
         if self._packed is None or self._packed[0] != w.data_ptr():
             self._packed = (w.data_ptr(), w, pack_weight(w.contiguous(), self.kernel))
         return self._packed[2]
+
+    def takes_nchw(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is read as it is stored, contiguous NCHW (else it must be channels-last)."""
+        return self.nchw and x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
 
     def fresh(self, reads: Sequence[torch.Tensor | None], sizes=None) -> list[torch.Tensor]:
         n, co, oh, ow = output_shape(self.kernel, reads[0])
@@ -339,30 +373,39 @@ class ConvCall:
     ) -> None:
         x, w, b, r = reads
         (y,) = writes
-        d = self._dims_of(x.shape, y.shape, pixel_stride(y))
+        nchw = self.takes_nchw(x)
+        if not nchw:
+            x = x.contiguous(memory_format=torch.channels_last)
+        d = self._dims_of(x.shape, y.shape, pixel_stride(y), nchw)
         ptrs = [0 if t is None else t.data_ptr() for t in (x, self.packed(w), b, r, y)]
         if self.fn(*ptrs, d, cpu_build.threads()):
             raise RuntimeError(self._error(d))
 
     def c_call(
         self, reads: Sequence[torch.Tensor | None], writes: Sequence[torch.Tensor | None], sizes
-    ) -> CCall:
+    ) -> CCall | None:
         """The call :meth:`launch` makes, for ``kz_replay``; ``sizes`` binds the input's symbolic dims (a
-        None tensor is an argument filled in later: 0)."""
+        None tensor is an argument filled in later: 0). An ``x`` neither channels-last nor read as it is
+        (:meth:`takes_nchw`) has no call: None."""
         x, w, b, r = reads
         (y,) = writes
         x_shape = bind(self.kernel.node.src[0].shape, sizes)
-        d = self._dims_of(x_shape, output_shape(self.kernel, x_shape), pixel_stride(y))
+        nchw = x is not None and self.takes_nchw(x)
+        if x is not None and not nchw and not x.is_contiguous(memory_format=torch.channels_last):
+            return None
+        d = self._dims_of(x_shape, output_shape(self.kernel, x_shape), pixel_stride(y), nchw)
         ptrs = tuple(0 if t is None else t.data_ptr() for t in (x, self.packed(w), b, r, y))
         return CCall(
             ctypes.cast(self.fn, ctypes.c_void_p).value, (*ptrs, ctypes.addressof(d)), self._error(d)
         )
 
-    def _dims_of(self, x_shape: Sequence[int], y_shape: Sequence[int], ly: int | None) -> ctypes.Array:
-        key = (tuple(x_shape), tuple(y_shape), ly)
+    def _dims_of(
+        self, x_shape: Sequence[int], y_shape: Sequence[int], ly: int | None, nchw: bool
+    ) -> ctypes.Array:
+        key = (tuple(x_shape), tuple(y_shape), ly, nchw)
         d = self._dims.get(key)
         if d is None:
-            d = self._dims[key] = dims(self.kernel, x_shape, y_shape, ly)
+            d = self._dims[key] = dims(self.kernel, x_shape, y_shape, ly, nchw)
         return d
 
     def _error(self, d: ctypes.Array) -> str:

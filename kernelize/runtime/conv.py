@@ -174,11 +174,10 @@ class ConvRunner:
     def _run_generated(
         self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None
     ) -> torch.Tensor:
-        """The generated kernel (which packs the weight on first use) on channels-last buffers, into ``out``
-        or a fresh NHWC buffer."""
-        cl = torch.channels_last
-        reads = [x.contiguous(memory_format=cl), w, self.bias]
-        reads.append(None if residual is None else residual.contiguous(memory_format=cl))
+        """The generated kernel (which packs the weight on first use and reads ``x`` NCHW or channels-last)
+        into ``out`` or a fresh NHWC buffer."""
+        reads = [x, w, self.bias]
+        reads.append(None if residual is None else residual.contiguous(memory_format=torch.channels_last))
         if out is None:
             return self.generated.fresh(reads, {})[0]
         self.generated.launch(reads, [out], {})

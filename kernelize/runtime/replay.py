@@ -367,23 +367,25 @@ def _conv_call(step, sizes, fixed, channels_last):
     r = None if ep.residual is None else fixed(ep.residual)
     y = fixed(ep.tail)
     cl = torch.channels_last
+    if w is None or y is None or ep.conv.src[1].op is not Op.CONST or ep.tail not in channels_last:
+        return None
+    # the output may be a channel slice of a concat's NHWC buffer (the conv writes its pixels' channels there)
+    if (ep.residual is not None and r is None) or (r is not None and not r.is_contiguous(memory_format=cl)):
+        return None
+    if not y.is_contiguous(memory_format=cl) and y.stride(1) != 1:
+        return None
     gather, dynamic, src = None, [], ep.conv.src[0]
     if x is None and src.op in LAYOUT:
         gather, x = _gathered(src, fixed, channels_last)
     elif x is None and src.op is Op.INPUT and src.dtype.torch == torch.float32:  # NCHW, patched per run
-        x = torch.empty(bind(src.shape, sizes)).contiguous(memory_format=torch.channels_last)
+        image = torch.empty(bind(src.shape, sizes))
+        call = conv.generated.c_call([image, w, conv.bias, r], [y], sizes)
+        if call is not None:  # a conv that reads the image as it comes (a stem)
+            return call._replace(keep=(*call.keep, image)), [(0, src)], False
+        x = torch.empty(bind(src.shape, sizes)).contiguous(memory_format=cl)  # else an NHWC copy first
         gather, dynamic = cpu_pool.to_nhwc_call(x), [(0, src)]
         x = None if gather is None else x
-    if x is None or w is None or y is None or ep.conv.src[1].op is not Op.CONST:
-        return None
-    if ep.tail not in channels_last:
-        return None
-    # the output may be a channel slice of a concat's NHWC buffer (the conv writes its pixels' channels there)
-    if (ep.residual is not None and r is None) or not all(
-        t.is_contiguous(memory_format=cl) for t in (x, *([r] if r is not None else []))
-    ):
-        return None
-    if not y.is_contiguous(memory_format=cl) and y.stride(1) != 1:
+    if x is None or not x.is_contiguous(memory_format=cl):
         return None
     call = conv.generated.c_call([x, w, conv.bias, r], [y], sizes)
     return (call if gather is None else (gather, call._replace(keep=(*call.keep, x)))), dynamic, False

@@ -133,6 +133,34 @@ def test_residual_and_every_activation(bias, act):
     _check(g, [x, torch.randn(2, 12, 6, 7)])
 
 
+NCHW = [  # convs reading the graph's NCHW input as it comes (short kernel rows): every stride form
+    ((1, 3, 33, 31), 16, 3, dict(stride=2, pad=(1, 1, 1, 1))),  # a MobileNet stem, odd sizes
+    ((2, 3, 9, 20), 8, 3, dict(pad=(1, 1, 1, 1))),  # stride 1, half a panel of outputs, a batch
+    ((1, 3, 17, 23), 40, 3, dict(stride=3, pad=(0, 2, 1, 0))),  # stride 3 (read at run time), asymmetric
+    ((1, 3, 16, 16), 20, 3, dict(stride=4, pad=(1, 1, 1, 1), dil=2)),  # stride 4, dilated, a partial panel
+    ((1, 2, 6, 7), 48, 4, dict(stride=2, pad=(3, 3, 3, 3), dil=3)),  # a kernel wider than the image
+    ((3, 7, 9, 11), 24, 1, dict(stride=2)),  # a strided 1x1 over 7 channels
+]
+
+
+@pytest.mark.parametrize("x_shape, cout, k, opts", NCHW)
+@pytest.mark.parametrize("res", [False, True])
+def test_convs_read_an_nchw_input_as_it_comes(x_shape, cout, k, opts, res):
+    g = _graph(x_shape, cout, k, res=res, act="relu6", **opts)
+    inputs = [torch.randn(shape) for shape in (i.shape for i in g.inputs)]
+    cg = _check(g, inputs)
+    (step,) = [st for st in cg._steps if st.conv is not None]
+    call = step.compiled.launch.__self__
+    assert call.nchw and [key[-1] for key in call._dims] == [True]  # read NCHW, replayed or not
+    # the same conv over the input copied channels-last takes the NHWC tiles: the same sums, bit for bit
+    cl = torch.channels_last
+    w = cg._consts[step.kernel.epilogue.conv.src[1]]
+    r = inputs[1].contiguous(memory_format=cl) if res else None
+    nhwc = call.fresh([inputs[0].contiguous(memory_format=cl), w, step.conv.bias, r])[0]
+    assert [key[-1] for key in call._dims] == [True, False]
+    torch.testing.assert_close(nhwc, call.fresh([inputs[0], w, step.conv.bias, r])[0], rtol=0, atol=0)
+
+
 def test_nan_and_inf_propagate_through_the_vector_epilogue():
     g = _graph((1, 4, 5, 5), 32, 1, act="relu6", bias=False)
     x = torch.randn(1, 4, 5, 5)

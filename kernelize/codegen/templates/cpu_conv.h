@@ -139,6 +139,7 @@ struct kz_conv_dims {
     int64_t nr;  // the panel width the weights were packed with: KZ_NR, else the call is refused
     int64_t ly;  // floats from one output pixel to the next: co, or more when the output is a channel slice
                  // of a wider NHWC buffer (a concat's, written in place: kernelize/runtime/buffers.py)
+    int64_t nchw;  // 1: the input is NCHW (a graph's image, read as it comes: kz_conv_nchw_tiles), 0: NHWC
 };
 
 // the bytes a conv of these sizes moves at least: its input, output and weights once (the team's grain)
@@ -399,11 +400,117 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
     });
 }
 
+// ---- convs over an NCHW input: a network's stem reading the caller's image ----------------------------------
+// A conv over few input channels (an RGB stem: kh * kw * c of 27-363 products per output) has too little work
+// per tap for the NHWC tiles: per tile, the row pointers (or row segments) of MR pixels cost about what its
+// multiply-adds do, and the image must first be copied NHWC. A 3 x 3 stem ran at 15-25 GFLOP/s, a 7 x 7 one
+// at 50-70 (Zen 3, 1 thread; ~90 is the core's peak), plus 0.26-0.37 ms for the copy. Here each output row
+// first copies the input rows under it (c x kh rows of the NCHW image) into a window with the padding as
+// zeros, and a tile of MR pixels then reads the window in place, as MLAS's NCHW conv kernel reads the image:
+// per tap, the MR inputs sit SW floats apart from one running pointer (compile-time offsets for strides 1, 2
+// and 4). Packing the taps of the border tiles instead ([tap][pixel], scalar) took a quarter of a 7 x 7
+// stem's time for its 5% of pixels. The taps go (ky, kx, c), the order pack_weight lays a panel's weights in.
+#define KZ_NCHW_MAX_K 512  // the most taps x channels (cpu_conv.MAX_NCHW_K)
+
+// one tile of MR pixels x NV vectors, epilogue included; pixel j's input under tap (ky, kx, ci) at
+// x[ci * plane + ky * ld + kx * dw + j * SW] (SW 0: the conv's stride, at run time). CC: the input channels
+// when they are 3 (an RGB image: the loop over them unrolled), else 0. Out of line: inlined into the driver's
+// loop, gcc kept the accumulators in memory (3x slower)
+template <int MR, int NV, int SW, int CC, class Epi>
+static __attribute__((noinline)) void kz_conv_nchw_tile(const kz_conv_dims& d, const float* x, int64_t ld,
+                                                        int64_t plane, const float* b, float* y, int64_t p,
+                                                        int64_t c0, int rows, int nc, const Epi& epi) {
+    kz_vec acc[MR][NV];
+    kz_conv_acc_init<NV>(acc[0], c0, nc, epi);
+    for (int i = 1; i < MR; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][v] = acc[0][v];
+    const int64_t channels = CC ? CC : d.c, sw = SW ? SW : d.sw;
+    for (int64_t ky = 0; ky < d.kh; ++ky)
+        for (int64_t kx = 0; kx < d.kw; ++kx) {
+            const float* xr = x + ky * ld + kx * d.dw;
+#pragma GCC unroll 4
+            for (int64_t c = 0; c < channels; ++c, xr += plane, b += KZ_NR) {
+                kz_vec w[NV];
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) w[v] = kz_vload(b + v * KZ_VW);
+#pragma GCC unroll 32
+                for (int i = 0; i < MR; ++i) {
+                    const kz_vec xv = kz_vbcast(xr[i * sw]);
+#pragma GCC unroll 8
+                    for (int v = 0; v < NV; ++v) acc[i][v] = kz_vfma(xv, w[v], acc[i][v]);
+                }
+            }
+        }
+    kz_conv_tile_put<MR, NV>(acc, y, d.ly, p, c0, rows, nc, epi);
+}
+
+// SW: the conv's column stride when it is 1, 2 or 4, else 0 (read at run time)
+template <int MR, int NV, int SW, class Epi>
+static int kz_conv_nchw_tiles(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
+                              const Epi& epi) {
+    const int64_t taps = d.kh * d.kw * d.c, panels = (d.co + KZ_NR - 1) / KZ_NR, rows = d.n * d.oh;
+    if (d.g != 1 || taps > KZ_NCHW_MAX_K) return 1;
+    // a row's window: the columns under its whole tiles (the last one's pixels past the row too), from the
+    // first tap's column of pixel 0 (ix = -pl)
+    const int64_t tiles = (d.ow + MR - 1) / MR, ld = (tiles * MR - 1) * d.sw + (d.kw - 1) * d.dw + 1;
+    const int64_t plane = d.kh * ld, x0 = d.pl < ld ? d.pl : ld, x1 = d.w + d.pl < ld ? d.w + d.pl : ld;
+    const kz_team_t team = kz_team_work(nthreads, 2 * rows * d.ow * d.co * taps, kz_conv_bytes(d));
+    return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
+        int64_t lo, hi;
+        kz_range(rows, t, tn, lo, hi);
+        if (lo >= hi) return 0;
+        float* win = (float*)malloc(d.c * plane * sizeof(float));
+        if (!win) return 1;
+        for (int64_t row = lo; row < hi; ++row) {
+            const int64_t n = row / d.oh, oy = row % d.oh;
+            for (int64_t ci = 0; ci < d.c; ++ci)
+                for (int64_t ky = 0; ky < d.kh; ++ky) {
+                    const int64_t iy = oy * d.sh - d.pt + ky * d.dh;
+                    float* dst = win + ci * plane + ky * ld;
+                    if (iy < 0 || iy >= d.h) {
+                        memset(dst, 0, ld * sizeof(float));
+                        continue;
+                    }
+                    memset(dst, 0, x0 * sizeof(float));
+                    if (x1 > x0) memcpy(dst + x0, x + ((n * d.c + ci) * d.h + iy) * d.w, (x1 - x0) * sizeof(float));
+                    memset(dst + x1, 0, (ld - (x1 > x0 ? x1 : x0)) * sizeof(float));
+                }
+            for (int64_t ox = 0; ox < d.ow; ox += MR) {
+                const int64_t p = row * d.ow + ox;
+                const int cols = d.ow - ox < MR ? (int)(d.ow - ox) : MR;
+                const float* xt = win + ox * d.sw;
+                for (int64_t panel = 0; panel < panels; ++panel) {
+                    const int64_t c0 = panel * KZ_NR;
+                    const int nc = (int)(d.co - c0 < KZ_NR ? d.co - c0 : KZ_NR);
+                    const float* b = wp + panel * taps * KZ_NR;
+                    float* yt = y + p * d.ly + c0;
+                    if (d.c == 3) kz_conv_nchw_tile<MR, NV, SW, 3>(d, xt, ld, plane, b, yt, p, c0, cols, nc, epi);
+                    else kz_conv_nchw_tile<MR, NV, SW, 0>(d, xt, ld, plane, b, yt, p, c0, cols, nc, epi);
+                }
+            }
+        }
+        free(win);
+        return 0;
+    });
+}
+
+template <int MR, int NV, class Epi>
+static int kz_conv_nchw(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads, const Epi& epi) {
+    if (d.sw == 1) return kz_conv_nchw_tiles<MR, NV, 1>(d, x, wp, y, nthreads, epi);
+    if (d.sw == 2) return kz_conv_nchw_tiles<MR, NV, 2>(d, x, wp, y, nthreads, epi);
+    if (d.sw == 4) return kz_conv_nchw_tiles<MR, NV, 4>(d, x, wp, y, nthreads, epi);
+    return kz_conv_nchw_tiles<MR, NV, 0>(d, x, wp, y, nthreads, epi);
+}
+
 template <class Epi>
 static int kz_conv_dense(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                          const Epi& epi) {
     if (d.nr != KZ_NR || d.ly < d.co || d.c / d.g > KZ_ZERO_ROW || d.kh * d.kw > KZ_MAX_TAPS) return 1;
     if (d.n * d.oh * d.ow == 0 || d.co == 0) return 0;
+    if (d.nchw) {
+        if (KZ_NV >= 2 && d.co <= KZ_NR / 2) return kz_conv_nchw<2 * KZ_MR, KZ_NV / 2>(d, x, wp, y, nthreads, epi);
+        return kz_conv_nchw<KZ_MR, KZ_NV>(d, x, wp, y, nthreads, epi);
+    }
     // (perf) groups of at most half a panel of output channels (a 1x1 projection to 16 channels) use half
     // the vectors and twice the pixels per tile: the same registers, no multiply-adds on padding
     if (KZ_NV >= 2 && d.co / d.g <= KZ_NR / 2) return kz_conv_dense_tiles<2 * KZ_MR, KZ_NV / 2>(d, x, wp, y, nthreads, epi);
@@ -545,7 +652,8 @@ template <bool REP = false, class Epi>
 static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                              const Epi& epi) {
     const int64_t rows = d.n * d.oh;
-    if (d.nr != KZ_NR || d.ly < d.co || d.c != d.g || d.c < 1 || d.co % d.c || (!REP && d.co != d.c)) return 1;
+    if (d.nr != KZ_NR || d.ly < d.co || d.c != d.g || d.c < 1 || d.co % d.c || (!REP && d.co != d.c) || d.nchw)
+        return 1;
     if (rows * d.ow == 0 || d.co == 0) return 0;
     const kz_team_t team = kz_team_work(nthreads, 2 * rows * d.ow * d.co * d.kh * d.kw, kz_conv_bytes(d));
     // the kernel shapes of MobileNet / EfficientNet-style networks get the sliding-window form (its row
@@ -660,7 +768,7 @@ static int kz_conv_chain(const kz_conv_dims* d, const float* x, const float* con
                          const E0& e0, const E1& e1, const E2& e2) {
     const kz_conv_dims& db = d[1];
     const int64_t rows = db.n * db.oh, e = db.c;
-    if (db.kh > 16 || db.nr != KZ_NR || (A && d[0].nr != KZ_NR) || (C && d[2].nr != KZ_NR)) return 1;
+    if (db.kh > 16 || db.nr != KZ_NR || (A && d[0].nr != KZ_NR) || (C && d[2].nr != KZ_NR) || d[0].nchw) return 1;
     if (rows * db.ow == 0) return 0;
     const int64_t group = (KZ_CHAIN_PIXELS + db.ow - 1) / db.ow;
     const int64_t work = rows * db.ow * e * (db.kh * db.kw + (A ? d[0].c : 0) + (C ? d[2].co : 0));
