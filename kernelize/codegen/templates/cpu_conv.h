@@ -285,12 +285,19 @@ template <int MR, int NV, class Epi>
 KZ_INLINE void kz_conv_tile_put(kz_vec acc[MR][NV], float* y, int64_t ld, int64_t p0, int64_t c0, int rows, int nc,
                                 const Epi& epi) {
     if constexpr (Epi::vector) {
-        // (perf) a whole tile's loop unrolled keeps the accumulators in registers
+        // (perf) only constant indices into `acc` (a whole tile's loop unrolled, a partial one's over a copy),
+        // so gcc keeps the accumulators in registers; indexed by a variable anywhere, it kept them on the stack
+        // from the start and stored and loaded them around the multiply-adds
         if (rows == MR) {
 #pragma GCC unroll 32
             for (int i = 0; i < MR; ++i) kz_conv_put<NV>(acc[i], y + i * ld, p0 + i, c0, nc, epi);
         } else {
-            for (int i = 0; i < rows; ++i) kz_conv_put<NV>(acc[i], y + i * ld, p0 + i, c0, nc, epi);
+            kz_vec part[MR][NV];
+#pragma GCC unroll 32
+            for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) part[i][v] = acc[i][v];
+            for (int i = 0; i < rows; ++i) kz_conv_put<NV>(part[i], y + i * ld, p0 + i, c0, nc, epi);
         }
     } else {
         constexpr int W = NV * KZ_VW;
@@ -364,7 +371,9 @@ static __attribute__((noinline)) void kz_conv_tile(const kz_conv_dims& d, const 
     const int nc = (int)(cog - panel * KZ_NR < KZ_NR ? cog - panel * KZ_NR : KZ_NR);
     kz_vec acc[MR][NV];
     kz_conv_acc_init<NV>(acc[0], c0, nc, epi);
+#pragma GCC unroll 32
     for (int i = 1; i < MR; ++i)
+#pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) acc[i][v] = acc[0][v];
     const float* b = wp + unit * taps * cig * KZ_NR;
     if (rc.seg)
@@ -440,7 +449,9 @@ static __attribute__((noinline)) void kz_conv_nchw_tile(const kz_conv_dims& d, c
                                                         int64_t c0, int rows, int nc, const Epi& epi) {
     kz_vec acc[MR][NV];
     kz_conv_acc_init<NV>(acc[0], c0, nc, epi);
+#pragma GCC unroll 32
     for (int i = 1; i < MR; ++i)
+#pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) acc[i][v] = acc[0][v];
     const int64_t channels = CC ? CC : d.c, sw = SW ? SW : d.sw;
     for (int64_t ky = 0; ky < d.kh; ++ky)
