@@ -254,6 +254,7 @@ def with_workers(call: Callable[[], T]) -> T:
     team, switch = torch.get_num_threads(), WORKERS.value
     WORKERS.value, _RUN.threads = 1, team
     if team > 1:
+        workers().kz_workers_wake(team)  # a sleeping worker is spinning by the first region (cpu_workers.cpp)
         torch.set_num_threads(1)
     try:
         return call()
@@ -279,7 +280,7 @@ def workers() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_NOW)
         lib.kz_workers_hold.argtypes, lib.kz_workers_started.restype = [ctypes.c_int], ctypes.c_int
         lib.kz_workers_shares.restype = ctypes.c_int64
-        lib.kz_openmp_away.argtypes = [ctypes.c_int]
+        lib.kz_openmp_away.argtypes = lib.kz_workers_wake.argtypes = [ctypes.c_int]
         _WORKERS_LIB.append(lib)
     return _WORKERS_LIB[0]
 

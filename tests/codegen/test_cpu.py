@@ -991,6 +991,33 @@ def _every_kind_graph():
     return g, [rand(s, DType.F32) for s in [(3, 512), (384, 512), (1, 4, 9, 32), (1, 4, 300, 32)]]
 
 
+def test_a_run_wakes_a_sleeping_worker_before_its_first_region():
+    """kz_workers_wake (what a compiled graph's run calls first, cpu_build.with_workers): a worker asleep
+    after a pause is woken and spins, so the run's first region finds it awake; then it sleeps again."""
+    import time
+
+    from kernelize.codegen import cpu_build
+
+    pool = cpu_build.workers()
+
+    def until(done) -> bool:  # polled without sleeping: the woken worker spins for only 0.2 ms
+        deadline = time.monotonic() + 10
+        while not done() and time.monotonic() < deadline:
+            pass
+        return done()
+
+    pool.kz_workers_wake(2)  # starts the worker where none runs yet
+    started = pool.kz_workers_started()  # (earlier tests may have started more, for larger teams)
+    assert started >= 1
+    assert until(lambda: pool.kz_workers_sleeping() == started)  # all asleep once their spin is over
+    pool.kz_workers_wake(2)
+    assert until(lambda: pool.kz_workers_sleeping() < started)  # the team's worker spins for a region
+    assert until(lambda: pool.kz_workers_sleeping() == started)
+    pool.kz_workers_wake(1)  # a team of one wakes nobody
+    time.sleep(0.01)
+    assert pool.kz_workers_sleeping() == started
+
+
 def test_a_region_never_waits_for_a_worker_that_has_not_started():
     """kernelize's workers (cpu_workers.cpp): the caller claims a free region's shares as they come, so
     with the workers held back it runs every share itself and returns (an OpenMP region would wait for

@@ -684,7 +684,10 @@ static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float*
     if (d.nr != KZ_NR || d.ly < d.co || d.c != d.g || d.c < 1 || d.co % d.c || (!REP && d.co != d.c) || d.nchw)
         return 1;
     if (rows * d.ow == 0 || d.co == 0) return 0;
-    const kz_team_t team = kz_team_work(nthreads, 2 * rows * d.ow * d.co * d.kh * d.kw, kz_conv_bytes(d));
+    // (perf) counted 4x in the team's grain: a depthwise conv's multiply-adds run at ~16 flops / ns on a core
+    // (each input loaded for kh x kw products of one channel), not a dense conv's ~64. Counted 1x, MobileNet's
+    // 256-channel 14 x 14 ones (estimated 39 us, 44-65 measured) ran alone, and slower at 2 threads than at 1
+    const kz_team_t team = kz_team_work(nthreads, 8 * rows * d.ow * d.co * d.kh * d.kw, kz_conv_bytes(d));
     // the kernel shapes of MobileNet / EfficientNet-style networks get the sliding-window form (its row
     // pointers hold 16 kernel rows); with a multiplier, only the 3 x 3 stride-1 one
     const int form = d.dw != 1 || d.kh > 16 ? 0 : (int)(d.kw * 10 + d.sw);
