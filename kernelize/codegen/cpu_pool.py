@@ -133,17 +133,20 @@ def _fn(name: str):
     return fn
 
 
-def to_nhwc_call(y: torch.Tensor) -> CCall | None:
-    """The replayed call copying a contiguous NCHW f32 tensor of ``y``'s shape (a graph input read by a
-    conv: its pointer, the first argument, is patched per run) into the NHWC f32 ``y``; None for other
-    ``y``."""
+def to_nhwc_call(y: torch.Tensor, x: torch.Tensor | None = None) -> CCall | None:
+    """The replayed call copying the contiguous NCHW f32 tensor ``x`` of ``y``'s shape into the NHWC f32
+    ``y``; without ``x``, its pointer (the first argument) is patched per run (a graph input read by a
+    conv). None for other tensors."""
     nhwc = y.is_contiguous(memory_format=torch.channels_last)
     if y.dtype != torch.float32 or y.device.type != "cpu" or not nhwc:
+        return None
+    if x is not None and (x.dtype != y.dtype or x.shape != y.shape or not x.is_contiguous()):
         return None
     n, c, h, w = y.shape
     d = (ctypes.c_int64 * 3)(n, c, h * w)
     address = ctypes.cast(_fn("kz_to_nhwc"), ctypes.c_void_p).value
-    return CCall(address, (0, y.data_ptr(), ctypes.addressof(d)), "cpu NHWC copy failed", keep=(d,))
+    args = (0 if x is None else x.data_ptr(), y.data_ptr(), ctypes.addressof(d))
+    return CCall(address, args, "cpu NHWC copy failed", keep=(d,) if x is None else (d, x))
 
 
 def gather_call(channels: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> CCall | None:

@@ -31,6 +31,7 @@ from kernelize.codegen import cpu_build, cpu_pool
 from kernelize.ir.graph import LAYOUT, Node, Op
 from kernelize.ir.shapes import bind
 from kernelize.runtime.backend import CCall
+from kernelize.runtime.library import materialize
 
 # library ops one of our compiled C functions runs (op -> c_call(node, input, output) -> CCall | None)
 C_LIBRARY = {Op.POOL: cpu_pool.c_call, Op.SUM: cpu_pool.global_c_call, Op.MEAN: cpu_pool.global_c_call}
@@ -377,6 +378,14 @@ def _conv_call(step, sizes, fixed, channels_last):
     gather, dynamic, src = None, [], ep.conv.src[0]
     if x is None and src.op in LAYOUT:
         gather, x = _gathered(src, fixed, channels_last)
+        view = _dense_view(src, fixed, sizes) if x is None else None
+        if view is not None:  # read NCHW as it lies, else copied NHWC first
+            call = conv.generated.c_call([view, w, conv.bias, r], [y], sizes)
+            if call is not None:
+                return call._replace(keep=(*call.keep, view)), [], False
+            x = torch.empty(view.shape).contiguous(memory_format=cl)
+            gather = cpu_pool.to_nhwc_call(x, view)
+            x = None if gather is None else x
     elif x is None and src.op is Op.INPUT and src.dtype.torch == torch.float32:  # NCHW, patched per run
         image = torch.empty(bind(src.shape, sizes))
         call = conv.generated.c_call([image, w, conv.bias, r], [y], sizes)
@@ -405,6 +414,21 @@ def _gathered(view: Node, fixed, channels_last) -> tuple[CCall | None, torch.Ten
     scratch = torch.empty((n, h, w, len(channels)), dtype=xb.dtype, device=xb.device).permute(0, 3, 1, 2)
     call = cpu_pool.gather_call(channels, xb, scratch)
     return (None, None) if call is None else (call, scratch)
+
+
+def _dense_view(view: Node, fixed, sizes) -> torch.Tensor | None:
+    """``view`` as a view of the fixed buffer under its layout ops when that is a contiguous NCHW f32 tensor
+    (a channel slice of a row-major buffer: ShuffleNet v2's split of its materialized channel shuffle, which
+    then needs no Python step); else None."""
+    b = view
+    while b.op in LAYOUT and len(b.src) == 1 and fixed(b) is None:
+        b = b.src[0]
+    xb = fixed(b)
+    if xb is None or b is view:
+        return None
+    t = materialize(view, {b: xb}, dict(sizes))
+    shared = t.untyped_storage().data_ptr() == xb.untyped_storage().data_ptr()
+    return t if shared and t.dtype == torch.float32 and t.dim() == 4 and t.is_contiguous() else None
 
 
 def _library_call(step, fixed, channels_last):

@@ -190,20 +190,50 @@ def test_a_global_reduction_of_a_conv_replays_in_the_batch(monkeypatch, op):
     torch.testing.assert_close(cpu_pool.global_reduce(node, t, {}), ref, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-def test_a_conv_reading_the_graph_input_replays_with_an_nhwc_copy():
+@pytest.mark.parametrize("channels", [8, 3])
+def test_a_conv_reading_the_graph_input_replays_with_an_nhwc_copy(channels):
     """The stem conv reads the NCHW graph input: the batch copies it NHWC (its pointer patched per call)
-    before the conv, so conv -> pool -> conv is one batch; each call sees its own input."""
+    before the conv, or over 3 channels the conv reads it as it comes; either way conv -> pool -> conv is
+    one batch, and each call sees its own input."""
     g = Graph()
-    x = g.input("x", (B, 8, 13, 11), "f32")
-    c = g.clamp(g.conv(x, g.const(torch.randn(16, 8, 3, 3) * 0.2), padding=(1, 1, 1, 1)), 0.0)
+    x = g.input("x", (B, channels, 13, 11), "f32")
+    c = g.clamp(g.conv(x, g.const(torch.randn(16, channels, 3, 3) * 0.2), padding=(1, 1, 1, 1)), 0.0)
     p = g.pool(c, "max", (3, 3), (2, 2), padding=(1, 1, 1, 1))
     g.output(g.clamp(g.conv(p, g.const(torch.randn(12, 16, 1, 1) * 0.2)), 0.0))
     cg = compile_graph(g, backend="cpu", cache=False)
-    xs = [torch.randn(2, 8, 13, 11) for _ in range(3)]
+    xs = [torch.randn(2, channels, 13, 11) for _ in range(3)]
     outs = [cg(x)[0] for x in xs]
     for x, out in zip(xs, outs, strict=True):
         torch.testing.assert_close(out, evaluate(g, [x])[0], rtol=1e-4, atol=1e-5)
-    assert [type(u) for u in _program(cg)][:1] == [Batch] and 0 in _program(cg)[0].steps
+    batch = _program(cg)[0]
+    assert isinstance(batch, Batch) and 0 in batch.steps
+    assert len(batch.nargs) == len(batch.steps) + (channels == 8)  # the NHWC copy: a call of its own
+
+
+def test_a_conv_reading_a_slice_of_a_materialized_channel_shuffle_replays_in_the_batch(monkeypatch):
+    """ShuffleNet v2's unit: two convs concatenated, a channel shuffle (view / transpose / view) the plan
+    materializes row-major, split in halves: one to a conv, one to the next concat. The conv's half is a
+    contiguous NCHW slice of that buffer: copied NHWC from C inside the batch, not in a Python step."""
+    from kernelize.runtime import replay
+
+    g = Graph()
+    x = g.input("x", (1, 16, 10, 10), "f32")
+    a = g.clamp(g.conv(x, g.const(torch.randn(8, 16, 1, 1) * 0.3)), 0.0)
+    b = g.clamp(g.conv(x, g.const(torch.randn(8, 16, 3, 3) * 0.3), padding=(1, 1, 1, 1)), 0.0)
+    s = g.view(g.transpose(g.view(g.concat([a, b], 1), (1, 2, 8, 10, 10)), 1, 2), (1, 16, 10, 10))
+    r = g.clamp(g.conv(g.slice(s, 1, 8, 16), g.const(torch.randn(8, 8, 1, 1) * 0.3)), 0.0)
+    g.output(g.concat([g.slice(s, 1, 0, 8), r], 1))
+    xs = torch.randn(1, 16, 10, 10)
+    want = evaluate(g, [xs])[0]
+    for dense_view, batched in ((replay._dense_view, True), (lambda *a: None, False)):
+        monkeypatch.setattr(replay, "_dense_view", dense_view)
+        cg = compile_graph(g, backend="cpu", cache=False)
+        for _ in range(2):
+            torch.testing.assert_close(cg(xs)[0], want, rtol=1e-4, atol=1e-5)
+        # the shuffle, materialized
+        assert any(len(w.shape) == 5 for st in cg._steps for w in st.kernel.writes)
+        program = _program(cg)
+        assert (len(program) == 1 and isinstance(program[0], Batch)) is batched
 
 
 def test_a_program_of_fixed_calls_patches_its_slots_on_every_run():
