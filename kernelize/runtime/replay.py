@@ -39,11 +39,14 @@ C_LIBRARY = {Op.POOL: cpu_pool.c_call, Op.SUM: cpu_pool.global_c_call, Op.MEAN: 
 
 def c_library(node: Node, channels_last: Container[Node]) -> bool:
     """Whether one of our C functions (:data:`C_LIBRARY`) writes the LIBRARY ``node``'s output when its step
-    is replayed: a pool into an NHWC buffer, a global sum or mean into its ``[N, C, 1, 1]`` (the same memory
-    in either layout)."""
+    is replayed: a pool into an NHWC buffer, or into a ``[N, C, 1, 1]`` one (the same memory in either
+    layout: EfficientNet's global average as an average pool), a global sum or mean into its
+    ``[N, C, 1, 1]``."""
     if node.op not in C_LIBRARY:
         return False
-    return node in channels_last if node.op is Op.POOL else cpu_pool.is_global(node)
+    if node.op is Op.POOL:
+        return node in channels_last or tuple(node.shape[2:]) == (1, 1)
+    return cpu_pool.is_global(node)
 
 
 REPLAY_ARGS = 16  # KZ_REPLAY_ARGS: the most integer arguments (the thread count included) a call passes

@@ -158,6 +158,24 @@ def test_a_conv_reading_reordered_channels_replays_with_a_gather(split):
     assert convs[1] in batched  # the conv reading the view
 
 
+def test_a_pool_to_one_pixel_before_a_classifier_replays_in_the_batch():
+    """An average pool whose window covers the image (EfficientNet's global average, exported as a pool):
+    its [N, C, 1, 1] output is the same memory NCHW or NHWC, so it runs from C inside the batch even though
+    the classifier reads it NCHW."""
+    g = Graph()
+    x = g.input("x", (2, 8, 7, 7), "f32")
+    y = g.clamp(g.conv(x, g.const(torch.randn(24, 8, 3, 3) * 0.3), padding=(1, 1, 1, 1)), 0.0)
+    p = g.pool(y, "avg", (16, 16), (16, 16), ceil_mode=True, count_include_pad=True)
+    g.output(g.matmul(g.view(p, (2, 24)), g.const(torch.randn(24, 10) * 0.3)))
+    xs = torch.randn(2, 8, 7, 7)
+    want = evaluate(g, [xs])[0]
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for _ in range(2):
+        torch.testing.assert_close(cg(xs)[0], want, rtol=1e-5, atol=1e-5)
+    (pool,) = [i for i, st in enumerate(cg._steps) if st.library and st.kernel.node is p]
+    assert any(pool in u.steps for u in _program(cg) if isinstance(u, Batch))
+
+
 @pytest.mark.parametrize("op", ["mean", "sum"])
 def test_a_global_reduction_of_a_conv_replays_in_the_batch(monkeypatch, op):
     """A lone mean (sum) over the image axes of a conv's NHWC output (a global average pool before a
