@@ -382,7 +382,9 @@ def _conv_call(step, sizes, fixed, channels_last):
     if x is None and src.op in LAYOUT:
         gather, x = _gathered(src, fixed, channels_last)
         view = _dense_view(src, fixed, sizes) if x is None else None
-        if view is not None:  # read NCHW as it lies, else copied NHWC first
+        if view is not None and view.is_contiguous(memory_format=cl):
+            x = view  # an NHWC buffer seen through a permute (ConvNeXt: a layer norm over channels, a conv)
+        elif view is not None:  # read NCHW as it lies, else copied NHWC first
             call = conv.generated.c_call([view, w, conv.bias, r], [y], sizes)
             if call is not None:
                 return call._replace(keep=(*call.keep, view)), [], False
@@ -420,9 +422,10 @@ def _gathered(view: Node, fixed, channels_last) -> tuple[CCall | None, torch.Ten
 
 
 def _dense_view(view: Node, fixed, sizes) -> torch.Tensor | None:
-    """``view`` as a view of the fixed buffer under its layout ops when that is a contiguous NCHW f32 tensor
-    (a channel slice of a row-major buffer: ShuffleNet v2's split of its materialized channel shuffle, which
-    then needs no Python step); else None."""
+    """``view`` as a view of the fixed buffer under its layout ops when that is a dense NCHW f32 tensor,
+    contiguous or channels-last (a channel slice of a row-major buffer: ShuffleNet v2's split of its
+    materialized channel shuffle; a row-major NHWC buffer permuted to NCHW: ConvNeXt's), so the conv reading
+    it needs no Python step; else None."""
     b = view
     while b.op in LAYOUT and len(b.src) == 1 and fixed(b) is None:
         b = b.src[0]
@@ -431,7 +434,8 @@ def _dense_view(view: Node, fixed, sizes) -> torch.Tensor | None:
         return None
     t = materialize(view, {b: xb}, dict(sizes))
     shared = t.untyped_storage().data_ptr() == xb.untyped_storage().data_ptr()
-    return t if shared and t.dtype == torch.float32 and t.dim() == 4 and t.is_contiguous() else None
+    dense = t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+    return t if shared and t.dtype == torch.float32 and t.dim() == 4 and dense else None
 
 
 def _library_call(step, fixed, channels_last):

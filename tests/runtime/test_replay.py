@@ -254,6 +254,26 @@ def test_a_conv_reading_a_slice_of_a_materialized_channel_shuffle_replays_in_the
         assert (len(program) == 1 and isinstance(program[0], Batch)) is batched
 
 
+def test_a_conv_reading_a_permuted_row_major_buffer_replays_in_the_batch():
+    """ConvNeXt's order: a layer norm over the channels of an NHWC-ordered [N, H, W, C] value, permuted to
+    NCHW for a depthwise conv. The permuted view of that row-major buffer is channels-last already: the conv
+    reads it in place inside the batch."""
+    g = Graph()
+    x = g.input("x", (2, 9, 7, 16), "f32")
+    h = g.layernorm(g.exp(x), g.const(torch.rand(16) + 0.5), g.const(torch.randn(16)))
+    c = g.conv(
+        g.permute(h, (0, 3, 1, 2)), g.const(torch.randn(16, 1, 7, 7) * 0.2), padding=(3, 3, 3, 3), groups=16
+    )
+    g.output(g.clamp(g.conv(c, g.const(torch.randn(8, 16, 1, 1) * 0.3)), 0.0))
+    xs = torch.randn(2, 9, 7, 16)
+    want = evaluate(g, [xs])[0]
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for _ in range(2):
+        torch.testing.assert_close(cg(xs)[0], want, rtol=1e-4, atol=1e-5)
+    depthwise = next(i for i, st in enumerate(cg._steps) if st.conv is not None)
+    assert any(depthwise in u.steps for u in _program(cg) if isinstance(u, Batch))
+
+
 def test_a_program_of_fixed_calls_patches_its_slots_on_every_run():
     """`CompiledGraph.fixed_call` + `Program`: a graph's calls on fixed buffers, the varying input patched
     (through a view of it at an offset), then `kz_copy_rows` into a patched output: equal to the graph's own
