@@ -328,6 +328,17 @@ KZ_INLINE void kz_conv_acc_init(kz_vec* acc, int64_t c0, int nc, const Epi& epi)
     }
 }
 
+// a tile's accumulators: every pixel's start where kz_conv_acc_init starts one (unrolled: no variable index
+// into `acc`, which would keep it on the stack)
+template <int MR, int NV, class Epi>
+KZ_INLINE void kz_conv_tile_init(kz_vec acc[MR][NV], int64_t c0, int nc, const Epi& epi) {
+    kz_conv_acc_init<NV>(acc[0], c0, nc, epi);
+#pragma GCC unroll 32
+    for (int i = 1; i < MR; ++i)
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) acc[i][v] = acc[0][v];
+}
+
 // what one thread keeps between the tiles it computes: the row pointers of its last (tile, group)
 struct kz_conv_rows_cache {
     const float* rows[KZ_MAX_TAPS * KZ_MR * 2];
@@ -370,11 +381,7 @@ static __attribute__((noinline)) void kz_conv_tile(const kz_conv_dims& d, const 
     const int64_t c0 = gi * cog + panel * KZ_NR;
     const int nc = (int)(cog - panel * KZ_NR < KZ_NR ? cog - panel * KZ_NR : KZ_NR);
     kz_vec acc[MR][NV];
-    kz_conv_acc_init<NV>(acc[0], c0, nc, epi);
-#pragma GCC unroll 32
-    for (int i = 1; i < MR; ++i)
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) acc[i][v] = acc[0][v];
+    kz_conv_tile_init<MR, NV>(acc, c0, nc, epi);
     const float* b = wp + unit * taps * cig * KZ_NR;
     if (rc.seg)
         kz_conv_micro<MR, NV>(d.kh, d.kw * cig, rc.rows, b, acc);
@@ -448,11 +455,7 @@ static __attribute__((noinline)) void kz_conv_nchw_tile(const kz_conv_dims& d, c
                                                         int64_t plane, const float* b, float* y, int64_t p,
                                                         int64_t c0, int rows, int nc, const Epi& epi) {
     kz_vec acc[MR][NV];
-    kz_conv_acc_init<NV>(acc[0], c0, nc, epi);
-#pragma GCC unroll 32
-    for (int i = 1; i < MR; ++i)
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) acc[i][v] = acc[0][v];
+    kz_conv_tile_init<MR, NV>(acc, c0, nc, epi);
     const int64_t channels = CC ? CC : d.c, sw = SW ? SW : d.sw;
     for (int64_t ky = 0; ky < d.kh; ++ky)
         for (int64_t kx = 0; kx < d.kw; ++kx) {
