@@ -244,11 +244,15 @@ def conv_chains(
     for d in kernels:
         if chain_stage(d) != "depthwise" or d.epilogue.residual is not None:
             continue
+        # a stage belongs to one chain: MobileNet v1's depthwise -> pointwise -> depthwise -> pointwise would
+        # otherwise chain its middle 1x1 as the first chain's project and the second's expand, and the
+        # second chain read the first's inner value, which nothing stores (planning failed at batch 8)
         a = writer.get(d.node.src[0])
-        pointwise_a = a is not None and chain_stage(a) == "pointwise" and a.epilogue.residual is None
-        head = [a, d] if pointwise_a and feeds(a, d) else [d]
+        free_a = a is not None and id(a) not in chained and a.epilogue.residual is None
+        head = [a, d] if free_a and chain_stage(a) == "pointwise" and feeds(a, d) else [d]
         (c, *more) = readers.get(d.epilogue.tail, [None])
-        tail = [c] if c is not None and not more and chain_stage(c) == "pointwise" and feeds(d, c) else []
+        free_c = c is not None and not more and id(c) not in chained
+        tail = [c] if free_c and chain_stage(c) == "pointwise" and feeds(d, c) else []
         for stages in (head + tail, head, [d, *tail]):  # the longest chain whose ends work
             last = stages[-1].epilogue
             ends = [stages[0].node.src[0], last.tail, *([last.residual] if last.residual is not None else [])]

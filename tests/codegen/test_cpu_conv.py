@@ -302,6 +302,26 @@ def test_conv_chains_match_the_reference_and_the_separate_convs(
     torch.testing.assert_close(separate(x)[0], want, rtol=1e-4, atol=1e-4)
 
 
+def test_blocks_in_a_row_put_each_conv_in_one_chain(monkeypatch):
+    """MobileNet v1's depthwise -> 1x1 -> depthwise -> 1x1: the middle 1x1 can close the first chain or open
+    the second, never both (the second would read the first's inner value, which nothing stores; planning
+    failed on MobileNet v1 at batch 8)."""
+    monkeypatch.setattr("kernelize.autokernel.conv.CHAIN_MIN_BYTES", 0)
+    g = Graph()
+    x = g.input("x", (2, 3, 12, 12), "f32")
+    y = g.clamp(g.conv(x, g.const(torch.randn(8, 3, 3, 3) * 0.3), padding=(1, 1, 1, 1)), 0, 6)
+    y = _block(g, y, 8, 8, 16, 3, 1, expand=False, seed=1)
+    y = _block(g, g.clamp(y, 0, 6), 16, 16, 24, 3, 2, expand=False, seed=2)
+    g.output(g.conv(g.clamp(y, 0, 6), g.const(torch.randn(5, 24, 1, 1) * 0.3)))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    stages = [id(s) for k in cg.plan.kernels if k.kind is KernelKind.CONV_CHAIN for s in k.stages]
+    assert stages and len(stages) == len(set(stages))
+    xs = torch.randn(2, 3, 12, 12)
+    want = evaluate(g, [xs])[0]
+    for _ in range(2):
+        torch.testing.assert_close(cg(xs)[0], want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_chain_stops_where_a_value_is_read_twice_or_small(monkeypatch):
     g = Graph()
     x = g.input("x", (1, 3, 12, 12), "f32")
