@@ -378,26 +378,22 @@ def _conv_call(step, sizes, fixed, channels_last):
         return None
     if not y.is_contiguous(memory_format=cl) and y.stride(1) != 1:
         return None
-    gather, dynamic, src = None, [], ep.conv.src[0]
+    gather, dynamic, src, nchw = None, [], ep.conv.src[0], None
     if x is None and src.op in LAYOUT:
         gather, x = _gathered(src, fixed, channels_last)
         view = _dense_view(src, fixed, sizes) if x is None else None
         if view is not None and view.is_contiguous(memory_format=cl):
             x = view  # an NHWC buffer seen through a permute (ConvNeXt: a layer norm over channels, a conv)
-        elif view is not None:  # read NCHW as it lies, else copied NHWC first
-            call = conv.generated.c_call([view, w, conv.bias, r], [y], sizes)
-            if call is not None:
-                return call._replace(keep=(*call.keep, view)), [], False
-            x = torch.empty(view.shape).contiguous(memory_format=cl)
-            gather = cpu_pool.to_nhwc_call(x, view)
-            x = None if gather is None else x
+        else:
+            nchw = view
     elif x is None and src.op is Op.INPUT and src.dtype.torch == torch.float32:  # NCHW, patched per run
-        image = torch.empty(bind(src.shape, sizes))
-        call = conv.generated.c_call([image, w, conv.bias, r], [y], sizes)
-        if call is not None:  # a conv that reads the image as it comes (a stem)
-            return call._replace(keep=(*call.keep, image)), [(0, src)], False
-        x = torch.empty(bind(src.shape, sizes)).contiguous(memory_format=cl)  # else an NHWC copy first
-        gather, dynamic = cpu_pool.to_nhwc_call(x), [(0, src)]
+        nchw, dynamic = torch.empty(bind(src.shape, sizes)), [(0, src)]
+    if nchw is not None:  # read as it lies (a stem over the image), else copied NHWC first
+        call = conv.generated.c_call([nchw, w, conv.bias, r], [y], sizes)
+        if call is not None:
+            return call._replace(keep=(*call.keep, nchw)), dynamic, False
+        x = torch.empty_like(nchw, memory_format=cl)
+        gather = cpu_pool.to_nhwc_call(x, None if dynamic else nchw)  # the input's pointer: patched per run
         x = None if gather is None else x
     if x is None or not x.is_contiguous(memory_format=cl):
         return None
