@@ -337,16 +337,24 @@ def _matmul_kernel(
     """A matmul kernel: up to FEW_ROWS rows the generated few-row function (``few_call``: its C call, for
     replay); more, torch's GEMM then the epilogue function."""
     from kernelize.autokernel.matmul import FEW_ROWS, rows_of
-    from kernelize.codegen.cpu_gemv import direct_gemm, library_matmuls, run_direct
+    from kernelize.codegen.cpu_gemv import GeneratedGemm, direct_gemm, library_matmuls, run_direct
 
     (source, few), (epi_source, epi_launch) = few_built, epi_built
     slots = [(b in temps, temps.index(b) if b in temps else kernel.reads.index(b)) for b in epi.reads]
     packs: dict = {}  # oneDNN-packed constant weights of this kernel, made on first use
     spare: list = []  # the last call's GEMM outputs, written again by the next (a pop: each call its own)
 
+    plan = direct_gemm(kernel, gelu=True)
+    generated = GeneratedGemm(kernel, plan) if plan is not None and plan.packed else None
+
     def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
         if rows_of(kernel, sizes) <= FEW_ROWS:
             return few(reads, writes, sizes)
+        y = None if generated is None else generated.run(reads, sizes, writes[0])
+        if y is not None:
+            if y is not writes[0]:
+                writes[0].copy_(y)
+            return None
         mms = library_matmuls(kernel, reads, sizes, packs, spare.pop() if spare else ())
         epi_launch([mms[i] if t else reads[i] for t, i in slots], writes, sizes)
         if not spare:
@@ -355,12 +363,17 @@ def _matmul_kernel(
     direct = direct_gemm(kernel)
 
     def fresh(reads: Sequence[torch.Tensor], sizes: Mapping[str, int]) -> list[torch.Tensor] | None:
-        if direct is None or rows_of(kernel, sizes) <= FEW_ROWS:
+        if rows_of(kernel, sizes) <= FEW_ROWS:
             return None
-        return run_direct(kernel, direct, reads, sizes, packs)
+        y = None if generated is None else generated.run(reads, sizes)
+        if y is not None:
+            return [y]
+        return None if direct is None else run_direct(kernel, direct, reads, sizes, packs)
 
     def c_call(reads, writes, sizes: Mapping[str, int]) -> CCall | None:
-        return few_call(reads, writes, sizes) if rows_of(kernel, sizes) <= FEW_ROWS else None
+        if rows_of(kernel, sizes) <= FEW_ROWS:
+            return None if few_call is None else few_call(reads, writes, sizes)
+        return None if generated is None else generated.c_call(reads, writes, sizes)
 
     return CompiledKernel(
         kernel.name,
@@ -368,8 +381,8 @@ def _matmul_kernel(
         _matmul_source(source, epi_source),
         launch,
         kernel,
-        fresh if direct is not None else None,
-        c_call if few_call is not None else None,
+        fresh if direct is not None or generated is not None else None,
+        c_call if few_call is not None or generated is not None else None,
     )
 
 

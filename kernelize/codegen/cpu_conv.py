@@ -133,16 +133,9 @@ def render(kernel: ConvKernel, renderer: Renderer) -> tuple[str, str]:
     name = c_name(kernel.name)
     algo = algorithm(kernel)
     assert algo is not None, f"kernel {kernel.name} is not a generated conv"
-    source = fill(
-        load_template("cpu_conv.cpp"),
-        PRELUDE=load_template("cpu_prelude.h"),
-        CONV_LIB=load_template("cpu_conv.h"),
-        NAME=name,
-        WHAT=f"{algo} conv",
-        EPILOGUE=_epilogue_struct(kernel, f"{name}_epilogue", renderer),
-        DRIVER=DRIVERS[algo] + ("<true>" if algo == "depthwise" and _multiplier(kernel) else ""),
-    )
-    return source, name
+    driver = DRIVERS[algo] + ("<true>" if algo == "depthwise" and _multiplier(kernel) else "")
+    epilogue = _epilogue_struct(kernel, f"{name}_epilogue", renderer)
+    return conv_source(name, f"{algo} conv", epilogue, driver), name
 
 
 def _multiplier(kernel: Kernel) -> bool:
@@ -163,13 +156,33 @@ def _epilogue_struct(kernel: Kernel | None, struct: str, renderer: Renderer) -> 
     stage = kernel
     scalar = ["return v0;"] if stage is None else epilogue_lines(stage, renderer)
     vector = ["return v0;"] if stage is None else epilogue_lines(stage, VECTOR_RENDERER)
+    return epilogue_struct(struct, scalar, vector, stage is not None and bias_first(stage))
+
+
+def epilogue_struct(struct: str, scalar: Sequence[str], vector: Sequence[str] | None, bias: bool) -> str:
+    """An epilogue object from its statements (see :func:`epilogue_lines`): ``vector`` None where the
+    epilogue has no vector spelling; ``bias``: the accumulators start at the channel bias."""
     return fill(
         load_template("cpu_conv_epilogue.cpp"),
         STRUCT=struct,
         EPILOGUE=_indent(scalar, 8),
         VECTOR="true" if vector is not None else "false",
-        BIAS_FIRST="true" if stage is not None and bias_first(stage) else "false",
+        BIAS_FIRST="true" if bias else "false",
         VECTOR_EPILOGUE=_indent(vector or ["return v0;"], 8),
+    )
+
+
+def conv_source(name: str, what: str, epilogue: str, driver: str) -> str:
+    """The C++ source of one conv function ``name`` (``templates/cpu_conv.cpp``) around a driver of
+    ``cpu_conv.h`` and an epilogue object named ``{name}_epilogue``."""
+    return fill(
+        load_template("cpu_conv.cpp"),
+        PRELUDE=load_template("cpu_prelude.h"),
+        CONV_LIB=load_template("cpu_conv.h"),
+        NAME=name,
+        WHAT=what,
+        EPILOGUE=epilogue,
+        DRIVER=driver,
     )
 
 
@@ -253,7 +266,14 @@ def pack_weight(w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
     if algorithm(kernel) == "depthwise":
         cpad = -(-co // nr) * nr
         return F.pad(w.reshape(co, kh * kw).t(), (0, cpad - co)).contiguous()
-    groups = kernel.node.arg.groups
+    return pack_dense(w, kernel.node.arg.groups)
+
+
+def pack_dense(w: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """``w`` (``[co, cig, kh, kw]``) in the dense driver's panels: per group and panel of :func:`panel`
+    output channels, ``[kh][kw][cig][panel]``."""
+    co, cig, kh, kw = w.shape
+    nr = panel()
     cog = co // groups
     panels = -(-cog // nr)
     wg = F.pad(w.reshape(groups, cog, cig, kh, kw), (0, 0, 0, 0, 0, 0, 0, panels * nr - cog))
@@ -304,6 +324,13 @@ def dims(
     values = (n, h, w, c, oh, ow, co, kh, kw, *a.stride, top, left, *a.dilation, a.groups, panel(), ly or co)
     values += (int(nchw),)
     return (ctypes.c_int64 * len(values))(*values)
+
+
+def gemm_dims(m: int, k: int, n: int) -> ctypes.Array:
+    """The ``kz_conv_dims`` of a GEMM ``[m, k] @ [k, n]`` (row major) as the dense driver runs it: a 1x1
+    conv over ``m`` pixels of ``k`` channels, ``n`` out."""
+    values = (1, 1, m, k, 1, m, n, 1, 1, 1, 1, 0, 0, 1, 1, 1, panel(), n, 0)
+    return (ctypes.c_int64 * DIMS)(*values)
 
 
 def output_shape(kernel: Kernel, x: torch.Tensor | Sequence[int]) -> tuple[int, int, int, int]:
@@ -496,8 +523,12 @@ __all__ = [
     "ConvCall",
     "algorithm",
     "chain_stages",
+    "conv_source",
     "dims",
+    "epilogue_struct",
+    "gemm_dims",
     "output_shape",
+    "pack_dense",
     "pack_weight",
     "panel",
     "render",

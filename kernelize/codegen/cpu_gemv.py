@@ -11,10 +11,15 @@ flattened):
   widened in registers, f32 accumulation), and runs the epilogue (bias, activation, ``act(gate) * up``,
   residual add...) on the accumulators before the only store. Weights contiguous along K (``nn.Linear``)
   take the inner-product form; contiguous along N an axpy form; other strides a scalar loop.
-* more rows: a library GEMM (measured 2-7x faster than a generated row-at-a-time kernel at 256+ rows)
-  into a temporary, and a generated pointwise kernel (the same epilogue) reads it. An f32 matmul over a
-  constant weight runs in oneDNN with the weight packed once into its blocked layout (see
-  :func:`onednn_gemm`); others run ``torch.matmul`` (MKL). When the epilogue is only a bias, an exact or
+* more rows, an f32 matmul over a constant weight, on a CPU without AVX-512 (:func:`cpu_gemm`): the
+  tiles of the generated dense conv (``cpu_conv.h``) as a GEMM, the weight packed once into their panels,
+  with a bias, GELU or residual epilogue applied in registers before the only store
+  (:class:`GeneratedGemm`); a fixed C call, so it replays between the other generated kernels. Other
+  epilogues: the tiles' product into a temporary, then the epilogue kernel.
+* more rows otherwise: a library GEMM (measured 2-7x faster than a generated row-at-a-time kernel at 256+
+  rows) into a temporary, and a generated pointwise kernel (the same epilogue) reads it. An f32 matmul over
+  a constant weight runs in oneDNN with the weight packed once into its blocked layout where torch runs
+  AVX-512 (see :func:`onednn_gemm`); others run ``torch.matmul`` (MKL). When the epilogue is only a bias, an exact or
   tanh GELU, a residual add or a multiply (:func:`direct_gemm`), oneDNN applies it as post-ops and its
   result is the kernel's output: no temporary, no epilogue pass. A weight that is an input (a hub layer's
   parameter, which an optimizer may change between calls) takes that path unpacked when it is laid out
@@ -32,7 +37,9 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -47,6 +54,7 @@ from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Op
 from kernelize.ir.shapes import Dim, bind, numel
+from kernelize.runtime.backend import CCall
 
 AXPY_COLUMNS = 2048  # columns per block when some weight is not contiguous along K (see kz_axpy_cols)
 
@@ -212,8 +220,15 @@ def library_matmuls(
         bv = _operand_view(
             reads[index[b.buffer]], b, (*dom[:-2], kk, dom[-1]), (*batch, rank, rank - 1), sizes
         )
-        if packs is not None and b.buffer.op is Op.CONST and (shared or rank == 2) and onednn_gemm(av, bv):
+        constant = packs is not None and b.buffer.op is Op.CONST and (shared or rank == 2)
+        if constant and onednn_gemm(av, bv):
             out.append(_packed_matmul(av, bv, dom, packs, mi))
+        elif constant and tiles_fit(av, bv):
+            a2 = av.reshape(-1, kk)
+            into = spare[len(out)] if len(spare) > len(out) else None
+            fits = into is not None and into.is_contiguous() and into.shape == tuple(dom)
+            y = into.view(a2.shape[0], -1) if fits else None
+            out.append(tiles_gemm(a2, bv[(0,) * (bv.dim() - 2)], packs, ("tiles", mi), y=y).view(tuple(dom)))
         elif av.dtype == bv.dtype == dtype.torch and not lowp_gemm_in_f32(dtype):
             into = spare[len(out)] if len(spare) > len(out) else None
             out.append(_matmul(av, bv, shared, dom, into=into))
@@ -248,24 +263,31 @@ def _matmul(
     return out.reshape(tuple(dom)) if flat else out.contiguous()
 
 
-def onednn_gemm(av: torch.Tensor, bv: torch.Tensor, packed: bool = True) -> bool:
-    """Whether an f32 GEMM over a constant weight runs in oneDNN with the weight packed once, instead of
-    ``torch.matmul`` (MKL). Measured on the ONNX BERT-base (seq 128, 1 thread, AVX-512 AMD EPYC), the whole
-    model against onnxruntime (which packs its weights too, for MLAS): 1.31x -> 0.96x at batch 1, 1.10x ->
-    0.96x at batch 8; ViT-base 1.19x -> 1.05x. Where torch's kernels stop at AVX2 MKL is the faster one:
-    on a Zen 3 EPYC (1 thread) oneDNN's packed GEMMs ran at 64-77 GFLOP/s on DeiT-small's and BERT's
-    shapes, MKL at 70-89 (onnxruntime 77-93); whole models, one process, calls interleaved: DeiT-small
-    155 -> 150 ms, BERT-base 419 -> 384 ms with MKL.
-    So a compiled graph's GEMMs (``packed``) take oneDNN by default only where torch reports AVX-512; the
-    unpacked products of training (:func:`onednn_linear`, ``kernelize.hub.train_linear``, measured on
-    AVX-512 only) take it wherever it exists. ``KERNELIZE_CPU_GEMM=onednn`` or ``=torch`` decides instead."""
+def cpu_gemm(packed: bool = True) -> str:
+    """Which library runs an f32 GEMM of more than :data:`FEW_ROWS` rows: ``"generated"`` (the conv tiles
+    of ``cpu_conv.h`` as a GEMM, :class:`GeneratedGemm`), ``"onednn"`` or ``"torch"`` (MKL).
+    ``KERNELIZE_CPU_GEMM`` decides; by default a compiled graph's GEMMs over constant weights (``packed``)
+    take oneDNN where torch reports AVX-512 and the generated tiles elsewhere, and the unpacked products of
+    training (:func:`onednn_linear`, ``kernelize.hub.train_linear``) oneDNN.
+
+    Measured on AVX-512 (AMD EPYC, 1 thread), the whole ONNX BERT-base against onnxruntime: MKL 1.31x,
+    oneDNN packed 0.96x at batch 1; ViT-base 1.19x -> 1.05x. On a Zen 3 EPYC (AVX2, no AVX-512), the GEMMs of
+    BERT-base, DeiT-small and the Whisper encoder one by one (hot, GFLOP/s at 1 / 2 threads): MKL 60-90 /
+    94-132, oneDNN packed 63-84 / 121-166, onnxruntime (MLAS) 66-91 / 131-185, the generated tiles 90-95 /
+    136-154; MKL and oneDNN each lost to the other on some shapes at 2 threads."""
     choice = os.environ.get("KERNELIZE_CPU_GEMM", "").strip()
-    if choice not in ("", "onednn", "torch"):
-        raise ValueError(f"KERNELIZE_CPU_GEMM={choice!r}: expected `onednn` or `torch`")
-    if not choice and packed:
-        choice = "onednn" if _avx512() else "torch"
+    if choice not in ("", "onednn", "torch", "generated"):
+        raise ValueError(f"KERNELIZE_CPU_GEMM={choice!r}: expected `generated`, `onednn` or `torch`")
+    if choice:
+        return choice
+    return "onednn" if _avx512() or not packed else "generated"
+
+
+def onednn_gemm(av: torch.Tensor, bv: torch.Tensor, packed: bool = True) -> bool:
+    """Whether an f32 GEMM runs in oneDNN (:func:`cpu_gemm`), over a constant weight (``packed``) packed
+    once into oneDNN's blocked layout, instead of the generated tiles or ``torch.matmul`` (MKL)."""
     return (
-        choice != "torch"
+        cpu_gemm(packed) == "onednn"
         and av.dtype == bv.dtype == torch.float32
         and av.device.type == "cpu"
         and _onednn_linear_ok()
@@ -350,11 +372,13 @@ class DirectGemm(NamedTuple):
     binary: str = "add"  # oneDNN binary post-op with the residual: "add" or "mul"
 
 
-def direct_gemm(k: Kernel) -> DirectGemm | None:
+def direct_gemm(k: Kernel, gelu: bool | None = None) -> DirectGemm | None:
     """How ``k`` runs as one oneDNN call over an f32 weight of static shape, or None when it needs the
     epilogue kernel. Skipping the epilogue saves a pass over the output (for a bare matmul, a copy). A
     constant weight is packed once; a weight that is an input (a hub layer's parameter, which may change
-    between calls) is read as it is when it is laid out like ``nn.Linear``'s (see :func:`run_direct`)."""
+    between calls) is read as it is when it is laid out like ``nn.Linear``'s (see :func:`run_direct`).
+    ``gelu``: whether a GELU may be in the plan (default: where oneDNN's GELU post-op is fast,
+    :func:`onednn_gelu`; the generated GEMM applies it in its epilogue)."""
     parts = matmul_parts(k)
     if len(parts.mms) != 1 or len(k.stores) != 1:
         return None
@@ -375,7 +399,7 @@ def direct_gemm(k: Kernel) -> DirectGemm | None:
             continue
         if cur not in e.src or attr != "none" or residual is not None:
             return None
-        if e.op is Op.GELU and e.arg in ("none", "tanh") and onednn_gelu():
+        if e.op is Op.GELU and e.arg in ("none", "tanh") and (onednn_gelu() if gelu is None else gelu):
             attr, algorithm = "gelu", e.arg
         elif e.op in (Op.ADD, Op.MUL) and len(e.src) == 2:
             other = k.body[e.src[0] if e.src[1] == cur else e.src[1]]
@@ -415,20 +439,29 @@ def _is_bias(ld: Load, domain: Sequence[Dim]) -> bool:
     )
 
 
+def _single_operands(
+    k: Kernel, reads: Sequence[torch.Tensor], sizes: Mapping[str, int]
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...], int]:
+    """The operand views of a one-matmul kernel, row major over the domain: ``x`` ``[..., M, K]`` and the
+    weight ``[..., K, N]``, with the bound domain and K."""
+    parts = matmul_parts(k)
+    rank, dom = len(k.domain), tuple(bind(k.domain, sizes))
+    index = {b: i for i, b in enumerate(k.reads)}
+    a, b = k.body[parts.a], k.body[parts.mms[0][1]]
+    kk = int(bind((k.k,), sizes)[0])
+    batch = list(range(rank - 2))
+    av = _operand_view(reads[index[a.buffer]], a, (*dom[:-1], kk), (*batch, rank - 2, rank), sizes)
+    bv = _operand_view(reads[index[b.buffer]], b, (*dom[:-2], kk, dom[-1]), (*batch, rank, rank - 1), sizes)
+    return av, bv, dom, kk
+
+
 def run_direct(
     k: Kernel, plan: DirectGemm, reads: Sequence[torch.Tensor], sizes: Mapping[str, int], packs: dict
 ) -> list[torch.Tensor] | None:
     """The output of ``k`` computed by one packed oneDNN call (see :func:`direct_gemm`), or None when this
     call's operands do not qualify (another dtype, ``KERNELIZE_CPU_GEMM=torch``)."""
-    parts = matmul_parts(k)
-    rank, dom = len(k.domain), bind(k.domain, sizes)
-    index = {b: i for i, b in enumerate(k.reads)}
-    (mi, ib), a = parts.mms[0], k.body[parts.a]
-    kk = int(bind((k.k,), sizes)[0])
-    batch = list(range(rank - 2))
-    av = _operand_view(reads[index[a.buffer]], a, (*dom[:-1], kk), (*batch, rank - 2, rank), sizes)
-    b = k.body[ib]
-    bv = _operand_view(reads[index[b.buffer]], b, (*dom[:-2], kk, dom[-1]), (*batch, rank, rank - 1), sizes)
+    av, bv, dom, kk = _single_operands(k, reads, sizes)
+    rank, index, mi = len(dom), {b: i for i, b in enumerate(k.reads)}, matmul_parts(k).mms[0][0]
     if not onednn_gemm(av, bv):
         return None
     if plan.packed:
@@ -447,6 +480,190 @@ def run_direct(
         y = torch.ops.mkldnn._linear_pointwise.binary(a2.contiguous(), rv.contiguous(), pw, bias, plan.binary)
     y = y.view(tuple(dom))
     return [y.permute(0, 3, 1, 2) if plan.nhwc else y]
+
+
+class GeneratedGemm:
+    """A MATMUL kernel of one f32 matmul over a constant weight and a :class:`DirectGemm` epilogue as one
+    generated call (:func:`tiles_gemm`) that applies the epilogue (bias in the accumulators' start, GELU, a
+    residual add or multiply) before the only store, into the kernel's own output: no temporary and no
+    epilogue pass."""
+
+    def __init__(self, kernel: Kernel, plan: DirectGemm) -> None:
+        self.kernel, self.plan = kernel, plan
+        binary = None if plan.residual is None else plan.binary
+        self.form = (plan.bias is not None, plan.attr, plan.algorithm, binary)
+        self._packs: dict = {}
+
+    def run(
+        self, reads: Sequence[torch.Tensor], sizes: Mapping[str, int], out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The kernel's output, into ``out`` (its output buffer) where that is laid out as the store is,
+        else a new tensor; None when this call's operands do not qualify (:func:`tiles_fit`)."""
+        k, plan = self.kernel, self.plan
+        av, bv, dom, kk = _single_operands(k, reads, sizes)
+        rank, index, mi = len(dom), {b: i for i, b in enumerate(k.reads)}, matmul_parts(k).mms[0][0]
+        m, n = math.prod(dom[:-1]), int(dom[-1])
+        if not tiles_fit(av, bv):
+            return None
+        bias = None if plan.bias is None else reads[index[k.body[plan.bias].buffer]].reshape(-1)
+        r = None
+        if plan.residual is not None:
+            rl = k.body[plan.residual]
+            r = _operand_view(reads[index[rl.buffer]], rl, dom, range(rank), sizes).reshape(m, n)
+        layout = torch.channels_last if plan.nhwc else torch.contiguous_format
+        if out is not None and (out.numel() != m * n or not out.is_contiguous(memory_format=layout)):
+            out = None
+        y = tiles_gemm(av.reshape(m, kk), bv[(0,) * (bv.dim() - 2)], self._packs, mi, self.form, bias, r, out)
+        if y is out:
+            return out
+        y = y.view(tuple(dom))
+        return y.permute(0, 3, 1, 2) if plan.nhwc else y
+
+    def c_call(
+        self,
+        reads: Sequence[torch.Tensor | None],
+        writes: Sequence[torch.Tensor | None],
+        sizes: Mapping[str, int],
+    ) -> CCall | None:
+        """The call :meth:`run` makes, for ``kz_replay`` (a None tensor: a buffer whose pointer is patched per
+        run); None where it is not one fixed call: the weight not fixed, a changing buffer read through an
+        offset or a non-dense view, a buffer read twice, operands :func:`tiles_fit` refuses."""
+        from kernelize.codegen.cpu_conv import MAX_GROUP_CHANNELS, gemm_dims
+
+        k, plan = self.kernel, self.plan
+        parts = matmul_parts(k)
+        rank, dom = len(k.domain), bind(k.domain, sizes)
+        (mi, ib), a = parts.mms[0], k.body[parts.a]
+        b = k.body[ib]
+        kk, m, n = int(bind((k.k,), sizes)[0]), math.prod(dom[:-1]), int(dom[-1])
+        index = {buf: i for i, buf in enumerate(k.reads)}
+        w = reads[index[b.buffer]]
+        fits = a.buffer.dtype is DType.F32 and kk <= MAX_GROUP_CHANNELS and cpu_gemm() == "generated"
+        if w is None or w.dtype != torch.float32 or not fits:
+            return None
+        batch = list(range(rank - 2))
+        bv = _operand_view(w, b, (*dom[:-2], kk, dom[-1]), (*batch, rank, rank - 1), sizes)
+        w2 = bv[(0,) * (bv.dim() - 2)]
+        operands = [(a, (*dom[:-1], kk), (*batch, rank - 2, rank), torch.contiguous_format)]
+        operands.append(None if plan.bias is None else (k.body[plan.bias], (n,), (rank - 1,), None))
+        if plan.residual is None:
+            operands.append(None)
+        else:
+            operands.append((k.body[plan.residual], dom, range(rank), torch.contiguous_format))
+        args, slots = [], [None] * (len(reads) + len(writes))
+        for arg, o in zip((0, 2, 3), operands):
+            if o is None:
+                args.append(0)
+                continue
+            ld, shape, axes, layout = o
+            t, i = reads[index[ld.buffer]], index[ld.buffer]
+            if slots[i] is not None or ld.offset != 0:
+                return None
+            strides = bind(tuple(ld.strides[x] for x in axes), sizes)
+            dense = all(st == r for st, r, d in zip(strides, row_major(shape), shape, strict=True) if d != 1)
+            if not dense or (t is not None and t.dtype != torch.float32):
+                return None
+            args.append(0 if t is None else t.data_ptr())
+            slots[i] = arg
+        y = writes[0]
+        layout = torch.channels_last if plan.nhwc else torch.contiguous_format
+        if y is None and plan.nhwc or y is not None and not y.is_contiguous(memory_format=layout):
+            return None
+        slots[len(reads)] = 4
+        packed = tiles_packed(w2, self._packs, mi)
+        d = gemm_dims(m, kk, n)
+        args[1:1] = [packed.data_ptr()]
+        args += [0 if y is None else y.data_ptr(), ctypes.addressof(d)]
+        fn = ctypes.cast(_gemm_function(*self.form), ctypes.c_void_p).value
+        error = f"cpu GEMM of kernel {k.name} rejected its sizes {tuple(d)}"
+        return CCall(fn, tuple(args), error, tuple(slots), keep=(d, packed))
+
+
+def runs_in_tiles(k: Kernel) -> bool:
+    """Whether every matmul of the MATMUL kernel ``k`` runs in the generated tiles past its few rows
+    (:func:`tiles_fit` for its static operands): then no GEMM of it is on torch's OpenMP pool."""
+    from kernelize.codegen.cpu_conv import MAX_GROUP_CHANNELS
+
+    parts = matmul_parts(k)
+    rank = len(k.domain)
+    static = isinstance(k.k, int) and k.k <= MAX_GROUP_CHANNELS
+    operands = [k.body[parts.a].buffer, *(k.body[ib].buffer for _, ib in parts.mms)]
+    constant = all(b.op is Op.CONST for b in operands[1:]) and (weights_shared(k) or rank == 2)
+    f32 = all(b.dtype is DType.F32 for b in operands)
+    return static and constant and f32 and cpu_gemm() == "generated"
+
+
+def tiles_fit(av: torch.Tensor, bv: torch.Tensor) -> bool:
+    """Whether ``av @ bv`` runs in the generated tiles (:func:`tiles_gemm`): f32 CPU operands, at most
+    ``KZ_ZERO_ROW`` products per output, and that library chosen (:func:`cpu_gemm`)."""
+    from kernelize.codegen.cpu_conv import MAX_GROUP_CHANNELS
+
+    fits = av.dtype == bv.dtype == torch.float32 and av.device.type == "cpu"
+    return fits and av.shape[-1] <= MAX_GROUP_CHANNELS and cpu_gemm() == "generated"
+
+
+def tiles_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    packs: dict,
+    key: Any,
+    form: tuple = (False, "none", "", None),
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    y: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``epilogue(a @ w)`` (``a``: ``[M, K]``, ``w``: a constant ``[K, N]``) by the dense conv driver of
+    ``cpu_conv.h``, which sees the rows as M pixels of K channels of a 1x1 conv: ``w`` packed into its
+    panels once (kept in ``packs[key]``), the epilogue ``form`` (:func:`_gemm_function`) applied in
+    registers before the only store, into ``y`` (a dense ``[M, N]`` buffer) or a new tensor. Sizes are
+    run-time arguments: one compiled function per epilogue form serves every GEMM of a process."""
+    from kernelize.codegen import cpu_build
+    from kernelize.codegen.cpu_conv import gemm_dims
+
+    m, kk = a.shape
+    a = a if a.is_contiguous() else a.contiguous()
+    r = None if residual is None else residual.contiguous()
+    y = torch.empty(m, w.shape[1], dtype=a.dtype) if y is None else y
+    d = gemm_dims(m, kk, w.shape[1])
+    ptrs = [0 if t is None else t.data_ptr() for t in (a, tiles_packed(w, packs, key), bias, r, y)]
+    if _gemm_function(*form)(*ptrs, d, cpu_build.threads()):
+        raise RuntimeError(f"cpu GEMM rejected its sizes {tuple(d)}")
+    return y
+
+
+def tiles_packed(w: torch.Tensor, packs: dict, key: Any) -> torch.Tensor:
+    """The constant ``[K, N]`` weight ``w`` in the dense conv driver's panels, packed on first use and kept
+    in ``packs[key]`` with the view it was packed from (so its memory is not reused while it is the key)."""
+    from kernelize.codegen.cpu_conv import pack_dense
+
+    shape = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    entry = packs.get(key)
+    if entry is None or entry[0] != shape:
+        entry = packs[key] = (shape, w, pack_dense(w.t().reshape(w.shape[1], w.shape[0], 1, 1)))
+    return entry[2]
+
+
+@functools.cache
+def _gemm_function(bias: bool, attr: str, algorithm: str, binary: str | None):
+    """The compiled GEMM of :class:`GeneratedGemm` for one epilogue form: the channel bias (the
+    accumulators start at it), then an exact or tanh GELU (``attr``), or a residual ``binary`` ("add" /
+    "mul", the residual row major like the output)."""
+    from kernelize.codegen import cpu_build
+    from kernelize.codegen.cpu_conv import ARGTYPES, conv_source, epilogue_struct
+
+    name = f"kz_gemm_{'b' if bias else ''}{attr}{algorithm}{binary or ''}"
+    scalar, vector = ["return v0;"], ["return v0;"]
+    if attr == "gelu":
+        scalar, vector = [f"return {'kz_gelu_tanh' if algorithm == 'tanh' else 'kz_gelu'}(v0);"], None
+    elif binary is not None:
+        op = "+" if binary == "add" else "*"
+        scalar = [f"return v0 {op} kz_r[kz_p * kz_co + kz_c];"]
+        vector = [f"return v0 {op} kz_vld(kz_r + kz_p * kz_co + kz_c, kz_n);"]
+    epilogue = epilogue_struct(f"{name}_epilogue", scalar, vector, bias)
+    source = conv_source(name, "GEMM (a 1x1 conv)", epilogue, "kz_conv_dense")
+    fn = getattr(cpu_build.load(cpu_build.build_shared_object(source, name)), name)
+    fn.argtypes, fn.restype = ARGTYPES, ctypes.c_int
+    return fn
 
 
 # CPU flags (Linux /proc/cpuinfo) of instructions that make torch's 16-bit GEMM fast
@@ -491,10 +708,15 @@ def _cpu_flags() -> frozenset[str] | None:
 
 __all__ = [
     "DirectGemm",
+    "GeneratedGemm",
+    "cpu_gemm",
     "direct_gemm",
     "library_matmuls",
     "lowp_gemm_in_f32",
     "onednn_gemm",
     "render_gemv",
+    "runs_in_tiles",
+    "tiles_fit",
+    "tiles_gemm",
     "run_direct",
 ]

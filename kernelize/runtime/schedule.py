@@ -128,12 +128,14 @@ def multiply_adds(node: Node, env: Mapping[str, int]) -> int:
 
 def _many_rows(k: Kernel, sizes: Mapping[str, int]) -> bool:
     from kernelize.autokernel.matmul import FEW_ROWS, rows_of
+    from kernelize.codegen.cpu_gemv import runs_in_tiles
 
-    return rows_of(k, sizes) > FEW_ROWS
+    return rows_of(k, sizes) > FEW_ROWS and not runs_in_tiles(k)
 
 
 # per kernel class, whether its generated step runs a long op on torch's OpenMP pool at the step's sizes: a
-# matmul past its few-row sizes calls torch's GEMM, an experts kernel's many-pair path library GEMMs
+# matmul past its few-row sizes calls a library GEMM (unless the generated tiles take it), an experts
+# kernel's many-pair path library GEMMs
 ON_TORCH_POOL: dict[type, Callable[[Kernel, Mapping[str, int]], bool]] = {
     ExpertsKernel: lambda k, sizes: True,
     MatmulKernel: _many_rows,

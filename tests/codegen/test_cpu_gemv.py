@@ -217,8 +217,8 @@ def const_linear_graph(rows, w: torch.Tensor, epilogue: str, bias: torch.Tensor 
     y = g.matmul(x, wt)
     if bias is not None:
         y = g.add(y, g.const(bias))
-    if epilogue == "gelu":
-        y = g.gelu(y)
+    if epilogue in ("gelu", "gelu_tanh"):
+        y = g.gelu(y, "tanh" if epilogue == "gelu_tanh" else "none")
     if epilogue == "residual":
         y = g.add(y, g.input("r", (*rows, w.shape[0]), DType.F32))
     if epilogue == "gate":  # a gated MLP's act(gate) * up, act(gate) computed by an earlier kernel
@@ -284,6 +284,71 @@ def test_cpu_gemm_choice_torch_skips_onednn_and_rejects_unknown_values(packed_ca
     monkeypatch.setenv("KERNELIZE_CPU_GEMM", "mkl")
     with pytest.raises(ValueError, match="KERNELIZE_CPU_GEMM='mkl'"):
         check(g, inputs_for(g, {"m": 30}, gen), DType.F32)
+
+
+@pytest.fixture
+def tiles_calls(monkeypatch):
+    """Records the epilogue form of every GEMM that ran in the generated tiles (``tiles_gemm``)."""
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "generated")
+    calls = []
+    real = cpu_gemv._gemm_function
+
+    def spy(*form):
+        calls.append(form)
+        return real(*form)
+
+    monkeypatch.setattr(cpu_gemv, "_gemm_function", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "epilogue,bias,form",
+    [
+        ("none", False, (False, "none", "", None)),
+        ("none", True, (True, "none", "", None)),
+        ("gelu", True, (True, "gelu", "none", None)),
+        ("gelu_tanh", False, (False, "gelu", "tanh", None)),
+        ("residual", True, (True, "none", "", "add")),
+        ("gate", False, (False, "none", "", "mul")),
+    ],
+)
+def test_constant_weight_gemm_runs_in_generated_tiles_with_its_epilogue(tiles_calls, epilogue, bias, form):
+    """Above FEW_ROWS an f32 matmul over a constant weight runs the conv driver's tiles as a GEMM, its bias,
+    GELU or residual applied before the store, into the kernel's output; rows that fill no whole tile, a
+    contraction and columns that fill no whole panel (45, 70), several row counts on one compiled graph."""
+    gen = torch.Generator().manual_seed(21)
+    w, b = torch.randn(70, 45, generator=gen) / 7, torch.randn(70, generator=gen)
+    g = const_linear_graph(("b", "s"), w, epilogue, b if bias else None)
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for sizes in ({"b": 1, "s": 40}, {"b": 3, "s": 17}, {"b": 1, "s": 2}, {"b": 2, "s": 129}):
+        inputs = inputs_for(g, sizes, gen)
+        (got,) = cg(*inputs)
+        (want,) = evaluate(g, inputs)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=str(sizes))
+    assert tiles_calls == [form] * 3  # the 2-row call took the few-row kernel
+
+
+def test_other_epilogues_run_the_plain_tiles_then_the_epilogue_kernel(tiles_calls):
+    """A sigmoid after the GEMM (no fused form): the tiles write the product, the epilogue kernel the rest;
+    a contraction longer than the tiles' zero row (KZ_ZERO_ROW) takes the library GEMM."""
+    gen = torch.Generator().manual_seed(22)
+    g = Graph()
+    x = g.input("x", ("m", 16), DType.F32)
+    g.output(g.sigmoid(g.matmul(x, g.transpose(g.const(torch.randn(24, 16, generator=gen))))))
+    check(g, inputs_for(g, {"m": 33}, gen), DType.F32)
+    assert tiles_calls == [(False, "none", "", None)]
+    long_k = const_linear_graph(("m",), torch.randn(5, 8200, generator=gen) / 90, "none")
+    check(long_k, inputs_for(long_k, {"m": 20}, gen), DType.F32)
+    assert len(tiles_calls) == 1
+
+
+def test_cpu_gemm_default_is_onednn_on_avx512_else_the_generated_tiles(monkeypatch):
+    monkeypatch.delenv("KERNELIZE_CPU_GEMM", raising=False)
+    want = "onednn" if cpu_gemv._avx512() else "generated"
+    assert cpu_gemv.cpu_gemm() == want
+    assert cpu_gemv.cpu_gemm(packed=False) == "onednn"  # training's unpacked products
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "generated")
+    assert cpu_gemv.cpu_gemm(packed=False) == "generated"
 
 
 def _matmul_kernel_of(g: Graph):

@@ -91,9 +91,10 @@ def test_a_failing_kernel_in_a_batch_names_itself():
         cg(x, torch.tensor([9, 0, 1, 2]))
 
 
-def test_a_library_gemm_returning_its_own_tensor_is_read_from_there():
+def test_a_library_gemm_returning_its_own_tensor_is_read_from_there(monkeypatch):
     """A GEMM over a constant f32 weight with many rows is one oneDNN call allocating its output
     (``CompiledKernel.fresh``), not the arena buffer planned for it: a replayed reader must follow it."""
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "onednn")  # (the default only where torch runs AVX-512)
     g = Graph()
     x = g.input("x", (B, 64), "f32")
     y = g.matmul(g.exp(x), g.const(torch.randn(64, 32) * 0.1))  # exp first: the GEMM reads an intermediate
@@ -103,6 +104,25 @@ def test_a_library_gemm_returning_its_own_tensor_is_read_from_there():
     for _ in range(2):
         torch.testing.assert_close(cg(x)[0], evaluate(g, [x])[0], rtol=1e-5, atol=1e-6)
     assert any(cg._steps[u].compiled.fresh is not None for u in _program(cg) if isinstance(u, int))
+
+
+@pytest.mark.parametrize("first", ["intermediate", "input"])
+def test_generated_gemms_replay_in_the_batch(monkeypatch, first):
+    """Many-row GEMMs over constant weights in the generated tiles (bias + GELU, then bias + residual) are
+    fixed C calls: the layer is one batch; the first GEMM reads an intermediate or the graph's input (its
+    pointer and the residual's patched per run), rows that fill no whole tile."""
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "generated")
+    g = Graph()
+    x = g.input("x", (B, 40), "f32")
+    h = g.exp(g.mul(x, g.const(0.1))) if first == "intermediate" else x
+    u = g.gelu(g.add(g.matmul(h, g.const(torch.randn(40, 72) * 0.2)), g.const(torch.randn(72))))
+    y = g.add(g.add(g.matmul(u, g.const(torch.randn(72, 40) * 0.1)), g.const(torch.randn(40))), h)
+    g.output(g.softmax(y))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for n in (67, 67, 130):
+        x = torch.randn(n, 40)
+        torch.testing.assert_close(cg(x)[0], evaluate(g, [x])[0], rtol=1e-5, atol=1e-6)
+        assert [type(u) for u in next(reversed(cg._arenas.values())).program] == [Batch]
 
 
 def _conv_pool_graph(kind: str, count_pad: bool) -> Graph:
