@@ -19,12 +19,12 @@ flattened):
 * more rows otherwise: a library GEMM (measured 2-7x faster than a generated row-at-a-time kernel at 256+
   rows) into a temporary, and a generated pointwise kernel (the same epilogue) reads it. An f32 matmul over
   a constant weight runs in oneDNN with the weight packed once into its blocked layout where torch runs
-  AVX-512 (see :func:`onednn_gemm`); others run ``torch.matmul`` (MKL). When the epilogue is only a bias, an exact or
-  tanh GELU, a residual add or a multiply (:func:`direct_gemm`), oneDNN applies it as post-ops and its
-  result is the kernel's output: no temporary, no epilogue pass. A weight that is an input (a hub layer's
-  parameter, which an optimizer may change between calls) takes that path unpacked when it is laid out
-  like ``nn.Linear``'s (N, K). The demo decoder's marked projections, 1024 rows x 256 -> 768, 2 threads: MKL
-  and the epilogue's copy 2.7-3.1 ms -> 2.5 ms (``nn.Linear`` 2.5-2.9 ms).
+  AVX-512 (see :func:`onednn_gemm`); others run ``torch.matmul`` (MKL). When the epilogue is only a bias,
+  an exact or tanh GELU, a residual add or a multiply (:func:`direct_gemm`), oneDNN applies it as
+  post-ops and its result is the kernel's output: no temporary, no epilogue pass. A weight that is an
+  input (a hub layer's parameter, which an optimizer may change between calls) takes that path unpacked
+  when it is laid out like ``nn.Linear``'s (N, K). The demo decoder's marked projections, 1024 rows x
+  256 -> 768, 2 threads: MKL and the epilogue's copy 2.7-3.1 ms -> 2.5 ms (``nn.Linear`` 2.5-2.9 ms).
   bf16 / f16 operands on a CPU without 16-bit dot-product instructions (x86 without AVX512-BF16 / AMX,
   see :func:`lowp_gemm_in_f32`) are widened to f32 for the GEMM and the product rounded back: torch's
   16-bit GEMM falls back to a slow path there (measured 6.6x slower than widening, AVX2, 2048 x 512 x 1536)

@@ -336,11 +336,13 @@ def step_call(
     sizes: Mapping[str, int],
     fixed: Callable[[Node], torch.Tensor | None],
     channels_last: Container[Node],
+    env: Mapping[str, int] | None = None,
 ) -> tuple[CCall, list[tuple[int, Node]], bool] | None:
     """The C call of a generated step, the arguments to patch per run and whether its writes are allocated
     per run; None when the step must run in Python. ``fixed(b)`` is the tensor of buffer ``b`` when it is
     the same on every run of this signature (arena views, constants), else None; ``channels_last`` the
-    buffers the plan lays out NHWC."""
+    buffers the plan lays out NHWC; ``env`` the graph's symbol values (for the views an attention step
+    reads)."""
     k, compiled = step.kernel, step.compiled
     if step.library and not step.operands and all(map(_size, shapes)):
         return _library_call(step, fixed, channels_last)
@@ -348,6 +350,8 @@ def step_call(
         return None
     if step.conv is not None:
         return _conv_call(step, sizes, fixed, channels_last)
+    if step.operands:
+        return _operands_call(step, env, fixed)
     reads = [fixed(b) for b in k.reads]
     writes = [fixed(b) for b in k.writes]
     per_run = any(w is None for w in writes)
@@ -359,6 +363,24 @@ def step_call(
     if any(a is None for a, _ in dynamic):  # a changing tensor the call only sees through a derived one
         return None
     return call, dynamic, per_run
+
+
+def _operands_call(step, env, fixed) -> tuple[CCall, list, bool] | None:
+    """A step launched on its node's operands seen through their views (attention over the heads of a
+    fused QKV buffer): the views made once over fixed buffers, when every buffer it reads and writes is
+    fixed and every view is one (a layout op that copies would leave the call reading a stale copy)."""
+    k = step.kernel
+    bases = {b: fixed(b) for b in k.reads}
+    writes = [fixed(b) for b in k.writes]
+    if env is None or any(t is None for t in (*bases.values(), *writes)):
+        return None
+    vals = dict(bases)
+    reads = [materialize(s, vals, dict(env)) for s in k.node.src]
+    storages = {t.untyped_storage().data_ptr() for t in bases.values()}
+    if any(t.untyped_storage().data_ptr() not in storages for t in reads):
+        return None
+    call = step.compiled.c_call(reads, writes, {})
+    return None if call is None or len(call.args) >= REPLAY_ARGS else (call, [], False)
 
 
 def _conv_call(step, sizes, fixed, channels_last):

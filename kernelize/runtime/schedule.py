@@ -211,7 +211,7 @@ def program(
     for i, (step, shapes, sizes) in enumerate(zip(steps, bound.shapes, bound.sizes)):
         if i in skip:
             continue
-        entry = step_call(step, shapes, sizes, fixed, channels_last) if bound.launch[i] else None
+        entry = step_call(step, shapes, sizes, fixed, channels_last, bound.env) if bound.launch[i] else None
         if entry is not None:
             run.append((i, *entry))
             continue

@@ -991,6 +991,24 @@ def _every_kind_graph():
     return g, [rand(s, DType.F32) for s in [(3, 512), (384, 512), (1, 4, 9, 32), (1, 4, 300, 32)]]
 
 
+def test_a_graph_whose_gemms_run_in_the_generated_tiles_keeps_kernelizes_workers(monkeypatch):
+    """A many-row matmul over a constant weight in the generated tiles is no torch GEMM: the run's regions
+    stay on kernelize's workers (with `KERNELIZE_CPU_GEMM=torch` the same graph moves to torch's pool)."""
+    from kernelize.autokernel.matmul import FEW_ROWS
+    from kernelize.runtime.compiled import compile_graph
+
+    g = Graph()
+    x = g.input("x", (Sym.of("n"), 64), DType.F32)
+    h = g.rmsnorm(g.exp(g.mul(x, g.scalar(0.01, DType.F32))), None, 1e-6)
+    g.output(g.matmul(h, g.const(torch.randn(64, 40) * 0.1)))
+    many = [rand((FEW_ROWS + 5, 64), DType.F32)]
+    for choice, torch_pool in (("generated", False), ("torch", True)):
+        monkeypatch.setenv("KERNELIZE_CPU_GEMM", choice)
+        cg = compile_graph(g, backend="cpu", cache=False)
+        assert cg._bind(many).torch_pool is torch_pool
+        torch.testing.assert_close(cg(*many)[0], evaluate(g, many)[0], rtol=1e-4, atol=1e-4)
+
+
 def test_a_run_wakes_a_sleeping_worker_before_its_first_region():
     """kz_workers_wake (what a compiled graph's run calls first, cpu_build.with_workers): a worker asleep
     after a pause is woken and spins, so the run's first region finds it awake; then it sleeps again."""

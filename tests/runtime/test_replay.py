@@ -125,6 +125,25 @@ def test_generated_gemms_replay_in_the_batch(monkeypatch, first):
         assert [type(u) for u in next(reversed(cg._arenas.values())).program] == [Batch]
 
 
+def test_attention_over_views_of_a_fused_qkv_buffer_replays_in_the_batch():
+    """A transformer layer's attention reads its heads through views (reshape, permute, slice) of the
+    fused QKV buffer a kernel writes: the views are made once over the arena buffer and the attention call
+    joins the batch; each run reads that run's values."""
+    g = Graph()
+    s, h, d = 7, 2, 8
+    x = g.input("x", (B, s, 3 * h * d), "f32")
+    qkv = g.mul(x, g.const(0.5))  # an arena buffer [B, s, 3 * h * d]
+    heads = g.permute(g.view(qkv, (B, s, 3, h, d)), (2, 0, 3, 1, 4))  # [3, B, h, s, d]
+    q, k, v = (g.view(g.slice(heads, 0, i, i + 1), (B, h, s, d)) for i in range(3))
+    g.output(g.exp(g.attention(q, k, v, None, scale=0.3, causal=False)))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for _ in range(2):
+        x = torch.randn(2, s, 3 * h * d)
+        torch.testing.assert_close(cg(x)[0], evaluate(g, [x])[0], rtol=1e-5, atol=1e-6)
+    (attention,) = [i for i, st in enumerate(cg._steps) if st.kernel.kind.name == "ATTENTION"]
+    assert [type(u) for u in _program(cg)] == [Batch] and attention in _program(cg)[0].steps
+
+
 def _conv_pool_graph(kind: str, count_pad: bool) -> Graph:
     """conv -> pool -> conv -> relu: the pool reads and writes NHWC buffers between two generated convs."""
     g = Graph()
