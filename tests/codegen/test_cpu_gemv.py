@@ -328,6 +328,21 @@ def test_constant_weight_gemm_runs_in_generated_tiles_with_its_epilogue(tiles_ca
     assert tiles_calls == [form] * 3  # the 2-row call took the few-row kernel
 
 
+@pytest.mark.parametrize("m,k,n", [(17, 1, 1), (23, 3, 16), (31, 17, 33), (200, 300, 5), (7 * 6 + 1, 64, 48)])
+def test_generated_tiles_gemm_on_awkward_sizes(tiles_calls, m, k, n):
+    """The tiles' edges: one input channel, one output column, columns past a whole panel, rows past a
+    whole tile, against the reference; bias + residual fused."""
+    gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    g = const_linear_graph(("m",), w, "residual", b)
+    inputs = inputs_for(g, {"m": m}, gen)
+    (got,) = compile_graph(g, backend="cpu", cache=False)(*inputs)
+    (want,) = evaluate(g, inputs)
+    torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, k**0.5), rtol=1e-4)
+    # one output column: the bias of one value is no per-column bias to the planner; the epilogue kernel adds
+    assert tiles_calls == [(True, "none", "", "add") if n > 1 else (False, "none", "", None)]
+
+
 def test_other_epilogues_run_the_plain_tiles_then_the_epilogue_kernel(tiles_calls):
     """A sigmoid after the GEMM (no fused form): the tiles write the product, the epilogue kernel the rest;
     a contraction longer than the tiles' zero row (KZ_ZERO_ROW) takes the library GEMM."""
