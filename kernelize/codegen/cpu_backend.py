@@ -42,6 +42,7 @@ from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
 from kernelize.codegen.cpu_attention import attention_launcher, unit_last
 from kernelize.codegen.cpu_build import load, same_source_groups, unit_chunks, unit_source
 from kernelize.codegen.cpu_experts import experts_launcher
+from kernelize.codegen.cpu_gemv import gemm_forms, prebuild
 from kernelize.codegen.render import gather_error
 from kernelize.codegen.template import load_template
 from kernelize.ir.attention import split_operands
@@ -141,6 +142,7 @@ class CpuBackend(Backend):
         is called as kernels finish.
         """
         kinds = [dispatch(_KINDS, k, "the cpu backend") for k in kernels]
+        prebuild(gemm_forms(kernels))  # the GEMMs' own functions build beside the units
         parts = {i: kind.parts(k) for i, (k, kind) in enumerate(zip(kernels, kinds, strict=True))}
         rendered = {p.name: render(p, self.renderer) for ps in parts.values() for p, _ in ps}
         assert len({name for _, name in rendered.values()}) == len(rendered), "kernel names collide"
@@ -375,12 +377,10 @@ def _matmul_kernel(
     direct = direct_gemm(kernel)
 
     def fresh(reads: Sequence[torch.Tensor], sizes: Mapping[str, int]) -> list[torch.Tensor] | None:
-        if rows_of(kernel, sizes) <= FEW_ROWS:
+        # oneDNN allocates its output; the generated tiles write the kernel's own buffer (launch)
+        if direct is None or rows_of(kernel, sizes) <= FEW_ROWS:
             return None
-        y = None if generated is None else generated.run(reads, sizes)
-        if y is not None:
-            return [y]
-        return None if direct is None else run_direct(kernel, direct, reads, sizes, packs)
+        return run_direct(kernel, direct, reads, sizes, packs)
 
     def c_call(reads, writes, sizes: Mapping[str, int]) -> CCall | None:
         if rows_of(kernel, sizes) <= FEW_ROWS:
@@ -393,7 +393,7 @@ def _matmul_kernel(
         _matmul_source(source, epi_source),
         launch,
         kernel,
-        fresh if direct is not None or generated is not None else None,
+        fresh if direct is not None else None,
         c_call if few_call is not None or generated is not None else None,
     )
 

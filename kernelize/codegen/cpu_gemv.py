@@ -41,13 +41,15 @@ import ctypes
 import functools
 import math
 import os
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from kernelize.autokernel.kernels import Kernel, Load
+from kernelize.autokernel.kernels import Kernel, KernelKind, Load
 from kernelize.autokernel.matmul import matmul_parts, row_major, weights_shared
 from kernelize.codegen.render import closure
 from kernelize.codegen.template import fill, load_template
@@ -57,6 +59,7 @@ from kernelize.ir.shapes import Dim, bind, numel
 from kernelize.runtime.backend import CCall
 
 AXPY_COLUMNS = 2048  # columns per block when some weight is not contiguous along K (see kz_axpy_cols)
+PLAIN = (False, "none", "", None)  # the epilogue form of a bare product in the tiles (:func:`_gemm_function`)
 
 
 def _static(d: Dim) -> bool:
@@ -490,9 +493,14 @@ class GeneratedGemm:
 
     def __init__(self, kernel: Kernel, plan: DirectGemm) -> None:
         self.kernel, self.plan = kernel, plan
-        binary = None if plan.residual is None else plan.binary
-        self.form = (plan.bias is not None, plan.attr, plan.algorithm, binary)
+        self.form = self.form_of(plan)
         self._packs: dict = {}
+
+    @staticmethod
+    def form_of(plan: DirectGemm) -> tuple:
+        """The epilogue form (:func:`_gemm_function`) of ``plan``."""
+        binary = None if plan.residual is None else plan.binary
+        return (plan.bias is not None, plan.attr, plan.algorithm, binary)
 
     def run(
         self, reads: Sequence[torch.Tensor], sizes: Mapping[str, int], out: torch.Tensor | None = None
@@ -607,7 +615,7 @@ def tiles_gemm(
     w: torch.Tensor,
     packs: dict,
     key: Any,
-    form: tuple = (False, "none", "", None),
+    form: tuple = PLAIN,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     y: torch.Tensor | None = None,
@@ -643,8 +651,44 @@ def tiles_packed(w: torch.Tensor, packs: dict, key: Any) -> torch.Tensor:
     return entry[2]
 
 
-@functools.cache
-def _gemm_function(bias: bool, attr: str, algorithm: str, binary: str | None):
+_FORMS: dict[tuple, Future] = {}  # epilogue form -> its function, built in the background
+_FORMS_LOCK = threading.Lock()
+_BUILDS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kz-gemm-build")
+
+
+def gemm_forms(kernels: Sequence[Kernel]) -> set[tuple]:
+    """The epilogue forms the generated tiles will run the GEMMs of ``kernels`` with (those MATMUL kernels
+    that :func:`runs_in_tiles`): what to build before their first call (:func:`prebuild`)."""
+    forms = set()
+    for k in kernels:
+        if k.kind is not KernelKind.MATMUL or not runs_in_tiles(k):
+            continue
+        plan = direct_gemm(k, gelu=True)
+        forms.add(GeneratedGemm.form_of(plan) if plan is not None and plan.packed else PLAIN)
+    return forms
+
+
+def prebuild(forms: set[tuple]) -> None:
+    """Start building the GEMM functions of ``forms`` in the background (a cold build of one takes 2-4 s
+    here): a backend calls it before it compiles a graph's kernels, so they build beside them."""
+    for form in forms:
+        _form_future(form)
+
+
+def _form_future(form: tuple) -> Future:
+    with _FORMS_LOCK:
+        future = _FORMS.get(form)
+        if future is None:
+            future = _FORMS[form] = _BUILDS.submit(_build_gemm, *form)
+        return future
+
+
+def _gemm_function(*form):
+    """The compiled GEMM of one epilogue form (:func:`_build_gemm`), built once per process."""
+    return _form_future(form).result()
+
+
+def _build_gemm(bias: bool, attr: str, algorithm: str, binary: str | None):
     """The compiled GEMM of :class:`GeneratedGemm` for one epilogue form: the channel bias (the
     accumulators start at it), then an exact or tanh GELU (``attr``), or a residual ``binary`` ("add" /
     "mul", the residual row major like the output)."""
@@ -660,7 +704,7 @@ def _gemm_function(bias: bool, attr: str, algorithm: str, binary: str | None):
         scalar = [f"return v0 {op} kz_r[kz_p * kz_co + kz_c];"]
         vector = [f"return v0 {op} kz_vld(kz_r + kz_p * kz_co + kz_c, kz_n);"]
     epilogue = epilogue_struct(f"{name}_epilogue", scalar, vector, bias)
-    source = conv_source(name, "GEMM (a 1x1 conv)", epilogue, "kz_conv_dense")
+    source = conv_source(name, "GEMM (a 1x1 conv)", epilogue, "kz_gemm_dense")
     fn = getattr(cpu_build.load(cpu_build.build_shared_object(source, name)), name)
     fn.argtypes, fn.restype = ARGTYPES, ctypes.c_int
     return fn
@@ -711,9 +755,11 @@ __all__ = [
     "GeneratedGemm",
     "cpu_gemm",
     "direct_gemm",
+    "gemm_forms",
     "library_matmuls",
     "lowp_gemm_in_f32",
     "onednn_gemm",
+    "prebuild",
     "render_gemv",
     "runs_in_tiles",
     "tiles_fit",

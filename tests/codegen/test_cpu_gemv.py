@@ -357,6 +357,22 @@ def test_other_epilogues_run_the_plain_tiles_then_the_epilogue_kernel(tiles_call
     assert len(tiles_calls) == 1
 
 
+def test_gemm_forms_a_graph_builds_before_its_first_call(monkeypatch):
+    """The epilogue forms compile_many starts building in the background: a fused form per direct plan, the
+    bare product for other epilogues, none where the tiles do not run the GEMMs."""
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "generated")
+    gen = torch.Generator().manual_seed(23)
+    w, b = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
+    fused = plan(const_linear_graph(("m",), w, "gelu", b), CpuBackend().plan_settings).kernels
+    g = Graph()
+    g.output(g.sigmoid(g.matmul(g.input("x", ("m", 16), DType.F32), g.transpose(g.const(w)))))
+    bare = plan(g, CpuBackend().plan_settings).kernels
+    assert cpu_gemv.gemm_forms(fused) == {(True, "gelu", "none", None)}
+    assert cpu_gemv.gemm_forms([*fused, *bare]) == {(True, "gelu", "none", None), cpu_gemv.PLAIN}
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "torch")
+    assert cpu_gemv.gemm_forms(fused) == set()
+
+
 def test_cpu_gemm_default_is_onednn_on_avx512_else_the_generated_tiles(monkeypatch):
     monkeypatch.delenv("KERNELIZE_CPU_GEMM", raising=False)
     want = "onednn" if cpu_gemv._avx512() else "generated"

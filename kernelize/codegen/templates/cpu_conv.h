@@ -434,6 +434,17 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
     });
 }
 
+// a GEMM [m, k] x [k, n] as a 1x1 conv over m pixels of k channels (cpu_gemv.GeneratedGemm): the dense tiles
+// alone, without the NCHW-input drivers and half-panel tiles a GEMM does not take (compiled in a third of
+// kz_conv_dense's time: a GEMM's function is built on a model's first call)
+template <class Epi>
+static int kz_gemm_dense(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
+                         const Epi& epi) {
+    if (d.nr != KZ_NR || d.ly < d.co || d.c > KZ_ZERO_ROW || d.nchw || d.kh * d.kw != 1 || d.g != 1) return 1;
+    if (d.n * d.oh * d.ow == 0 || d.co == 0) return 0;
+    return kz_conv_dense_tiles<KZ_MR, KZ_NV>(d, x, wp, y, nthreads, epi);
+}
+
 // ---- convs over an NCHW input: a network's stem reading the caller's image ----------------------------------
 // A conv over few input channels (an RGB stem: kh * kw * c of 27-363 products per output) has too little work
 // per tap for the NHWC tiles: per tile, the row pointers (or row segments) of MR pixels cost about what its
