@@ -227,6 +227,17 @@ def const_linear_graph(rows, w: torch.Tensor, epilogue: str, bias: torch.Tensor 
     return g
 
 
+def check_row_counts(g: Graph, gen: torch.Generator) -> None:
+    """One compiled graph over ``(b, s)`` rows against the reference: 40, 51 and 258 rows (the GEMM
+    path) and 2 (the few-row kernel)."""
+    cg = compile_graph(g, backend="cpu", cache=False)
+    for sizes in ({"b": 1, "s": 40}, {"b": 3, "s": 17}, {"b": 1, "s": 2}, {"b": 2, "s": 129}):
+        inputs = inputs_for(g, sizes, gen)
+        (got,) = cg(*inputs)
+        (want,) = evaluate(g, inputs)
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=str(sizes))
+
+
 @pytest.fixture
 def packed_calls(monkeypatch):
     """Counts the GEMMs that ran in oneDNN over a packed constant weight (with or without the epilogue
@@ -254,12 +265,7 @@ def test_constant_weight_gemm_runs_packed_in_onednn(packed_calls, epilogue):
     gen = torch.Generator().manual_seed(5)
     w, b = torch.randn(70, 45, generator=gen) / 7, torch.randn(70, generator=gen)
     g = const_linear_graph(("b", "s"), w, epilogue, b)
-    cg = compile_graph(g, backend="cpu", cache=False)
-    for sizes in ({"b": 1, "s": 40}, {"b": 3, "s": 17}, {"b": 1, "s": 2}, {"b": 2, "s": 129}):
-        inputs = inputs_for(g, sizes, gen)
-        (got,) = cg(*inputs)
-        (want,) = evaluate(g, inputs)
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=str(sizes))
+    check_row_counts(g, gen)
     assert len(packed_calls) == 3  # the 2-row call took the few-row kernel
 
 
@@ -319,12 +325,7 @@ def test_constant_weight_gemm_runs_in_generated_tiles_with_its_epilogue(tiles_ca
     gen = torch.Generator().manual_seed(21)
     w, b = torch.randn(70, 45, generator=gen) / 7, torch.randn(70, generator=gen)
     g = const_linear_graph(("b", "s"), w, epilogue, b if bias else None)
-    cg = compile_graph(g, backend="cpu", cache=False)
-    for sizes in ({"b": 1, "s": 40}, {"b": 3, "s": 17}, {"b": 1, "s": 2}, {"b": 2, "s": 129}):
-        inputs = inputs_for(g, sizes, gen)
-        (got,) = cg(*inputs)
-        (want,) = evaluate(g, inputs)
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4, msg=str(sizes))
+    check_row_counts(g, gen)
     assert tiles_calls == [form] * 3  # the 2-row call took the few-row kernel
 
 
