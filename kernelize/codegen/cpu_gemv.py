@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernelize.autokernel.kernels import Kernel, KernelKind, Load
+from kernelize.autokernel.kernels import Kernel, Load, MatmulKernel, dispatch
 from kernelize.autokernel.matmul import matmul_parts, row_major, weights_shared
 from kernelize.codegen.render import closure
 from kernelize.codegen.template import fill, load_template
@@ -659,13 +659,17 @@ _BUILDS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix
 def gemm_forms(kernels: Sequence[Kernel]) -> set[tuple]:
     """The epilogue forms the generated tiles will run the GEMMs of ``kernels`` with (those MATMUL kernels
     that :func:`runs_in_tiles`): what to build before their first call (:func:`prebuild`)."""
-    forms = set()
-    for k in kernels:
-        if k.kind is not KernelKind.MATMUL or not runs_in_tiles(k):
-            continue
-        plan = direct_gemm(k, gelu=True)
-        forms.add(GeneratedGemm.form_of(plan) if plan is not None and plan.packed else PLAIN)
-    return forms
+    return {form for k in kernels for form in dispatch(_FORMS_OF, k, "the GEMM tiles")(k)}
+
+
+def _matmul_forms(k: Kernel) -> set[tuple]:
+    if not runs_in_tiles(k):
+        return set()
+    plan = direct_gemm(k, gelu=True)
+    return {GeneratedGemm.form_of(plan) if plan is not None and plan.packed else PLAIN}
+
+
+_FORMS_OF = {MatmulKernel: _matmul_forms, Kernel: lambda k: set()}
 
 
 def prebuild(forms: set[tuple]) -> None:

@@ -1031,9 +1031,8 @@ def test_a_run_wakes_a_sleeping_worker_before_its_first_region():
     pool.kz_workers_wake(2)
     assert until(lambda: pool.kz_workers_sleeping() < started)  # the team's worker spins for a region
     assert until(lambda: pool.kz_workers_sleeping() == started)
-    pool.kz_workers_wake(1)  # a team of one wakes nobody
-    time.sleep(0.01)
-    assert pool.kz_workers_sleeping() == started
+    # (no check that a team of one wakes nobody: a woken worker is asleep again 0.2 ms later, so a later count
+    # cannot see it, and one that a busy machine schedules late still counts as asleep until it runs)
 
 
 def test_a_region_never_waits_for_a_worker_that_has_not_started():
