@@ -536,7 +536,7 @@ class GeneratedGemm:
         """The call :meth:`run` makes, for ``kz_replay`` (a None tensor: a buffer whose pointer is patched per
         run); None where it is not one fixed call: the weight not fixed, a changing buffer read through an
         offset or a non-dense view, a buffer read twice, operands :func:`tiles_fit` refuses."""
-        from kernelize.codegen.cpu_conv import MAX_GROUP_CHANNELS, gemm_dims
+        from kernelize.codegen.cpu_conv import gemm_dims
 
         k, plan = self.kernel, self.plan
         parts = matmul_parts(k)
@@ -546,8 +546,8 @@ class GeneratedGemm:
         kk, m, n = int(bind((k.k,), sizes)[0]), math.prod(dom[:-1]), int(dom[-1])
         index = {buf: i for i, buf in enumerate(k.reads)}
         w = reads[index[b.buffer]]
-        fits = a.buffer.dtype is DType.F32 and kk <= MAX_GROUP_CHANNELS and cpu_gemm() == "generated"
-        if w is None or w.dtype != torch.float32 or not fits:
+        f32 = a.buffer.dtype is DType.F32 and w is not None and w.dtype == torch.float32
+        if not tiles_take(f32, kk):
             return None
         batch = list(range(rank - 2))
         bv = _operand_view(w, b, (*dom[:-2], kk, dom[-1]), (*batch, rank, rank - 1), sizes)
@@ -589,25 +589,26 @@ class GeneratedGemm:
 
 def runs_in_tiles(k: Kernel) -> bool:
     """Whether every matmul of the MATMUL kernel ``k`` runs in the generated tiles past its few rows
-    (:func:`tiles_fit` for its static operands): then no GEMM of it is on torch's OpenMP pool."""
-    from kernelize.codegen.cpu_conv import MAX_GROUP_CHANNELS
-
+    (:func:`tiles_take` for its static operands): then no GEMM of it is on torch's OpenMP pool."""
     parts = matmul_parts(k)
-    rank = len(k.domain)
-    static = isinstance(k.k, int) and k.k <= MAX_GROUP_CHANNELS
     operands = [k.body[parts.a].buffer, *(k.body[ib].buffer for _, ib in parts.mms)]
-    constant = all(b.op is Op.CONST for b in operands[1:]) and (weights_shared(k) or rank == 2)
+    constant = all(b.op is Op.CONST for b in operands[1:]) and (weights_shared(k) or len(k.domain) == 2)
     f32 = all(b.dtype is DType.F32 for b in operands)
-    return static and constant and f32 and cpu_gemm() == "generated"
+    return constant and isinstance(k.k, int) and tiles_take(f32, k.k)
 
 
 def tiles_fit(av: torch.Tensor, bv: torch.Tensor) -> bool:
-    """Whether ``av @ bv`` runs in the generated tiles (:func:`tiles_gemm`): f32 CPU operands, at most
+    """:func:`tiles_take` for the operands of ``av @ bv`` (CPU tensors)."""
+    f32 = av.dtype == bv.dtype == torch.float32 and av.device.type == "cpu"
+    return tiles_take(f32, av.shape[-1])
+
+
+def tiles_take(f32: bool, k: int) -> bool:
+    """Whether a GEMM runs in the generated tiles (:func:`tiles_gemm`): f32 operands, at most
     ``KZ_ZERO_ROW`` products per output, and that library chosen (:func:`cpu_gemm`)."""
     from kernelize.codegen.cpu_conv import MAX_GROUP_CHANNELS
 
-    fits = av.dtype == bv.dtype == torch.float32 and av.device.type == "cpu"
-    return fits and av.shape[-1] <= MAX_GROUP_CHANNELS and cpu_gemm() == "generated"
+    return f32 and k <= MAX_GROUP_CHANNELS and cpu_gemm() == "generated"
 
 
 def tiles_gemm(
