@@ -116,6 +116,14 @@ def onnx_table(r: dict) -> str:
     return md([*head, "rel. diff vs ort", "cold / warm load s", *(["CPU"] if cpus else [])], rows)
 
 
+def load_table(r: dict) -> str:
+    """Seconds from the ONNX file to the first output, cold (empty caches) and warm, per model."""
+    rows = [[x["model"], str(x["batch"]), f"{x['cold_s']:.1f}", f"{x['warm_s']:.2f}"] for x in r["rows"]]
+    meta = r.get("meta", {})
+    note = f"\n\n{meta.get('threads', '?')} threads, {meta.get('cpu', '?')}, torch {meta.get('torch', '?')}."
+    return md(["model", "batch", "cold s", "warm s"], rows) + note
+
+
 def threads_table(r: dict) -> str:
     rows = []
     for model, runs in r["models"].items():
@@ -259,6 +267,9 @@ TABLES: dict[str, Table] = {
         "train.json", _cmd("train.py"), _bench_table("train", "step_table", "steps"), "steps"
     ),
     "onnx_models.json:models": Table("onnx_models.json", _cmd("onnx_models.py"), onnx_table),
+    "onnx_compile_times.json:load": Table(
+        "onnx_compile_times.json", _cmd("onnx_models.py", "--compile-times-only"), load_table
+    ),
     "gpu/*.json:sections": Table("gpu/*.json", "make gpu-check", gpu_table),
     "moe.json:models": Table("moe.json", _cmd("moe.py"), _bench_table("moe", "table", "records")),
     "quantized_kernelize.json:kernelize": Table(

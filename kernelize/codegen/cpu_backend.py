@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -36,13 +36,13 @@ from kernelize.autokernel.kernels import (
     RowKernel,
     dispatch,
 )
-from kernelize.codegen import cpu_build, cpu_conv
+from kernelize.codegen import cpu_build, cpu_conv, cpu_pool
 from kernelize.codegen.cpu import CpuRenderer, render
 from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
 from kernelize.codegen.cpu_attention import attention_launcher, unit_last
 from kernelize.codegen.cpu_build import load, same_source_groups, unit_chunks, unit_source
 from kernelize.codegen.cpu_experts import experts_launcher
-from kernelize.codegen.cpu_gemv import gemm_forms, prebuild
+from kernelize.codegen.cpu_gemv import PLAIN, cpu_gemm, gemm_forms, prebuild
 from kernelize.codegen.render import gather_error
 from kernelize.codegen.template import load_template
 from kernelize.ir.attention import split_operands
@@ -142,17 +142,20 @@ class CpuBackend(Backend):
         is called as kernels finish.
         """
         kinds = [dispatch(_KINDS, k, "the cpu backend") for k in kernels]
-        prebuild(gemm_forms(kernels))  # the GEMMs' own functions build beside the units
+        # the fixed libraries the kernels' calls use build beside the units (every unit binds to the workers)
+        warm_libraries({cpu_build.workers, *(lib for kind in kinds for lib in kind.libraries)})
+        prebuild(gemm_forms(kernels))  # the GEMMs' library too
         parts = {i: kind.parts(k) for i, (k, kind) in enumerate(zip(kernels, kinds, strict=True))}
         rendered = {p.name: render(p, self.renderer) for ps in parts.values() for p, _ in ps}
         assert len({name for _, name in rendered.values()}) == len(rendered), "kernel names collide"
         together = [i for i, kind in enumerate(kinds) if not kind.alone]
         groups = same_source_groups(together, parts, rendered)
-        units = [[i] for i, kind in enumerate(kinds) if kind.alone]
+        alone = same_source_groups([i for i, kind in enumerate(kinds) if kind.alone], parts, rendered)
+        units = [[i] for i in alone]
         units += unit_chunks(
             list(groups), [sum(len(rendered[k.name][0]) for k, _ in parts[i]) for i in groups]
         )
-        groups.update({i: [i] for i, kind in enumerate(kinds) if kind.alone})
+        groups.update(alone)
         shared = [load_template(name) for name in ("cpu_prelude.h", "cpu_gemv.h", "cpu_conv.h")]
         out: list[CompiledKernel | None] = [None] * len(kernels)
 
@@ -161,7 +164,7 @@ class CpuBackend(Backend):
             what = kernels[chunk[0]].name if len(chunk) == 1 else f"{len(chunk)} kernels"
             return chunk, cpu_build.build_shared_object(unit_source(sources, shared), what)
 
-        with ThreadPoolExecutor(max_workers=max(1, len(units))) as pool:
+        with ThreadPoolExecutor(max_workers=len(units)) as pool:
             for chunk, path in pool.map(build, units):
                 lib = load(path)
                 for rep in chunk:
@@ -173,6 +176,23 @@ class CpuBackend(Backend):
         return out
 
 
+_LIBRARIES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kz-libraries")
+
+
+def warm_libraries(libraries: Iterable[Callable[[], object]] | None = None) -> None:
+    """Start building ``libraries`` in the background: by default every fixed library of the CPU runtime (the
+    workers, pools and layout copies, the GEMM tiles where they run the GEMMs), which no graph's source
+    changes, so each is compiled once per machine. Loading an ONNX model calls it when the model is not in
+    the graph cache (likely a first start): the front end runs Python on one core while the compiler builds
+    them on another (BERT-base cold, empty caches: the libraries took ~3 s of compiler time, ~1.2 s of the
+    start). A library already built is a lookup; a failed build raises again where it is used."""
+    if libraries is None:
+        libraries = (cpu_build.workers, cpu_pool.library)
+        prebuild({PLAIN} if cpu_gemm() == "generated" else set())
+    for library in libraries:
+        _LIBRARIES.submit(library)
+
+
 # ---- per kind: what a kernel compiles to, and how its functions become one CompiledKernel -----------------
 Parts = list[tuple[Kernel, tuple]]  # the kernels a kernel's functions are rendered from, with temporaries
 
@@ -181,6 +201,7 @@ class _LoopKind:
     """POINTWISE and ROW kernels: one generated function, launched with (reads, writes, sizes, threads)."""
 
     alone = False  # built in a translation unit of its own
+    libraries: tuple[Callable[[], object], ...] = ()  # the fixed runtime libraries its calls use
 
     def generates(self, kernel: Kernel) -> bool:
         return True
@@ -236,6 +257,8 @@ class _ExpertsKind(_LoopKind):
 class _ConvKind(_LoopKind):
     """CONV kernels: generated when :func:`cpu_conv.algorithm` takes them, else run by the library."""
 
+    libraries = (cpu_pool.library,)  # an NCHW input copied NHWC
+
     def generates(self, kernel: Kernel) -> bool:
         return cpu_conv.algorithm(kernel) is not None
 
@@ -248,6 +271,8 @@ class _ConvKind(_LoopKind):
 class _ConvChainKind(_LoopKind):
     """CONV_CHAIN kernels: the stages as one generated function (``kz_conv_chain``)."""
 
+    libraries = (cpu_pool.library,)  # an NCHW input copied NHWC
+
     def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
         chain = cpu_conv.ChainCall(fns[0], kernel)
         source = rendered[kernel.name][0]
@@ -256,6 +281,8 @@ class _ConvChainKind(_LoopKind):
 
 class _LibraryKind(_LoopKind):
     """LIBRARY kernels: the runtime runs them with torch."""
+
+    libraries = (cpu_pool.library,)  # pools, global sums and means
 
     def generates(self, kernel: Kernel) -> bool:
         return False

@@ -231,6 +231,7 @@ def workers_policy() -> str:
 # (compiled graphs switch it around their runs under `auto`; tests and benchmarks set it)
 WORKERS = ctypes.c_int64(int(workers_policy() == "kernelize"))
 _WORKERS_LIB: list[ctypes.CDLL] = []
+_WORKERS_LOCK = threading.Lock()
 
 
 _RUN = threading.local()  # .threads: the team size kernels take inside a run on kernelize's workers
@@ -272,7 +273,13 @@ def openmp_away(threads: int) -> None:
 
 
 def workers() -> ctypes.CDLL:
-    """The process's one pool of kernel workers (``templates/cpu_workers.cpp``), built and loaded once."""
+    """The process's one pool of kernel workers (``templates/cpu_workers.cpp``), built and loaded once (a
+    backend starts the build in the background with its kernels' units: every unit binds to it)."""
+    with _WORKERS_LOCK:
+        return _workers()
+
+
+def _workers() -> ctypes.CDLL:
     if not _WORKERS_LIB:
         from kernelize.codegen.template import load_template
 

@@ -49,6 +49,7 @@ MAX_TAPS = 128  # KZ_MAX_TAPS
 MAX_GROUP_CHANNELS = 8192  # KZ_ZERO_ROW: input channels per group
 
 DRIVERS = {"dense": "kz_conv_dense", "depthwise": "kz_conv_depthwise"}
+DW_FORMS = (31, 32, 51, 52, 71)  # the depthwise sliding forms (kz_dw_form: width x 10 + stride); 31 first
 # Dense convs with at least this many multiply-adds per output (input channels per group x taps) stay
 # oneDNN's: side by side in the models (1 thread, min of 20 runs), the 27 such convs of ResNet-50,
 # MobileNetV2, EfficientNet-B0, RegNetY-400MF and ConvNeXt-tiny took 1.07x oneDNN's time generated, the
@@ -124,6 +125,11 @@ def render_chain(kernel: ConvChainKernel, renderer: Renderer) -> tuple[str, str]
         EPILOGUES="\n".join(structs),
         HAS_A="true" if a is not None else "false",
         HAS_C="true" if c is not None else "false",
+        # the variants compiled (cpu_conv.h kz_conv_chain): the depthwise stage's sliding form, 1x1 stages
+        # whose outputs fill at most half a panel
+        FORM=str(depthwise.node.src[1].shape[3] * 10 + depthwise.node.arg.stride[1]),
+        HALF_A=str(a is not None and a.node.src[1].shape[0] <= panel() // 2).lower(),
+        HALF_C=str(c is not None and c.node.src[1].shape[0] <= panel() // 2).lower(),
     )
     return source, name
 
@@ -133,7 +139,19 @@ def render(kernel: ConvKernel, renderer: Renderer) -> tuple[str, str]:
     name = c_name(kernel.name)
     algo = algorithm(kernel)
     assert algo is not None, f"kernel {kernel.name} is not a generated conv"
-    driver = DRIVERS[algo] + ("<true>" if algo == "depthwise" and _multiplier(kernel) else "")
+    # the driver's variants the conv can take (cpu_conv.h), the rest not compiled: for a dense conv, reading
+    # an NCHW input (its stride), groups of half a panel; for a depthwise one, a channel multiplier, the
+    # sliding form
+    co, _, kh, kw = kernel.node.src[1].shape
+    a = kernel.node.arg
+    if algo == "dense":
+        sw = (a.stride[1] if a.stride[1] in (1, 2, 4) else 0) if reads_nchw(kernel) else -1
+        options = (sw, co // a.groups <= panel() // 2)
+    else:
+        rep = _multiplier(kernel)
+        form = 0 if a.dilation[1] != 1 or kh > 16 else kw * 10 + a.stride[1]
+        options = (rep, form if form in (DW_FORMS[:1] if rep else DW_FORMS) else 0)
+    driver = f"{DRIVERS[algo]}<{', '.join(str(o).lower() for o in options)}>"
     epilogue = _epilogue_struct(kernel, f"{name}_epilogue", renderer)
     return conv_source(name, f"{algo} conv", epilogue, driver), name
 
@@ -276,8 +294,21 @@ def pack_dense(w: torch.Tensor, groups: int = 1) -> torch.Tensor:
     nr = panel()
     cog = co // groups
     panels = -(-cog // nr)
-    wg = F.pad(w.reshape(groups, cog, cig, kh, kw), (0, 0, 0, 0, 0, 0, 0, panels * nr - cog))
+    wg = w.reshape(groups, cog, cig, kh, kw)
+    if panels * nr != cog:  # a copy, not made for whole panels
+        wg = F.pad(wg, (0, 0, 0, 0, 0, 0, 0, panels * nr - cog))
     return wg.reshape(groups, panels, nr, cig, kh, kw).permute(0, 1, 4, 5, 3, 2).contiguous()
+
+
+def pack_gemm(w: torch.Tensor) -> torch.Tensor:
+    """The GEMM weight ``w`` (``[K, N]``, any strides) in the dense driver's panels of a 1x1 conv of K input
+    and N output channels (:func:`pack_dense`'s layout), in one copy."""
+    k, n = w.shape
+    nr = panel()
+    panels = -(-n // nr)
+    if panels * nr != n:
+        w = F.pad(w, (0, panels * nr - n))
+    return w.reshape(k, panels, nr).permute(1, 0, 2).contiguous().reshape(1, panels, 1, 1, k, nr)
 
 
 ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int]
@@ -529,6 +560,7 @@ __all__ = [
     "gemm_dims",
     "output_shape",
     "pack_dense",
+    "pack_gemm",
     "pack_weight",
     "panel",
     "render",

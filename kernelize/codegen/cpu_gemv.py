@@ -643,18 +643,18 @@ def tiles_gemm(
 def tiles_packed(w: torch.Tensor, packs: dict, key: Any) -> torch.Tensor:
     """The constant ``[K, N]`` weight ``w`` in the dense conv driver's panels, packed on first use and kept
     in ``packs[key]`` with the view it was packed from (so its memory is not reused while it is the key)."""
-    from kernelize.codegen.cpu_conv import pack_dense
+    from kernelize.codegen.cpu_conv import pack_gemm
 
     shape = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
     entry = packs.get(key)
     if entry is None or entry[0] != shape:
-        entry = packs[key] = (shape, w, pack_dense(w.t().reshape(w.shape[1], w.shape[0], 1, 1)))
+        entry = packs[key] = (shape, w, pack_gemm(w))
     return entry[2]
 
 
-_FORMS: dict[tuple, Future] = {}  # epilogue form -> its function, built in the background
-_FORMS_LOCK = threading.Lock()
-_BUILDS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kz-gemm-build")
+_GEMMS: list[Future] = []  # the library of every epilogue form (templates/cpu_gemm.cpp), built in background
+_GEMMS_LOCK = threading.Lock()
+_BUILDS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kz-gemm-build")
 
 
 def gemm_forms(kernels: Sequence[Kernel]) -> set[tuple]:
@@ -674,45 +674,50 @@ _FORMS_OF = {MatmulKernel: _matmul_forms, Kernel: lambda k: set()}
 
 
 def prebuild(forms: set[tuple]) -> None:
-    """Start building the GEMM functions of ``forms`` in the background (a cold build of one takes 2-4 s
-    here): a backend calls it before it compiles a graph's kernels, so they build beside them."""
-    for form in forms:
-        _form_future(form)
+    """Start building the GEMM library (:func:`_gemm_function`) in the background where ``forms`` is not
+    empty: a backend calls it before it compiles a graph's kernels, so it builds beside them."""
+    if forms:
+        _gemm_library()
 
 
-def _form_future(form: tuple) -> Future:
-    with _FORMS_LOCK:
-        future = _FORMS.get(form)
-        if future is None:
-            future = _FORMS[form] = _BUILDS.submit(_build_gemm, *form)
-        return future
+def _gemm_library() -> Future:
+    with _GEMMS_LOCK:
+        if not _GEMMS:
+            _GEMMS.append(_BUILDS.submit(_build_gemms))
+        return _GEMMS[0]
 
 
-def _gemm_function(*form):
-    """The compiled GEMM of one epilogue form (:func:`_build_gemm`), built once per process."""
-    return _form_future(form).result()
-
-
-def _build_gemm(bias: bool, attr: str, algorithm: str, binary: str | None):
-    """The compiled GEMM of :class:`GeneratedGemm` for one epilogue form: the channel bias (the
-    accumulators start at it), then an exact or tanh GELU (``attr``), or a residual ``binary`` ("add" /
-    "mul", the residual row major like the output)."""
-    from kernelize.codegen import cpu_build
-    from kernelize.codegen.cpu_conv import ARGTYPES, conv_source, epilogue_struct
-
-    name = f"kz_gemm_{'b' if bias else ''}{attr}{algorithm}{binary or ''}"
-    scalar, vector = ["return v0;"], ["return v0;"]
+def _gemm_function(bias: bool, attr: str, algorithm: str, binary: str | None):
+    """The compiled GEMM of :class:`GeneratedGemm` for one epilogue form: the channel bias (the accumulators
+    start at it where the call passes one), then an exact or tanh GELU (``attr``, ``algorithm``), or a
+    residual ``binary`` ("add" / "mul", the residual row major like the output)."""
     if attr == "gelu":
-        scalar, vector = [f"return {'kz_gelu_tanh' if algorithm == 'tanh' else 'kz_gelu'}(v0);"], None
-    elif binary is not None:
-        op = "+" if binary == "add" else "*"
-        scalar = [f"return v0 {op} kz_r[kz_p * kz_co + kz_c];"]
-        vector = [f"return v0 {op} kz_vld(kz_r + kz_p * kz_co + kz_c, kz_n);"]
-    epilogue = epilogue_struct(f"{name}_epilogue", scalar, vector, bias)
-    source = conv_source(name, "GEMM (a 1x1 conv)", epilogue, "kz_gemm_dense")
-    fn = getattr(cpu_build.load(cpu_build.build_shared_object(source, name)), name)
-    fn.argtypes, fn.restype = ARGTYPES, ctypes.c_int
-    return fn
+        name = "kz_gemm_gelu_tanh" if algorithm == "tanh" else "kz_gemm_gelu"
+    else:
+        name = f"kz_gemm_{binary or 'plain'}"
+    return getattr(_gemm_library().result(), name)
+
+
+def gemm_source() -> str:
+    """The C++ source of the GEMM library (``templates/cpu_gemm.cpp``)."""
+    return fill(
+        load_template("cpu_gemm.cpp"),
+        PRELUDE=load_template("cpu_prelude.h"),
+        CONV_LIB=load_template("cpu_conv.h"),
+    )
+
+
+def _build_gemms() -> ctypes.CDLL:
+    """The library of ``templates/cpu_gemm.cpp``: one driver, every epilogue form an entry point (the form is
+    a run-time argument, so every model shares one build)."""
+    from kernelize.codegen import cpu_build
+    from kernelize.codegen.cpu_conv import ARGTYPES
+
+    lib = cpu_build.load(cpu_build.build_shared_object(gemm_source(), "kz_gemm"))
+    for name in ("plain", "gelu", "gelu_tanh", "add", "mul"):
+        fn = getattr(lib, f"kz_gemm_{name}")
+        fn.argtypes, fn.restype = ARGTYPES, ctypes.c_int
+    return lib
 
 
 # CPU flags (Linux /proc/cpuinfo) of instructions that make torch's 16-bit GEMM fast
@@ -761,6 +766,7 @@ __all__ = [
     "cpu_gemm",
     "direct_gemm",
     "gemm_forms",
+    "gemm_source",
     "library_matmuls",
     "lowp_gemm_in_f32",
     "onednn_gemm",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -36,12 +37,27 @@ def source() -> str:
     return fill(load_template("cpu_pool.cpp"), PRELUDE=load_template("cpu_prelude.h"))
 
 
+_LIBRARY_LOCK = threading.Lock()
+
+
+def library() -> ctypes.CDLL:
+    """The library of ``kz_pool``, ``kz_to_nhwc`` and ``kz_channel_gather``, compiled once (disk-cached like
+    every kernel; a backend starts the build beside a graph's kernels when they will call it)."""
+    with _LIBRARY_LOCK:
+        return _library()
+
+
 @functools.cache
-def _pool_fn():
-    """``kz_pool``, compiled once (disk-cached like every kernel)."""
+def _library() -> ctypes.CDLL:
     from kernelize.codegen.cpu_build import build_shared_object, load
 
-    fn = load(build_shared_object(source(), "kz_pool")).kz_pool
+    return load(build_shared_object(source(), "kz_pool"))
+
+
+@functools.cache
+def _pool_fn():
+    """``kz_pool``."""
+    fn = library().kz_pool
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
     return fn
 
@@ -126,9 +142,7 @@ def c_call(node: Node, x: torch.Tensor, y: torch.Tensor) -> CCall | None:
 @functools.cache
 def _fn(name: str):
     """``kz_channel_gather`` or ``kz_to_nhwc``, from the same library as ``kz_pool``."""
-    from kernelize.codegen.cpu_build import build_shared_object, load
-
-    fn = getattr(load(build_shared_object(source(), "kz_pool")), name)
+    fn = getattr(library(), name)
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
     return fn
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +110,30 @@ def tensor_from_proto(t: TensorProto, what: str) -> torch.Tensor:
             f"{what}: tensor {t.name!r} keeps its data in an external file that was not loaded; "
             "load the model from its path (not from bytes) so the data file is found"
         )
+    raw = t.raw_data if t.data_type in _RAW_DTYPES and t.data_location != TensorProto.EXTERNAL else b""
+    count = math.prod(t.dims)
+    if raw and len(raw) == count * _RAW_DTYPES[t.data_type].itemsize:
+        # the tensor over the bytes object the proto handed out (no second copy of BERT-base's 440 MB of
+        # weights); torch warns that the buffer is read-only, and nothing writes a constant
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(raw, dtype=_RAW_DTYPES[t.data_type]).reshape(tuple(t.dims))
     return tensor_from_numpy(numpy_helper.to_array(t))
+
+
+# little-endian element types whose raw bytes are the tensor's (ONNX stores raw_data little-endian)
+_RAW_DTYPES = (
+    {
+        TensorProto.FLOAT: torch.float32,
+        TensorProto.DOUBLE: torch.float64,
+        TensorProto.FLOAT16: torch.float16,
+        TensorProto.BFLOAT16: torch.bfloat16,
+        TensorProto.INT64: torch.int64,
+        TensorProto.INT32: torch.int32,
+    }
+    if sys.byteorder == "little"
+    else {}
+)
 
 
 @dataclass(frozen=True)

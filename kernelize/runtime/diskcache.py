@@ -109,13 +109,13 @@ def file_identity(path: Path) -> tuple:
     return (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def remembered_sha256(path: Path) -> str:
+def remembered_sha256(path: Path, compute: bool = True) -> str | None:
     """:func:`file_sha256` of ``path``, remembered per :func:`file_identity` (in this process and in the
     cache sub folder ``digests``), so an unchanged 440 MB model file is hashed once, not on every load.
 
     A file whose mtime or ctime is within :data:`RACY_SECONDS` of now is hashed and not remembered: a
     write in the same timestamp tick as our look would leave its identity unchanged (git's "racily clean"
-    files).
+    files). ``compute=False``: None where the digest is not remembered (nothing is hashed).
 
     Example:
         >>> remembered_sha256(Path("model.onnx"))  # doctest: +SKIP
@@ -133,6 +133,8 @@ def remembered_sha256(path: Path) -> str:
             return digest
     except (OSError, UnicodeDecodeError):
         pass
+    if not compute:
+        return None
     digest = file_sha256(path)
     if time.time_ns() - max(ident[4], ident[5]) > RACY_SECONDS * 1e9 and file_identity(path) == ident:
         _digests[ident] = digest

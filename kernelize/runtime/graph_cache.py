@@ -24,7 +24,9 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,13 @@ from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Constant, Graph, Node, Op
 from kernelize.ir.shapes import Sym
 from kernelize.runtime.cache import graph_fingerprint
-from kernelize.runtime.diskcache import cached, file_identity, get_or_build, remembered_sha256
+from kernelize.runtime.diskcache import (
+    RACY_SECONDS,
+    cached,
+    file_identity,
+    get_or_build,
+    remembered_sha256,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -189,10 +197,11 @@ def load_optimized_onnx(
     A model whose bytes may name external data files is not cached (their content is not part of the key).
     The cached tensors are memory-mapped from the entry (copy-on-write), so a warm start reads each weight
     page once, when it is first used. The model file's sha256 is remembered per file identity
-    (``diskcache.remembered_sha256``): an unchanged file is not hashed again. On a miss the graph is
-    returned at once and the entry written by a background thread (saving and hashing a transformer's
-    330-440 MB of weights took ~1 s of a cold start); the process waits for it at exit, and
-    :func:`wait_for_cache_writes` waits for it sooner.
+    (``diskcache.remembered_sha256``): an unchanged file is not hashed again, and a file not seen before is
+    hashed beside the front end (hashlib lets go of the GIL) while the CPU runtime's fixed libraries build
+    (:func:`_warm_cpu_libraries`). On a miss the graph is returned at once and the entry written by a
+    background thread (saving and hashing a transformer's 330-440 MB of weights took ~1 s of a cold start);
+    the process waits for it at exit, and :func:`wait_for_cache_writes` waits for it sooner.
 
     ``loaded``: the graph ``load_onnx(path, dynamic_dims=..., fold_limit=...)`` returned, when the caller
     has it already (``kernelize run`` loads it for the reference executor): a miss optimizes it instead of
@@ -210,27 +219,65 @@ def load_optimized_onnx(
         return optimize(raw, settings)
 
     try:
-        ident = file_identity(Path(path))
-        digest = remembered_sha256(Path(path))
+        ident, digest = _identify(Path(path))
         limit = fold_limit_bytes(fold_limit)
     except (OSError, ValueError):
         return fresh()  # load_onnx names the problem
-    key = _key(digest, dynamic_dims, limit, settings)
-    _wait_for(key)  # a write of this entry still under way in this process
-    entry = cached(key, SUFFIX)
-    if entry is not None:
-        return graph_from_state(torch.load(entry, weights_only=True, mmap=True))
-    graph = fresh()
-    writer = threading.Thread(
-        target=_write, args=(key, graph, Path(path), ident), name="kernelize-graph-cache"
-    )
-    with _WRITES_LOCK:
-        _WRITES[key] = writer
-    writer.start()
+    if digest is None:  # a file not loaded before (a first start)
+        hashing = _HASHING.submit(remembered_sha256, Path(path))
+        _warm_cpu_libraries()
+        graph = fresh()
+        try:
+            key = _key(hashing.result(), dynamic_dims, limit, settings)
+        except OSError:
+            return graph
+        if cached(key, SUFFIX) is not None:  # the same bytes under another name: this entry is there
+            return graph
+    else:
+        key = _key(digest, dynamic_dims, limit, settings)
+        _wait_for(key)  # a write of this entry still under way in this process
+        entry = cached(key, SUFFIX)
+        if entry is not None:
+            return graph_from_state(torch.load(entry, weights_only=True, mmap=True))
+        _warm_cpu_libraries()
+        graph = fresh()
+    _start_write(key, graph, Path(path), ident)
     return graph
 
 
+def _identify(path: Path) -> tuple[tuple, str | None]:
+    """The file's identity and its remembered sha256 (None: not loaded before). A file just written is never
+    remembered (``diskcache.RACY_SECONDS``): it is hashed now, as any repeat load of it will be."""
+    ident = file_identity(path)
+    racy = time.time_ns() - max(ident[4], ident[5]) <= RACY_SECONDS * 1e9
+    return ident, remembered_sha256(path, compute=racy)
+
+
+def _start_write(key: tuple, graph: Graph, path: Path, ident: tuple) -> None:
+    """Write ``graph``'s entry from a background thread (:func:`_write`), which :func:`_wait_for` finds."""
+    writer = threading.Thread(target=_write, args=(key, graph, path, ident), name="kernelize-graph-cache")
+    with _WRITES_LOCK:
+        _WRITES[key] = writer
+    writer.start()
+
+
 SUFFIX = ".graph.pt"
+_HASHING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kernelize-model-hash")
+
+
+def _warm_cpu_libraries() -> None:
+    """Start building the CPU runtime's fixed libraries (:func:`cpu_backend.warm_libraries`) unless there is
+    no C++ compiler (the backend says so when it is used)."""
+    from kernelize.codegen import cpu_build
+    from kernelize.codegen.cpu_backend import warm_libraries
+
+    try:
+        cpu_build.compiler()
+    except cpu_build.CompilerNotFoundError:
+        return
+    warm_libraries()
+
+
 _WRITES: dict[tuple, threading.Thread] = {}  # entries being written by this process
 _WRITES_LOCK = threading.Lock()
 

@@ -28,7 +28,7 @@ from test_cpu_gemv import linear_graph
 from test_cpu_pipeline import build as row_graph
 
 from kernelize.autokernel.plan import plan
-from kernelize.codegen import cpu, cpu_backend, cpu_build, cpu_pool
+from kernelize.codegen import cpu, cpu_backend, cpu_build, cpu_gemv, cpu_pool
 from kernelize.codegen.template import load_template
 from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Graph, Op
@@ -181,6 +181,7 @@ def sources() -> dict[str, str]:
     out = {"replay": load_template("cpu_replay.cpp"), "pool": cpu_pool.source()}
     out["shm_allreduce"] = load_template("cpu_shm_allreduce.cpp")  # kernelize.shm_collective
     out["workers"] = load_template("cpu_workers.cpp")  # the kernels' pool (cpu_build.workers)
+    out["gemm"] = cpu_gemv.gemm_source()  # the GEMM tiles' library (cpu_gemv.GeneratedGemm)
     out.update({f"quant_{fmt}": quant_kernels.source(fmt) for fmt in ("q8_0", "q4_0", "int8")})
     for name, ks in kernels.items():
         assert ks, f"{name}: no generated kernel"

@@ -543,3 +543,13 @@ def test_constant_weight_with_other_epilogue_runs_packed_then_the_epilogue_kerne
     g.output(g.sigmoid(g.matmul(x, g.transpose(g.const(torch.randn(24, 16, generator=gen))))))
     check(g, inputs_for(g, {"m": 33}, gen), DType.F32)
     assert len(packed_calls) == 1 and direct_calls == []
+
+
+@pytest.mark.parametrize("k,n", [(24, 32), (7, 33), (40, 5)])
+def test_a_gemm_weight_packs_in_one_copy_into_the_conv_panels(k, n):
+    """The tiles' GEMM weight ``[K, N]`` (row major or a transposed view) packs to the dense conv panels of a
+    1x1 conv of K inputs and N outputs, padding included."""
+    from kernelize.codegen.cpu_conv import pack_dense, pack_gemm
+
+    for w in (torch.randn(k, n), torch.randn(n, k).t()):
+        torch.testing.assert_close(pack_gemm(w), pack_dense(w.t().reshape(n, k, 1, 1)), rtol=0, atol=0)

@@ -280,7 +280,10 @@ KZ_INLINE void kz_conv_put(const kz_vec* acc, float* y, int64_t p, int64_t c0, i
 }
 
 // a dense tile's `rows` pixels through the epilogue into y (row stride ld). The scalar form buffers the whole
-// tile first: one simd loop per pixel right after its own stores ran ~15% slower on a 1x1 conv with swish
+// tile first: one simd loop per pixel right after its own stores ran ~15% slower on a 1x1 conv with swish. An
+// epilogue with a tile pass (Epi::tile_pass: one chosen at run time, cpu_gemm.cpp) then goes over the stored
+// tile, still in L1, outside the registers' code (a run-time choice among inlined forms there cost the
+// tiles 3-8%); only the tile drivers call it (the depthwise ones assert it is absent)
 template <int MR, int NV, class Epi>
 KZ_INLINE void kz_conv_tile_put(kz_vec acc[MR][NV], float* y, int64_t ld, int64_t p0, int64_t c0, int rows, int nc,
                                 const Epi& epi) {
@@ -316,15 +319,16 @@ KZ_INLINE void kz_conv_tile_put(kz_vec acc[MR][NV], float* y, int64_t ld, int64_
             }
         }
     }
+    if constexpr (Epi::tile_pass) epi.tile(y, ld, p0, c0, rows, nc);
 }
 
-// acc starts at the channel bias when the epilogue's first op adds it (Epi::bias_first), else at 0
+// acc starts at the channel bias when the epilogue's first op adds it (epi.bias_first), else at 0
 template <int NV, class Epi>
 KZ_INLINE void kz_conv_acc_init(kz_vec* acc, int64_t c0, int nc, const Epi& epi) {
 #pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) {
         const int n = nc - v * KZ_VW;
-        acc[v] = Epi::bias_first && n > 0 ? kz_vld(epi.kz_b + c0 + v * KZ_VW, n) : kz_vzero();
+        acc[v] = epi.bias_first && n > 0 ? kz_vld(epi.kz_b + c0 + v * KZ_VW, n) : kz_vzero();
     }
 }
 
@@ -434,17 +438,6 @@ static int kz_conv_dense_tiles(const kz_conv_dims& d, const float* x, const floa
     });
 }
 
-// a GEMM [m, k] x [k, n] as a 1x1 conv over m pixels of k channels (cpu_gemv.GeneratedGemm): the dense tiles
-// alone, without the NCHW-input drivers and half-panel tiles a GEMM does not take (compiled in a third of
-// kz_conv_dense's time, 2.5-4 s cold here: each epilogue form's function is built when a graph compiles)
-template <class Epi>
-static int kz_gemm_dense(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
-                         const Epi& epi) {
-    if (d.nr != KZ_NR || d.ly < d.co || d.c > KZ_ZERO_ROW || d.nchw || d.kh * d.kw != 1 || d.g != 1) return 1;
-    if (d.n * d.oh * d.ow == 0 || d.co == 0) return 0;
-    return kz_conv_dense_tiles<KZ_MR, KZ_NV>(d, x, wp, y, nthreads, epi);
-}
-
 // ---- convs over an NCHW input: a network's stem reading the caller's image ----------------------------------
 // A conv over few input channels (an RGB stem: kh * kw * c of 27-363 products per output) has too little work
 // per tap for the NHWC tiles: per tile, the row pointers (or row segments) of MR pixels cost about what its
@@ -537,27 +530,23 @@ static int kz_conv_nchw_tiles(const kz_conv_dims& d, const float* x, const float
     });
 }
 
-template <int MR, int NV, class Epi>
-static int kz_conv_nchw(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads, const Epi& epi) {
-    if (d.sw == 1) return kz_conv_nchw_tiles<MR, NV, 1>(d, x, wp, y, nthreads, epi);
-    if (d.sw == 2) return kz_conv_nchw_tiles<MR, NV, 2>(d, x, wp, y, nthreads, epi);
-    if (d.sw == 4) return kz_conv_nchw_tiles<MR, NV, 4>(d, x, wp, y, nthreads, epi);
-    return kz_conv_nchw_tiles<MR, NV, 0>(d, x, wp, y, nthreads, epi);
-}
-
-template <class Epi>
+// NCHW: -1, or the function also takes an NCHW input (cpu_conv.reads_nchw: a stem) with this horizontal stride
+// (1, 2, 4; 0 any other); HALF: groups of at most half a panel of output channels. Both are known when a kernel
+// is rendered (cpu_conv.render), and each driver left out is compiled code saved: every variant in one
+// function took 3.7 s to build cold, the NHWC full-panel one 1.7
+template <int NCHW, bool HALF, class Epi>
 static int kz_conv_dense(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                          const Epi& epi) {
     if (d.nr != KZ_NR || d.ly < d.co || d.c / d.g > KZ_ZERO_ROW || d.kh * d.kw > KZ_MAX_TAPS) return 1;
+    const int sw = d.sw == 1 || d.sw == 2 || d.sw == 4 ? (int)d.sw : 0;
+    if ((d.nchw && sw != NCHW) || (HALF && d.co / d.g > KZ_NR / 2)) return 1;
     if (d.n * d.oh * d.ow == 0 || d.co == 0) return 0;
-    if (d.nchw) {
-        if (KZ_NV >= 2 && d.co <= KZ_NR / 2) return kz_conv_nchw<2 * KZ_MR, KZ_NV / 2>(d, x, wp, y, nthreads, epi);
-        return kz_conv_nchw<KZ_MR, KZ_NV>(d, x, wp, y, nthreads, epi);
-    }
     // (perf) groups of at most half a panel of output channels (a 1x1 projection to 16 channels) use half
     // the vectors and twice the pixels per tile: the same registers, no multiply-adds on padding
-    if (KZ_NV >= 2 && d.co / d.g <= KZ_NR / 2) return kz_conv_dense_tiles<2 * KZ_MR, KZ_NV / 2>(d, x, wp, y, nthreads, epi);
-    return kz_conv_dense_tiles<KZ_MR, KZ_NV>(d, x, wp, y, nthreads, epi);
+    constexpr int MR = HALF ? 2 * KZ_MR : KZ_MR, NV = HALF ? KZ_NV / 2 : KZ_NV;
+    if constexpr (NCHW >= 0)
+        if (d.nchw) return kz_conv_nchw_tiles<MR, NV, NCHW>(d, x, wp, y, nthreads, epi);
+    return kz_conv_dense_tiles<MR, NV>(d, x, wp, y, nthreads, epi);
 }
 
 // One output row (n, oy) of a depthwise conv, channels [c0, c0 + nch), in runs of R pixels, each run over
@@ -691,35 +680,44 @@ static void kz_conv_dw_rows(const kz_conv_dims& d, const float* x, const float* 
 }
 
 // REP: a channel multiplier (output channels a multiple of the input's; cpu_conv.render picks the driver)
-template <bool REP = false, class Epi>
+// the sliding-window form a depthwise conv takes (kernel width x 10 + stride; 0: the generic rows): the
+// kernel shapes of MobileNet / EfficientNet-style networks (its row pointers hold 16 kernel rows); with a
+// multiplier, only the 3 x 3 stride-1 one
+KZ_INLINE int kz_dw_form(const kz_conv_dims& d, bool rep) {
+    const int form = d.dw != 1 || d.kh > 16 ? 0 : (int)(d.kw * 10 + d.sw);
+    const bool known = form == 31 || (!rep && (form == 32 || form == 51 || form == 52 || form == 71));
+    return known ? form : 0;
+}
+
+// FORM: the kz_dw_form the function is compiled for (cpu_conv.render knows the kernel's shape: one form
+// compiled, not six), or -1 for every form
+template <bool REP = false, int FORM = -1, class Epi>
 static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float* wp, float* y, int nthreads,
                              const Epi& epi) {
+    static_assert(!Epi::tile_pass, "the depthwise driver applies no tile pass");
     const int64_t rows = d.n * d.oh;
     if (d.nr != KZ_NR || d.ly < d.co || d.c != d.g || d.c < 1 || d.co % d.c || (!REP && d.co != d.c) || d.nchw)
         return 1;
+    const int form = kz_dw_form(d, REP);
+    if (FORM >= 0 && form != FORM) return 1;
     if (rows * d.ow == 0 || d.co == 0) return 0;
     // (perf) counted 4x in the team's grain: a depthwise conv's multiply-adds run at ~16 flops / ns on a core
     // (each input loaded for kh x kw products of one channel), not a dense conv's ~64. Counted 1x, MobileNet's
     // 256-channel 14 x 14 ones (estimated 39 us, 44-65 measured) ran alone, and slower at 2 threads than at 1
     const kz_team_t team = kz_team_work(nthreads, 8 * rows * d.ow * d.co * d.kh * d.kw, kz_conv_bytes(d));
-    // the kernel shapes of MobileNet / EfficientNet-style networks get the sliding-window form (its row
-    // pointers hold 16 kernel rows); with a multiplier, only the 3 x 3 stride-1 one
-    const int form = d.dw != 1 || d.kh > 16 ? 0 : (int)(d.kw * 10 + d.sw);
-    if constexpr (REP)
-        return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
-            if (form == 31) kz_conv_dw_rows<3, 1, 8, true>(d, x, wp, y, epi, t, tn);
-            else kz_conv_dw_rows<0, 0, KZ_DW_RUN, true>(d, x, wp, y, epi, t, tn);
-            return 0;
-        });
     return kz_parallel_for(team, [=](int t, int tn) KZ_BODY {
-        switch (form) {
-            case 31: kz_conv_dw_rows<3, 1, 8>(d, x, wp, y, epi, t, tn); break;
-            case 32: kz_conv_dw_rows<3, 2, 4>(d, x, wp, y, epi, t, tn); break;
-            case 51: kz_conv_dw_rows<5, 1, 8>(d, x, wp, y, epi, t, tn); break;
-            case 52: kz_conv_dw_rows<5, 2, 4>(d, x, wp, y, epi, t, tn); break;
-            case 71: kz_conv_dw_rows<7, 1, 8>(d, x, wp, y, epi, t, tn); break;  // ConvNeXt
-            default: kz_conv_dw_rows<0, 0, KZ_DW_RUN>(d, x, wp, y, epi, t, tn);
-        }
+        if constexpr (FORM < 0 || FORM == 31)
+            if (form == 31) kz_conv_dw_rows<3, 1, 8, REP>(d, x, wp, y, epi, t, tn);
+        if constexpr (!REP && (FORM < 0 || FORM == 32))
+            if (form == 32) kz_conv_dw_rows<3, 2, 4>(d, x, wp, y, epi, t, tn);
+        if constexpr (!REP && (FORM < 0 || FORM == 51))
+            if (form == 51) kz_conv_dw_rows<5, 1, 8>(d, x, wp, y, epi, t, tn);
+        if constexpr (!REP && (FORM < 0 || FORM == 52))
+            if (form == 52) kz_conv_dw_rows<5, 2, 4>(d, x, wp, y, epi, t, tn);
+        if constexpr (!REP && (FORM < 0 || FORM == 71))  // ConvNeXt
+            if (form == 71) kz_conv_dw_rows<7, 1, 8>(d, x, wp, y, epi, t, tn);
+        if constexpr (FORM <= 0)
+            if (form == 0) kz_conv_dw_rows<0, 0, KZ_DW_RUN, REP>(d, x, wp, y, epi, t, tn);
         return 0;
     });
 }
@@ -736,14 +734,15 @@ static int kz_conv_depthwise(const kz_conv_dims& d, const float* x, const float*
 #define KZ_CHAIN_PIXELS 48
 
 // A's output for image n, input rows [lo, hi), into buf (rows of w pixels x the expanded channels)
-template <class E0>
+// (HALF: A's output channels fill at most half a panel, tiles of twice the pixels and half the vectors)
+template <bool HALF, class E0>
 KZ_INLINE void kz_conv_chain_expand(const kz_conv_dims& da, const float* x, const float* w, float* buf, int64_t n,
                                     int64_t lo, int64_t hi, int64_t buf_first, kz_conv_rows_cache& rc, const E0& e0) {
     const int64_t units = (da.co + KZ_NR - 1) / KZ_NR, p_end = (n * da.h + hi) * da.w;
     float* base = buf - (n * da.h + buf_first) * da.w * da.co;
     for (int64_t p0 = (n * da.h + lo) * da.w; p0 < p_end; p0 += KZ_MR)
         for (int64_t u = 0; u < units; ++u) {
-            if (da.co <= KZ_NR / 2 && KZ_NV >= 2)
+            if constexpr (HALF)
                 kz_conv_tile<2 * KZ_MR, KZ_NV / 2>(da, x, w, base, p0, u, false, rc, e0, p_end);
             else
                 kz_conv_tile<KZ_MR, KZ_NV>(da, x, w, base, p0, u, false, rc, e0, p_end);
@@ -751,21 +750,21 @@ KZ_INLINE void kz_conv_chain_expand(const kz_conv_dims& da, const float* x, cons
 }
 
 // C's output for B's pixels [p, p_end), held in buf from pixel p
-template <class E2>
+template <bool HALF, class E2>
 KZ_INLINE void kz_conv_chain_project(const kz_conv_dims& dc, const float* buf, const float* w, float* y, int64_t p,
                                      int64_t p_end, kz_conv_rows_cache& rc, const E2& e2) {
     const int64_t units = (dc.co + KZ_NR - 1) / KZ_NR;
     const float* base = buf - p * dc.c;
     for (int64_t p0 = p; p0 < p_end; p0 += KZ_MR)
         for (int64_t u = 0; u < units; ++u) {
-            if (dc.co <= KZ_NR / 2 && KZ_NV >= 2)
+            if constexpr (HALF)
                 kz_conv_tile<2 * KZ_MR, KZ_NV / 2>(dc, base, w, y, p0, u, false, rc, e2, p_end);
             else
                 kz_conv_tile<KZ_MR, KZ_NV>(dc, base, w, y, p0, u, false, rc, e2, p_end);
         }
 }
 
-template <int KW, int SW, int R, bool A, bool C, class E0, class E1, class E2>
+template <int KW, int SW, int R, bool A, bool C, bool HA, bool HC, class E0, class E1, class E2>
 static void kz_conv_chain_rows(const kz_conv_dims* d, const float* x, const float* const* w, float* y,
                                int64_t r0, int64_t r1, int64_t group, float* t1, float* t2, const E0& e0,
                                const E1& e1, const E2& e2) {
@@ -783,9 +782,9 @@ static void kz_conv_chain_rows(const kz_conv_dims* d, const float* x, const floa
         if (A) {
             if (held_n == n && lo >= held_lo && lo < held_hi) {  // keep the rows the group shares with the last
                 memmove(t1, t1 + (lo - held_lo) * row_floats, sizeof(float) * (held_hi - lo) * row_floats);
-                kz_conv_chain_expand(da, x, w[0], t1, n, held_hi, hi, lo, rca, e0);
+                kz_conv_chain_expand<HA>(da, x, w[0], t1, n, held_hi, hi, lo, rca, e0);
             } else {
-                kz_conv_chain_expand(da, x, w[0], t1, n, lo, hi, lo, rca, e0);
+                kz_conv_chain_expand<HA>(da, x, w[0], t1, n, lo, hi, lo, rca, e0);
             }
             held_n = n, held_lo = lo, held_hi = hi;
         }
@@ -802,23 +801,29 @@ static void kz_conv_chain_rows(const kz_conv_dims* d, const float* x, const floa
             kz_conv_dw_slide<KW, SW, R>(db, rows, (int)(ky1 - ky0), w[1] + ky0 * KW * cpad, KW * cpad, cpad, out, pr, 0,
                                         (int)e, e1);
         }
-        if (C) kz_conv_chain_project(dc, t2, w[2], y, p, g1 * db.ow, rcc, e2);
+        if (C) kz_conv_chain_project<HC>(dc, t2, w[2], y, p, g1 * db.ow, rcc, e2);
         g0 = g1;
     }
 }
 
 // d: the three stages' sizes (d[1] the depthwise one; d[0] / d[2] unused without A / C); w: their packed
-// weights; each thread takes a band of output rows, in groups of about KZ_CHAIN_PIXELS pixels
-template <bool A, bool C, class E0, class E1, class E2>
+// weights; each thread takes a band of output rows, in groups of about KZ_CHAIN_PIXELS pixels. FORM: the
+// depthwise stage's sliding form (kz_dw_form: 31, 32, 51 or 52), HA / HC: A's / C's outputs fill at most half
+// a panel; cpu_conv.render_chain knows them from the kernel, so only those variants are compiled
+template <bool A, bool C, int FORM, bool HA, bool HC, class E0, class E1, class E2>
 static int kz_conv_chain(const kz_conv_dims* d, const float* x, const float* const* w, float* y, int nthreads,
                          const E0& e0, const E1& e1, const E2& e2) {
     const kz_conv_dims& db = d[1];
     const int64_t rows = db.n * db.oh, e = db.c;
     if (db.kh > 16 || db.nr != KZ_NR || (A && d[0].nr != KZ_NR) || (C && d[2].nr != KZ_NR) || d[0].nchw) return 1;
+    if (db.dw != 1 || db.kw * 10 + db.sw != FORM || (A && (d[0].co <= KZ_NR / 2) != HA) ||
+        (C && (d[2].co <= KZ_NR / 2) != HC))
+        return 1;
     if (rows * db.ow == 0) return 0;
     const int64_t group = (KZ_CHAIN_PIXELS + db.ow - 1) / db.ow;
     const int64_t work = rows * db.ow * e * (db.kh * db.kw + (A ? d[0].c : 0) + (C ? d[2].co : 0));
     const int64_t bytes = kz_conv_bytes(d[A ? 0 : 1]) + kz_conv_bytes(d[C ? 2 : 1]);
+    constexpr int KW = FORM / 10, SW = FORM % 10, R = SW == 1 ? 8 : 4;
     return kz_parallel_for(kz_team_work(nthreads, 2 * work, bytes), [=](int t, int tn) KZ_BODY {
         const int64_t r0 = rows * t / tn, r1 = rows * (t + 1) / tn;
         // A's rows for a group, B's rows for C, with KZ_MR pixels of slack: a tile of C computes past the
@@ -826,11 +831,7 @@ static int kz_conv_chain(const kz_conv_dims* d, const float* x, const float* con
         const int64_t t1_rows = (group - 1) * db.sh + db.kh;
         float* t1 = (float*)calloc(A ? (t1_rows * db.w + KZ_MR) * e : 1, sizeof(float));
         float* t2 = (float*)calloc(C ? (group * db.ow + 2 * KZ_MR) * e : 1, sizeof(float));
-        const int form = (int)(db.kw * 10 + db.sw);
-        if (form == 31) kz_conv_chain_rows<3, 1, 8, A, C>(d, x, w, y, r0, r1, group, t1, t2, e0, e1, e2);
-        if (form == 32) kz_conv_chain_rows<3, 2, 4, A, C>(d, x, w, y, r0, r1, group, t1, t2, e0, e1, e2);
-        if (form == 51) kz_conv_chain_rows<5, 1, 8, A, C>(d, x, w, y, r0, r1, group, t1, t2, e0, e1, e2);
-        if (form == 52) kz_conv_chain_rows<5, 2, 4, A, C>(d, x, w, y, r0, r1, group, t1, t2, e0, e1, e2);
+        kz_conv_chain_rows<KW, SW, R, A, C, HA, HC>(d, x, w, y, r0, r1, group, t1, t2, e0, e1, e2);
         free(t1);
         free(t2);
         return 0;

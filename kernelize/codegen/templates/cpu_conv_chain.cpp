@@ -13,5 +13,5 @@ extern "C" int $NAME$(const float* kz_x, const float* kz_w0, const float* kz_b0,
     const $NAME$_s1 kz_e1{kz_b1, nullptr, kz_d[1].co};
     const $NAME$_s2 kz_e2{kz_b2, kz_r, kz_d[2].co};
     (void)kz_e0, (void)kz_e2;
-    return kz_conv_chain<$HAS_A$, $HAS_C$>(kz_d, kz_x, kz_w, kz_y, kz_nthreads, kz_e0, kz_e1, kz_e2);
+    return kz_conv_chain<$HAS_A$, $HAS_C$, $FORM$, $HALF_A$, $HALF_C$>(kz_d, kz_x, kz_w, kz_y, kz_nthreads, kz_e0, kz_e1, kz_e2);
 }

@@ -4,6 +4,8 @@ struct $STRUCT$ {
     int64_t kz_co;      // output channels
     static constexpr bool vector = $VECTOR$;          // `vec` below is the epilogue (else it returns v0)
     static constexpr bool bias_first = $BIAS_FIRST$;  // the accumulators start at the bias
+    static constexpr bool tile_pass = false;            // no pass over each stored tile (cpu_conv.h)
+    void tile(float*, int64_t, int64_t, int64_t, int, int) const {}
     // v0: the convolution (plus the bias when bias_first) at output pixel kz_p (flat NHW index), channel kz_c
     inline __attribute__((always_inline)) float operator()(float v0, int64_t kz_p, int64_t kz_c) const {
         (void)kz_p, (void)kz_c;
