@@ -143,7 +143,7 @@ class CpuBackend(Backend):
         """
         kinds = [dispatch(_KINDS, k, "the cpu backend") for k in kernels]
         # the fixed libraries the kernels' calls use build beside the units (every unit binds to the workers)
-        warm_libraries({cpu_build.workers, *(lib for kind in kinds for lib in kind.libraries)})
+        warm_libraries(dict.fromkeys((cpu_build.workers, *(lib for kind in kinds for lib in kind.libraries))))
         prebuild(gemm_forms(kernels))  # the GEMMs' library too
         parts = {i: kind.parts(k) for i, (k, kind) in enumerate(zip(kernels, kinds, strict=True))}
         rendered = {p.name: render(p, self.renderer) for ps in parts.values() for p, _ in ps}
@@ -176,19 +176,21 @@ class CpuBackend(Backend):
         return out
 
 
-_LIBRARIES = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kz-libraries")
+_LIBRARIES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kz-libraries")
 
 
 def warm_libraries(libraries: Iterable[Callable[[], object]] | None = None) -> None:
-    """Start building ``libraries`` in the background: by default every fixed library of the CPU runtime (the
-    workers, pools and layout copies, the GEMM tiles where they run the GEMMs), which no graph's source
-    changes, so each is compiled once per machine. Loading an ONNX model calls it when the model is not in
-    the graph cache (likely a first start): the front end runs Python on one core while the compiler builds
-    them on another (BERT-base cold, empty caches: the libraries took ~3 s of compiler time, ~1.2 s of the
-    start). A library already built is a lookup; a failed build raises again where it is used."""
+    """Build ``libraries`` one after another on a background thread: by default every fixed library of the
+    CPU runtime (the workers, pools and layout copies, the GEMM tiles where they run the GEMMs), which no
+    graph's source changes, so each is compiled once per machine. Loading an ONNX model calls it when the
+    model is not in the graph cache (likely a first start): the front end runs Python on one core while the
+    compiler builds them on another (BERT-base cold, empty caches: ~3 s of compiler time, ~1.2 s of the
+    start). The GEMM library may not be needed: it starts at once, at the lowest CPU priority, so it takes
+    only the cores the builds a graph waits for leave (AlexNet cold: 4.3-4.9 -> 3.5-4.5 s). A library
+    already built is a lookup; a failed build raises again where it is used."""
     if libraries is None:
         libraries = (cpu_build.workers, cpu_pool.library)
-        prebuild({PLAIN} if cpu_gemm() == "generated" else set())
+        prebuild({PLAIN} if cpu_gemm() == "generated" else set(), idle=True)
     for library in libraries:
         _LIBRARIES.submit(library)
 

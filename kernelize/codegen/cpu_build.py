@@ -138,14 +138,17 @@ _LOADED: dict[str, ctypes.CDLL] = {}
 _LOCK = threading.Lock()
 
 
-def build_shared_object(source: str, kernel_name: str = "kernel") -> Path:
-    """Compile ``source`` to a shared object through the disk cache; returns its path."""
+def build_shared_object(source: str, kernel_name: str = "kernel", idle: bool = False) -> Path:
+    """Compile ``source`` to a shared object through the disk cache; returns its path. ``idle``: the
+    compiler runs at the lowest CPU priority (``nice 19``), for a library built ahead of need, which then
+    takes only the cores the builds a graph waits for leave (``cpu_backend.warm_libraries``)."""
     cxx, version = compiler()
     opts = flags()
     parts = (source, version, " ".join(opts), _host_id())
+    nice = shutil.which("nice") if idle else None
 
     def build(out: Path) -> None:
-        cmd = [cxx, *opts, "-x", "c++", "-", "-o", str(out)]
+        cmd = [*([nice, "-n", "19"] if nice else []), cxx, *opts, "-x", "c++", "-", "-o", str(out)]
         proc = subprocess.run(cmd, input=source, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             from kernelize.runtime.diskcache import cache_key

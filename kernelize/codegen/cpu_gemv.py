@@ -673,17 +673,18 @@ def _matmul_forms(k: Kernel) -> set[tuple]:
 _FORMS_OF = {MatmulKernel: _matmul_forms, Kernel: lambda k: set()}
 
 
-def prebuild(forms: set[tuple]) -> None:
+def prebuild(forms: set[tuple], idle: bool = False) -> None:
     """Start building the GEMM library (:func:`_gemm_function`) in the background where ``forms`` is not
-    empty: a backend calls it before it compiles a graph's kernels, so it builds beside them."""
+    empty: a backend calls it before it compiles a graph's kernels, so it builds beside them. ``idle``:
+    ahead of need, at the lowest CPU priority (``cpu_build.build_shared_object``)."""
     if forms:
-        _gemm_library()
+        _gemm_library(idle)
 
 
-def _gemm_library() -> Future:
+def _gemm_library(idle: bool = False) -> Future:
     with _GEMMS_LOCK:
         if not _GEMMS:
-            _GEMMS.append(_BUILDS.submit(_build_gemms))
+            _GEMMS.append(_BUILDS.submit(_build_gemms, idle))
         return _GEMMS[0]
 
 
@@ -707,13 +708,13 @@ def gemm_source() -> str:
     )
 
 
-def _build_gemms() -> ctypes.CDLL:
+def _build_gemms(idle: bool = False) -> ctypes.CDLL:
     """The library of ``templates/cpu_gemm.cpp``: one driver, every epilogue form an entry point (the form is
     a run-time argument, so every model shares one build)."""
     from kernelize.codegen import cpu_build
     from kernelize.codegen.cpu_conv import ARGTYPES
 
-    lib = cpu_build.load(cpu_build.build_shared_object(gemm_source(), "kz_gemm"))
+    lib = cpu_build.load(cpu_build.build_shared_object(gemm_source(), "kz_gemm", idle))
     for name in ("plain", "gelu", "gelu_tanh", "add", "mul"):
         fn = getattr(lib, f"kz_gemm_{name}")
         fn.argtypes, fn.restype = ARGTYPES, ctypes.c_int
