@@ -186,8 +186,9 @@ def warm_libraries(libraries: Iterable[Callable[[], object]] | None = None) -> N
     model is not in the graph cache (likely a first start): the front end runs Python on one core while the
     compiler builds them on another (BERT-base cold, empty caches: ~3 s of compiler time, ~1.2 s of the
     start). The GEMM library may not be needed: it starts at once, at the lowest CPU priority, so it takes
-    only the cores the builds a graph waits for leave (AlexNet cold: 4.3-4.9 -> 3.5-4.5 s). A library
-    already built is a lookup; a failed build raises again where it is used."""
+    only the cores the builds a graph waits for leave (AlexNet cold: 4.3-4.9 -> 3.5-4.5 s; on a machine
+    kept busy by other work it waits for a free core). A library already built is a lookup; a failed build
+    raises again where it is used."""
     if libraries is None:
         libraries = (cpu_build.workers, cpu_pool.library)
         prebuild({PLAIN} if cpu_gemm() == "generated" else set(), idle=True)

@@ -360,7 +360,8 @@ def test_other_epilogues_run_the_plain_tiles_then_the_epilogue_kernel(tiles_call
 
 def test_gemm_forms_a_graph_builds_before_its_first_call(monkeypatch):
     """The epilogue forms compile_many starts building in the background: a fused form per direct plan, the
-    bare product for other epilogues, none where the tiles do not run the GEMMs."""
+    bare product for other epilogues, none where the tiles do not run the GEMMs or where the rows are static
+    and few (a classifier at batch 1: the few-row kernel runs it)."""
     monkeypatch.setenv("KERNELIZE_CPU_GEMM", "generated")
     gen = torch.Generator().manual_seed(23)
     w, b = torch.randn(24, 16, generator=gen), torch.randn(24, generator=gen)
@@ -370,6 +371,9 @@ def test_gemm_forms_a_graph_builds_before_its_first_call(monkeypatch):
     bare = plan(g, CpuBackend().plan_settings).kernels
     assert cpu_gemv.gemm_forms(fused) == {(True, "gelu", "none", None)}
     assert cpu_gemv.gemm_forms([*fused, *bare]) == {(True, "gelu", "none", None), cpu_gemv.PLAIN}
+    few = plan(const_linear_graph((16,), w, "gelu", b), CpuBackend().plan_settings).kernels
+    many = plan(const_linear_graph((17,), w, "gelu", b), CpuBackend().plan_settings).kernels
+    assert cpu_gemv.gemm_forms(few) == set() and cpu_gemv.gemm_forms(many) == {(True, "gelu", "none", None)}
     monkeypatch.setenv("KERNELIZE_CPU_GEMM", "torch")
     assert cpu_gemv.gemm_forms(fused) == set()
 

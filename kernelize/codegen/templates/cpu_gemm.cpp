@@ -32,19 +32,21 @@ static __attribute__((noinline)) void kz_gemm_tile(const kz_gemm_epilogue& e, fl
                                                    int64_t c0, int rows, int nc) {
     for (int i = 0; i < rows; ++i) {
         float* __restrict yi = y + i * ld;
-        const float* __restrict ri = e.kz_r + (p0 + i) * e.kz_co + c0;
         if (e.form == KZ_GEMM_GELU) {
 #pragma omp simd
             for (int j = 0; j < nc; ++j) yi[j] = kz_gelu(yi[j]);
         } else if (e.form == KZ_GEMM_GELU_TANH) {
 #pragma omp simd
             for (int j = 0; j < nc; ++j) yi[j] = kz_gelu_tanh(yi[j]);
-        } else if (e.form == KZ_GEMM_ADD) {
-#pragma omp simd
-            for (int j = 0; j < nc; ++j) yi[j] += ri[j];
         } else {
+            const float* __restrict ri = e.kz_r + (p0 + i) * e.kz_co + c0;
+            if (e.form == KZ_GEMM_ADD) {
 #pragma omp simd
-            for (int j = 0; j < nc; ++j) yi[j] *= ri[j];
+                for (int j = 0; j < nc; ++j) yi[j] += ri[j];
+            } else {
+#pragma omp simd
+                for (int j = 0; j < nc; ++j) yi[j] *= ri[j];
+            }
         }
     }
 }
