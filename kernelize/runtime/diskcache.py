@@ -109,6 +109,12 @@ def file_identity(path: Path) -> tuple:
     return (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def racy(ident: tuple) -> bool:
+    """Whether a file of this :func:`file_identity` changed within :data:`RACY_SECONDS` of now (its digest is
+    not remembered: a write in the same timestamp tick would leave the identity unchanged)."""
+    return time.time_ns() - max(ident[4], ident[5]) <= RACY_SECONDS * 1e9
+
+
 def remembered_sha256(path: Path, compute: bool = True) -> str | None:
     """:func:`file_sha256` of ``path``, remembered per :func:`file_identity` (in this process and in the
     cache sub folder ``digests``), so an unchanged 440 MB model file is hashed once, not on every load.
@@ -136,7 +142,7 @@ def remembered_sha256(path: Path, compute: bool = True) -> str | None:
     if not compute:
         return None
     digest = file_sha256(path)
-    if time.time_ns() - max(ident[4], ident[5]) > RACY_SECONDS * 1e9 and file_identity(path) == ident:
+    if not racy(ident) and file_identity(path) == ident:
         _digests[ident] = digest
         cached_file(DIGESTS, name, f"{digest}\n".encode())
     return digest
@@ -451,5 +457,6 @@ __all__ = [
     "folder_problem",
     "get_or_build",
     "private_folder",
+    "racy",
     "remembered_sha256",
 ]

@@ -24,7 +24,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
@@ -38,13 +37,7 @@ from kernelize.ir.dtypes import DType
 from kernelize.ir.graph import Constant, Graph, Node, Op
 from kernelize.ir.shapes import Sym
 from kernelize.runtime.cache import graph_fingerprint
-from kernelize.runtime.diskcache import (
-    RACY_SECONDS,
-    cached,
-    file_identity,
-    get_or_build,
-    remembered_sha256,
-)
+from kernelize.runtime.diskcache import cached, file_identity, get_or_build, racy, remembered_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -249,8 +242,7 @@ def _identify(path: Path) -> tuple[tuple, str | None]:
     """The file's identity and its remembered sha256 (None: not loaded before). A file just written is never
     remembered (``diskcache.RACY_SECONDS``): it is hashed now, as any repeat load of it will be."""
     ident = file_identity(path)
-    racy = time.time_ns() - max(ident[4], ident[5]) <= RACY_SECONDS * 1e9
-    return ident, remembered_sha256(path, compute=racy)
+    return ident, remembered_sha256(path, compute=racy(ident))
 
 
 def _start_write(key: tuple, graph: Graph, path: Path, ident: tuple) -> None:
