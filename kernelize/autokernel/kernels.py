@@ -342,6 +342,9 @@ class MatmulKernel(LoopKernel):
         """The contraction size."""
         return self.body[self.matmuls[0].value].arg
 
+    def _dims(self) -> list[Dim]:
+        return [*super()._dims(), self.k]  # a symbolic contraction is an argument too
+
     @property
     def contraction_axis(self) -> int:
         """The axis of the operands' strides that is contracted (one past the domain's)."""

@@ -130,6 +130,15 @@ def _normalize(k: PointwiseKernel | RowKernel) -> PointwiseKernel | RowKernel:
     return _merge_axes(k)
 
 
+def normalized(k: Kernel) -> Kernel:
+    """``k`` as its loops are rendered (a pointwise or row kernel with its axes merged, :func:`_normalize`):
+    what a kernel whose sizes become arguments is made from, while its strides still show which chain."""
+    return dispatch(_NORMALIZED, k, "the cpu generator")(k)
+
+
+_NORMALIZED = {PointwiseKernel: _normalize, RowKernel: _normalize, MatmulKernel: lambda k: k}
+
+
 # ---- inner-loop splitting -------------------------------------------------------------------------------
 Piece = tuple[int, int]  # a sub-range [start, stop) of the inner axis
 MAX_PIECES = 4  # each piece repeats the loop body: past a few, the code grows more than the tests cost
@@ -469,4 +478,4 @@ def render(kernel: Kernel, renderer: CpuRenderer | None = None) -> tuple[str, st
     return dispatch(RENDER, kernel, "the cpu generator")(kernel, renderer or CpuRenderer())
 
 
-__all__ = ["BLOCK", "RENDER", "CpuRenderer", "inner_pieces", "render"]
+__all__ = ["BLOCK", "RENDER", "CpuRenderer", "inner_pieces", "normalized", "render"]

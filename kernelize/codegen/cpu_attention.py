@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import struct
 from collections.abc import Mapping, Sequence
 
@@ -57,10 +58,8 @@ def render_attention(kernel: AttentionKernel, prelude: str) -> tuple[str, str]:
     mask = split_operands(node.src, args)[3]
     mask_t = C_TYPES[mask.dtype] if mask is not None else "float"
     lines, result = score_mod_lines(Renderer(), args.score_mod, ("sm0", "sm1", "sm2", "sm3"))
-    source = fill(
-        load_template("cpu_attention.cpp"),
+    values = dict(
         PRELUDE=prelude,
-        NAME=name,
         T=C_TYPES[node.dtype],
         TM=mask_t,
         D=str(q.shape[-1]),
@@ -75,7 +74,10 @@ def render_attention(kernel: AttentionKernel, prelude: str) -> tuple[str, str]:
         ROW_GROUPS=str(ROW_GROUPS),
         PARALLEL_MIN=str(PARALLEL_MIN),
     )
-    return source, name
+    # the namespace is named after what makes the source (never its name, so sources the same up to the
+    # name stay the same: cpu_build.same_source_groups)
+    ns = "kz_attention_" + hashlib.sha1(repr(sorted(values.items())).encode()).hexdigest()[:16]
+    return fill(load_template("cpu_attention.cpp"), NAME=name, NS=ns, **values), name
 
 
 ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_int]  # the scale as its f32 bits

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kernelize.autokernel.generic import sizes_as_arguments, small
 from kernelize.autokernel.kernels import (
     AttentionKernel,
     ConvChainKernel,
@@ -37,7 +38,7 @@ from kernelize.autokernel.kernels import (
     dispatch,
 )
 from kernelize.codegen import cpu_build, cpu_conv, cpu_pool
-from kernelize.codegen.cpu import CpuRenderer, render
+from kernelize.codegen.cpu import CpuRenderer, normalized, render
 from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
 from kernelize.codegen.cpu_attention import attention_launcher, unit_last
 from kernelize.codegen.cpu_build import load, same_source_groups, unit_chunks, unit_source
@@ -50,8 +51,11 @@ from kernelize.runtime.backend import Backend, CCall, CompiledKernel
 
 
 # ---- ctypes launchers -----------------------------------------------------------------------------------
-def _launcher(fn, kernel: Kernel):
-    symbols = kernel.symbols
+def _launcher(fn, kernel: Kernel, generic: tuple[Kernel, Mapping[str, int]] | None = None):
+    """A launch of loop kernel ``kernel``'s function: its buffers, its symbols' values, the thread count.
+    ``generic``: the kernel the function was compiled from with the sizes it takes as arguments
+    (``generic.sizes_as_arguments``); errors still name ``kernel``'s sizes."""
+    symbols, values = _symbol_values(kernel, generic)
     n_reads, n_writes = len(kernel.reads), len(kernel.writes)
     get_threads = cpu_build.threads
 
@@ -62,7 +66,7 @@ def _launcher(fn, kernel: Kernel):
         rc = fn(
             *[t.data_ptr() for t in reads],
             *[t.data_ptr() for t in writes],
-            *[sizes[s] for s in symbols],
+            *[sizes[s] if v is None else v for s, v in zip(symbols, values)],
             get_threads(),
         )
         if rc:
@@ -71,16 +75,30 @@ def _launcher(fn, kernel: Kernel):
     return launch
 
 
-def _c_caller(fn, kernel: Kernel) -> Callable[..., CCall]:
+def _c_caller(fn, kernel: Kernel, generic=None) -> Callable[..., CCall]:
     """``c_call`` of a kernel launched by :func:`_launcher`: the same arguments, for ``kz_replay``."""
     address = ctypes.cast(fn, ctypes.c_void_p).value
-    symbols, error = kernel.symbols, gather_error(kernel, "cpu")
+    (symbols, values), error = _symbol_values(kernel, generic), gather_error(kernel, "cpu")
 
     def c_call(reads, writes, sizes: Mapping[str, int]) -> CCall:
         ptrs = tuple(0 if t is None else t.data_ptr() for t in (*reads, *writes))
-        return CCall(address, ptrs + tuple(sizes[s] for s in symbols), error, raises=IndexError)
+        args = tuple(sizes[s] if v is None else v for s, v in zip(symbols, values))
+        return CCall(address, ptrs + args, error, raises=IndexError)
 
     return c_call
+
+
+def _symbol_values(kernel: Kernel, generic) -> tuple[tuple[str, ...], tuple]:
+    """The compiled function's symbols and, per symbol, its fixed value or None (read from the call's
+    sizes)."""
+    compiled, fixed = generic or (kernel, {})
+    return compiled.symbols, tuple(fixed.get(s) for s in compiled.symbols)
+
+
+def _generic(kernel: Kernel) -> tuple[Kernel, dict[str, int]]:
+    """The kernel a small loop kernel is compiled as, sizes as arguments (``generic.small``), with those
+    sizes; any other kernel as it is."""
+    return sizes_as_arguments(normalized(kernel)) if small(kernel) else (kernel, {})
 
 
 class CpuBackend(Backend):
@@ -138,7 +156,7 @@ class CpuBackend(Backend):
         function and its epilogue); units of one graph share one cache entry, so a warm start is one lookup
         per unit. Kernels whose source differs only in their name (the same block in each of a
         transformer's layers: ViT-base has 159 kernels, 15 distinct) are compiled once and share the
-        function. Kernels whose kind builds alone (attention) get a unit of their own each. ``progress(n)``
+        function. Kernels whose kind builds alone (experts) get a unit of their own each. ``progress(n)``
         is called as kernels finish.
         """
         kinds = [dispatch(_KINDS, k, "the cpu backend") for k in kernels]
@@ -210,23 +228,22 @@ class _LoopKind:
         return True
 
     def parts(self, kernel: Kernel) -> Parts:
-        return [(kernel, ())]
+        return [(_generic(kernel)[0], ())]
 
     def source(self, kernel: Kernel, renderer: CpuRenderer) -> str:
-        return render(kernel, renderer)[0]
+        return render(_generic(kernel)[0], renderer)[0]
 
     def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
-        fn = _typed(fns[0], kernel)
+        generic = _generic(kernel)
+        fn = _typed(fns[0], generic[0])
         source = rendered[kernel.name][0]
-        return CompiledKernel(
-            kernel.name, backend, source, _launcher(fn, kernel), kernel, c_call=_c_caller(fn, kernel)
-        )
+        launch, c_call = _launcher(fn, kernel, generic), _c_caller(fn, kernel, generic)
+        return CompiledKernel(kernel.name, backend, source, launch, kernel, c_call=c_call)
 
 
 class _AttentionKind(_LoopKind):
-    """ATTENTION kernels: a template with its own arguments (operand strides), built alone."""
-
-    alone = True
+    """ATTENTION kernels: a template with its own arguments (operand strides), in the units with the others
+    (each in a namespace of its own: ``templates/cpu_attention.cpp``)."""
 
     def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
         fn = fns[0]
@@ -293,28 +310,32 @@ class _LibraryKind(_LoopKind):
 
 class _MatmulKind(_LoopKind):
     """MATMUL kernels: the few-row function (up to ``FEW_ROWS`` rows) and the epilogue kernel run after
-    torch's GEMM (more rows). A matmul whose row count is static and above ``FEW_ROWS`` never runs its
-    few-row function, so only the epilogue is built (the few-row functions were two thirds of ViT-base's
-    and ConvNeXt's C++)."""
+    torch's GEMM (more rows). Only the side a kernel's row count can reach is built: a matmul of static rows
+    above ``FEW_ROWS`` (or a dynamic one whose static dims alone pass it) never runs the few-row function
+    (two thirds of ViT-base's and ConvNeXt's C++), one of static rows up to it never the epilogue (the
+    squeeze-excitation matmuls of EfficientNet-B0 at batch 1: 15 of them)."""
 
     def parts(self, kernel: Kernel) -> Parts:
-        if _static_rows(kernel) is not None:
-            return [_epilogue_of(kernel)]
-        return [(kernel, ()), _epilogue_of(kernel)]
+        few, more = _row_sides(kernel)
+        epi, temps = _epilogue_of(kernel)
+        return [(_generic(kernel)[0], ())] * few + [(_generic(epi)[0], temps)] * more
 
     def source(self, kernel: Kernel, renderer: CpuRenderer) -> str:
         epi, _ = _epilogue_of(kernel)
-        return _matmul_source(render(kernel, renderer)[0], render(epi, renderer)[0])
+        return _matmul_source(render(_generic(kernel)[0], renderer)[0], render(_generic(epi)[0], renderer)[0])
 
     def assemble(self, backend: str, kernel: Kernel, parts: Parts, fns: list, rendered) -> CompiledKernel:
-        built = [
-            (rendered[k.name][0], _launcher(_typed(fn, k), k)) for fn, (k, _) in zip(fns, parts, strict=True)
-        ]
-        epi, temps = parts[-1]
-        few, few_call = (
-            (built[0], _c_caller(fns[0], kernel)) if len(parts) == 2 else (_never_few(kernel), None)
-        )
-        return _matmul_kernel(backend, kernel, few, built[-1], epi, temps, few_call)
+        epi, temps = _epilogue_of(kernel)
+        built, few_call = {}, None
+        for fn, (part, _) in zip(fns, parts, strict=True):
+            own = kernel if part.name == kernel.name else epi
+            generic = _generic(own)
+            fn = _typed(fn, generic[0])
+            built[own is kernel] = (rendered[part.name][0], _launcher(fn, own, generic))
+            few_call = _c_caller(fn, own, generic) if own is kernel else few_call
+        few = built.get(True) or _never(kernel, "the few-row path")
+        more = built.get(False) or _never(kernel, "the GEMM epilogue")
+        return _matmul_kernel(backend, kernel, few, more, epi, temps, few_call)
 
 
 _KINDS = {
@@ -346,24 +367,25 @@ def kernel_parts(kernel: Kernel) -> Parts:
     return dispatch(_KINDS, kernel, "the cpu backend").parts(kernel)
 
 
-def _static_rows(kernel: Kernel) -> int | None:
-    """A matmul kernel's row count when it is static and too large for the few-row path, else None."""
+def _row_sides(kernel: Kernel) -> tuple[bool, bool]:
+    """Whether a MATMUL kernel can have up to ``FEW_ROWS`` rows (a call of none computes nothing), and
+    whether it can have more: from its static row dims (a dynamic dim is at least 1)."""
     from kernelize.autokernel.matmul import FEW_ROWS
 
     dims = kernel.domain[:-1]
-    if not all(isinstance(d, int) for d in dims) or math.prod(dims) <= FEW_ROWS:
-        return None
-    return math.prod(dims)
+    least = math.prod(d for d in dims if isinstance(d, int))
+    if least > FEW_ROWS:
+        return False, True
+    return True, not all(isinstance(d, int) for d in dims)
 
 
-def _never_few(kernel: Kernel) -> tuple[str, Callable]:
-    """The few-row half of a matmul kernel that always has more rows (never called; said so if it is)."""
-    rows = _static_rows(kernel)
+def _never(kernel: Kernel, side: str) -> tuple[str, Callable]:
+    """The side of a matmul kernel its row count never reaches: not built (said so if it is called)."""
 
-    def few(reads, writes, sizes) -> None:
-        raise AssertionError(f"cpu kernel {kernel.name}: the few-row path of a kernel of {rows} rows")
+    def call(reads, writes, sizes) -> None:
+        raise AssertionError(f"cpu kernel {kernel.name}: {side} of a kernel of {kernel.domain[:-1]} rows")
 
-    return f"// always {rows} rows: no few-row function", few
+    return f"// {side}: not built (rows {kernel.domain[:-1]})", call
 
 
 def _epilogue_of(kernel: Kernel) -> tuple[Kernel, tuple]:
@@ -392,7 +414,10 @@ def _matmul_kernel(
     generated = GeneratedGemm(kernel, plan) if plan is not None and plan.packed else None
 
     def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
-        if rows_of(kernel, sizes) <= FEW_ROWS:
+        rows = rows_of(kernel, sizes)
+        if rows == 0:  # nothing to compute (the few-row function may not be built: _row_sides)
+            return None
+        if rows <= FEW_ROWS:
             return few(reads, writes, sizes)
         y = None if generated is None else generated.run(reads, sizes, writes[0])
         if y is not None:

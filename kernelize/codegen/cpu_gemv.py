@@ -129,7 +129,7 @@ def _forms(k: Kernel, parts: Any, acc_t: str, last: int) -> list[str]:
     for _, ib in parts.mms:
         b = k.body[ib]
         ns, ks = b.strides[last], b.strides[last + 1]
-        forms.append("dot" if ks == 1 and _static(ns) else "axpy" if ns == 1 and _static(ks) else "generic")
+        forms.append("dot" if ks == 1 and ns != 0 else "axpy" if ns == 1 and ks != 0 else "generic")
     if acc_t != "float":
         return ["generic"] * len(forms)
     if all(f == "dot" for f in forms):

@@ -55,6 +55,15 @@ def _cache_dir(tmp_path_factory):
         os.environ["KERNELIZE_CACHE_DIR"] = old
 
 
+@pytest.fixture(params=["generic", "specialized"])
+def sizes(request, monkeypatch):
+    """Run a test with small kernels' sizes as arguments (the default, autokernel/generic.py) and as
+    constants (how every large kernel compiles), so both renderings stay checked against the reference."""
+    if request.param == "specialized":
+        monkeypatch.setattr("kernelize.autokernel.generic.SMALL_WORK", -1)
+    return request.param
+
+
 # ---- a one-kernel lowering of small graphs ---------------------------------------------------------------
 def _contig(shape):
     strides, acc = [], 1
@@ -285,6 +294,7 @@ def test_16bit_round_trip_is_exact():
         assert torch.equal(out.view(torch.int16), f.to(dtype.torch).view(torch.int16))
 
 
+@pytest.mark.usefixtures("sizes")
 def test_broadcast_transposed_sliced_flipped_operands():
     g = Graph()
     x = g.input("x", (6, 40), DType.F32)
@@ -311,6 +321,7 @@ def test_axis_merging_makes_one_flat_loop():
     check(kernel_of(g), g, [rand((3, 5, 7), DType.F32)])
 
 
+@pytest.mark.usefixtures("sizes")
 @pytest.mark.parametrize("shape", [(0, 5), (5, 0), (1, 1), (1,), (3, 4097), (70000,)])
 def test_awkward_shapes(shape):
     g = Graph()
@@ -337,6 +348,7 @@ def test_scalar_domain():
     check(kernel_of(g), g, [torch.tensor(0.5)])
 
 
+@pytest.mark.usefixtures("sizes")
 def test_masked_and_concat_and_gather_loads():
     # pad along the inner axis (masked load), concat of two inputs, gather through an index buffer
     x = torch.randn(4, 10)
@@ -539,6 +551,7 @@ def _row_graph(kind: str, dtype: DType, n, with_params=True):
 ROW_KINDS = ["rmsnorm", "add_rmsnorm", "layernorm", "softmax", "log_softmax", "reduce", "explicit_softmax"]
 
 
+@pytest.mark.usefixtures("sizes")
 @pytest.mark.parametrize("kind", ROW_KINDS)
 @pytest.mark.parametrize("dtype", [DType.F32, DType.BF16, DType.F16])
 def test_row_kernels(kind, dtype):
@@ -582,6 +595,7 @@ def test_row_edge_values():
     check(k, g, [x])
 
 
+@pytest.mark.usefixtures("sizes")
 def test_row_rank_two_and_transposed_rows():
     g = Graph()
     x = g.input("x", (4, 6, 8), DType.F32)
@@ -592,6 +606,7 @@ def test_row_rank_two_and_transposed_rows():
     check(k, g, [rand((4, 6, 8), DType.F32)], (1e-4, 1e-4))
 
 
+@pytest.mark.usefixtures("sizes")
 def test_matmul_with_epilogue():
     g = Graph()
     a = g.input("a", (2, 5, 7), DType.F32)
@@ -609,6 +624,71 @@ def test_matmul_with_epilogue():
     )
     k = MatmulKernel("mm", (2, 5, 3), body, (Store(5, g.outputs[0], (15, 3, 1)),))
     check(k, g, [rand((2, 5, 7), DType.F32), rand((7, 3), DType.F32), rand((3,), DType.F32)], (1e-4, 1e-4))
+
+
+def _scaled_sigmoid(shape) -> tuple[Graph, Kernel]:
+    g = Graph()
+    x = g.input("x", shape, DType.F32)
+    w = g.input("w", shape[-1:], DType.F32)
+    g.output(g.mul(g.sigmoid(x), w))
+    return g, kernel_of(g)
+
+
+def test_small_kernels_differing_only_in_sizes_share_one_function():
+    """A small kernel's sizes are arguments (autokernel/generic.py): two of one structure render to one
+    source, compile once, and each computes its own sizes; a large one keeps its sizes in its source."""
+    from dataclasses import replace
+
+    (g1, k1), (g2, k2) = _scaled_sigmoid((3, 5, 7)), _scaled_sigmoid((4, 9))
+    assert BACKEND.render(k1) == BACKEND.render(k2)  # both named k
+    assert "s_kz_c0" in BACKEND.render(k1) and "105" not in BACKEND.render(k1)  # the merged axis, an argument
+    k2 = replace(k2, name="k2")
+    c1, c2 = BACKEND.compile_many([k1, k2])
+    for g, ck in ((g1, c1), (g2, c2)):
+        xs = [rand(i.shape, DType.F32) for i in g.inputs]
+        out = torch.empty(g.outputs[0].shape)
+        ck.launch(xs, [out], {})
+        torch.testing.assert_close(out, evaluate(g, xs)[0], rtol=1e-5, atol=1e-5)
+    _, big = _scaled_sigmoid((1100, 1000))
+    assert "s_kz_c0" not in BACKEND.render(big) and "kz_outer = 1100;" in BACKEND.render(big)
+
+
+def test_a_matmul_builds_only_the_side_its_rows_reach():
+    """Static rows up to FEW_ROWS: the few-row function alone; more, or static dims past it beside a dynamic
+    one: the epilogue after the GEMM alone; a dynamic count that may be either: both. Zero rows compute
+    nothing."""
+    from kernelize.autokernel.matmul import FEW_ROWS
+    from kernelize.codegen.cpu_backend import kernel_parts
+
+    def mm(rows):
+        g = Graph()
+        a = g.input("a", (*rows, 7), DType.F32)
+        b = g.input("b", (7, 3), DType.F32)
+        g.output(g.sigmoid(g.matmul(a, b)))
+        body = (
+            Load(a, _contig(a.shape)[:-1] + (0, 1)),
+            Load(b, (0,) * len(rows) + (1, 3)),
+            Compute(Op.MATMUL, DType.F32, (0, 1), 7),
+            Compute(Op.SIGMOID, DType.F32, (2,)),
+        )
+        y = g.outputs[0]
+        return g, MatmulKernel("mm", y.shape, body, (Store(3, y, _contig(y.shape)),))
+
+    def sides(rows):
+        return ["few" if p.name == "mm" else "gemm" for p, _ in kernel_parts(mm(rows)[1])]
+
+    assert sides((FEW_ROWS,)) == ["few"]
+    assert sides((FEW_ROWS + 1,)) == ["gemm"]
+    assert sides(("n", FEW_ROWS + 1)) == ["gemm"]
+    assert sides(("n", 2)) == ["few", "gemm"]
+    g, k = mm(("n", FEW_ROWS + 1))
+    ck = BACKEND.compile(k)
+    empty = [torch.empty(0, FEW_ROWS + 1, 7), torch.randn(7, 3)]
+    ck.launch(empty, [torch.empty(0, FEW_ROWS + 1, 3)], {"n": 0})  # the few-row side is not built
+    xs = [rand((2, FEW_ROWS + 1, 7), DType.F32), rand((7, 3), DType.F32)]
+    out = torch.empty(2, FEW_ROWS + 1, 3)
+    ck.launch(xs, [out], {"n": 2})
+    torch.testing.assert_close(out, evaluate(g, xs)[0], rtol=1e-5, atol=1e-5)
 
 
 # ---- hypothesis: random elementwise graphs over random layouts ---------------------------------------------
@@ -650,13 +730,16 @@ def _graphs(draw):
 
 
 @settings(max_examples=25, deadline=None)
-@given(_graphs())
-def test_random_elementwise_graphs(case):
+@given(_graphs(), st.booleans())
+def test_random_elementwise_graphs(case, specialized):
     g, dtype, shapes = case
     ins = [rand(s, dtype, -2, 2) for s in shapes]
     tol = {DType.F32: (1e-4, 1e-4), DType.F16: (1e-2, 1e-2), DType.BF16: (5e-2, 5e-2)}[dtype]
     if g.outputs[0].op in ELEMENTWISE or g.outputs[0].op not in REDUCE | ROW:
-        check(kernel_of(g), g, ins, tol)
+        with pytest.MonkeyPatch.context() as mp:  # sizes as constants, or as arguments (the fixture `sizes`)
+            if specialized:
+                mp.setattr("kernelize.autokernel.generic.SMALL_WORK", -1)
+            check(kernel_of(g), g, ins, tol)
 
 
 # ---- errors and plumbing ---------------------------------------------------------------------------------
@@ -1328,6 +1411,34 @@ def test_identical_attention_kernels_compile_in_one_unit(monkeypatch):
     assert sum(f"kz_{k.name}" in src for k in attention for src in units) == 1
     xs = [rand((1, 2, 5, 8), DType.F32)]
     torch.testing.assert_close(cg(*xs)[0], evaluate(g, xs)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_distinct_attention_kernels_share_a_unit_with_the_other_kernels(monkeypatch):
+    """Attention kernels join the units of the other kernels (each in a namespace of its own, fp-contract fast
+    only within it): two different ones (causal and not, other head dims) and the pointwise kernels between
+    them compile in as many units as cores, not one unit per attention kernel (Swin-tiny cold: 4 -> 2)."""
+    import re
+
+    from kernelize.codegen import cpu_build
+    from kernelize.runtime.compiled import compile_graph
+
+    units: list[str] = []
+    real = cpu_build.build_shared_object
+    monkeypatch.setattr(
+        cpu_build, "build_shared_object", lambda src, name="k": units.append(src) or real(src, name)
+    )
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # one unit: every kernel in it
+    g = Graph()
+    x = g.input("x", (1, 2, 5, 8), DType.F32)
+    y = g.input("y", (1, 2, 7, 16), DType.F32)
+    a = g.exp(g.mul(g.attention(x, x, x, None, scale=0.3, causal=True), g.scalar(0.5, DType.F32)))
+    g.output(a, g.tanh(g.attention(y, y, y, None, scale=0.2, causal=False)))
+    cg = compile_graph(g, backend="cpu", cache=False)
+    kernels = [u for u in units if "kz_attention_" in u]
+    assert len(kernels) == 1 and len(set(re.findall(r"namespace (kz_attention_\w+) \{", kernels[0]))) == 2
+    xs = [rand((1, 2, 5, 8), DType.F32), rand((1, 2, 7, 16), DType.F32)]
+    for got, want in zip(cg(*xs), evaluate(g, xs), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_same_source_groups_blank_only_the_entry_points_name():

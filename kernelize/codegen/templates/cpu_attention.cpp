@@ -13,14 +13,17 @@ $PRELUDE$
 //    row's scores come from dot products over the head dim, p @ v vectorises over the value dim, and the
 //    partial (max, sum, accumulator) of every split are combined at the end.
 // Accumulation is f32 for every storage type. A row with every key masked gives zeros (torch's kernels).
+// Several attention kernels can share a translation unit (with other kernels): each in a namespace of its
+// own ($NS$, named after its source), fp-contract fast only within it (GCC; clang keeps it to the unit's end).
 #ifdef __clang__
 #pragma clang fp contract(fast)
 #else
+#pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #endif
 #include <math.h>
 
-namespace {
+namespace $NS$ {
 typedef $T$ kz_t;    // q, k, v and out storage
 typedef $TM$ kz_tm;  // mask storage
 constexpr int D = $D$, DV = $DV$;
@@ -430,8 +433,6 @@ int prefill(const Args& a, int nthreads) {
     });
     return 0;
 }
-}  // namespace
-
 extern "C" int $NAME$(const kz_t* q, const kz_t* k, const kz_t* v, const kz_tm* m, const float* sinks, kz_t* o,
                       const int64_t* sizes, const int64_t* strides, int64_t scale_bits, int kz_nthreads) {
     // the scale comes as its f32 bits in an integer argument: every argument is integer-class, so a replay
@@ -454,3 +455,7 @@ extern "C" int $NAME$(const kz_t* q, const kz_t* k, const kz_t* v, const kz_tm* 
     }
     return a.G * a.LQ <= DECODE_ROWS ? decode(a, kz_nthreads) : prefill(a, kz_nthreads);
 }
+}  // namespace $NS$
+#ifndef __clang__
+#pragma GCC pop_options
+#endif
