@@ -82,7 +82,8 @@ def _accesses(k: Kernel) -> list[Load | Store]:
 
 
 def _merge_axes(k: PointwiseKernel | RowKernel) -> PointwiseKernel | RowKernel:
-    """Merge adjacent domain axes whose strides chain in every access (``s[d] == s[d+1] * n[d+1]``).
+    """Merge adjacent domain axes whose strides chain in every access (``s[d] == s[d+1] * n[d+1]``), or
+    whose first has size 1.
 
     Only within the outer axes and within the row axes, and only without masks, concat or indirect loads
     (whose indexing names axes). A contiguous ``[b, s, h]`` pointwise kernel becomes one flat loop.
@@ -98,7 +99,9 @@ def _merge_axes(k: PointwiseKernel | RowKernel) -> PointwiseKernel | RowKernel:
     d = len(domain) - 2
     while d >= 0:
         same_group = (d + 1 < split) or (d >= split)
-        if same_group and all(s[d] == s[d + 1] * domain[d + 1] for s in accs):
+        # an axis of size 1 merges with the next whatever its strides (its index is always 0): a batch of one
+        # leaves no index to split off per row, a division when the sizes are arguments (generic.py)
+        if same_group and (domain[d] == 1 or all(s[d] == s[d + 1] * domain[d + 1] for s in accs)):
             domain[d : d + 2] = [domain[d] * domain[d + 1]]
             for s in accs:
                 s[d : d + 2] = [s[d + 1]]
