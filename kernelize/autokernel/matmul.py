@@ -123,12 +123,23 @@ def rows_of(k: Kernel, sizes: Mapping[str, int]) -> int:
     return math.prod(bind(k.domain[:-1], sizes))
 
 
+def row_sides(k: Kernel) -> tuple[bool, bool]:
+    """Whether the matmul kernel ``k`` can have up to ``FEW_ROWS`` rows (a call of none computes nothing), and
+    whether it can have more: from its static row dims (a dynamic dim is at least 1)."""
+    dims = k.domain[:-1]
+    least = math.prod(d for d in dims if isinstance(d, int))
+    if least > FEW_ROWS:
+        return False, True
+    return True, not all(isinstance(d, int) for d in dims)
+
+
 __all__ = [
     "FEW_ROWS",
     "MatmulParts",
     "epilogue_kernel",
     "matmul_parts",
     "row_major",
+    "row_sides",
     "rows_of",
     "splitk_kernel",
     "weights_shared",

@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -37,6 +36,7 @@ from kernelize.autokernel.kernels import (
     RowKernel,
     dispatch,
 )
+from kernelize.autokernel.matmul import row_sides
 from kernelize.codegen import cpu_build, cpu_conv, cpu_pool
 from kernelize.codegen.cpu import CpuRenderer, normalized, render
 from kernelize.codegen.cpu_attention import ARGTYPES as ATTENTION_ARGTYPES
@@ -310,13 +310,13 @@ class _LibraryKind(_LoopKind):
 
 class _MatmulKind(_LoopKind):
     """MATMUL kernels: the few-row function (up to ``FEW_ROWS`` rows) and the epilogue kernel run after
-    torch's GEMM (more rows). Only the side a kernel's row count can reach is built: a matmul of static rows
-    above ``FEW_ROWS`` (or a dynamic one whose static dims alone pass it) never runs the few-row function
-    (two thirds of ViT-base's and ConvNeXt's C++), one of static rows up to it never the epilogue (the
-    squeeze-excitation matmuls of EfficientNet-B0 at batch 1: 15 of them)."""
+    torch's GEMM (more rows). Only the side a kernel's row count can reach is built (``matmul.row_sides``):
+    a matmul of static rows above ``FEW_ROWS`` (or a dynamic one whose static dims alone pass it) never runs
+    the few-row function (two thirds of ViT-base's and ConvNeXt's C++), one of static rows up to it never
+    the epilogue (the squeeze-excitation matmuls of EfficientNet-B0 at batch 1: 15 of them)."""
 
     def parts(self, kernel: Kernel) -> Parts:
-        few, more = _row_sides(kernel)
+        few, more = row_sides(kernel)
         epi, temps = _epilogue_of(kernel)
         return [(_generic(kernel)[0], ())] * few + [(_generic(epi)[0], temps)] * more
 
@@ -367,18 +367,6 @@ def kernel_parts(kernel: Kernel) -> Parts:
     return dispatch(_KINDS, kernel, "the cpu backend").parts(kernel)
 
 
-def _row_sides(kernel: Kernel) -> tuple[bool, bool]:
-    """Whether a MATMUL kernel can have up to ``FEW_ROWS`` rows (a call of none computes nothing), and
-    whether it can have more: from its static row dims (a dynamic dim is at least 1)."""
-    from kernelize.autokernel.matmul import FEW_ROWS
-
-    dims = kernel.domain[:-1]
-    least = math.prod(d for d in dims if isinstance(d, int))
-    if least > FEW_ROWS:
-        return False, True
-    return True, not all(isinstance(d, int) for d in dims)
-
-
 def _never(kernel: Kernel, side: str) -> tuple[str, Callable]:
     """The side of a matmul kernel its row count never reaches: not built (said so if it is called)."""
 
@@ -415,7 +403,7 @@ def _matmul_kernel(
 
     def launch(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int]):
         rows = rows_of(kernel, sizes)
-        if rows == 0:  # nothing to compute (the few-row function may not be built: _row_sides)
+        if rows == 0:  # nothing to compute (the few-row function may not be built: row_sides)
             return None
         if rows <= FEW_ROWS:
             return few(reads, writes, sizes)

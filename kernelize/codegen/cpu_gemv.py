@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kernelize.autokernel.kernels import Kernel, Load, MatmulKernel, dispatch
-from kernelize.autokernel.matmul import FEW_ROWS, matmul_parts, row_major, weights_shared
+from kernelize.autokernel.matmul import matmul_parts, row_major, row_sides, weights_shared
 from kernelize.codegen.render import closure
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -664,8 +664,7 @@ def gemm_forms(kernels: Sequence[Kernel]) -> set[tuple]:
 
 
 def _matmul_forms(k: Kernel) -> set[tuple]:
-    rows = numel(k.domain[:-1])
-    if not runs_in_tiles(k) or (isinstance(rows, int) and rows <= FEW_ROWS):  # static few rows: never
+    if not runs_in_tiles(k) or not row_sides(k)[1]:  # static few rows: never
         return set()
     plan = direct_gemm(k, gelu=True)
     return {GeneratedGemm.form_of(plan) if plan is not None and plan.packed else PLAIN}
