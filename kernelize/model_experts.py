@@ -233,7 +233,17 @@ def _library_wins(hidden_states: torch.Tensor, top_k_index: torch.Tensor, fallba
     cpu = hidden_states.device.type == "cpu"
     if fallback == EXPERTS_NAME or not cpu or top_k_index.shape[0] <= LIBRARY_TOKENS:
         return False
-    return hidden_states.dtype == torch.float32 or (hidden_states.dtype == torch.bfloat16 and _native_bf16())
+    if hidden_states.dtype == torch.float32:
+        return not _tiles()
+    return hidden_states.dtype == torch.bfloat16 and _native_bf16()
+
+
+def _tiles() -> bool:
+    """The generated GEMM tiles run this CPU's f32 GEMMs (`cpu_gemv.cpu_gemm`): the kernel's many-pair path
+    then runs them transposed, over the weights as stored (`cpu_experts.call_path`)."""
+    from kernelize.codegen.cpu_gemv import tiles_take
+
+    return tiles_take(True, 0)
 
 
 def _native_bf16() -> bool:

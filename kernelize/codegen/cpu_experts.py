@@ -4,14 +4,21 @@ launcher.
 Static in the source: the dtypes, the hidden and intermediate sizes, the expert count, K and the activation
 (the loops over them have constant trip counts). At run time: the token count and every operand's strides.
 
-Two paths, chosen per call by the number of routed (token, slot) pairs:
+Three paths, chosen per call by the number of routed (token, slot) pairs:
 
 * up to ``FEW_PAIRS`` pairs (decode, short prompts): the generated kernel alone. It reads each selected
   expert's weights once for all of that expert's rows, at the rate of the few-row matmul kernels
   (``cpu_gemv.h``), and touches no other expert's bytes;
-* more: per selected expert a library GEMM over its rows (oneDNN / MKL through torch, in f32 for 16-bit
-  weights, which the CPU's 16-bit GEMMs run several times slower), with the activation and the weighted
-  combine fused around them.
+* more, where the generated GEMM tiles run this CPU's f32 GEMMs (:func:`call_path`; AVX2): the generated
+  kernel still, with the GEMM library's entry as an argument; from a GEMM panel of rows per expert on
+  average (:func:`~kernelize.codegen.cpu_conv.panel`, two for 16-bit weights, which it widens first) its
+  many-pair path (``kz_many``): per selected expert the products transposed, the expert's weight rows as
+  the GEMM's left operand as stored, the tokens' rows packed into its column panels. Below that the dot
+  blocks (Qwen3-MoE layout, one layer's experts, 2 threads, Zen 3: 512 tokens f32 72-88 ms against
+  98-109 for ``grouped_mm`` and 103-120 for the library path below; 64 tokens 22 against 40);
+* more elsewhere: per selected expert a library GEMM over its rows (oneDNN / MKL through torch, in f32 for
+  16-bit weights, which the CPU's 16-bit GEMMs run several times slower), with the activation and the
+  weighted combine fused around them.
 
 Example:
     >>> src, fn = render_experts(kernel)  # doctest: +SKIP
@@ -27,6 +34,8 @@ import torch
 from kernelize.autokernel.kernels import ExpertsKernel
 from kernelize.codegen import cpu_build
 from kernelize.codegen.cpu_attention import C_TYPES, unit_last
+from kernelize.codegen.cpu_conv import panel
+from kernelize.codegen.cpu_gemv import gemm_address
 from kernelize.codegen.render import c_name
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -70,8 +79,12 @@ INDEX_TYPES = {DType.I64: "int64_t", DType.I32: "int32_t", DType.I16: "int16_t",
 # once per 16 rows, which is what decode needs; a GEMM's register tiles win once experts have many rows.
 FEW_PAIRS = 64
 PARALLEL_MIN = 1 << 16  # multiply-adds below which one thread beats waking the team
-ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-ERRORS = {1: "out of memory for its scratch", 2: "an expert index outside [0, {experts}]"}
+ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+ERRORS = {
+    1: "out of memory for its scratch",
+    2: "an expert index outside [0, {experts}]",
+    3: "the GEMM library refused its sizes",
+}
 
 
 def check_experts_kernel(kernel: ExpertsKernel, plain_only: str | None = None) -> ExpertsArgs:
@@ -117,6 +130,7 @@ def render_experts(kernel: ExpertsKernel, prelude: str) -> tuple[str, str]:
         BIAS="true" if args.bias else "false",
         INTERLEAVED="true" if args.interleaved else "false",
         PARALLEL_MIN=str(PARALLEL_MIN),
+        PANEL=str(panel()),
     )
     return source, name
 
@@ -153,11 +167,13 @@ def experts_launcher(fn, kernel: ExpertsKernel):
         reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor], sizes: Mapping[str, int] | None = None
     ) -> None:
         x, index, weights, up, down, *biases = reads
-        if index.numel() > FEW_PAIRS:
+        path = call_path(x, index, up, down)
+        if path == "library":
             writes[0].copy_(gemm_experts(x, index, weights, up, down, args, *biases))
             return
+        gemm = gemm_address() if path == "tiles" else None
         ptrs, tokens, strides, _ = arguments(reads, writes)
-        rc = fn(*ptrs, tokens, strides, get_threads())
+        rc = fn(*ptrs, tokens, strides, gemm, get_threads())
         if rc:
             raise ValueError(error(rc, tokens, up.shape[0]))
 
@@ -166,11 +182,29 @@ def experts_launcher(fn, kernel: ExpertsKernel):
             return None
         ptrs, tokens, strides, held = arguments(reads, writes)
         message = error(2, tokens, reads[3].shape[0]) + " (or out of memory for its scratch)"
-        args = (*ptrs, tokens, ctypes.addressof(strides))
+        args = (*ptrs, tokens, ctypes.addressof(strides), 0)
         return CCall(address, args, message, raises=ValueError, keep=(strides, *held))
 
     launch.c_call = c_call
     return launch
+
+
+def call_path(x: torch.Tensor, index: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> str:
+    """Which path runs a call (see the module docstring): ``"dots"`` (the generated kernel's dot blocks),
+    ``"tiles"`` (its many-pair path over the GEMM library) or ``"library"`` (:func:`gemm_experts`).
+    The tiles need the library chosen for f32 GEMMs (:func:`~kernelize.codegen.cpu_gemv.cpu_gemm`: not
+    where torch runs AVX-512, there oneDNN), sizes within its tiles, f32 weights whose rows are dense (the
+    GEMM reads them as stored), and on average a GEMM panel of rows per expert (two for 16-bit weights,
+    which it widens first)."""
+    from kernelize.codegen.cpu_gemv import tiles_take
+
+    pairs, (e, _, h), i = index.numel(), up.shape, down.shape[2]
+    if pairs <= FEW_PAIRS:
+        return "dots"
+    dense = x.dtype != torch.float32 or (up.stride()[1:] == (h, 1) and down.stride()[1:] == (i, 1))
+    if not (tiles_take(True, max(h, i)) and x.dtype != torch.float64 and dense):
+        return "library"
+    return "tiles" if pairs >= e * panel() * (1 if x.dtype == torch.float32 else 2) else "dots"
 
 
 def gemm_experts(
@@ -209,4 +243,12 @@ def gemm_experts(
     return summed.view(x.shape[0], k, -1).sum(1).to(x.dtype)
 
 
-__all__ = ["FEW_PAIRS", "c_glu", "check_experts_kernel", "experts_launcher", "gemm_experts", "render_experts"]
+__all__ = [
+    "FEW_PAIRS",
+    "c_glu",
+    "check_experts_kernel",
+    "experts_launcher",
+    "gemm_experts",
+    "call_path",
+    "render_experts",
+]

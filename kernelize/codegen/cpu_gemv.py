@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernelize.autokernel.kernels import Kernel, Load, MatmulKernel, dispatch
+from kernelize.autokernel.kernels import ExpertsKernel, Kernel, Load, MatmulKernel, dispatch
 from kernelize.autokernel.matmul import matmul_parts, row_major, row_sides, weights_shared
 from kernelize.codegen.render import closure
 from kernelize.codegen.template import fill, load_template
@@ -670,7 +670,11 @@ def _matmul_forms(k: Kernel) -> set[tuple]:
     return {GeneratedGemm.form_of(plan) if plan is not None and plan.packed else PLAIN}
 
 
-_FORMS_OF = {MatmulKernel: _matmul_forms, Kernel: lambda k: set()}
+def _experts_forms(k: Kernel) -> set[tuple]:  # the many-pair path (cpu_experts.call_path)
+    return {PLAIN} if tiles_take(True, 0) and k.node.src[0].dtype is not DType.F64 else set()
+
+
+_FORMS_OF = {MatmulKernel: _matmul_forms, ExpertsKernel: _experts_forms, Kernel: lambda k: set()}
 
 
 def prebuild(forms: set[tuple], idle: bool = False) -> None:
@@ -697,6 +701,12 @@ def _gemm_function(bias: bool, attr: str, algorithm: str, binary: str | None):
     else:
         name = f"kz_gemm_{binary or 'plain'}"
     return getattr(_gemm_library().result(), name)
+
+
+def gemm_address() -> int:
+    """The address of the GEMM library's plain entry ``kz_gemm_plain`` (for a generated kernel that calls
+    the library itself: the experts' many-pair path), built on first use."""
+    return ctypes.cast(_gemm_function(False, "", "", None), ctypes.c_void_p).value
 
 
 def gemm_source() -> str:

@@ -1,8 +1,9 @@
 """The grouped-expert kernels (``Op.EXPERTS``) of every backend against ``reference_experts``: Triton
 under the interpreter and lowered to PTX / cubin for sm_80 and sm_90, CUDA C through the host emulation
-and NVRTC cubins for sm_80 and sm_90, the CPU kernel on both of its paths (few pairs: the generated
-kernel; more: library GEMMs per expert), and ``grouped_experts`` on a real GPU. Sizes stay small and
-awkward (the interpreter and the emulation are slow); some routed slots hold the sentinel expert E.
+and NVRTC cubins for sm_80 and sm_90, the CPU kernel on each of its paths (its dot blocks; past a GEMM
+panel of rows per expert its transposed GEMMs over the generated tiles; library GEMMs per expert), and
+``grouped_experts`` on a real GPU. Sizes stay small and awkward (the interpreter and the emulation are
+slow); some routed slots hold the sentinel expert E.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from kernelize.autokernel.kernels import ExpertsKernel
 from kernelize.autokernel.plan import plan
+from kernelize.codegen import cpu_experts
 from kernelize.codegen.cpu_experts import FEW_PAIRS
 from kernelize.codegen.experts_align import align_pairs, max_blocks
 from kernelize.codegen.triton import TritonBackend
@@ -123,13 +125,56 @@ def test_cuda_emulated_matches_reference(case):
     _check(kernel, out, ins)
 
 
-@pytest.mark.parametrize("t", [1, 7, FEW_PAIRS // 2 + 1])
+# (tokens, strided views, the path an f32 call takes, a bf16 call's) over 5 experts, top-2, the generated
+# GEMM tiles chosen for f32 GEMMs (panels of 16 columns with AVX2, 32 with AVX-512)
+PATHS = [
+    (1, False, "dots", "dots"),
+    (7, True, "dots", "dots"),
+    (FEW_PAIRS // 2 + 1, False, "dots", "dots"),  # past FEW_PAIRS, under a panel of rows per expert
+    (170, False, "tiles", "tiles"),  # 340 pairs: past two panels of rows per expert
+    (170, True, "library", "tiles"),  # f32 rows the GEMM cannot read as stored; bf16 rows are widened
+]
+
+
+@pytest.mark.parametrize("t,views,f32_path,bf16_path", PATHS)
 @pytest.mark.parametrize("dtype,act,gated", [(DType.F32, "silu", True), (DType.BF16, "gelu_tanh", False)])
-def test_cpu_backend_both_paths_match_reference(t, dtype, act, gated):
+def test_cpu_backend_every_path_matches_reference(
+    monkeypatch, t, views, f32_path, bf16_path, dtype, act, gated
+):
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "generated")
     kernel = _kernel(40, 72, 5, 2, dtype, act, gated)
-    ins = _inputs(kernel, t, seed=t, views=t == 7)
-    assert (ins[1].numel() > FEW_PAIRS) == (t > FEW_PAIRS // 2)  # the last size takes the library path
+    ins = _inputs(kernel, t, seed=t, views=views)
+    assert cpu_experts.call_path(*ins[:2], *ins[3:5]) == (f32_path if dtype == DType.F32 else bf16_path)
     _check(kernel, grouped_experts(*ins, act=act, gated=gated), ins)
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+def test_cpu_transposed_gemm_path_is_bitwise_the_same_at_any_thread_count(monkeypatch, dtype):
+    """Each expert runs on one thread and each token sums its slots in order: the threads only share the
+    work out."""
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "generated")
+    kernel = _kernel(40, 72, 5, 2, dtype)
+    ins = _inputs(kernel, 170, seed=11)
+    assert cpu_experts.call_path(*ins[:2], *ins[3:5]) == "tiles"
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(grouped_experts(*ins))
+    finally:
+        torch.set_num_threads(threads)
+    _check(kernel, outs[0], ins)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
+def test_cpu_many_pairs_without_the_gemm_tiles_take_the_library_path(monkeypatch, dtype):
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "onednn")
+    kernel = _kernel(40, 72, 5, 2, dtype)
+    ins = _inputs(kernel, 170, seed=3)
+    assert cpu_experts.call_path(*ins[:2], *ins[3:5]) == "library"
+    _check(kernel, grouped_experts(*ins), ins)
 
 
 @pytest.mark.parametrize("t", [1, FEW_PAIRS])
@@ -155,11 +200,13 @@ def _biased(kernel: ExpertsKernel, t: int, seed: int):
     return ins, up_bias, down_bias
 
 
-@pytest.mark.parametrize("t", [1, 7, FEW_PAIRS // 2 + 1])
+@pytest.mark.parametrize("t", [1, 7, FEW_PAIRS // 2 + 1, 170])
 @pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
-def test_cpu_biases_interleaved_rows_and_a_clamped_gate_match_reference(t, dtype):
+def test_cpu_biases_interleaved_rows_and_a_clamped_gate_match_reference(monkeypatch, t, dtype):
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "generated")
     kernel = _kernel(40, 72, 5, 2, dtype)
     ins, up_bias, down_bias = _biased(kernel, t, seed=t)
+    assert (cpu_experts.call_path(*ins[:2], *ins[3:5]) == "tiles") == (t == 170)
     got = grouped_experts(*ins, up_bias=up_bias, down_bias=down_bias, **OSS)
     args = ExpertsArgs("silu", bias=True, **OSS)
     ref = reference_experts(*ins, args, up_bias, down_bias)

@@ -242,9 +242,16 @@ def test_on_a_gpu_the_one_call_keeps_grouped_mm_unless_asked(monkeypatch) -> Non
     assert previous is not None and all(c.uses_kernel for c in experts_choices(model).values()), what
 
 
-def test_long_f32_calls_take_the_previous_implementation_and_short_ones_the_kernel(monkeypatch) -> None:
+@pytest.mark.parametrize("tiles", [False, True], ids=["onednn-gemms", "generated-tiles"])
+def test_long_f32_calls_take_the_previous_implementation_unless_the_tiles_run_the_gemms(
+    monkeypatch, tiles: bool
+) -> None:
+    """Past a few tokens an f32 call runs the model's implementation where torch's libraries run the GEMMs
+    (AVX-512), and the kernel (its transposed GEMM path) where the generated tiles do; short calls always
+    run the kernel."""
     import kernelize.experts
 
+    monkeypatch.setattr(model_experts, "_tiles", lambda: tiles)
     eager = family("qwen3_moe")
     with kernelized(eager) as fast:
         module = next(iter(model_experts.experts_modules(fast).values()))
@@ -255,10 +262,10 @@ def test_long_f32_calls_take_the_previous_implementation_and_short_ones_the_kern
             raise AssertionError("the kernel ran")
 
         monkeypatch.setattr(kernelize.experts, "grouped_experts", no_kernel)
-        for tokens, dtype, kernel in ((long, torch.float32, False), (short, torch.float32, True)):
-            x = torch.randn(tokens, hidden, dtype=dtype)
+        for tokens, kernel in ((long, tiles), (short, True)):
+            x = torch.randn(tokens, hidden)
             index = torch.stack([torch.randperm(module.num_experts)[:2] for _ in range(tokens)])
-            weights = torch.rand(tokens, 2, dtype=dtype)
+            weights = torch.rand(tokens, 2)
             with torch.no_grad():
                 if kernel:
                     with pytest.raises(AssertionError, match="the kernel ran"):
