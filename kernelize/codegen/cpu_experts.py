@@ -12,10 +12,11 @@ Three paths, chosen per call by the number of routed (token, slot) pairs:
 * more, where the generated GEMM tiles run this CPU's f32 GEMMs (:func:`call_path`; AVX2): the generated
   kernel still, with the GEMM library's entry as an argument; from a GEMM panel of rows per expert on
   average (:func:`~kernelize.codegen.cpu_conv.panel`, two for 16-bit weights, which it widens first) its
-  many-pair path (``kz_many``): per selected expert the products transposed, the expert's weight rows as
-  the GEMM's left operand as stored, the tokens' rows packed into its column panels. Below that the dot
-  blocks (Qwen3-MoE layout, one layer's experts, 2 threads, Zen 3: 512 tokens f32 72-88 ms against
-  98-109 for ``grouped_mm`` and 103-120 for the library path below; 64 tokens 22 against 40);
+  many-pair path (``kz_many``): each selected expert on one thread, its products transposed, its weight
+  rows the GEMM's left operand as stored, its tokens' rows packed into the column panels. Below that the
+  dot blocks (Qwen3-MoE layout, one layer's experts, 2 threads, Zen 3: 512 tokens f32 73-85 ms against
+  92-134 for ``grouped_mm`` and 103-124 for the library path below; 128 tokens 25 against 47; 64 tokens,
+  the dot blocks, 22 against 40);
 * more elsewhere: per selected expert a library GEMM over its rows (oneDNN / MKL through torch, in f32 for
   16-bit weights, which the CPU's 16-bit GEMMs run several times slower), with the activation and the
   weighted combine fused around them.
