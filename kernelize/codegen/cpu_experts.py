@@ -36,7 +36,7 @@ from kernelize.autokernel.kernels import ExpertsKernel
 from kernelize.codegen import cpu_build
 from kernelize.codegen.cpu_attention import C_TYPES, unit_last
 from kernelize.codegen.cpu_conv import panel
-from kernelize.codegen.cpu_gemv import gemm_address
+from kernelize.codegen.cpu_gemv import gemm_address, tiles_take
 from kernelize.codegen.render import c_name
 from kernelize.codegen.template import fill, load_template
 from kernelize.ir.dtypes import DType
@@ -197,8 +197,6 @@ def call_path(x: torch.Tensor, index: torch.Tensor, up: torch.Tensor, down: torc
     where torch runs AVX-512, there oneDNN), sizes within its tiles, f32 weights whose rows are dense (the
     GEMM reads them as stored), and on average a GEMM panel of rows per expert (two for 16-bit weights,
     which it widens first)."""
-    from kernelize.codegen.cpu_gemv import tiles_take
-
     pairs, (e, _, h), i = index.numel(), up.shape, down.shape[2]
     if pairs <= FEW_PAIRS:
         return "dots"
