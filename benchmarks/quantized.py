@@ -19,7 +19,9 @@ Part 3 (``kernelize``, its own JSON ``benchmarks/results/quantized_kernelize.jso
 size, and its tok/s); and, when ``llama_cpp`` (llama-cpp-python) imports, llama.cpp's tok/s on the q8_0 and
 q4_0 files (else the JSON says "llama.cpp not installed"), timed in the same round robin as the torch models
 (`generate` of exactly 32 tokens less `generate` of 1, no end-of-sequence token, medians of 5 rounds), so
-that the machine's swings hit both alike. The machine's load average is recorded before and after.
+that the machine's swings hit both alike; then prompt processing (one forward over 512 tokens, llama.cpp's
+evaluation of the same tokens) in a round robin of its own. The machine's load average is recorded before
+and after.
 
     .venv/bin/python benchmarks/quantized.py --parts kernelize
 """
@@ -169,6 +171,21 @@ def _decode_tok_s(models: dict, new: int, repeat: int, others: dict | None = Non
     return {name: (new - 1) / (med[name + "/full"] - med[name + "/prefill"]) for name in names}
 
 
+PROMPT = 512  # prompt tokens of the prompt-processing figure
+
+
+def _prompt_tok_s(models: dict, repeat: int, others: dict | None = None) -> dict[str, float]:
+    """Prompt processing tok/s of each model: one forward over a `PROMPT`-token prompt (the last position's
+    logits, as `generate`'s prefill computes them); `others`: name -> run(tokens), timed in the same round
+    robin (llama.cpp's evaluation of the same prompt)."""
+    ids = torch.randint(3, 32000, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    fns = {name: lambda m=m: m(ids, logits_to_keep=1) for name, m in models.items()}
+    fns.update({name: lambda run=run: run(ids[0].tolist()) for name, run in (others or {}).items()})
+    with torch.inference_mode():
+        med = interleaved(fns, repeat, inner=1)
+    return {name: PROMPT / t for name, t in med.items()}
+
+
 # run in a fresh process: the RSS a gguf.load adds, against the file's size, and the loaded model's tok/s
 _LOAD_SCRIPT = """
 import json, sys, torch
@@ -217,6 +234,15 @@ def _llama_cpp(path: str, threads: int, prompt: list[int], ours: torch.Tensor) -
             if i + 1 >= n:
                 break
 
+    long = llama_cpp.Llama(
+        model_path=path, n_threads=threads, n_ctx=PROMPT + 32, n_batch=PROMPT, verbose=False
+    )
+
+    def prompt_run(tokens: list[int]) -> None:  # one prompt's evaluation (llama.cpp's prompt tok/s)
+        long.reset()
+        long.eval(tokens)
+
+    run.prompt = prompt_run
     same = int(theirs.argmax()) == int(ours.argmax())
     return {"status": "ran", "logits_cosine": cosine, "same_argmax": same}, run
 
@@ -284,7 +310,13 @@ def bench_kernelize(threads: int, repeat: int = 5, new: int = 32) -> dict:
             if name in setup:
                 out[name]["kernelize_model_s"] = setup[name]
             print(f"{name:15} {value:7.2f} tok/s ({value / tok_s['bf16_eager']:.2f}x eager bf16)", flush=True)
-        del models, runs
+        packed = {name: models[name] for name in ("bf16_kernelize", "q8_0_kernelize", "q4_0_kernelize")}
+        prompt_tok_s = _prompt_tok_s(packed, repeat, {name: run.prompt for name, run in runs.items()})
+        for name, value in prompt_tok_s.items():
+            out[name]["prompt_tok_s"] = value
+            out[name]["prompt_vs_bf16_kernelize"] = value / prompt_tok_s["bf16_kernelize"]
+            print(f"{name:15} prompt-{PROMPT} {value:7.1f} tok/s", flush=True)
+        del models, runs, packed
         out["gguf_q8_0"]["load"] = _load_fresh(os.path.join(tmp, "llama-q8_0.gguf"), threads)
         print(f"gguf q8_0       {out['gguf_q8_0']}", flush=True)
     return out

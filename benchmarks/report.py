@@ -188,10 +188,14 @@ def quantized_table(r: dict) -> str:
         row = [label, f"{k[name]['tok_s']:.1f}", f"**{k[name]['vs_bf16_eager']:.2f}x**"]
         row += [f"{cpp['tok_s']:.1f}" if "tok_s" in cpp else cpp.get("status", "-")[:60]]
         row += [f"**{cpp['kernelize_vs_llama_cpp']:.2f}x**" if "kernelize_vs_llama_cpp" in cpp else "-"]
-        rows.append(row + [f"{cpp['logits_cosine']:.4f}" if "logits_cosine" in cpp else "-"])
+        row += [f"{cpp['logits_cosine']:.4f}" if "logits_cosine" in cpp else "-"]
+        ours, theirs = k[name].get("prompt_tok_s"), cpp.get("prompt_tok_s")
+        row += [f"{ours:.0f}" if ours else "-", f"{theirs:.0f}" if theirs else "-"]
+        rows.append(row)
     head = ["model", "decode tok/s", "vs eager bf16", "llama.cpp tok/s (same file)", "vs llama.cpp"]
+    head += ["logits cosine vs llama.cpp", "prompt-512 tok/s", "llama.cpp prompt-512 tok/s"]
     caption = f"{k['threads']} threads, random-weight Llama hidden {k['config']['hidden_size']}"
-    return caption + ":\n\n" + md([*head, "logits cosine vs llama.cpp"], rows)
+    return caption + ":\n\n" + md(head, rows)
 
 
 def quantized_gpu_table(r: dict) -> str:
