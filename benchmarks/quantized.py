@@ -14,14 +14,14 @@ cosine of the logits and the agreement of the argmax with the bf16 model. Writes
 
 Part 3 (``kernelize``, its own JSON ``benchmarks/results/quantized_kernelize.json``): a random-weight Llama
 (hidden 1536, 8 layers, intermediate 4096, vocab 32000) in bf16: greedy decode tok/s of the eager model,
-``kernelize_model(model)`` and ``kernelize_model(model, quantize="q8_0" / "q4_0")``; the q8_0 model saved with
-``kernelize.integrations.gguf.save`` and loaded back in a fresh process (its RSS increase against the file
-size, and its tok/s); and, when ``llama_cpp`` (llama-cpp-python) imports, llama.cpp's tok/s on the q8_0 and
-q4_0 files (else the JSON says "llama.cpp not installed"), timed in the same round robin as the torch models
-(`generate` of exactly 32 tokens less `generate` of 1, no end-of-sequence token, medians of 5 rounds), so
-that the machine's swings hit both alike; then prompt processing (one forward over 512 tokens, llama.cpp's
-evaluation of the same tokens) in a round robin of its own. The machine's load average is recorded before
-and after.
+``kernelize_model(model)`` and ``kernelize_model(model, quantize=fmt)`` for each of ``PACKED``; the q8_0
+model saved with ``kernelize.integrations.gguf.save`` and loaded back in a fresh process (its RSS increase
+against the file size, and its tok/s); and, when ``llama_cpp`` (llama-cpp-python) imports, llama.cpp's
+tok/s on each format's file (else the JSON says "llama.cpp not installed"), timed in the same round robin as
+the torch models (`generate` of exactly 32 tokens less `generate` of 1, no end-of-sequence token, medians of
+5 rounds), so that the machine's swings hit both alike; then prompt processing (one forward over 512
+tokens, llama.cpp's evaluation of the same tokens) in a round robin of its own. The machine's load average
+is recorded before and after.
 
     .venv/bin/python benchmarks/quantized.py --parts kernelize
 """
@@ -172,6 +172,7 @@ def _decode_tok_s(models: dict, new: int, repeat: int, others: dict | None = Non
 
 
 PROMPT = 512  # prompt tokens of the prompt-processing figure
+PACKED = ("q8_0", "q4_0", "q4_k")  # the formats of part 3, each against llama.cpp on the same file
 
 
 def _prompt_tok_s(models: dict, repeat: int, others: dict | None = None) -> dict[str, float]:
@@ -273,20 +274,21 @@ def bench_kernelize(threads: int, repeat: int = 5, new: int = 32) -> dict:
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(config).eval().to(torch.bfloat16)
     models = {"bf16_eager": base}
-    for name in ("bf16_kernelize", "q8_0_kernelize", "q4_0_kernelize"):
-        models[name] = copy.deepcopy(base)
+    for fmt in (None, *PACKED):
+        models[f"{fmt or 'bf16'}_kernelize"] = copy.deepcopy(base)
     setup = {}
-    for name, fmt in (("bf16_kernelize", None), ("q8_0_kernelize", "q8_0"), ("q4_0_kernelize", "q4_0")):
+    for fmt in (None, *PACKED):
+        name = f"{fmt or 'bf16'}_kernelize"
         t0 = time.perf_counter()
         kernelize_model(models[name], quantize=fmt)
         setup[name] = time.perf_counter() - t0
     out: dict = {"config": {**KERNELIZE_CONFIG, "dtype": "bfloat16"}, "new": new, "threads": threads}
     prompt = torch.arange(3, 11).view(1, -1)  # the prompt llama.cpp is given below (token ids, no BOS)
     with torch.no_grad():
-        ours = {f: models[f"{f}_kernelize"](prompt).logits[0, -1].float() for f in ("q8_0", "q4_0")}
+        ours = {f: models[f"{f}_kernelize"](prompt).logits[0, -1].float() for f in PACKED}
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
-        for fmt in ("q8_0", "q4_0"):
+        for fmt in PACKED:
             path = os.path.join(tmp, f"llama-{fmt}.gguf")
             t0 = time.perf_counter()
             gguf.save(models[f"{fmt}_kernelize"], path)
@@ -310,7 +312,9 @@ def bench_kernelize(threads: int, repeat: int = 5, new: int = 32) -> dict:
             if name in setup:
                 out[name]["kernelize_model_s"] = setup[name]
             print(f"{name:15} {value:7.2f} tok/s ({value / tok_s['bf16_eager']:.2f}x eager bf16)", flush=True)
-        packed = {name: models[name] for name in ("bf16_kernelize", "q8_0_kernelize", "q4_0_kernelize")}
+        packed = {
+            f"{fmt or 'bf16'}_kernelize": models[f"{fmt or 'bf16'}_kernelize"] for fmt in (None, *PACKED)
+        }
         prompt_tok_s = _prompt_tok_s(packed, repeat, {name: run.prompt for name, run in runs.items()})
         for name, value in prompt_tok_s.items():
             out[name]["prompt_tok_s"] = value

@@ -181,7 +181,9 @@ def quantized_table(r: dict) -> str:
     and against llama.cpp on the same GGUF file, with the logits' agreement."""
     k = r["kernelize"]
     rows = []
-    for name in ("bf16_eager", "bf16_kernelize", "q8_0_kernelize", "q4_0_kernelize"):
+    for name in ("bf16_eager", "bf16_kernelize", *(f"{f}_kernelize" for f in ("q8_0", "q4_0", "q4_k"))):
+        if name not in k:
+            continue
         fmt = name.split("_kernelize")[0]
         cpp = k.get(f"llama_cpp_{fmt}", {})
         label = name.replace("_kernelize", " kernelize").replace("_eager", " eager")
@@ -335,7 +337,7 @@ def _packed(r: dict) -> str:
     cells = [
         f"{fmt} {k[f'{fmt}_kernelize']['vs_bf16_eager']:.2f}x eager bf16, "
         f"{k[f'llama_cpp_{fmt}']['kernelize_vs_llama_cpp']:.2f}x llama.cpp"
-        for fmt in ("q8_0", "q4_0")
+        for fmt in ("q8_0", "q4_0", "q4_k")
         if "kernelize_vs_llama_cpp" in k.get(f"llama_cpp_{fmt}", {})
     ]
     return "decode " + "; ".join(cells) if cells else ""
