@@ -222,7 +222,9 @@ def experts_c_call(
 
 def _library_wins(hidden_states: torch.Tensor, top_k_index: torch.Tensor, fallback: str) -> bool:
     """Whether a call runs the model's previous implementation by choice: on the CPU past a few tokens, in
-    f32, and in bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX). There the kernel's
+    f32 where torch's libraries run the GEMMs (AVX-512; where the generated tiles do, `_tiles`, the kernel's
+    transposed GEMM path wins: one Qwen3-MoE layer's experts at 512 tokens, AVX2, 73-85 against 92-134 ms),
+    and in bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX). There the kernel's
     many-pair path (library GEMMs per expert, past `FEW_PAIRS` routed pairs) measured slower than, or level
     with, `grouped_mm` (Qwen3-MoE layout, one layer's experts, 2 threads, AVX-512 EPYC with AVX512-BF16:
     bf16 at 24 tokens 21.4 against 11.2 ms, f32 29.1 against 28.1), while its few-pair path wins up to
