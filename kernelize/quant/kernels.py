@@ -18,7 +18,7 @@ import torch
 
 from kernelize.codegen import cpu_build
 from kernelize.codegen.template import fill, load_template
-from kernelize.quant.formats import BLOCK, PackedWeight, get_format
+from kernelize.quant.formats import PackedWeight, get_format
 
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -105,8 +105,8 @@ def dequantize_rows(packed: PackedWeight, n0: int, n1: int, out: torch.Tensor) -
 
 
 def quantize_activations(x: torch.Tensor, fmt: str = "q8_0") -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's quantized activations of f32 ``x`` [m, k]: int8 values [m, k] and f32 scales
-    [m, k / 32] (the same for every format).
+    """The kernel's quantized activations of f32 ``x`` [m, k] for weights in ``fmt``: int8 values [m, k]
+    and f32 scales [m, k / B], one per block of B = the format's block (32; the k-quants' 256).
 
     Example:
         >>> q, d = quantize_activations(torch.ones(1, 32))  # doctest: +SKIP
@@ -116,7 +116,7 @@ def quantize_activations(x: torch.Tensor, fmt: str = "q8_0") -> tuple[torch.Tens
     x = x.float().contiguous()
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.int8)
-    d = torch.empty(m, k // BLOCK, dtype=torch.float32)
+    d = torch.empty(m, k // get_format(fmt).block_size, dtype=torch.float32)
     getattr(library(fmt), f"kz_quant_{get_format(fmt).name}_quantize_x")(
         x.data_ptr(), m, k, q.data_ptr(), d.data_ptr()
     )

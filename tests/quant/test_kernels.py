@@ -11,10 +11,11 @@ from kernelize.quant import kernels
 from kernelize.quant.formats import BLOCK, FORMATS, dequantize, quantize
 
 
-def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation scheme in torch: blocks of 32, d = max|x| / 127, round half to even."""
+def _quantize_x(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation scheme in torch: blocks of ``block`` (the weight format's: 32, or the
+    k-quants' 256), d = max|x| / 127, round half to even."""
     m, k = x.shape
-    b = x.float().reshape(m, k // BLOCK, BLOCK)
+    b = x.float().reshape(m, k // block, block)
     d = b.abs().amax(-1) / 127
     inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
     return torch.round(b * inv[..., None]).to(torch.int8).reshape(m, k), d
@@ -22,19 +23,22 @@ def _quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _exact(x: torch.Tensor, p, bias=None) -> torch.Tensor:
     """x @ W.T in f64 with x quantized as the kernel does: what the kernel computes up to f32 sums."""
-    q, d = _quantize_x(x)
+    block = p.format.block_size
+    q, d = _quantize_x(x, block)
     m, k = x.shape
-    xq = (q.double().reshape(m, -1, BLOCK) * d.double()[..., None]).reshape(m, k)
+    xq = (q.double().reshape(m, -1, block) * d.double()[..., None]).reshape(m, k)
     y = xq @ dequantize(p).double().T
     return y if bias is None else y + bias.double()
 
 
-def test_activation_quantizer_matches_torch() -> None:
-    x = torch.randn(3, 96) * 5
-    x[0, :32] = 0
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_activation_quantizer_matches_torch(fmt: str) -> None:
+    x = torch.randn(3, 512) * 5
+    x[0, :256] = 0
     x[1, 32:64] = torch.arange(32) - 15.5  # halves after scaling: ties go to even
-    q, d = kernels.quantize_activations(x)
-    rq, rd = _quantize_x(x)
+    x[1, 64] = 15.5
+    q, d = kernels.quantize_activations(x, fmt)
+    rq, rd = _quantize_x(x, FORMATS[fmt].block_size)
     assert torch.equal(q, rq) and torch.equal(d, rd)
 
 

@@ -86,8 +86,13 @@ def test_merged_packed_layers_match_own_forward(fmt: str) -> None:
     other = _llama(seed=4, hidden=256 if fmt.endswith("_k") else 64)
     quantize_for_kernelize(other, fmt)
     served.load_state_dict(other.state_dict())
+    fresh = kernelize_model(copy.deepcopy(other), quantize=None)
     with torch.inference_mode():
-        torch.testing.assert_close(served(ids).logits, other(ids).logits, rtol=1e-4, atol=1e-4)
+        got, want, own = served(ids).logits, fresh(ids).logits, other(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the loaded weights are what the kernels read
+    # against the packed model's own forward: the fused norms may round x an ulp apart, and one activation
+    # rounded to the other int8 neighbour moves these random logits by up to ~1% (seed 4, q4_k)
+    assert (got - own).abs().max() < 0.03 * own.abs().max()
 
 
 def test_state_dict_round_trip() -> None:

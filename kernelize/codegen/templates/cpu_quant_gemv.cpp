@@ -2,15 +2,15 @@ $PRELUDE$
 // kernelize CPU few-row matmul over packed weights (kernelize/quant/kernels.py fills $FORMAT$):
 //     y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]),  W stored as q8_0 / q4_0 blocks, q4_k / q6_k
 // super-blocks or int8 rows, the llama.cpp way. Decode is bound by the weight bytes, so the weights are
-// never widened in memory: the few rows of x are quantized once per call into blocks of 32 int8 values
-// with an f32 scale (round to nearest even, d = max|x| / 127), and each block of W meets them in an integer
-// dot product (|w| times x with w's sign: AVX512-VNNI / AVX-VNNI vpdpbusd, else AVX2 vpmaddubsw to i16 pairs
-// and vpmaddwd to i32, `kz_dot4`), converted to f32
-// and scaled by the product of the two blocks' scales. Threads split the output columns N; each reads its
-// weight rows once, NB rows side by side, every row of x against each block while it is in registers. A
-// k-quant super-block of 256 is read as 8 sub-blocks of 32, each against one block of x: its scales (per 32
-// or per 16 elements) and mins are unpacked to f32 once per super-block, and q4_k's mins enter as
-// min * d_x * sum(x_q), the sums of x taken once per call while it is quantized.
+// never widened in memory: the few rows of x are quantized once per call into blocks of int8 values with an
+// f32 scale (round to nearest even, d = max|x| / 127), blocks of 32, or of 256 for the k-quants (llama.cpp's
+// q8_K), and each block of W meets them in an integer dot product (|w| times x with w's sign: AVX512-VNNI /
+// AVX-VNNI vpdpbusd, else AVX2 vpmaddubsw to i16 pairs and vpmaddwd to i32, `kz_dot4`). A block of 32 converts
+// its sums to f32 and scales them by the product of the two blocks' scales; a k-quant super-block is read as 8
+// sub-blocks of 32 whose i16 pair sums meet the sub-blocks' integer scales in vpmaddwd, summed as i32 over the
+// super-block and scaled once (`kz_qdot_k`), q4_k's mins entering as dmin * d_x * (mins . x's sums per 32).
+// Threads split the output columns N; each reads its weight rows once, NB rows side by side, every row of x
+// against each block while it is in registers.
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -97,16 +97,19 @@ struct kz_q4_k {
     static constexpr int QK = 256, SG = KZ_QK, OFFSET = 0;
     static constexpr bool UNSIGNED = true, MIN = true;
     static constexpr int64_t BYTES = 144;
-    KZ_INLINE void scales(const uint8_t* b, float* sc, float* mn) {
-        // llama.cpp's unpacking of get_scale_min_k4 in 32-bit words (little-endian): the bytes of u[0..1]
-        // become the 8 scales, those of u[2..3] the 8 mins
-        uint32_t u[4];
+    // llama.cpp's unpacking of get_scale_min_k4 in 32-bit words (little-endian): bytes 0..7 of u become the
+    // 8 six-bit scales, bytes 8..15 the 8 mins
+    KZ_INLINE void unpack(const uint8_t* b, uint32_t* u) {
         memcpy(u, b + 4, 12);
         u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
         const uint32_t low_mins = u[1] & 0x3f3f3f3fu;
         u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
         u[2] = low_mins;
         u[0] &= 0x3f3f3f3fu;
+    }
+    KZ_INLINE void scales(const uint8_t* b, float* sc, float* mn) {
+        uint32_t u[4];
+        unpack(b, u);
         const float d = kz_h2f(b), dmin = kz_h2f(b + 2);
 #if KZ_QAVX2  // as a scalar loop this took half the kernel's time (measured 4.1 against 2.1 ms)
         const __m128i q = _mm_loadu_si128((const __m128i*)u);
@@ -131,6 +134,20 @@ struct kz_q4_k {
             }
     }
 #if KZ_QAVX2
+    // the super-block's integer scales as i16 lanes (the 8 scales, then the 8 mins), its d and dmin: unpack's
+    // bit moves on the 12 bytes s[0..11] in one vector (scale j < 4: s[j] & 63, min: s[j + 4] & 63; j >= 4:
+    // the low / high nibble of s[j + 4] and the top two bits of s[j - 4] / s[j])
+    KZ_INLINE __m256i iscales(const uint8_t* b, float& d, float& dmin) {
+        const __m128i v = _mm_loadu_si128((const __m128i*)(b + 4));  // 12 bytes and 4 of the nibbles
+        const __m128i lo = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+        const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+        const __m128i a = _mm_and_si128(lo, _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0));
+        const __m128i c = _mm_and_si128(_mm_srli_epi16(lo, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
+        const __m128i t = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int*)b));  // (unaligned: x86 loads allow it)
+        d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dd));
+        return _mm256_cvtepu8_epi16(_mm_or_si128(_mm_or_si128(a, c), t));
+    }
     KZ_INLINE __m256i load(const uint8_t* b, int s) {  // sub-block s: chunk s / 2, nibble s % 2
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (s >> 1)));
         return _mm256_and_si256(s & 1 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(15));
@@ -158,6 +175,10 @@ struct kz_q6_k {
                 }
     }
 #if KZ_QAVX2
+    KZ_INLINE __m256i iscales(const uint8_t* b, float& d, float& dmin) {  // the 16 scales as i16 lanes
+        d = kz_h2f(b + 208), dmin = 0.0f;
+        return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));
+    }
     KZ_INLINE __m256i load(const uint8_t* b, int s) {
         const int h = s >> 2, i = s & 3;
         const __m256i ql = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (i & 1)));
@@ -181,30 +202,33 @@ struct kz_int8 {  // per-row scales: a "block" is 32 int8 values and its scale i
 typedef $FORMAT$ kz_fmt;
 #define KZ_NSUB (kz_fmt::QK / KZ_QK)  // sub-blocks of 32 per block
 #define KZ_NSG (kz_fmt::QK / kz_fmt::SG)  // scales per block
-static_assert(!kz_fmt::MIN || KZ_NSUB == 8, "the AVX2 kernel takes a block's mins as the 8 lanes of a vector");
+static_assert(!kz_fmt::MIN || KZ_NSUB == 8, "the AVX2 kernel takes a block's mins as the 8 i16 lanes of a vector");
 
 // ---- the activations: rows of x as int8 blocks and f32 scales ------------------------------------------
-// xs (formats with mins, else null): each block's d * sum(q), what a min multiplies
+// x's blocks are the weight's: 32 elements, or a k-quant's super-block of 256 (llama.cpp's q8_K), so that a
+// super-block's products sum as integers under one scale. xs (formats with mins, else null): the sums of
+// the int8 values of each 32, what a sub-block's min multiplies.
+#define KZ_XQK kz_fmt::QK
 template <class XT>
-static void kz_quantize_rows(const XT* x, int64_t m, int64_t k, int8_t* xq, float* xd, float* xs) {
+static void kz_quantize_rows(const XT* x, int64_t m, int64_t k, int8_t* xq, float* xd, int16_t* xs) {
     for (int64_t r = 0; r < m; ++r)
-        for (int64_t b = 0; b < k / KZ_QK; ++b) {
-            const XT* src = x + r * k + b * KZ_QK;
-            float v[KZ_QK], amax = 0.0f;
-            for (int i = 0; i < KZ_QK; ++i) {
+        for (int64_t b = 0; b < k / KZ_XQK; ++b) {
+            const XT* src = x + r * k + b * KZ_XQK;
+            float v[KZ_XQK], amax = 0.0f;
+            for (int i = 0; i < KZ_XQK; ++i) {
                 v[i] = kz_ld(src, i);
                 const float a = fabsf(v[i]);  // not fmaxf: aarch64 gcc 12's vectoriser crashes on it here
                 amax = a > amax ? a : amax;
             }
             const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            int32_t sum = 0;
-            for (int i = 0; i < KZ_QK; ++i) {
-                const int8_t q = (int8_t)rintf(v[i] * id);
-                xq[r * k + b * KZ_QK + i] = q;
-                sum += q;
+            int8_t* q = xq + r * k + b * KZ_XQK;
+            for (int i = 0; i < KZ_XQK; ++i) q[i] = (int8_t)rintf(v[i] * id);
+            xd[r * (k / KZ_XQK) + b] = d;
+            for (int s = 0; xs && s < KZ_NSUB; ++s) {
+                int32_t sum = 0;
+                for (int i = 0; i < KZ_QK; ++i) sum += q[KZ_QK * s + i];
+                xs[r * (k / KZ_QK) + b * KZ_NSUB + s] = (int16_t)sum;  // |sum| <= 32 * 127
             }
-            xd[r * (k / KZ_QK) + b] = d;
-            if (xs) xs[r * (k / KZ_QK) + b] = d * (float)sum;
         }
 }
 
@@ -238,9 +262,10 @@ KZ_INLINE __m256i kz_qprod(__m256i wa, __m256i wv, __m256i xv, __m256i xo) {
 #endif
     else return kz_dot4(wv, xv);
 }
+// blocks of 32 (q8_0, q4_0, int8): each block's i32 sums convert to f32 and meet the two scales in an fma
 template <int MB, int NB>
-KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-                       int64_t k, float* out, int64_t ldo, const char* pf) {
+KZ_INLINE void kz_qdot32(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, int64_t k,
+                         float* out, int64_t ldo, const char* pf) {
     kz_fmt f;
     const int64_t nx = k / KZ_QK;  // x's blocks per row
     __m256 acc[MB][NB];
@@ -249,38 +274,105 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
     for (int64_t b = 0; b < nb; ++b) {
         if (pf)  // the next column block's bytes, as fast as this one's are read
             for (int64_t o = 0; o < NB * kz_fmt::BYTES; o += 64) __builtin_prefetch(pf + b * NB * kz_fmt::BYTES + o, 0, 2);
-        float ws[NB][KZ_NSG], wm[NB][KZ_NSUB];
-        for (int j = 0; j < NB; ++j) f.scales(w[j] + b * kz_fmt::BYTES, ws[j], wm[j]);
-        if constexpr (kz_fmt::MIN) {  // sum over the sub-blocks of min_s * d_x * sum(x_q): one lane each
-            for (int m = 0; m < MB; ++m) {
-                const __m256 xsv = _mm256_loadu_ps(xs + m * nx + b * KZ_NSUB);
-                for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fnmadd_ps(_mm256_loadu_ps(wm[j]), xsv, acc[m][j]);
+        float ws[NB][1], wm[NB][1];
+        __m256i wv[NB], wa[NB];
+        for (int j = 0; j < NB; ++j) {
+            f.scales(w[j] + b * kz_fmt::BYTES, ws[j], wm[j]);
+            wv[j] = f.load(w[j] + b * kz_fmt::BYTES, 0);
+            wa[j] = kz_fmt::UNSIGNED ? wv[j] : _mm256_sign_epi8(wv[j], wv[j]);  // |w|: the dot product's unsigned operand
+        }
+        for (int m = 0; m < MB; ++m) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * k + b * KZ_QK));
+            const float dx = xd[m * nx + b];
+            const __m256i xo = kz_qoffset(xv);
+            for (int j = 0; j < NB; ++j) {
+                const __m256 p = _mm256_cvtepi32_ps(kz_qprod(wa[j], wv[j], xv, xo));
+                acc[m][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(ws[j][0] * dx), acc[m][j]);
             }
         }
-#pragma GCC unroll 8  // constant sub-block offsets and shift counts; q4_k's two loads of one chunk merge
+    }
+    for (int m = 0; m < MB; ++m)
+        for (int j = 0; j < NB; ++j) out[m * ldo + j] = kz_hsum8(acc[m][j]);
+}
+// k-quant super-blocks of 256 against x's blocks of 256 (one scale each), as llama.cpp's AVX2 q4_K / q6_K dot
+// products: a sub-block's i16 pair sums (less q6_k's offset) meet its integer scales in vpmaddwd, the i32
+// sums of the super-block convert to f32 once and meet d * d_x in one fma; q4_k's mins enter as
+// dmin * d_x * (the mins . x's sums per 32), one more vpmaddwd. The i16 pairs cannot saturate: q4_k
+// 2 * 15 * 127, q6_k 2 * 63 * 127 before and 2 * 32 * 127 after the offset. (The float form, one convert
+// and fma per sub-block, read q4_k at 0.79x q4_0's GB/s in decode.)
+// sub-block s's scales as i16 lanes (lanes 0..7 multiply the pair sums of elements 0..15, lanes 8..15 those
+// of 16..31) from a super-block's (iscales), by a byte shuffle: (2 t, 2 t + 1) picks i16 lane t of a half
+KZ_INLINE __m256i kz_sub_scales(__m256i v, int s) {
+    if constexpr (kz_fmt::SG == KZ_QK) {  // scale s everywhere
+        const __m256i lo = _mm256_permute2x128_si256(v, v, 0x00);
+        return _mm256_shuffle_epi8(lo, _mm256_set1_epi16((short)(0x0100 + 0x0202 * s)));
+    } else {  // scale 2 s in the low half, 2 s + 1 in the high half (both in v's half s / 4)
+        const __m256i h = _mm256_permute2x128_si256(v, v, s < 4 ? 0x00 : 0x11);
+        const short a = (short)(0x0100 + 0x0202 * (2 * s % 8)), c = (short)(0x0100 + 0x0202 * ((2 * s + 1) % 8));
+        return _mm256_shuffle_epi8(h, _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a)));
+    }
+}
+template <int MB, int NB, class F>  // F: kz_fmt (a template argument: q8_0 / q4_0 have no iscales)
+KZ_INLINE void kz_qdot_k(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, const int16_t* xs,
+                         int64_t k, float* out, int64_t ldo, const char* pf) {
+    F f;
+    const int64_t ns = k / KZ_QK;  // x's sums per row
+    __m256 acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        if (pf)
+            for (int64_t o = 0; o < NB * kz_fmt::BYTES; o += 64) __builtin_prefetch(pf + b * NB * kz_fmt::BYTES + o, 0, 2);
+        __m256i sc[NB];
+        float d[NB], dmin[NB];
+        for (int j = 0; j < NB; ++j) sc[j] = f.iscales(w[j] + b * kz_fmt::BYTES, d[j], dmin[j]);
+        __m256i isum[MB][NB];
+        for (int m = 0; m < MB; ++m)
+            for (int j = 0; j < NB; ++j) isum[m][j] = _mm256_setzero_si256();
+#pragma GCC unroll 8  // constant sub-block offsets, shift counts and shuffles; q4_k's two loads of one chunk merge
         for (int s = 0; s < KZ_NSUB; ++s) {
-            __m256i wv[NB], wa[NB];
+            __m256i wv[NB], sv[NB];
             for (int j = 0; j < NB; ++j) {
                 wv[j] = f.load(w[j] + b * kz_fmt::BYTES, s);
-                wa[j] = kz_fmt::UNSIGNED ? wv[j] : _mm256_sign_epi8(wv[j], wv[j]);  // |w|: the dot product's unsigned operand
+                sv[j] = kz_sub_scales(sc[j], s);
             }
             for (int m = 0; m < MB; ++m) {
-                const int64_t xb = b * KZ_NSUB + s;
-                const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * k + xb * KZ_QK));
-                const float dx = xd[m * nx + xb];
-                const __m256i xo = kz_qoffset(xv);
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + m * k + b * KZ_XQK + s * KZ_QK));
+                const __m256i xo = _mm256_maddubs_epi16(_mm256_set1_epi8(kz_fmt::OFFSET), xv);
                 for (int j = 0; j < NB; ++j) {
-                    const __m256 p = _mm256_cvtepi32_ps(kz_qprod(wa[j], wv[j], xv, xo));
-                    __m256 sv;  // lanes 0..3 hold elements 0..15, lanes 4..7 elements 16..31
-                    if constexpr (kz_fmt::SG == KZ_QK) sv = _mm256_set1_ps(ws[j][s] * dx);
-                    else sv = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(ws[j][2 * s + 1]), _mm_set1_ps(ws[j][2 * s])), _mm256_set1_ps(dx));
-                    acc[m][j] = _mm256_fmadd_ps(p, sv, acc[m][j]);
+                    __m256i p16 = _mm256_maddubs_epi16(wv[j], xv);
+                    if constexpr (kz_fmt::OFFSET != 0) p16 = _mm256_sub_epi16(p16, xo);
+                    isum[m][j] = _mm256_add_epi32(isum[m][j], _mm256_madd_epi16(p16, sv[j]));
+                }
+            }
+        }
+        for (int m = 0; m < MB; ++m) {
+            const float dx = xd[m * (k / KZ_XQK) + b];
+            for (int j = 0; j < NB; ++j) {
+                acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m][j]), _mm256_set1_ps(d[j] * dx), acc[m][j]);
+                if constexpr (kz_fmt::MIN) {
+                    const __m128i bs = _mm_loadu_si128((const __m128i*)(xs + m * ns + b * KZ_NSUB));
+                    const __m128i mi = _mm_madd_epi16(_mm256_extracti128_si256(sc[j], 1), bs);
+                    acc[m][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_zextsi128_si256(mi)),
+                                                 _mm256_set1_ps(dmin[j] * dx), acc[m][j]);
                 }
             }
         }
     }
     for (int m = 0; m < MB; ++m)
         for (int j = 0; j < NB; ++j) out[m * ldo + j] = kz_hsum8(acc[m][j]);
+}
+template <int MB, int NB>
+KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, const int16_t* xs,
+                       int64_t k, float* out, int64_t ldo, const char* pf) {
+    if constexpr (kz_fmt::QK == KZ_QK) kz_qdot32<MB, NB>(w, nb, xq, xd, k, out, ldo, pf);
+    else if constexpr (NB > 2) {  // two passes over x: the super-block's sums and scales of 4 rows spill
+        kz_qdot<MB, NB / 2>(w, nb, xq, xd, xs, k, out, ldo, pf);
+        kz_qdot<MB, NB / 2>(w + NB / 2, nb, xq, xd, xs, k, out + NB / 2, ldo, pf ? pf + NB / 2 * nb * kz_fmt::BYTES : 0);
+    } else if constexpr (MB > 2) {
+        kz_qdot<MB / 2, NB>(w, nb, xq, xd, xs, k, out, ldo, pf);
+        kz_qdot<MB - MB / 2, NB>(w, nb, xq + MB / 2 * k, xd + MB / 2 * (k / KZ_XQK), xs ? xs + MB / 2 * (k / KZ_QK) : 0, k, out + MB / 2 * ldo, ldo, 0);
+    } else kz_qdot_k<MB, NB, kz_fmt>(w, nb, xq, xd, xs, k, out, ldo, pf);
 }
 // ---- one row of x against 8 weight rows (decode, q4_0 / q8_0): the rows as the lanes ----------------------
 // The 4-row kernel above pays per row and block for a scalar f16 scale (convert, multiply, broadcast) and
@@ -375,10 +467,9 @@ static void kz_row8(const uint8_t* w, int64_t rb, int64_t nb, const int8_t* xq, 
 }
 #else
 template <int MB, int NB>
-KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, const int16_t* xs,
                        int64_t k, float* out, int64_t ldo, const char*) {
     kz_fmt f;
-    const int64_t nx = k / KZ_QK;
     float acc[MB][NB] = {};
     int8_t q[kz_fmt::QK];
     float ws[KZ_NSG], wm[KZ_NSUB];
@@ -389,14 +480,15 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
             f.scales(blk, ws, wm);
             for (int m = 0; m < MB; ++m) {
                 const int8_t* xr = xq + m * k + b * kz_fmt::QK;
-                const float* dx = xd + m * nx + b * KZ_NSUB;
+                const float dx = xd[m * (k / KZ_XQK) + b];  // x's block is the weight's
                 for (int g = 0; g < KZ_NSG; ++g) {
                     int32_t s = 0;
                     for (int i = g * kz_fmt::SG; i < (g + 1) * kz_fmt::SG; ++i) s += (int32_t)q[i] * xr[i];
-                    acc[m][j] += (float)s * (ws[g] * dx[g * kz_fmt::SG / KZ_QK]);
+                    acc[m][j] += (float)s * (ws[g] * dx);
                 }
                 if constexpr (kz_fmt::MIN)
-                    for (int sb = 0; sb < KZ_NSUB; ++sb) acc[m][j] -= wm[sb] * xs[m * nx + b * KZ_NSUB + sb];
+                    for (int sb = 0; sb < KZ_NSUB; ++sb)
+                        acc[m][j] -= wm[sb] * dx * (float)xs[m * (k / KZ_QK) + b * KZ_NSUB + sb];
             }
         }
     for (int m = 0; m < MB; ++m)
@@ -414,23 +506,23 @@ KZ_INLINE void kz_qdot(const uint8_t* const* w, int64_t nb, const int8_t* xq, co
 // each end before the hardware prefetcher gets ahead, so the first pass over a block prefetches the next
 // one into L2 (measured: see benchmarks/quantized.py).
 static void kz_qcols(const uint8_t* w, int64_t rb, int64_t c0, int64_t cn, int64_t nb, int64_t m,
-                     const int8_t* xq, const float* xd, const float* xs, int64_t k, float* out, const char* pf) {
+                     const int8_t* xq, const float* xd, const int16_t* xs, int64_t k, float* out, const char* pf) {
     const uint8_t* wr[KZ_QNB];
     for (int j = 0; j < KZ_QNB; ++j) wr[j] = w + (c0 + (j < cn ? j : cn - 1)) * rb;
-    const int64_t nx = k / KZ_QK;  // x's blocks per row
+    const int64_t nx = k / KZ_XQK, ns = k / KZ_QK;  // x's blocks and sums per row
     int64_t r = 0;
     for (; r + 4 <= m; r += 4) {  // 4 rows x 2 columns: 8 accumulators, as 2 x 4 (the second reads cache)
-        kz_qdot<4, 2>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * nx : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
-        kz_qdot<4, 2>(wr + 2, nb, xq + r * k, xd + r * nx, xs ? xs + r * nx : 0, k, out + r * KZ_QNB + 2, KZ_QNB, r || !pf ? 0 : pf + KZ_QNB / 2 * rb);
+        kz_qdot<4, 2>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * ns : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
+        kz_qdot<4, 2>(wr + 2, nb, xq + r * k, xd + r * nx, xs ? xs + r * ns : 0, k, out + r * KZ_QNB + 2, KZ_QNB, r || !pf ? 0 : pf + KZ_QNB / 2 * rb);
     }
     for (; r + 2 <= m; r += 2)
-        kz_qdot<2, KZ_QNB>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * nx : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
-    for (; r < m; ++r) kz_qdot<1, KZ_QNB>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * nx : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
+        kz_qdot<2, KZ_QNB>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * ns : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
+    for (; r < m; ++r) kz_qdot<1, KZ_QNB>(wr, nb, xq + r * k, xd + r * nx, xs ? xs + r * ns : 0, k, out + r * KZ_QNB, KZ_QNB, r ? 0 : pf);
 }
 
 // columns [c0, c0 + cn) of a column block of qnb (8: one row of x by kz_row8, where the format has it)
 static void kz_qblock(const uint8_t* w, int64_t rb, int64_t c0, int64_t cn, int64_t qnb, int64_t nb, int64_t m,
-                      const int8_t* xq, const float* xd, const float* xs, int64_t k, float* out, const char* pf) {
+                      const int8_t* xq, const float* xd, const int16_t* xs, int64_t k, float* out, const char* pf) {
 #if KZ_QAVX2
     if constexpr (kz_has_row8<kz_fmt>::value) {
         if (qnb == 8 && cn == 8) return kz_row8<kz_fmt>(w + c0 * rb, rb, nb, xq, xd, out, pf);
@@ -458,7 +550,7 @@ KZ_INLINE float kz_glu_act(float g, int act) {
 // y = x W^T, or (up > 0: W's rows [0, n) are gate, [up, up + n) up) y = act(x Wg^T) * (x Wu^T): a merged
 // gate|up weight read once per column block, both halves' rows side by side, the product in the epilogue
 template <class OT>
-static int kz_qgemv(const int8_t* xq, const float* xd, const float* xs, int64_t m, int64_t k, const uint8_t* w,
+static int kz_qgemv(const int8_t* xq, const float* xd, const int16_t* xs, int64_t m, int64_t k, const uint8_t* w,
                     const float* wscale, int64_t n, const float* bias, OT* y, int nthreads, int64_t up, int act) {
     const int64_t nb = k / kz_fmt::QK, rb = nb * kz_fmt::BYTES, qnb = kz_qnb(m), nblk = (n + qnb - 1) / qnb;
     const kz_team_t tm = kz_team_open(nthreads, m * n * k * (up ? 2 : 1) >= 32768);
@@ -471,12 +563,12 @@ static int kz_qgemv(const int8_t* xq, const float* xd, const float* xs, int64_t 
             for (int64_t r0 = 0; r0 < m; r0 += 8) {
                 const int64_t mr = m - r0 < 8 ? m - r0 : 8;
                 const bool first = r0 == 0 && c + 1 < hi && KZ_PREFETCH;
-                const int64_t x0 = r0 * (k / KZ_QK);
+                const int64_t x0 = r0 * (k / KZ_XQK), s0 = r0 * (k / KZ_QK);
                 const char* pf = first ? (const char*)(w + (c0 + qnb) * rb) : 0;
-                kz_qblock(w, rb, c0, cn, qnb, nb, mr, xq + r0 * k, xd + x0, xs ? xs + x0 : 0, k, blk, pf);
+                kz_qblock(w, rb, c0, cn, qnb, nb, mr, xq + r0 * k, xd + x0, xs ? xs + s0 : 0, k, blk, pf);
                 if (up) {
                     const char* pu = first ? (const char*)(w + (up + c0 + qnb) * rb) : 0;
-                    kz_qblock(w, rb, up + c0, cn, qnb, nb, mr, xq + r0 * k, xd + x0, xs ? xs + x0 : 0, k, blu, pu);
+                    kz_qblock(w, rb, up + c0, cn, qnb, nb, mr, xq + r0 * k, xd + x0, xs ? xs + s0 : 0, k, blu, pu);
                 }
                 for (int64_t r = 0; r < mr; ++r)
                     for (int64_t j = 0; j < cn; ++j) {
@@ -504,8 +596,8 @@ static int kz_qgemv(const int8_t* xq, const float* xd, const float* xs, int64_t 
                                       const float* wscale, int64_t n, const float* bias, OT* y, int nthreads, \
                                       int64_t up, int act) {                                                \
         int8_t* xq = kz_scratch<int8_t>(0, m * k);                                                         \
-        float* xd = kz_scratch<float>(1, m * (k / KZ_QK));                                                 \
-        float* xs = kz_fmt::MIN ? kz_scratch<float>(2, m * (k / KZ_QK)) : 0;                               \
+        float* xd = kz_scratch<float>(1, m * (k / KZ_XQK));                                                \
+        int16_t* xs = kz_fmt::MIN ? kz_scratch<int16_t>(2, m * (k / KZ_QK)) : 0;                           \
         kz_quantize_rows(x, m, k, xq, xd, xs);                                                             \
         return kz_qgemv(xq, xd, xs, m, k, w, wscale, n, bias, y, nthreads, up, act);                       \
     }
@@ -514,9 +606,9 @@ KZ_QGEMV_ENTRY(f32, float, bf16, kz_bf16)
 KZ_QGEMV_ENTRY(bf16, kz_bf16, f32, float)
 KZ_QGEMV_ENTRY(bf16, kz_bf16, bf16, kz_bf16)
 
-// the quantized activations as the kernel sees them (for tests): xq [m, k] int8, xd [m, k / 32]
+// the quantized activations as the kernel sees them (for tests): xq [m, k] int8, xd [m, k / the block]
 extern "C" void $NAME$_quantize_x(const float* x, int64_t m, int64_t k, int8_t* xq, float* xd) {
-    kz_quantize_rows(x, m, k, xq, xd, (float*)0);
+    kz_quantize_rows(x, m, k, xq, xd, (int16_t*)0);
 }
 
 // rows [n0, n1) of W as f32 into out [n1 - n0, k] (prefill: a panel of the weight for a library GEMM). The
