@@ -89,7 +89,7 @@ def test_merged_packed_layers_match_own_forward(fmt: str) -> None:
     fresh = kernelize_model(copy.deepcopy(other), quantize=None)
     with torch.inference_mode():
         got, want, own = served(ids).logits, fresh(ids).logits, other(ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the loaded weights are what the kernels read
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the kernels read the loaded weights
     # against the packed model's own forward: the fused norms may round x an ulp apart, and one activation
     # rounded to the other int8 neighbour moves these random logits by up to ~1% (seed 4, q4_k)
     assert (got - own).abs().max() < 0.03 * own.abs().max()
