@@ -1,8 +1,11 @@
-"""GGUF files (llama.cpp's format) in and out of transformers Llama models with packed weights.
+"""GGUF files (llama.cpp's format) in and out of transformers Llama, Qwen2 and Qwen3 models with packed
+weights.
 
-* :func:`save` writes a ``LlamaForCausalLM`` as a GGUF file llama.cpp loads: architecture ``llama``, its
-  hyper-parameters, llama.cpp's tensor names, q/k rows permuted as llama.cpp's convert script does for its
-  rotary layout, projections and the LM head as ``Q8_0`` / ``Q4_0`` / ``Q4_K`` / ``Q6_K`` blocks (a
+* :func:`save` writes a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` as a GGUF file
+  llama.cpp loads: architecture ``llama`` / ``qwen2`` / ``qwen3`` (:data:`ARCHITECTURES`), its
+  hyper-parameters, llama.cpp's tensor names, q/k rows permuted where llama.cpp's convert script permutes
+  them for its rotary layout (Llama's), Qwen2's q/k/v biases and Qwen3's q/k norms as F32, projections and
+  the LM head as ``Q8_0`` / ``Q4_0`` / ``Q4_K`` / ``Q6_K`` blocks (a
   :class:`~kernelize.quant.module.QuantizedLinear` is written as its bytes are, a float layer is quantized
   first), norms as F32, the token embedding in its float type, and a placeholder vocabulary.
 * :func:`load` builds the model back from a file: the config from the metadata, the model on the meta
@@ -27,7 +30,7 @@ import logging
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,8 +42,39 @@ from kernelize.quant.module import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-ARCH = "llama"
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a GGUF architecture adds to Llama's layout: its name in the file (``general.architecture``, the
+    prefix of its metadata keys), the transformers classes, whether llama.cpp's convert permutes the q/k
+    rows (Llama's interleaved rotary; the others keep transformers' rotate-half order), the layer tensors
+    that carry a bias (``blk.N.<name>.bias``, F32) and the extra per-layer norms (submodule, tensor name)."""
+
+    gguf: str
+    model: str
+    config: str
+    permuted: bool
+    biases: tuple[str, ...] = ()
+    norms: tuple[tuple[str, str], ...] = field(default=())
+
+
+# transformers class -> its GGUF architecture (as llama.cpp's convert_hf_to_gguf writes and reads them)
+ARCHITECTURES = {
+    a.model: a
+    for a in (
+        Architecture("llama", "LlamaForCausalLM", "LlamaConfig", permuted=True),
+        Architecture("qwen2", "Qwen2ForCausalLM", "Qwen2Config", False, ("attn_q", "attn_k", "attn_v")),
+        Architecture(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            "Qwen3Config",
+            False,
+            norms=(("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm")),
+        ),  # fmt: skip
+    )
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+_BY_GGUF = {a.gguf: a for a in ARCHITECTURES.values()}
 # our format -> GGMLQuantizationType name, and the file type (llama_ftype) of a file whose layers are all it
 PACKED_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
 FILE_TYPES = {"q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S", "q6_k": "MOSTLY_Q6_K"}
@@ -60,7 +94,7 @@ LAYER_TENSORS = {
 }
 _NORMS = ("attn_norm", "ffn_norm")
 
-# llama.<key> -> LlamaConfig attribute (as transformers' GGUF_CONFIG_MAPPING["llama"])
+# <arch>.<key> -> config attribute (transformers' GGUF_CONFIG_MAPPING: the same for each architecture here)
 CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
     "embedding_length": "hidden_size",
@@ -102,8 +136,9 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, n // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _check_saveable(model: nn.Module, fmt: str) -> Any:
-    if type(model).__name__ not in SUPPORTED_ARCHITECTURES:
+def _check_saveable(model: nn.Module, fmt: str) -> tuple[Any, Architecture]:
+    arch = ARCHITECTURES.get(type(model).__name__)
+    if arch is None:
         raise ValueError(
             f"gguf.save: {type(model).__name__} is not supported; supported architectures: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -113,6 +148,7 @@ def _check_saveable(model: nn.Module, fmt: str) -> Any:
             f"gguf.save: fmt must be one of {sorted(PACKED_TYPES)} (GGUF block types), got {fmt!r}"
         )
     config = model.config
+    # (Qwen2's q/k/v biases are not a config option: written as its architecture's bias tensors)
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ValueError("gguf.save: projections with biases (attention_bias / mlp_bias) are not written yet")
     rope = getattr(config, "rope_parameters", None) or {}
@@ -122,9 +158,9 @@ def _check_saveable(model: nn.Module, fmt: str) -> Any:
         )
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(
-            f"gguf.save: llama.cpp's llama runs SiLU, the model's hidden_act is {config.hidden_act!r}"
+            f"gguf.save: llama.cpp's {arch.gguf} runs SiLU, the model's hidden_act is {config.hidden_act!r}"
         )
-    return config
+    return config, arch
 
 
 def _rope_theta(config: Any) -> float:
@@ -132,15 +168,16 @@ def _rope_theta(config: Any) -> float:
     return float(rope.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0))
 
 
-def _packed_of(module: nn.Module, fmt: str, name: str) -> PackedWeight:
+def _packed_of(module: nn.Module, fmt: str, name: str, bias: bool = False) -> PackedWeight:
+    """The packed weight GGUF stores for ``module`` (``bias``: the architecture has a bias tensor for it)."""
+    if module.bias is not None and not bias:
+        raise ValueError(f"gguf.save: {name} has a bias, which llama.cpp's layout has no tensor for")
     if isinstance(module, QuantizedLinear):
         if module.format not in PACKED_TYPES:
             raise ValueError(
                 f"gguf.save: {name} is packed as {module.format}, which GGUF has no type for; quantize the "
                 f"model to one of {sorted(PACKED_TYPES)}"
             )
-        if module.bias is not None:
-            raise ValueError(f"gguf.save: {name} has a bias; projections with biases are not written yet")
         return module.packed
     if not isinstance(module, nn.Linear):
         raise ValueError(
@@ -186,7 +223,8 @@ def _float_array(t: torch.Tensor) -> tuple[np.ndarray, Any]:
 
 
 def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> None:
-    """Write ``model`` (a ``LlamaForCausalLM``, float or quantized) as a GGUF file llama.cpp can load.
+    """Write ``model`` (a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``, float or
+    quantized) as a GGUF file llama.cpp can load.
 
     Args:
         model: the model; its ``QuantizedLinear`` layers are written as they are, float projections are
@@ -200,10 +238,10 @@ def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> N
     """
     import gguf
 
-    config = _check_saveable(model, fmt)
-    writer = gguf.GGUFWriter(os.fspath(path), ARCH)
+    config, arch = _check_saveable(model, fmt)
+    writer = gguf.GGUFWriter(os.fspath(path), arch.gguf)
     _add_metadata(writer, gguf, config, model.get_input_embeddings().weight.shape[0], fmt)
-    _add_tensors(writer, gguf, model, fmt)
+    _add_tensors(writer, gguf, model, fmt, arch)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -214,7 +252,8 @@ def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> N
 
 
 def _add_metadata(writer: Any, gguf: Any, config: Any, vocab: int, fmt: str) -> None:
-    """The hyper-parameters llama.cpp's `llama` reads, the file type and the placeholder vocabulary."""
+    """The hyper-parameters llama.cpp reads (under the writer's architecture), the file type and the
+    placeholder vocabulary."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_name(getattr(config, "name_or_path", "") or "kernelize-llama")
@@ -236,9 +275,11 @@ def _add_metadata(writer: Any, gguf: Any, config: Any, vocab: int, fmt: str) -> 
     _placeholder_vocab(writer, gguf, vocab, config)
 
 
-def _add_tensors(writer: Any, gguf: Any, model: nn.Module, fmt: str) -> None:
-    """Every tensor under llama.cpp's name: packed blocks (q/k rows permuted), F32 norms, the embedding."""
+def _add_tensors(writer: Any, gguf: Any, model: nn.Module, fmt: str, arch: Architecture) -> None:
+    """Every tensor under llama.cpp's name: packed blocks (q/k rows permuted where `arch` permutes them), F32
+    norms and biases, the embedding."""
     heads = {"attn_q": model.config.num_attention_heads, "attn_k": model.config.num_key_value_heads}
+    heads = heads if arch.permuted else {}
 
     def add_float(name: str, t: torch.Tensor, as_f32: bool = False) -> None:
         array, raw = _float_array(t.float() if as_f32 else t)
@@ -251,13 +292,17 @@ def _add_tensors(writer: Any, gguf: Any, model: nn.Module, fmt: str) -> None:
 
     add_float("token_embd.weight", model.get_input_embeddings().weight)
     for i, layer in enumerate(model.model.layers):
-        for sub, short in LAYER_TENSORS.items():
+        for sub, short in (*LAYER_TENSORS.items(), *arch.norms):
             module = layer.get_submodule(sub)
             name = f"blk.{i}.{short}.weight"
-            if short in _NORMS:
+            if short in _NORMS or (sub, short) in arch.norms:
                 add_float(name, module.weight, as_f32=True)
-            else:
-                add_packed(name, _packed_of(module, fmt, f"model.layers.{i}.{sub}"), heads.get(short))
+                continue
+            biased = short in arch.biases
+            add_packed(name, _packed_of(module, fmt, f"model.layers.{i}.{sub}", biased), heads.get(short))
+            if biased:  # (llama.cpp requires it: a layer without one gets zeros)
+                bias = module.bias if module.bias is not None else torch.zeros(module.out_features)
+                add_float(f"blk.{i}.{short}.bias", bias, as_f32=True)
     add_float("output_norm.weight", model.model.norm.weight, as_f32=True)
     add_packed("output.weight", _packed_of(model.lm_head, fmt, "lm_head"))
 
@@ -421,46 +466,50 @@ def _scan(c: _Cursor, gguf: Any) -> tuple[dict[str, Any], list[TensorInfo]]:
 
 
 # ---- loading --------------------------------------------------------------------------------------------
-def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> Any:
+def _architecture(path: str, meta: dict[str, Any]) -> Architecture:
+    name = meta.get("general.architecture")
+    arch = _BY_GGUF.get(name) if isinstance(name, str) else None
+    if arch is None:
+        supported = ", ".join(f"{a.gguf!r} ({a.model})" for a in ARCHITECTURES.values())
+        raise GGUFError(f"{path}: general.architecture is {name!r}; supported: {supported}")
+    return arch
+
+
+def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: Architecture) -> Any:
     import transformers
 
-    arch = meta.get("general.architecture")
-    if arch != ARCH:
-        raise GGUFError(
-            f"{path}: general.architecture is {arch!r}; supported: {ARCH!r} "
-            f"({', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    prefix = arch.gguf  # the metadata keys'
     kwargs: dict[str, Any] = {}
     for key, attr in CONFIG_KEYS.items():
-        value = meta.get(f"{ARCH}.{key}")
+        value = meta.get(f"{prefix}.{key}")
         if value is None:
             if key in _REQUIRED:
-                raise GGUFError(f"{path}: metadata {ARCH}.{key} is missing")
+                raise GGUFError(f"{path}: metadata {prefix}.{key} is missing")
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise GGUFError(f"{path}: metadata {ARCH}.{key} = {value!r} is not a positive number")
+            raise GGUFError(f"{path}: metadata {prefix}.{key} = {value!r} is not a positive number")
         kwargs[attr] = value
     kwargs.setdefault("num_key_value_heads", kwargs["num_attention_heads"])
     for attr in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads"):
         if not isinstance(kwargs.get(attr, 1), int):
             raise GGUFError(f"{path}: metadata for {attr} is {kwargs[attr]!r}, not an integer")
     layers = kwargs["num_hidden_layers"]
-    if layers * len(LAYER_TENSORS) > len(tensors):  # before anything is sized by it
+    if layers * (len(LAYER_TENSORS) + len(arch.norms)) > len(tensors):  # before anything is sized by it
         raise GGUFError(
-            f"{path}: {ARCH}.block_count = {layers}, but the file has only {len(tensors)} tensors"
+            f"{path}: {prefix}.block_count = {layers}, but the file has only {len(tensors)} tensors"
         )
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
-    vocab = meta.get(f"{ARCH}.vocab_size", embd.shape[0])
+    vocab = meta.get(f"{prefix}.vocab_size", embd.shape[0])
     hidden, heads, kv = kwargs["hidden_size"], kwargs["num_attention_heads"], kwargs["num_key_value_heads"]
-    head_dim = meta.get(f"{ARCH}.attention.key_length") or hidden // heads
+    head_dim = meta.get(f"{prefix}.attention.key_length") or hidden // heads
     for key, value in (("vocab_size", vocab), ("attention.key_length", head_dim), ("head_count_kv", kv)):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise GGUFError(f"{path}: metadata {ARCH}.{key} = {value!r} is not an integer")
+            raise GGUFError(f"{path}: metadata {prefix}.{key} = {value!r} is not an integer")
     if heads % kv or head_dim % 2 or head_dim * heads == 0:
         raise GGUFError(
-            f"{path}: {heads} attention heads, {kv} key/value heads, head size {head_dim}: not Llama's"
+            f"{path}: {heads} attention heads, {kv} key/value heads, head size {head_dim}: not {arch.model}'s"
         )
     rope = {"rope_type": "default", "rope_theta": float(kwargs.pop("rope_theta", 10000.0))}
     special = {
@@ -468,37 +517,42 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo]) -> 
         for k in ("bos_token_id", "eos_token_id")
         if isinstance(meta.get(f"tokenizer.ggml.{k}"), int)
     }
-    return transformers.LlamaConfig(
+    plain = {"attention_bias": False, "mlp_bias": False} if arch.gguf == "llama" else {}
+    return getattr(transformers, arch.config)(
         vocab_size=int(vocab), head_dim=int(head_dim), rope_parameters=rope,
         tie_word_embeddings="output.weight" not in tensors and embd.type_name in FLOAT_TYPES,
-        attention_bias=False, mlp_bias=False,
-        hidden_act="silu", **special, **kwargs,
+        hidden_act="silu", **plain, **special, **kwargs,
     )  # fmt: skip
 
 
-def _expected(config: Any) -> dict[str, tuple[int, ...]]:
+def _expected(config: Any, arch: Architecture) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape (rows first) a file of `config` holds."""
     h, hd, f = config.hidden_size, config.head_dim, config.intermediate_size
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     per_layer = {
-        "attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
-        "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f), "attn_norm": (h,), "ffn_norm": (h,),
+        "attn_q.weight": (q, h), "attn_k.weight": (kv, h), "attn_v.weight": (kv, h),
+        "attn_output.weight": (h, q), "ffn_gate.weight": (f, h), "ffn_up.weight": (f, h),
+        "ffn_down.weight": (h, f), "attn_norm.weight": (h,), "ffn_norm.weight": (h,),
     }  # fmt: skip
+    per_layer |= {f"{b}.bias": per_layer[f"{b}.weight"][:1] for b in arch.biases}
+    per_layer |= {f"{n}.weight": (hd,) for _, n in arch.norms}
     want = {"token_embd.weight": (config.vocab_size, h), "output_norm.weight": (h,)}
     want["output.weight"] = (config.vocab_size, h)  # optional: without it the head is the embedding
     for i in range(config.num_hidden_layers):
-        want |= {f"blk.{i}.{k}.weight": shape for k, shape in per_layer.items()}
+        want |= {f"blk.{i}.{k}": shape for k, shape in per_layer.items()}
     return want
 
 
-def _check_tensors(path: str, config: Any, tensors: dict[str, TensorInfo]) -> None:
-    want = _expected(config)
+def _check_tensors(path: str, config: Any, tensors: dict[str, TensorInfo], arch: Architecture) -> None:
+    want = _expected(config, arch)
     missing = [n for n in want if n not in tensors and n != "output.weight"]
     if missing:
         raise GGUFError(f"{path}: tensors missing for the config: {', '.join(missing[:5])}")
     extra = [n for n in tensors if n not in want]
     if extra:
-        raise GGUFError(f"{path}: tensors a Llama of this config has no place for: {', '.join(extra[:5])}")
+        raise GGUFError(
+            f"{path}: tensors a {arch.model} of this config has no place for: {', '.join(extra[:5])}"
+        )
     packed = tuple(PACKED_TYPES.values())
     for name, shape in want.items():
         info = tensors.get(name)
@@ -529,19 +583,25 @@ def _float_param(t: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(t.to(dtype), requires_grad=False)
 
 
-def _quantized(data: torch.Tensor, type_name: str, n: int, k: int) -> QuantizedLinear:
+def _quantized(
+    data: torch.Tensor, type_name: str, n: int, k: int, bias: torch.Tensor | None = None
+) -> QuantizedLinear:
     fmt = {v: k for k, v in PACKED_TYPES.items()}[type_name]
     with torch.device("meta"):
         q = QuantizedLinear(k, n, fmt, bias=False)
     q.set_packed(PackedWeight(data.reshape(n, -1), get_format(fmt), (n, k)))
+    if bias is not None:  # f32, as QuantizedLinear keeps its bias
+        q.bias = nn.Parameter(bias.float().clone(), requires_grad=False)
     return q
 
 
 def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A ``LlamaForCausalLM`` from a GGUF file, with ``QuantizedLinear`` projections on the file's bytes.
+    """A ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` from a GGUF file, with
+    ``QuantizedLinear`` projections on the file's bytes.
 
     Args:
-        path: a GGUF file of architecture ``llama`` whose projections and output are ``Q8_0``, ``Q4_0``,
+        path: a GGUF file of architecture ``llama``, ``qwen2`` or ``qwen3`` (:data:`ARCHITECTURES`) whose
+            projections and output are ``Q8_0``, ``Q4_0``,
             ``Q4_K`` or ``Q6_K`` (mixed as llama.cpp's ``Q4_K_M`` mixes them) and whose norms are float (the
             token embedding may be float or one of those: dequantized).
         dtype: the float type of the embedding and the norms.
@@ -561,29 +621,34 @@ def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn
     path = os.fspath(path)
     meta, infos = scan(path)
     tensors = {t.name: t for t in infos}
-    config = _config(path, meta, tensors)
-    _check_tensors(path, config, tensors)
+    arch = _architecture(path, meta)
+    config = _config(path, meta, tensors, arch)
+    _check_tensors(path, config, tensors, arch)
     try:
         reader = gguf.GGUFReader(path, "c")  # copy-on-write: writable arrays for torch, the file untouched
     except Exception as exc:  # the header was checked; whatever the reader still refuses, name the file
         raise GGUFError(f"{path}: gguf.GGUFReader refused it: {type(exc).__name__}: {exc}") from exc
     data = {t.name: t for t in reader.tensors}
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    _install(model, lambda name: _tensor(data[name], tensors[name]), tensors, dtype)
+        model = getattr(transformers, arch.model)(config)
+    _install(model, lambda name: _tensor(data[name], tensors[name]), tensors, dtype, arch)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers, on the CPU
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     assert not left, f"gguf.load left tensors on the meta device: {left}"
-    logger.info("gguf.load: %s -> LlamaForCausalLM (%d layers)", path, config.num_hidden_layers)
+    logger.info("gguf.load: %s -> %s (%d layers)", path, arch.model, config.num_hidden_layers)
     return model.eval()
 
 
-def _install(model: nn.Module, get: Any, tensors: dict[str, TensorInfo], dtype: torch.dtype) -> None:
+def _install(
+    model: nn.Module, get: Any, tensors: dict[str, TensorInfo], dtype: torch.dtype, arch: Architecture
+) -> None:
     """Put the file's tensors (`get(name)`: memory mapped) into the meta-device `model`: `QuantizedLinear`
-    projections on the packed bytes (q/k rows un-permuted), float norms and embedding. Without an
-    `output.weight` the head is the embedding: packed on its bytes when the embedding is packed."""
+    projections on the packed bytes (q/k rows un-permuted where `arch` permutes them) with their biases,
+    float norms and embedding. Without an `output.weight` the head is the embedding: packed on its bytes
+    when the embedding is packed."""
     config = model.config
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    heads = heads if arch.permuted else {}
     embd = tensors["token_embd.weight"]
     if embd.type_name in FLOAT_TYPES:
         weight = get(embd.name)
@@ -592,17 +657,18 @@ def _install(model: nn.Module, get: Any, tensors: dict[str, TensorInfo], dtype: 
         weight = dequantize(PackedWeight(get(embd.name).reshape(embd.shape[0], -1), fmt, embd.shape))
     model.model.embed_tokens.weight = _float_param(weight, dtype)
     for i, layer in enumerate(model.model.layers):
-        for sub, short in LAYER_TENSORS.items():
+        for sub, short in (*LAYER_TENSORS.items(), *arch.norms):
             name = f"blk.{i}.{short}.weight"
             parent, _, leaf = sub.rpartition(".")
             owner = layer.get_submodule(parent) if parent else layer
-            if short in _NORMS:
+            if short in _NORMS or (sub, short) in arch.norms:
                 getattr(owner, leaf).weight = _float_param(get(name), dtype)
                 continue
             t = get(name)
             if short in heads:
                 t = unpermute_rows(t.reshape(tensors[name].shape[0], -1), heads[short]).contiguous()
-            setattr(owner, leaf, _quantized(t, tensors[name].type_name, *tensors[name].shape))
+            bias = get(f"blk.{i}.{short}.bias") if short in arch.biases else None
+            setattr(owner, leaf, _quantized(t, tensors[name].type_name, *tensors[name].shape, bias))
     model.model.norm.weight = _float_param(get("output_norm.weight"), dtype)
     head = tensors.get("output.weight", embd)
     if head.type_name in FLOAT_TYPES:  # a float embedding as the head: tied, as transformers ties it
@@ -612,6 +678,8 @@ def _install(model: nn.Module, get: Any, tensors: dict[str, TensorInfo], dtype: 
 
 
 __all__ = [
+    "ARCHITECTURES",
+    "Architecture",
     "GGUFError",
     "SUPPORTED_ARCHITECTURES",
     "TensorInfo",

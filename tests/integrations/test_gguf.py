@@ -105,6 +105,64 @@ def test_float_model_and_transformers_reader(tmp_path: Path, fmt: str) -> None:
     assert fields["tokenizer.ggml.model"].contents() == "llama"
 
 
+def _qwen(kind: str) -> torch.nn.Module:
+    """A tiny Qwen2 (q/k/v biases, made non-zero) or Qwen3 (q/k norms, made non-unit; head size 128)."""
+    torch.manual_seed(0)
+    common = dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB,
+    )  # fmt: skip
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=1e6))
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.data.normal_(0, 0.5)
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=128, rope_theta=1e6))
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.data.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind,fmt", [("qwen2", "q8_0"), ("qwen3", "q4_k")])
+def test_other_architectures(tmp_path: Path, kind: str, fmt: str) -> None:
+    """Qwen2 and Qwen3 files: q/k rows as stored (no rotary permutation), Qwen2's biases and Qwen3's q/k norms
+    as F32 tensors; transformers' own GGUF reader finds the weights load() installs; the loaded model gives
+    the packed model's logits, and the one call's kernels run it."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kernelize.integrations.transformers import kernelize_model
+    from kernelize.layer.record import inspect
+    from kernelize.quant.formats import dequantize
+
+    model = _qwen(kind)
+    quantize_for_kernelize(model, fmt)
+    path = tmp_path / f"{kind}.gguf"
+    kg.save(model, path)
+    loaded = kg.load(path)
+    assert type(loaded) is type(model) and kg.ARCHITECTURES[type(model).__name__].gguf == kind
+    with torch.device("meta"):
+        skeleton = type(model)(loaded.config)
+    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.k_proj"):
+        got = loaded.get_submodule(name)
+        assert torch.equal(got.qweight, model.get_submodule(name).qweight), name
+        assert torch.equal(dequantize(got.packed), torch.as_tensor(theirs[f"{name}.weight"]).float()), name
+        if kind == "qwen2":
+            assert torch.equal(got.bias, torch.as_tensor(theirs[f"{name}.bias"]).float()), name
+    if kind == "qwen3":
+        norm = "model.layers.1.self_attn.k_norm.weight"
+        assert torch.equal(loaded.get_parameter(norm), torch.as_tensor(theirs[norm]).float())
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=0)
+        kernelize_model(loaded)
+        assert inspect(loaded)["model.layers.0.self_attn"].uses_kernel
+        assert (loaded(ids).logits - want).abs().max() < 0.03 * want.abs().max()  # x rounded to int8 apart
+
+
 def test_packed_embedding_without_output(saved: dict, tmp_path: Path) -> None:
     """A file whose token embedding is Q8_0 and which has no `output.weight` (llama.cpp's tied head): the
     embedding is dequantized, the head is a QuantizedLinear on the embedding's own bytes."""
@@ -283,7 +341,7 @@ def _bad_files(good: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
         ),
         "not llama": (
             _raw(tmp / "arch.gguf", _key("general.architecture") + struct.pack("<IQ", 8, 4) + b"gpt2"),
-            "general.architecture is 'gpt2'; supported: 'llama'",
+            r"general.architecture is 'gpt2'; supported: 'llama' \(LlamaForCausalLM\), 'qwen2'",
         ),
     }
 
