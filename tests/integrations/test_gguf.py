@@ -118,7 +118,8 @@ def _qwen(kind: str) -> torch.nn.Module:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.data.normal_(0, 0.5)
     else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=128, rope_theta=1e6))
+        config = transformers.Qwen3Config(**common, head_dim=128, rope_theta=1e6)
+        model = transformers.Qwen3ForCausalLM(config)
         for layer in model.model.layers:
             layer.self_attn.q_norm.weight.data.uniform_(0.5, 1.5)
             layer.self_attn.k_norm.weight.data.uniform_(0.5, 1.5)
