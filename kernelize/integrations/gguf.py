@@ -639,6 +639,30 @@ def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn
     return model.eval()
 
 
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The tokenizer of a GGUF file (its ``tokenizer.ggml.*`` vocabulary, merges and special tokens), built by
+    transformers' own GGUF conversion (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``).
+
+    Raises:
+        GGUFError: transformers could not build one from the file (the message names the file and why).
+
+    Example:
+        >>> tokenizer = load_tokenizer("model-q4_k.gguf")  # doctest: +SKIP
+        >>> model = load("model-q4_k.gguf")  # doctest: +SKIP
+        >>> model.generate(**tokenizer("Hello", return_tensors="pt"), max_new_tokens=8)  # doctest: +SKIP
+    """
+    import transformers
+
+    path = os.path.abspath(os.fspath(path))
+    scan(path)  # the header checked first: a bad file gets the same errors as load()'s
+    folder, name = os.path.split(path)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise GGUFError(f"{path}: transformers could not build its tokenizer: {why}") from exc
+
+
 def _install(
     model: nn.Module, get: Any, tensors: dict[str, TensorInfo], dtype: torch.dtype, arch: Architecture
 ) -> None:
@@ -684,6 +708,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "TensorInfo",
     "load",
+    "load_tokenizer",
     "permute_rows",
     "save",
     "scan",

@@ -155,6 +155,8 @@ def test_other_architectures(tmp_path: Path, kind: str, fmt: str) -> None:
     if kind == "qwen3":
         norm = "model.layers.1.self_attn.k_norm.weight"
         assert torch.equal(loaded.get_parameter(norm), torch.as_tensor(theirs[norm]).float())
+    tokenizer = kg.load_tokenizer(path)  # transformers' GGUF conversion of the placeholder vocabulary
+    assert len(tokenizer) == VOCAB and tokenizer.convert_ids_to_tokens([1, 13]) == ["<s>", "<0x0A>"]
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = model(ids).logits
