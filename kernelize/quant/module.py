@@ -125,6 +125,15 @@ def linear_weight(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
+def _own_forward(module: nn.Module) -> bool:
+    """Whether ``module`` (an ``nn.Linear`` or a ``Conv1D``) computes something else than its product: a
+    subclass with its own forward (Phi-MoE's router returns its logits, weights and choices), or a forward
+    set on the instance."""
+    plain = nn.Linear.forward if isinstance(module, nn.Linear) else None
+    own = type(module).forward is not plain if plain is not None else False
+    return own or "forward" in module.__dict__
+
+
 @dataclass
 class QuantizeSummary:
     """What :func:`quantize_model` did: the layers replaced and skipped, and the weights' bytes before and
@@ -164,6 +173,9 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()
             continue
         if name in skip or name.rsplit(".", 1)[-1] in skip:
             summary.skipped[name] = "skipped by name"
+            continue
+        if _own_forward(mod):  # a router that returns scores and choices: a QuantizedLinear would not
+            summary.skipped[name] = f"{type(mod).__name__} has a forward of its own, not a linear layer's"
             continue
         if weight.shape[1] % f.block_size:
             summary.skipped[name] = f"in_features {weight.shape[1]} is not a multiple of {f.block_size}"

@@ -52,6 +52,25 @@ def test_quantize_model_replaces_every_linear() -> None:
     assert s2.replaced == [] and "not a multiple of 32" in s2.skipped["0"]
 
 
+class _Router(nn.Linear):
+    """A linear layer whose forward returns more than its product (as Phi-MoE's router does)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = super().forward(x)
+        return scores, scores.topk(2, dim=-1).indices
+
+
+def test_quantize_model_leaves_linears_with_their_own_forward() -> None:
+    m = nn.Sequential(nn.Linear(64, 64), _Router(64, 8))
+    m.add_module("patched", nn.Linear(64, 4))
+    m.patched.forward = lambda x: nn.functional.linear(x, m.patched.weight) * 2  # an instance's own forward
+    s = quantize_model(m, "q8_0")
+    assert s.replaced == ["0"] and set(s.skipped) == {"1", "patched"}
+    assert "_Router has a forward of its own" in s.skipped["1"]
+    scores, picked = m[1](torch.randn(3, 64))  # still the router
+    assert scores.shape == (3, 8) and picked.shape == (3, 2)
+
+
 def test_constructor_error() -> None:
     with pytest.raises(ValueError, match="in_features = 40 is not a multiple of q8_0's block of 32"):
         QuantizedLinear(40, 8, "q8_0")
