@@ -127,11 +127,22 @@ def linear_weight(module: nn.Module) -> torch.Tensor | None:
 
 def _own_forward(module: nn.Module) -> bool:
     """Whether ``module`` (an ``nn.Linear`` or a ``Conv1D``) computes something else than its product: a
-    subclass with its own forward (Phi-MoE's router returns its logits, weights and choices), or a forward
-    set on the instance."""
-    plain = nn.Linear.forward if isinstance(module, nn.Linear) else None
-    own = type(module).forward is not plain if plain is not None else False
-    return own or "forward" in module.__dict__
+    forward set on the instance, or a subclass's forward (Phi-MoE's router returns its logits, weights and
+    choices) that a probe on a random input finds is not ``x @ W.T + b`` (Falcon's ``FalconLinear``, a
+    matmul and an add, is)."""
+    if "forward" in module.__dict__:
+        return True
+    if not isinstance(module, nn.Linear) or type(module).forward is nn.Linear.forward:
+        return False
+    weight = module.weight
+    x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    with torch.no_grad():
+        out = module(x)
+        want = nn.functional.linear(x, weight, module.bias)
+    if not isinstance(out, torch.Tensor) or out.shape != want.shape or out.dtype != want.dtype:
+        return True
+    tol = 1e-2 if weight.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    return not torch.allclose(out.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()) + 1e-6)
 
 
 @dataclass

@@ -60,12 +60,19 @@ class _Router(nn.Linear):
         return scores, scores.topk(2, dim=-1).indices
 
 
+class _MatmulLinear(nn.Linear):
+    """A product of its own (as Falcon's FalconLinear): still ``x @ W.T + b``, so it is packed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
 def test_quantize_model_leaves_linears_with_their_own_forward() -> None:
-    m = nn.Sequential(nn.Linear(64, 64), _Router(64, 8))
+    m = nn.Sequential(nn.Linear(64, 64), _Router(64, 8), _MatmulLinear(64, 16))
     m.add_module("patched", nn.Linear(64, 4))
     m.patched.forward = lambda x: nn.functional.linear(x, m.patched.weight) * 2  # an instance's own forward
     s = quantize_model(m, "q8_0")
-    assert s.replaced == ["0"] and set(s.skipped) == {"1", "patched"}
+    assert s.replaced == ["0", "2"] and set(s.skipped) == {"1", "patched"}
     assert "_Router has a forward of its own" in s.skipped["1"]
     scores, picked = m[1](torch.randn(3, 64))  # still the router
     assert scores.shape == (3, 8) and picked.shape == (3, 2)
