@@ -155,3 +155,26 @@ def test_gpt2_conv1d_projections_are_packed_and_its_attention_serves_them() -> N
     assert "packed q8_0 weights" in choices["transformer.h.0.mlp"].reason
     out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 9)
+
+
+@pytest.mark.parametrize("family", ["phimoe", "falcon", "gpt2", "qwen3_moe"])
+def test_families_quantized(family: str) -> None:
+    """The one call with quantize= on families whose linear layers are not all plain: Phi-MoE's router (a
+    linear subclass returning scores and choices) stays float, Falcon's FalconLinear (a product of its own)
+    is packed, GPT-2's Conv1D projections are packed; logits equal the packed model's own forward."""
+    import copy
+
+    from kernelize.models import zoo
+
+    eager = zoo.tiny_causal_lm(family)
+    ids, mask = zoo.padded_batch(eager.get_input_embeddings().num_embeddings)
+    own = copy.deepcopy(eager)
+    summary = quantize_for_kernelize(own, "q8_0")
+    assert summary.replaced
+    served = kernelize_model(copy.deepcopy(eager), quantize="q8_0")
+    assert {n for n, m in served.named_modules() if isinstance(m, QuantizedLinear)} == set(summary.replaced)
+    want, got = zoo.logits(own, ids, mask), zoo.logits(served, ids, mask)
+    real = mask.bool()
+    assert (got[real] - want[real]).abs().max() <= 1e-4 * want[real].abs().max()
+    if family == "phimoe":
+        assert all("router" in n for n in summary.skipped) and summary.skipped
