@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 import threading
@@ -257,7 +258,8 @@ class _Chain:
     chain's own two buffers), the last layer's output `hidden` and the `logits`. The programs' buffers stay
     the layers' own: a run holds every layer's lock. Where the rotary embedding's type has no state that
     changes with the positions (not a dynamic or long RoPE), its tables for the next positions are made
-    ahead, `ROTARY_ROWS` at a time, by the same module calls (:meth:`rotary_at`). A hooked embedding or
+    ahead, `ROTARY_ROWS` at a time, by the module's own calls (:meth:`rotary_at`: one call over the positions
+    as a batch where that gives each position's call bit for bit). A hooked embedding or
     rotary module is called at every step instead (its output is then the row the chain copies).
 
     A step after the one that checked every layer takes it when :meth:`fresh` (the same checks, in a few
@@ -308,25 +310,53 @@ class _Chain:
         rope = getattr(rotary, "rope_type", None)
         self.static_rotary = isinstance(rope, str) and "dynamic" not in rope and rope != "longrope"
         self._rotary = None  # (first position, cos rows, sin rows)
+        self.batched_rotary = None  # one call over a batch of positions gives their tables (None: not tried)
         self.call_embed = self.call_rotary = False  # (set by `watch`)
         self._watched = None
 
     def rotary_at(self, rotary: nn.Module, position: int) -> tuple[int, int] | None:
-        """The addresses of the rotary tables at ``position`` (made ahead by the module's own calls, one
-        position each), or None: this step calls the module."""
+        """The addresses of the rotary tables at ``position`` (made ahead by the module's own calls), or
+        None: this step calls the module."""
         made = self._rotary
         if made is None or not made[0] <= position < made[0] + len(made[1]):
-            x = torch.empty(self.shape, dtype=self.dtype)
-            cos, sin = [], []
-            for p in range(position, position + self.ROTARY_ROWS):
-                c, s = map(self.tables, rotary(x, position_ids=torch.tensor([[p]])))
-                if (c.shape, c.dtype) != self.table or s.shape != c.shape:
-                    return None
-                cos.append(c.reshape(-1))
-                sin.append(s.reshape(-1))
-            made = self._rotary = (position, torch.stack(cos), torch.stack(sin))
+            made = self._rotary = self._rotary_rows(rotary, position)
+            if made is None:
+                return None
         row = (position - made[0]) * made[1].stride(0) * made[1].element_size()
         return made[1].data_ptr() + row, made[2].data_ptr() + row
+
+    def _rotary_rows(self, rotary: nn.Module, position: int) -> tuple | None:
+        """(position, cos rows, sin rows) of the `ROTARY_ROWS` positions from ``position``: one module call
+        over them as a batch of one-token rows where that call gave the per-position calls' tables bit for
+        bit the first time (checked once per chain: `batched_rotary`), else one call per position (~60 us
+        each on a 300 M Llama: ~0.06 ms of every decode token)."""
+        n = self.ROTARY_ROWS
+        if self.batched_rotary is not False:
+            x = torch.empty((n, *self.shape[1:]), dtype=self.dtype)
+            c, s = map(self.tables, rotary(x, position_ids=torch.arange(position, position + n).view(n, 1)))
+            fits = c.shape == (n, *self.table[0][1:]) and c.dtype == self.table[1] and s.shape == c.shape
+            batched = (position, c.reshape(n, -1).contiguous(), s.reshape(n, -1).contiguous())
+            batched = batched if fits else None
+            if batched is not None and self.batched_rotary:
+                return batched
+            single = self._rotary_single(rotary, position)
+            self.batched_rotary = bool(
+                batched is not None and single is not None
+                and torch.equal(batched[1], single[1]) and torch.equal(batched[2], single[2])
+            )  # fmt: skip
+            return single
+        return self._rotary_single(rotary, position)
+
+    def _rotary_single(self, rotary: nn.Module, position: int) -> tuple | None:
+        x = torch.empty(self.shape, dtype=self.dtype)
+        cos, sin = [], []
+        for p in range(position, position + self.ROTARY_ROWS):
+            c, s = map(self.tables, rotary(x, position_ids=torch.tensor([[p]])))
+            if (c.shape, c.dtype) != self.table or s.shape != c.shape:
+                return None
+            cos.append(c.reshape(-1))
+            sin.append(s.reshape(-1))
+        return position, torch.stack(cos), torch.stack(sin)
 
     def watch(self, base, layers: tuple, embed, rotary, norm: nn.Module, head: nn.Module) -> None:
         """Snapshot what :meth:`fresh` compares, right after every layer was checked (and drop the rotary
@@ -572,8 +602,12 @@ def _build_tail(norm: nn.Module, head: nn.Module, x: torch.Tensor, forwards: tup
 def _output(output_type: type, logits: torch.Tensor, cache: Any) -> Any:
     """The model's own output type (as the checked step returned it) with the logits and the cache (named
     `cache` since transformers 5.24)."""
-    fields = {f.name for f in dataclasses.fields(output_type)}
-    return output_type(logits=logits, **{"cache" if "cache" in fields else "past_key_values": cache})
+    return output_type(logits=logits, **{_cache_field(output_type): cache})
+
+
+@functools.cache
+def _cache_field(output_type: type) -> str:
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(output_type)} else "past_key_values"
 
 
 __all__ = ["model_step"]
