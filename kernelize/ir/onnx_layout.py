@@ -383,6 +383,61 @@ def _compress(ctx: NodeContext) -> Node:
     return g.gather(x, g.const(keep), axis)
 
 
+def _scatter_rows(
+    ctx: NodeContext, data: Node, shape: tuple[int, ...], k: int, flat: torch.Tensor, upd: Node
+) -> Node:
+    """``data`` (static ``shape``) with its rows over the first ``k`` axes at the load-time flat row numbers
+    ``flat`` (one per row of ``upd``, viewed ``[len(flat), *shape[k:]]``) replaced by those rows: a gather
+    of the updates where a row is written and the data elsewhere (``where``), so the graph keeps one SSA
+    value per tensor. Two updates of one row: the later one wins (ONNX leaves it undefined)."""
+    g = ctx.g
+    rows, rest = int(np.prod(shape[:k], dtype=np.int64)), shape[k:]
+    source = torch.full((rows,), -1, dtype=torch.int64)
+    source[flat] = torch.arange(len(flat))  # (sequential in index order for a 1-D index: the later wins)
+    if len(flat) == 0:
+        return data
+    hit = g.const((source >= 0).reshape(rows, *(1,) * len(rest)))
+    picked = g.gather(g.view(upd, (len(flat), *rest)), g.const(source.clamp(min=0)), 0)
+    return g.view(g.where(hit, picked, g.view(data, (rows, *rest))), shape)
+
+
+def _scatter_index(ctx: NodeContext, op: str) -> torch.Tensor:
+    idx = ctx.const(1)
+    if idx is None:
+        raise ctx.unsupported(f"{op} with indices known only at run time")
+    reduction = ctx.attr("reduction", "none")
+    if reduction not in ("none", b"none"):
+        raise ctx.unsupported(f"{op} with reduction={reduction!r} (only 'none')")
+    return idx.long()
+
+
+def _scatter_nd(ctx: NodeContext) -> Node:
+    idx = _scatter_index(ctx, "ScatterND")
+    shape = _static(ctx, ctx.x(0).shape, "ScatterND data")
+    k = idx.shape[-1]
+    inner = torch.tensor(shape[:k], dtype=torch.int64)
+    idx = idx.reshape(-1, k)
+    idx = torch.where(idx < 0, idx + inner, idx)
+    if ((idx < 0) | (idx >= inner)).any():
+        raise ValueError(f"{ctx.describe()}: an index lies outside the data's shape {list(shape)}")
+    strides = torch.tensor([int(np.prod(shape[j + 1 : k], dtype=np.int64)) for j in range(k)])
+    return _scatter_rows(ctx, ctx.x(0), shape, k, (idx * strides).sum(-1), ctx.x(2))
+
+
+def _scatter_elements(ctx: NodeContext) -> Node:
+    idx = _scatter_index(ctx, "ScatterElements")
+    shape = _static(ctx, ctx.x(0).shape, "ScatterElements data")
+    axis = normalize_axis(ctx.attr("axis", 0), len(shape))
+    idx = torch.where(idx < 0, idx + shape[axis], idx)
+    if ((idx < 0) | (idx >= shape[axis])).any():
+        raise ValueError(f"{ctx.describe()}: an index lies outside axis {axis} of size {shape[axis]}")
+    stride = int(np.prod(shape[axis + 1 :], dtype=np.int64))
+    flat = idx * stride + _flat_offsets(shape, tuple(idx.shape), axis)
+    size = int(np.prod(shape, dtype=np.int64))
+    data = ctx.g.view(ctx.x(0), (size,))
+    return ctx.g.view(_scatter_rows(ctx, data, (size,), 1, flat.reshape(-1), ctx.x(2)), shape)
+
+
 def _nonzero(ctx: NodeContext):
     t = ctx.const(0)
     if t is None:
@@ -403,6 +458,9 @@ LAYOUT_OPS: dict[str, Converter] = {
     "Gather": _gather,
     "GatherElements": _gather_elements,
     "GatherND": _gather_nd,
+    "ScatterND": _scatter_nd,
+    "ScatterElements": _scatter_elements,
+    "Scatter": _scatter_elements,  # (opset 9-10's name)
     "Pad": _pad,
     "Tile": _tile,
     "DepthToSpace": _depth_to_space,

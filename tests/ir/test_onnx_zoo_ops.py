@@ -205,3 +205,76 @@ def test_image_scaler_matches_definition_and_onnxruntime():
     want = x.numpy() * 0.5 + np.array([0.1, -0.2, 0.3], np.float32)[None, :, None, None]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(got, _ort(model, x), rtol=1e-6, atol=1e-7)
+
+
+def _scatter_model(op: str, data_shape, idx: np.ndarray, upd_shape, **attrs) -> onnx.ModelProto:
+    """``op`` over a run-time data and updates with load-time indices (an initializer)."""
+    nodes = [helper.make_node(op, ["x", "i", "u"], ["s"], **attrs), helper.make_node("Relu", ["s"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        op.lower(),
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, data_shape),
+         helper.make_tensor_value_info("u", TensorProto.FLOAT, upd_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, data_shape)],
+        [helper.make_tensor("i", TensorProto.INT64, idx.shape, idx.ravel())],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    onnx.checker.check_model(model)
+    return model
+
+
+def _scatter_definition(op: str, x: np.ndarray, idx: np.ndarray, u: np.ndarray, axis: int = 0) -> np.ndarray:
+    out = x.copy()
+    if op == "ScatterND":
+        for j in np.ndindex(idx.shape[:-1]):
+            out[tuple(idx[j])] = u[j]
+    else:
+        for j in np.ndindex(idx.shape):
+            at = list(j)
+            at[axis] = idx[j]
+            out[tuple(at)] = u[j]
+    return np.maximum(out, 0)
+
+
+SCATTERS = [
+    ("ScatterND", (4, 5, 3), np.array([[1], [-1]]), (2, 5, 3), {}),  # whole rows, a negative index
+    ("ScatterND", (4, 5, 3), np.array([[[0, 2], [3, 4]], [[1, 1], [2, 0]]]), (2, 2, 3), {}),  # rows of axis 2
+    ("ScatterND", (4, 5), np.array([[0, 0], [3, 4], [2, -1]]), (3,), {}),  # single elements
+    ("ScatterElements", (3, 4), np.array([[1, 0, 2, 1], [0, 2, 1, 0]]), (2, 4), {"axis": 0}),
+    ("ScatterElements", (3, 4), np.array([[3, -4], [1, 2], [0, 3]]), (3, 2), {"axis": 1}),
+]
+
+
+@pytest.mark.parametrize(("op", "shape", "idx", "ushape", "attrs"), SCATTERS)
+def test_scatter_with_load_time_indices_matches_definition_and_onnxruntime(op, shape, idx, ushape, attrs):
+    """ScatterND / ScatterElements (BEiT's relative position bias exports ScatterND): a gather of the updates
+    where an index writes, the data elsewhere."""
+    model = _scatter_model(op, shape, idx, ushape, **attrs)
+    x, u = torch.randn(*shape), torch.randn(*ushape)
+    norm = np.where(
+        idx < 0, idx + (np.array(shape)[: idx.shape[-1]] if op == "ScatterND" else shape[attrs["axis"]]), idx
+    )
+    want = _scatter_definition(op, x.numpy(), norm, u.numpy(), attrs.get("axis", 0))
+    g = load_onnx(model)
+    (ref,) = evaluate(g, [x, u])
+    np.testing.assert_array_equal(ref.numpy(), want)
+    (got,) = compile_graph(optimize(g), backend="cpu", cache=False)(x, u)
+    np.testing.assert_array_equal(got.numpy(), want)
+    ort = pytest.importorskip("onnxruntime")
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(sess.run(None, {"x": x.numpy(), "u": u.numpy()})[0], want)
+
+
+def test_scatter_refusals_name_the_reason():
+    from kernelize.ir.errors import UnsupportedOpError
+
+    model = _scatter_model("ScatterND", (4, 5), np.array([[1]]), (1, 5), reduction="add")
+    with pytest.raises(UnsupportedOpError, match="reduction='add'"):
+        load_onnx(model)
+    model = _scatter_model("ScatterND", (4, 5), np.array([[4]]), (1, 5))
+    with pytest.raises(ValueError, match="outside the data's shape"):
+        load_onnx(model)
+    model.graph.input.append(helper.make_tensor_value_info("i", TensorProto.INT64, [1, 1]))
+    del model.graph.initializer[:]  # the indices as a run-time input
+    with pytest.raises(UnsupportedOpError, match="indices known only at run time"):
+        load_onnx(model)
