@@ -76,8 +76,14 @@ ARCHITECTURES = {
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _BY_GGUF = {a.gguf: a for a in ARCHITECTURES.values()}
 # our format -> GGMLQuantizationType name, and the file type (llama_ftype) of a file whose layers are all it
-PACKED_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
-FILE_TYPES = {"q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_k": "MOSTLY_Q4_K_S", "q6_k": "MOSTLY_Q6_K"}
+PACKED_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q5_0": "Q5_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
+FILE_TYPES = {
+    "q8_0": "MOSTLY_Q8_0",
+    "q4_0": "MOSTLY_Q4_0",
+    "q5_0": "MOSTLY_Q5_0",
+    "q4_k": "MOSTLY_Q4_K_S",
+    "q6_k": "MOSTLY_Q6_K",
+}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # decoder layer submodule -> llama.cpp tensor name (blk.N.<name>.weight)
@@ -230,8 +236,8 @@ def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> N
         model: the model; its ``QuantizedLinear`` layers are written as they are, float projections are
             quantized to ``fmt`` (llama.cpp's rounding).
         path: the file to write.
-        fmt: ``"q8_0"``, ``"q4_0"``, ``"q4_k"`` or ``"q6_k"``, for the float projections and the file type
-            (the k-quants take layers whose K is a multiple of 256).
+        fmt: ``"q8_0"``, ``"q4_0"``, ``"q5_0"``, ``"q4_k"`` or ``"q6_k"``, for the float projections and the
+            file type (the k-quants take layers whose K is a multiple of 256).
 
     Example:
         >>> save(model, "model-q4_0.gguf", fmt="q4_0")  # doctest: +SKIP
@@ -601,7 +607,7 @@ def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn
 
     Args:
         path: a GGUF file of architecture ``llama``, ``qwen2`` or ``qwen3`` (:data:`ARCHITECTURES`) whose
-            projections and output are ``Q8_0``, ``Q4_0``,
+            projections and output are ``Q8_0``, ``Q4_0``, ``Q5_0``,
             ``Q4_K`` or ``Q6_K`` (mixed as llama.cpp's ``Q4_K_M`` mixes them) and whose norms are float (the
             token embedding may be float or one of those: dequantized).
         dtype: the float type of the embedding and the norms.

@@ -1237,7 +1237,7 @@ def kernelize_model(
             ids, no cache): a kernel forward that raises or whose output differs from the
             module's own (`kernelize.integrations.verify`) is put back to the module's forward, with the
             reason in `inspect`. This also compiles the kernels the probe's shapes need.
-        quantize: a packed format (`kernelize.quant.FORMATS`: q8_0, q4_0, q4_k, q6_k, int8): first pack
+        quantize: a packed format (`kernelize.quant.FORMATS`: q8_0, q4_0, q5_0, q4_k, q6_k, int8): first pack
             every projection and the LM head; verification compares with the quantized model's output.
 
     Returns:

@@ -7,6 +7,9 @@ decode kernels (:mod:`kernelize.quant.kernels`) read as they are:
   values ``q``; the value is ``q * d``. 34 bytes per block.
 * ``q4_0`` (``block_q4_0``): an f16 scale ``d`` and 16 bytes of nibbles: byte ``i`` holds element ``i`` in
   its low nibble and element ``i + 16`` in its high nibble; the value is ``(q - 8) * d``. 18 bytes per block.
+* ``q5_0`` (``block_q5_0``): an f16 scale ``d``, 4 bytes ``qh`` whose bit ``j`` is bit 4 of element ``j``, and
+  16 bytes of low nibbles laid out as ``q4_0``'s; the value is ``(q - 16) * d``. 22 bytes per block (llama.cpp
+  stores the tensors of a ``Q4_K_M`` file whose rows are not a multiple of 256 as ``q5_0``).
 * ``q4_k`` / ``q6_k`` (``block_q4_K`` / ``block_q6_K``): super-blocks of 256 elements with 6-bit scales
   and mins per 32 (q4_k, 144 bytes) or int8 scales per 16 (q6_k, 210 bytes); see
   :mod:`kernelize.quant.kquants`.
@@ -15,9 +18,9 @@ decode kernels (:mod:`kernelize.quant.kernels`) read as they are:
 
 The GGUF formats' bytes are laid out ``[N, K / block_size * bytes_per_block]``: row ``n``'s blocks are
 contiguous, which is a GGUF tensor's layout too. Quantization is llama.cpp's reference rounding
-(``quantize_row_q8_0_ref``, ``quantize_row_q4_0_ref``) and agrees with the ``gguf`` package byte for byte;
-the k-quants port ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K_ref`` (the ``gguf`` package only
-dequantizes those), and every format dequantizes bit for bit as the ``gguf`` package does.
+(``quantize_row_q8_0_ref``, ``quantize_row_q4_0_ref``, ``quantize_row_q5_0_ref``) and agrees with the
+``gguf`` package byte for byte; the k-quants port ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K_ref``
+(the ``gguf`` package only dequantizes those), and every format dequantizes bit for bit as the ``gguf`` package does.
 
 Example:
     >>> import torch
@@ -71,6 +74,7 @@ class QuantFormat:
 FORMATS: dict[str, QuantFormat] = {
     "q8_0": QuantFormat("q8_0", BLOCK, 8, torch.float16, "block", False, 2 + BLOCK),
     "q4_0": QuantFormat("q4_0", BLOCK, 4, torch.float16, "block", False, 2 + BLOCK // 2),
+    "q5_0": QuantFormat("q5_0", BLOCK, 5, torch.float16, "block", False, 2 + 4 + BLOCK // 2),
     "q4_k": QuantFormat("q4_k", kquants.QK_K, 4, torch.float16, "block", True, 144),
     "q6_k": QuantFormat("q6_k", kquants.QK_K, 6, torch.float16, "block", False, 210),
     "int8": QuantFormat("int8", BLOCK, 8, torch.float32, "row", False, BLOCK),
@@ -143,7 +147,7 @@ def quantize(w: torch.Tensor, fmt: str | QuantFormat) -> PackedWeight:
 
     Args:
         w: the weight, any floating dtype (quantized from its f32 values).
-        fmt: ``"q8_0"``, ``"q4_0"``, ``"q4_k"``, ``"q6_k"``, ``"int8"`` or a :class:`QuantFormat`.
+        fmt: ``"q8_0"``, ``"q4_0"``, ``"q5_0"``, ``"q4_k"``, ``"q6_k"``, ``"int8"`` or a :class:`QuantFormat`.
 
     Returns:
         The packed weight (its tensors on ``w``'s device, CPU for the kernels).
@@ -166,11 +170,16 @@ def quantize(w: torch.Tensor, fmt: str | QuantFormat) -> PackedWeight:
     if fmt.name == "q8_0":
         d = b.abs().amax(-1, keepdim=True) / 127
         qs = roundf(b * _inverse(d)).to(torch.int8).view(torch.uint8)
-    else:
-        top = b.gather(-1, b.abs().argmax(-1, keepdim=True))  # the first element of largest magnitude
-        d = top / -8
-        q = torch.trunc(b * _inverse(d) + 8.5).clamp(0, 15).to(torch.uint8)
-        qs = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
+    else:  # q4_0 / q5_0: d = (the first element of largest magnitude) / -2^(bits - 1)
+        half = 1 << (fmt.bits - 1)
+        d = b.gather(-1, b.abs().argmax(-1, keepdim=True)) / -half
+        q = torch.trunc(b * _inverse(d) + (half + 0.5)).clamp(0, 2 * half - 1).to(torch.uint8)
+        qs = (q[..., : BLOCK // 2] & 15) | ((q[..., BLOCK // 2 :] & 15) << 4)
+        if fmt.name == "q5_0":  # bit 4 of element j as bit j of a little-endian u32
+            bit = (q.to(torch.int64) >> 4) << torch.arange(BLOCK)
+            qh = bit.sum(-1, keepdim=True)  # (distinct bits: the sum is the or)
+            qh = ((qh >> torch.tensor([0, 8, 16, 24])) & 255).to(torch.uint8)
+            qs = torch.cat([qh, qs], -1)
     blocks = torch.cat([d.to(torch.float16).view(torch.uint8), qs], -1)
     return PackedWeight(blocks.reshape(n, fmt.row_bytes(k)).contiguous(), fmt, (n, k))
 
@@ -197,6 +206,10 @@ def dequantize(packed: PackedWeight, rows: slice | None = None) -> torch.Tensor:
     qs = b[..., 2:]
     if fmt.name == "q8_0":
         q = qs.contiguous().view(torch.int8).float()
+    elif fmt.name == "q5_0":
+        qh = (qs[..., :4].to(torch.int64) << torch.tensor([0, 8, 16, 24])).sum(-1, keepdim=True)
+        high = ((qh >> torch.arange(BLOCK)) & 1) << 4
+        q = (torch.cat([qs[..., 4:] & 15, qs[..., 4:] >> 4], -1).to(torch.int64) | high).float() - 16
     else:
         q = torch.cat([qs & 15, qs >> 4], -1).float() - 8
     return (q * d).reshape(m, k)

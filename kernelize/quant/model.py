@@ -33,7 +33,7 @@ def quantize_for_kernelize(model: nn.Module, fmt: str) -> QuantizeSummary:
 
     Args:
         model: the model, its linear layers on the CPU.
-        fmt: ``"q8_0"``, ``"q4_0"``, ``"q4_k"``, ``"q6_k"`` or ``"int8"``.
+        fmt: ``"q8_0"``, ``"q4_0"``, ``"q5_0"``, ``"q4_k"``, ``"q6_k"`` or ``"int8"``.
 
     Returns:
         What :func:`~kernelize.quant.module.quantize_model` did; each layer left float is logged with why.

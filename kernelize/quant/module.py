@@ -163,7 +163,7 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()
 
     Args:
         model: the model (its linear layers on the CPU).
-        fmt: ``"q8_0"``, ``"q4_0"``, ``"q4_k"``, ``"q6_k"`` or ``"int8"``.
+        fmt: ``"q8_0"``, ``"q4_0"``, ``"q5_0"``, ``"q4_k"``, ``"q6_k"`` or ``"int8"``.
         skip: qualified names (or their last component, e.g. ``"lm_head"``) of layers to leave as they are.
 
     Returns:

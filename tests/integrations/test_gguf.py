@@ -126,7 +126,7 @@ def _qwen(kind: str) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.mark.parametrize("kind,fmt", [("qwen2", "q8_0"), ("qwen3", "q4_k")])
+@pytest.mark.parametrize("kind,fmt", [("qwen2", "q8_0"), ("qwen2", "q5_0"), ("qwen3", "q4_k")])
 def test_other_architectures(tmp_path: Path, kind: str, fmt: str) -> None:
     """Qwen2 and Qwen3 files: q/k rows as stored (no rotary permutation), Qwen2's biases and Qwen3's q/k norms
     as F32 tensors; transformers' own GGUF reader finds the weights load() installs; the loaded model gives

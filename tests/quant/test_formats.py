@@ -12,6 +12,7 @@ from kernelize.quant.formats import FORMATS, dequantize, quantize, roundf
 
 gguf = pytest.importorskip("gguf")
 GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+GGUF["q5_0"] = gguf.GGMLQuantizationType.Q5_0
 KQUANTS = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
 
 
@@ -29,7 +30,7 @@ def _awkward_weight(n: int, k: int) -> torch.Tensor:
     return w
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q5_0"])
 @pytest.mark.parametrize("shape", [(1, 32), (7, 96), (33, 4096)])
 def test_bytes_and_values_match_gguf(fmt: str, shape: tuple[int, int]) -> None:
     w = _awkward_weight(*shape)
@@ -144,7 +145,7 @@ def test_errors_name_shape_and_remedy(shape: tuple[int, ...]) -> None:
 
 
 def test_kquant_k_error_names_the_formats_that_fit() -> None:
-    fits = r"shape \(4, 96\).*q4_k's block of 256.*take K = 96: int8, q4_0, q8_0"
+    fits = r"shape \(4, 96\).*q4_k's block of 256.*take K = 96: int8, q4_0, q5_0, q8_0"
     with pytest.raises(ValueError, match=fits):
         quantize(torch.randn(4, 96), "q4_k")
     with pytest.raises(ValueError, match="unknown quantized format 'q5_k'"):

@@ -116,7 +116,7 @@ def test_one_template_per_format() -> None:
 
 def test_portable_fallback_agrees() -> None:
     """The scalar code under `#else` (no AVX2), built here by defining KZ_QUANT_PORTABLE."""
-    for fmt in ("q4_0", "int8", "q4_k", "q6_k"):
+    for fmt in ("q4_0", "q5_0", "int8", "q4_k", "q6_k"):
         w, x = torch.randn(9, _k(fmt, 512)), torch.randn(3, _k(fmt, 512))
         fn = _built(fmt, "KZ_QUANT_PORTABLE")
         p = quantize(w, fmt)

@@ -91,6 +91,37 @@ struct kz_q4_0 {
     }
 #endif
 };
+// q5_0 (block_q5_0, 22 bytes): f16 d, 4 bytes qh (bit j: bit 4 of element j), 16 bytes of nibbles as q4_0's;
+// value d (q - 16)
+struct kz_q5_0 {
+    static constexpr int QK = KZ_QK, SG = KZ_QK, OFFSET = 16;
+    static constexpr bool UNSIGNED = true, MIN = false;
+    static constexpr int64_t BYTES = 2 + 4 + KZ_QK / 2;
+    KZ_INLINE void scales(const uint8_t* b, float* sc, float*) { sc[0] = kz_h2f(b); }
+    KZ_INLINE void values(const uint8_t* b, int8_t* q) {
+        uint32_t qh;
+        memcpy(&qh, b + 2, 4);
+        for (int i = 0; i < KZ_QK / 2; ++i) {
+            q[i] = (int8_t)(((b[6 + i] & 15) | ((qh >> i) & 1) << 4) - 16);
+            q[i + KZ_QK / 2] = (int8_t)(((b[6 + i] >> 4) | ((qh >> (i + 16)) & 1) << 4) - 16);
+        }
+    }
+#if KZ_QAVX2
+    KZ_INLINE __m256i load(const uint8_t* b, int) {  // unsigned: OFFSET is subtracted in the dot
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(b + 6));
+        const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
+        uint32_t qh;
+        memcpy(&qh, b + 2, 4);
+        // byte j all ones where bit j of qh is set (llama.cpp's bytes_from_bits_32): byte j takes byte j / 8
+        // of qh, then or-ing every bit but bit j % 8 leaves all ones only where that bit is set
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                              _mm256_set1_epi64x(-1));
+        return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+#endif
+};
 // q4_k (block_q4_K, 144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales / mins per 32, 128 bytes of
 // nibbles (byte 32 c + l: element 64 c + l low, 64 c + 32 + l high); value d sc_j q - dmin m_j
 struct kz_q4_k {
