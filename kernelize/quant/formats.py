@@ -20,7 +20,8 @@ The GGUF formats' bytes are laid out ``[N, K / block_size * bytes_per_block]``: 
 contiguous, which is a GGUF tensor's layout too. Quantization is llama.cpp's reference rounding
 (``quantize_row_q8_0_ref``, ``quantize_row_q4_0_ref``, ``quantize_row_q5_0_ref``) and agrees with the
 ``gguf`` package byte for byte; the k-quants port ``quantize_row_q4_K_ref`` / ``quantize_row_q6_K_ref``
-(the ``gguf`` package only dequantizes those), and every format dequantizes bit for bit as the ``gguf`` package does.
+(the ``gguf`` package only dequantizes those), and every format dequantizes bit for bit as the ``gguf``
+package does.
 
 Example:
     >>> import torch
