@@ -91,6 +91,17 @@ struct kz_q4_0 {
     }
 #endif
 };
+#if KZ_QAVX2
+// 16 in byte j where bit j of `bits` is set, else 0 (llama.cpp's bytes_from_bits_32: byte j takes byte j / 8
+// of the word, then or-ing every bit but bit j % 8 leaves all ones only where that bit is set)
+KZ_INLINE __m256i kz_bit4(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                          _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+#endif
 // q5_0 (block_q5_0, 22 bytes): f16 d, 4 bytes qh (bit j: bit 4 of element j), 16 bytes of nibbles as q4_0's;
 // value d (q - 16)
 struct kz_q5_0 {
@@ -112,13 +123,7 @@ struct kz_q5_0 {
         const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
         uint32_t qh;
         memcpy(&qh, b + 2, 4);
-        // byte j all ones where bit j of qh is set (llama.cpp's bytes_from_bits_32): byte j takes byte j / 8
-        // of qh, then or-ing every bit but bit j % 8 leaves all ones only where that bit is set
-        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
-            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                              _mm256_set1_epi64x(-1));
-        return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        return _mm256_or_si256(lo, kz_bit4(qh));
     }
 #endif
 };
@@ -434,11 +439,14 @@ KZ_INLINE __m256 kz_scales8(const uint8_t* const* w, int64_t off) {
     return _mm256_cvtph_ps(h);
 }
 #define KZ_PAIR_SCALE(S, p) _mm256_shuffle_ps(S, S, (p) * 0x55)
-// q4_0: pair p's vector holds row 2p's 16 bytes in the low half, row 2p+1's in the high half
-KZ_INLINE void kz_row8_block(kz_q4_0, const uint8_t* const* w, int64_t off, const int8_t* xb, __m256 S, __m256* acc) {
+// q4_0 / q5_0: pair p's vector holds row 2p's 16 bytes of nibbles in the low half, row 2p+1's in the high
+// half; q5_0 ors in bit 4 from the two rows' qh words (their low halves for elements 0..15, high for 16..31)
+template <class F>
+KZ_INLINE void kz_row8_nibbles(const uint8_t* const* w, int64_t off, const int8_t* xb, __m256 S, __m256* acc) {
+    constexpr int64_t QS = F::BYTES - KZ_QK / 2;  // where the nibbles start
     const __m256i xl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xb));
     const __m256i xh = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xb + 16)));
-    const __m256i eight = _mm256_set1_epi8(8), m4 = _mm256_set1_epi8(15);
+    const __m256i eight = _mm256_set1_epi8(F::OFFSET), m4 = _mm256_set1_epi8(15);  // (the offset: 8 or 16)
 #if KZ_QVNNI  // -8 * (the sum of each four x): what the offset takes off, where every pair's sums start
     // (the dot products accumulate onto it: two vpdpbusd a pair, no add or subtract; q4_0 decode read 3-12%
     // more GB/s at 2 threads, 6% at 1, in an interleaved A/B on the 300 M layout's shapes, same sums)
@@ -448,8 +456,15 @@ KZ_INLINE void kz_row8_block(kz_q4_0, const uint8_t* const* w, int64_t off, cons
 #endif
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
-        const __m256i v = _mm256_loadu2_m128i((const __m128i*)(w[2 * p + 1] + off + 2), (const __m128i*)(w[2 * p] + off + 2));
-        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        const __m256i v = _mm256_loadu2_m128i((const __m128i*)(w[2 * p + 1] + off + QS), (const __m128i*)(w[2 * p] + off + QS));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if constexpr (F::OFFSET == 16) {  // q5_0 (its sums stay within i16: 2 * 2 * 31 * 127)
+            uint32_t a, b;
+            memcpy(&a, w[2 * p] + off + 2, 4);
+            memcpy(&b, w[2 * p + 1] + off + 2, 4);
+            lo = _mm256_or_si256(lo, kz_bit4((a & 0xffffu) | (b << 16)));
+            hi = _mm256_or_si256(hi, kz_bit4((a >> 16) | (b & 0xffff0000u)));
+        }
 #if KZ_QVNNI
         const __m256 d = _mm256_cvtepi32_ps(kz_dot4_acc(kz_dot4_acc(nxo, lo, xl), hi, xh));
 #else
@@ -458,6 +473,12 @@ KZ_INLINE void kz_row8_block(kz_q4_0, const uint8_t* const* w, int64_t off, cons
 #endif
         acc[p] = _mm256_fmadd_ps(d, KZ_PAIR_SCALE(S, p), acc[p]);
     }
+}
+KZ_INLINE void kz_row8_block(kz_q4_0, const uint8_t* const* w, int64_t off, const int8_t* xb, __m256 S, __m256* acc) {
+    kz_row8_nibbles<kz_q4_0>(w, off, xb, S, acc);
+}
+KZ_INLINE void kz_row8_block(kz_q5_0, const uint8_t* const* w, int64_t off, const int8_t* xb, __m256 S, __m256* acc) {
+    kz_row8_nibbles<kz_q5_0>(w, off, xb, S, acc);
 }
 // q8_0: a row's block fills a vector; the pairs share the scale shuffle and (added as i32) the convert + fma
 KZ_INLINE void kz_row8_block(kz_q8_0, const uint8_t* const* w, int64_t off, const int8_t* xb, __m256 S, __m256* acc) {
@@ -476,6 +497,7 @@ KZ_INLINE void kz_row8_block(kz_q8_0, const uint8_t* const* w, int64_t off, cons
 }
 template <class F> struct kz_has_row8 { static constexpr bool value = false; };
 template <> struct kz_has_row8<kz_q4_0> { static constexpr bool value = true; };
+template <> struct kz_has_row8<kz_q5_0> { static constexpr bool value = true; };
 template <> struct kz_has_row8<kz_q8_0> { static constexpr bool value = true; };
 // out[j] = row j of the 8 rows from w (rb bytes apart) . x; pf: the next 8 rows' bytes (or null)
 template <class F>
