@@ -24,6 +24,15 @@ tokens, llama.cpp's evaluation of the same tokens) in a round robin of its own. 
 is recorded before and after.
 
     .venv/bin/python benchmarks/quantized.py --parts kernelize
+
+Part 4 (``qwen``, its own JSON ``benchmarks/results/quantized_qwen.json``): a random-weight Qwen2.5-0.5B
+layout (``Qwen2ForCausalLM``: hidden 896, 24 layers, 14 heads, 2 key/value heads, intermediate 4864, q/k/v
+biases, vocab 151936, tied embeddings) in bf16, its projections packed as llama.cpp's ``Q4_K_M`` packs them
+(``q5_0`` where K = 896 is not a multiple of 256, ``q4_k`` for down_proj, a ``q8_0`` head), saved with
+``gguf.save`` and loaded back with ``gguf.load`` + ``kernelize_model``: decode and prompt tok/s against
+llama.cpp on the same file in one round robin, and the logits' cosine. A case the kernels were not tuned on.
+
+    .venv/bin/python benchmarks/quantized.py --parts qwen
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode import interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-FORMATS = ("q8_0", "q4_0", "q4_k", "q6_k", "int8")
+FORMATS = ("q8_0", "q4_0", "q5_0", "q4_k", "q6_k", "int8")
 
 
 def bench_matmul(repeat: int, n: int = 11008, k: int = 4096) -> dict:
@@ -326,11 +335,61 @@ def bench_kernelize(threads: int, repeat: int = 5, new: int = 32) -> dict:
     return out
 
 
+QWEN_CONFIG = dict(
+    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
+    rope_theta=1e6,
+)  # fmt: skip
+
+
+def bench_qwen(threads: int, repeat: int = 5, new: int = 32) -> dict:
+    """Part 4 (module docstring): the Qwen2.5-0.5B layout as a Q4_K_M-style GGUF file, against llama.cpp."""
+    import transformers
+
+    from kernelize.integrations import gguf
+    from kernelize.integrations.transformers import kernelize_model
+    from kernelize.quant.module import QuantizedLinear
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN_CONFIG)).eval().to(torch.bfloat16)
+    formats = {}
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, torch.nn.Linear):
+            fmt = "q8_0" if name == "lm_head" else "q4_k" if mod.in_features % 256 == 0 else "q5_0"
+            parent, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, leaf, QuantizedLinear.from_linear(mod, fmt))
+            formats[fmt] = formats.get(fmt, 0) + 1
+    out: dict = {"config": QWEN_CONFIG, "formats": formats, "new": new, "threads": threads}
+    prompt = torch.arange(3, 11).view(1, -1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "qwen2.5-0.5b-layout.gguf")
+        gguf.save(model, path)
+        out["file_MB"] = os.path.getsize(path) / 1e6
+        del model
+        ours = kernelize_model(gguf.load(path, dtype=torch.bfloat16))
+        with torch.no_grad():
+            logits = ours(prompt).logits[0, -1].float()
+        out["llama_cpp"], run = _llama_cpp(path, threads, prompt[0].tolist(), logits)
+        if run is None:
+            return out
+        out["load_avg_before"] = os.getloadavg()
+        tok_s = _decode_tok_s({"kernelize": ours}, new, repeat, {"llama_cpp": run})
+        prompt_tok_s = _prompt_tok_s({"kernelize": ours}, repeat, {"llama_cpp": run.prompt})
+        out["load_avg_after"] = os.getloadavg()
+    for name in ("kernelize", "llama_cpp"):
+        out[name] = {**out.get(name, {}), "tok_s": tok_s[name], "prompt_tok_s": prompt_tok_s[name]}
+    out["decode_vs_llama_cpp"] = tok_s["kernelize"] / tok_s["llama_cpp"]
+    out["prompt_vs_llama_cpp"] = prompt_tok_s["kernelize"] / prompt_tok_s["llama_cpp"]
+    print(f"qwen2.5-0.5b layout: {json.dumps(out, default=str)}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=21)
-    ap.add_argument("--parts", default="matmul,model", help="any of matmul, model, kernelize")
+    ap.add_argument("--parts", default="matmul,model", help="any of matmul, model, kernelize, qwen")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     result: dict = {
@@ -339,6 +398,13 @@ def main() -> None:
         "load_avg_before": Path("/proc/loadavg").read_text().split()[:3],
     }
     parts = args.parts.split(",")
+    if "qwen" in parts:  # its own file too
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        qwen = {**result, "qwen": bench_qwen(args.threads)}
+        (RESULTS / "quantized_qwen.json").write_text(json.dumps(qwen, indent=1))
+        parts.remove("qwen")
+        if not parts:
+            return
     if "kernelize" in parts:  # its own file: the matmul / model parts' JSON stays as it was measured
         result["kernelize"] = bench_kernelize(args.threads)
         RESULTS.mkdir(parents=True, exist_ok=True)

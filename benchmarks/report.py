@@ -200,6 +200,24 @@ def quantized_table(r: dict) -> str:
     return caption + ":\n\n" + md(head, rows)
 
 
+def quantized_qwen_table(r: dict) -> str:
+    """A Qwen2.5-0.5B layout as a Q4_K_M-style GGUF file (benchmarks/quantized.py --parts qwen): ours against
+    llama.cpp on the same file."""
+    q = r["qwen"]
+    rows = []
+    for name, label in (("kernelize", "gguf.load + kernelize_model"), ("llama_cpp", "llama.cpp")):
+        if "tok_s" in q.get(name, {}):
+            rows.append([label, f"{q[name]['tok_s']:.1f}", f"{q[name]['prompt_tok_s']:.0f}"])
+    if "decode_vs_llama_cpp" in q:
+        ratios = (f"**{q['decode_vs_llama_cpp']:.2f}x**", f"**{q['prompt_vs_llama_cpp']:.2f}x**")
+        rows.append(["ours / llama.cpp", *ratios])
+    formats = ", ".join(f"{n} {f}" for f, n in q["formats"].items())
+    cosine = q.get("llama_cpp", {}).get("logits_cosine")
+    caption = f"{q['threads']} threads, {q['file_MB']:.0f} MB file ({formats} tensors)"
+    caption += f", logits cosine vs llama.cpp {cosine:.4f}" if cosine is not None else ""
+    return caption + ":\n\n" + md(["", "decode tok/s", "prompt-512 tok/s"], rows)
+
+
 def quantized_gpu_table(r: dict) -> str:
     """Packed-weight linears on a GPU (benchmarks/quantized_gpu.py): us per call, weight bytes read per
     second, and torch bf16's time over each (same rows)."""
@@ -280,6 +298,9 @@ TABLES: dict[str, Table] = {
     "moe.json:models": Table("moe.json", _cmd("moe.py"), _bench_table("moe", "table", "records")),
     "quantized_kernelize.json:kernelize": Table(
         "quantized_kernelize.json", _cmd("quantized.py", "--parts kernelize"), quantized_table, "kernelize"
+    ),
+    "quantized_qwen.json:qwen": Table(
+        "quantized_qwen.json", _cmd("quantized.py", "--parts qwen"), quantized_qwen_table, "qwen"
     ),
     "quantized_gpu.json:rows": Table("quantized_gpu.json", _cmd("quantized_gpu.py"), quantized_gpu_table),
     "threads.json:scaling": Table(
