@@ -298,6 +298,16 @@ KZ_INLINE __m256i kz_qprod(__m256i wa, __m256i wv, __m256i xv, __m256i xo) {
 #endif
     else return kz_dot4(wv, xv);
 }
+// block b of the next column block's NB rows (pf, null past a thread's range), prefetched while this one's
+// are read
+template <int NB> KZ_INLINE void kz_prefetch_next(const char* pf, int64_t b) {
+    if (pf)
+        for (int64_t o = 0; o < NB * kz_fmt::BYTES; o += 64) __builtin_prefetch(pf + b * NB * kz_fmt::BYTES + o, 0, 2);
+}
+template <int MB, int NB> KZ_INLINE void kz_zero(__m256 (&acc)[MB][NB]) {
+    for (int m = 0; m < MB; ++m)
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+}
 // blocks of 32 (q8_0, q4_0, int8): each block's i32 sums convert to f32 and meet the two scales in an fma
 template <int MB, int NB>
 KZ_INLINE void kz_qdot32(const uint8_t* const* w, int64_t nb, const int8_t* xq, const float* xd, int64_t k,
@@ -305,11 +315,9 @@ KZ_INLINE void kz_qdot32(const uint8_t* const* w, int64_t nb, const int8_t* xq, 
     kz_fmt f;
     const int64_t nx = k / KZ_QK;  // x's blocks per row
     __m256 acc[MB][NB];
-    for (int m = 0; m < MB; ++m)
-        for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+    kz_zero(acc);
     for (int64_t b = 0; b < nb; ++b) {
-        if (pf)  // the next column block's bytes, as fast as this one's are read
-            for (int64_t o = 0; o < NB * kz_fmt::BYTES; o += 64) __builtin_prefetch(pf + b * NB * kz_fmt::BYTES + o, 0, 2);
+        kz_prefetch_next<NB>(pf, b);
         float ws[NB][1], wm[NB][1];
         __m256i wv[NB], wa[NB];
         for (int j = 0; j < NB; ++j) {
@@ -343,7 +351,7 @@ KZ_INLINE __m256i kz_sub_scales(__m256i v, int s) {
         const __m256i lo = _mm256_permute2x128_si256(v, v, 0x00);
         return _mm256_shuffle_epi8(lo, _mm256_set1_epi16((short)(0x0100 + 0x0202 * s)));
     } else {  // scale 2 s in the low half, 2 s + 1 in the high half (both in v's half s / 4)
-        const __m256i h = _mm256_permute2x128_si256(v, v, s < 4 ? 0x00 : 0x11);
+        const __m256i h = s < 4 ? _mm256_permute2x128_si256(v, v, 0x00) : _mm256_permute2x128_si256(v, v, 0x11);
         const short a = (short)(0x0100 + 0x0202 * (2 * s % 8)), c = (short)(0x0100 + 0x0202 * ((2 * s + 1) % 8));
         return _mm256_shuffle_epi8(h, _mm256_set_m128i(_mm_set1_epi16(c), _mm_set1_epi16(a)));
     }
@@ -354,11 +362,9 @@ KZ_INLINE void kz_qdot_k(const uint8_t* const* w, int64_t nb, const int8_t* xq, 
     F f;
     const int64_t ns = k / KZ_QK;  // x's sums per row
     __m256 acc[MB][NB];
-    for (int m = 0; m < MB; ++m)
-        for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+    kz_zero(acc);
     for (int64_t b = 0; b < nb; ++b) {
-        if (pf)
-            for (int64_t o = 0; o < NB * kz_fmt::BYTES; o += 64) __builtin_prefetch(pf + b * NB * kz_fmt::BYTES + o, 0, 2);
+        kz_prefetch_next<NB>(pf, b);
         __m256i sc[NB];
         float d[NB], dmin[NB];
         for (int j = 0; j < NB; ++j) sc[j] = f.iscales(w[j] + b * kz_fmt::BYTES, d[j], dmin[j]);
@@ -506,8 +512,7 @@ static void kz_row8(const uint8_t* w, int64_t rb, int64_t nb, const int8_t* xq, 
     for (int j = 0; j < 8; ++j) wr[j] = w + j * rb;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; ++b) {
-        if (pf)
-            for (int64_t o = 0; o < 8 * kz_fmt::BYTES; o += 64) __builtin_prefetch(pf + b * 8 * kz_fmt::BYTES + o, 0, 2);
+        kz_prefetch_next<8>(pf, b);
         const __m256 S = _mm256_mul_ps(kz_scales8(wr, b * kz_fmt::BYTES), _mm256_set1_ps(xd[b]));
         kz_row8_block(F(), wr, b * kz_fmt::BYTES, xq + b * KZ_QK, S, acc);
     }
