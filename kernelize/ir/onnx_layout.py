@@ -390,12 +390,12 @@ def _scatter_rows(
     ``flat`` (one per row of ``upd``, viewed ``[len(flat), *shape[k:]]``) replaced by those rows: a gather
     of the updates where a row is written and the data elsewhere (``where``), so the graph keeps one SSA
     value per tensor. Two updates of one row: the later one wins (ONNX leaves it undefined)."""
-    g = ctx.g
-    rows, rest = int(np.prod(shape[:k], dtype=np.int64)), shape[k:]
-    source = torch.full((rows,), -1, dtype=torch.int64)
-    source[flat] = torch.arange(len(flat))  # (sequential in index order for a 1-D index: the later wins)
     if len(flat) == 0:
         return data
+    g = ctx.g
+    rows, rest = int(np.prod(shape[:k], dtype=np.int64)), shape[k:]
+    source = torch.full((rows,), -1, dtype=torch.int64)  # the update each row takes (the latest), or -1
+    source.scatter_reduce_(0, flat, torch.arange(len(flat)), reduce="amax")
     hit = g.const((source >= 0).reshape(rows, *(1,) * len(rest)))
     picked = g.gather(g.view(upd, (len(flat), *rest)), g.const(source.clamp(min=0)), 0)
     return g.view(g.where(hit, picked, g.view(data, (rows, *rest))), shape)

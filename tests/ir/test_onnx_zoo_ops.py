@@ -240,6 +240,7 @@ SCATTERS = [
     ("ScatterND", (4, 5, 3), np.array([[1], [-1]]), (2, 5, 3), {}),  # whole rows, a negative index
     ("ScatterND", (4, 5, 3), np.array([[[0, 2], [3, 4]], [[1, 1], [2, 0]]]), (2, 2, 3), {}),  # rows of axis 2
     ("ScatterND", (4, 5), np.array([[0, 0], [3, 4], [2, -1]]), (3,), {}),  # single elements
+    ("ScatterND", (4, 5), np.array([[2], [0], [2]]), (3, 5), {}),  # a row written twice: the later wins
     ("ScatterElements", (3, 4), np.array([[1, 0, 2, 1], [0, 2, 1, 0]]), (2, 4), {"axis": 0}),
     ("ScatterElements", (3, 4), np.array([[3, -4], [1, 2], [0, 3]]), (3, 2), {"axis": 1}),
 ]

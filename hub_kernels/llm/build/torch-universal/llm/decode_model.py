@@ -311,6 +311,7 @@ class _Chain:
         self.static_rotary = isinstance(rope, str) and "dynamic" not in rope and rope != "longrope"
         self._rotary = None  # (first position, cos rows, sin rows)
         self.batched_rotary = None  # one call over a batch of positions gives their tables (None: not tried)
+        self._batched_for = None  # the rotary module that verdict is about
         self.call_embed = self.call_rotary = False  # (set by `watch`)
         self._watched = None
 
@@ -331,6 +332,8 @@ class _Chain:
         bit the first time (checked once per chain: `batched_rotary`), else one call per position (~60 us
         each on a 300 M Llama: ~0.06 ms of every decode token)."""
         n = self.ROTARY_ROWS
+        if self._batched_for is not rotary:  # a verdict holds for the module it was found with
+            self.batched_rotary, self._batched_for = None, rotary
         if self.batched_rotary is not False:
             x = torch.empty((n, *self.shape[1:]), dtype=self.dtype)
             c, s = map(self.tables, rotary(x, position_ids=torch.arange(position, position + n).view(n, 1)))
