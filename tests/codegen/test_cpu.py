@@ -1101,19 +1101,21 @@ def test_a_run_wakes_a_sleeping_worker_before_its_first_region():
 
     pool = cpu_build.workers()
 
-    def until(done) -> bool:  # polled without sleeping: the woken worker spins for only 0.2 ms
+    def until(done, pause: float = 0.0) -> bool:
         deadline = time.monotonic() + 10
         while not done() and time.monotonic() < deadline:
-            pass
+            time.sleep(pause)
         return done()
 
+    # waiting for the workers to fall asleep, the test sleeps between polls: a busy poll holds one of two
+    # cores, and a worker then waits for the other, which a background build may hold (failed once so)
     pool.kz_workers_wake(2)  # starts the worker where none runs yet
     started = pool.kz_workers_started()  # (earlier tests may have started more, for larger teams)
     assert started >= 1
-    assert until(lambda: pool.kz_workers_sleeping() == started)  # all asleep once their spin is over
-    pool.kz_workers_wake(2)
+    assert until(lambda: pool.kz_workers_sleeping() == started, 1e-3)  # all asleep once their spin is over
+    pool.kz_workers_wake(2)  # polled without sleeping: the woken worker spins for only 0.2 ms
     assert until(lambda: pool.kz_workers_sleeping() < started)  # the team's worker spins for a region
-    assert until(lambda: pool.kz_workers_sleeping() == started)
+    assert until(lambda: pool.kz_workers_sleeping() == started, 1e-3)
     # (no check that a team of one wakes nobody: a woken worker is asleep again 0.2 ms later, so a later count
     # cannot see it, and one that a busy machine schedules late still counts as asleep until it runs)
 
