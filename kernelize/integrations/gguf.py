@@ -5,7 +5,7 @@ weights.
   llama.cpp loads: architecture ``llama`` / ``qwen2`` / ``qwen3`` (:data:`ARCHITECTURES`), its
   hyper-parameters, llama.cpp's tensor names, q/k rows permuted where llama.cpp's convert script permutes
   them for its rotary layout (Llama's), Qwen2's q/k/v biases and Qwen3's q/k norms as F32, projections and
-  the LM head as ``Q8_0`` / ``Q4_0`` / ``Q4_K`` / ``Q6_K`` blocks (a
+  the LM head as ``Q8_0`` / ``Q4_0`` / ``Q5_0`` / ``Q4_K`` / ``Q6_K`` blocks (a
   :class:`~kernelize.quant.module.QuantizedLinear` is written as its bytes are, a float layer is quantized
   first), norms as F32, the token embedding in its float type, and a placeholder vocabulary.
 * :func:`load` builds the model back from a file: the config from the metadata, the model on the meta
@@ -30,7 +30,7 @@ import logging
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,7 +55,7 @@ class Architecture:
     config: str
     permuted: bool
     biases: tuple[str, ...] = ()
-    norms: tuple[tuple[str, str], ...] = field(default=())
+    norms: tuple[tuple[str, str], ...] = ()
 
 
 # transformers class -> its GGUF architecture (as llama.cpp's convert_hf_to_gguf writes and reads them)
@@ -70,7 +70,7 @@ ARCHITECTURES = {
             "Qwen3Config",
             False,
             norms=(("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm")),
-        ),  # fmt: skip
+        ),
     )
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -176,7 +176,7 @@ def _rope_theta(config: Any) -> float:
 
 def _packed_of(module: nn.Module, fmt: str, name: str, bias: bool = False) -> PackedWeight:
     """The packed weight GGUF stores for ``module`` (``bias``: the architecture has a bias tensor for it)."""
-    if module.bias is not None and not bias:
+    if getattr(module, "bias", None) is not None and not bias:
         raise ValueError(f"gguf.save: {name} has a bias, which llama.cpp's layout has no tensor for")
     if isinstance(module, QuantizedLinear):
         if module.format not in PACKED_TYPES:
@@ -484,7 +484,7 @@ def _architecture(path: str, meta: dict[str, Any]) -> Architecture:
 def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: Architecture) -> Any:
     import transformers
 
-    prefix = arch.gguf  # the metadata keys'
+    prefix = arch.gguf  # the metadata keys' prefix
     kwargs: dict[str, Any] = {}
     for key, attr in CONFIG_KEYS.items():
         value = meta.get(f"{prefix}.{key}")
