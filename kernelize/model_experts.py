@@ -179,10 +179,10 @@ def experts_forward(
         plan = _PLANS[module] = (reason, None if reason else _kernel_keywords(module))
     reason, keywords = plan
     fallback = _FALLBACK.get(module, "grouped_mm")
-    if reason is None and _library_wins(hidden_states, top_k_index, fallback):
-        return fallback_forward(module, fallback)(module, hidden_states, top_k_index, top_k_weights)
     if reason is None:
         up, down, biases = _operands(module, keywords["gated"])
+        if _library_wins(hidden_states, top_k_index, fallback, down):
+            return fallback_forward(module, fallback)(module, hidden_states, top_k_index, top_k_weights)
         if torch.is_grad_enabled() and (hidden_states.requires_grad or up.requires_grad):
             reason = "the call needs gradients; the grouped-expert kernel has no backward"
     if reason is None:
@@ -206,11 +206,13 @@ def experts_c_call(
 
     plan = _PLANS.get(module)
     fallback = _FALLBACK.get(module, "grouped_mm")
-    if plan is None or plan[0] is not None or _library_wins(x, index, fallback):
+    if plan is None or plan[0] is not None:
         return None
     keywords = dict(plan[1])
     act, gated = keywords.pop("act", "silu"), keywords.pop("gated")
     up, down, biases = _operands(module, gated)
+    if _library_wins(x, index, fallback, down):
+        return None
     ops = (x, index, weights, up, down, *((biases["up_bias"], biases["down_bias"]) if biases else ()))
     try:
         launch, _ = experts_launcher_for(ops, act, gated, keywords)
@@ -220,10 +222,13 @@ def experts_c_call(
     return None if c_call is None else c_call(list(ops), [out])
 
 
-def _library_wins(hidden_states: torch.Tensor, top_k_index: torch.Tensor, fallback: str) -> bool:
+def _library_wins(
+    hidden_states: torch.Tensor, top_k_index: torch.Tensor, fallback: str, down: torch.Tensor
+) -> bool:
     """Whether a call runs the model's previous implementation by choice: on the CPU past a few tokens, in
-    f32 where torch's libraries run the GEMMs (AVX-512; where the generated tiles do, `_tiles`, the kernel's
-    transposed GEMM path wins: one Qwen3-MoE layer's experts at 512 tokens, AVX2, 73-85 against 92-134 ms),
+    f32 where `KERNELIZE_CPU_GEMM` names a library for the GEMMs (elsewhere the generated tiles run the
+    kernel's transposed GEMM path, `_tiles`, and it wins: one Qwen3-MoE layer's experts at 512 tokens, AVX2,
+    73-85 against 92-134 ms; AVX-512 Xeon 48 against 60),
     and in bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX). There the kernel's
     many-pair path (library GEMMs per expert, past `FEW_PAIRS` routed pairs) measured slower than, or level
     with, `grouped_mm` (Qwen3-MoE layout, one layer's experts, 2 threads, AVX-512 EPYC with AVX512-BF16:
@@ -237,15 +242,19 @@ def _library_wins(hidden_states: torch.Tensor, top_k_index: torch.Tensor, fallba
         return False
     if hidden_states.dtype == torch.float32:
         return not _tiles()
-    return hidden_states.dtype == torch.bfloat16 and _native_bf16()
+    from kernelize.codegen.cpu_experts import amx_products
+
+    amx = amx_products(hidden_states.dtype, hidden_states.shape[-1], down.shape[-1])
+    return hidden_states.dtype == torch.bfloat16 and _native_bf16() and not amx
 
 
 def _tiles() -> bool:
-    """The generated GEMM tiles run this CPU's f32 GEMMs (`cpu_gemv.cpu_gemm`): the kernel's many-pair path
-    then runs them transposed, over the weights as stored (`cpu_experts.call_path`)."""
+    """The generated GEMM tiles run the experts' f32 GEMMs (`cpu_gemv.tiles_take`: unless
+    `KERNELIZE_CPU_GEMM` names a library): the kernel's many-pair path then runs them transposed, over the
+    weights as stored (`cpu_experts.call_path`)."""
     from kernelize.codegen.cpu_gemv import tiles_take
 
-    return tiles_take(True, 0)
+    return tiles_take(True, 0, experts=True)
 
 
 def _native_bf16() -> bool:

@@ -9,11 +9,13 @@ Three paths, chosen per call by the number of routed (token, slot) pairs:
 * up to ``FEW_PAIRS`` pairs (decode, short prompts): the generated kernel alone. It reads each selected
   expert's weights once for all of that expert's rows, at the rate of the few-row matmul kernels
   (``cpu_gemv.h``), and touches no other expert's bytes;
-* more, where the generated GEMM tiles run this CPU's f32 GEMMs (:func:`call_path`; AVX2): the generated
-  kernel still, with the GEMM library's entry as an argument; from a GEMM panel of rows per expert on
-  average (:func:`~kernelize.codegen.cpu_conv.panel`, two for 16-bit weights, which it widens first) its
-  many-pair path (``kz_many``): each selected expert on one thread, its products transposed, its weight
-  rows the GEMM's left operand as stored, its tokens' rows packed into the column panels. Below that the
+* more, where the generated GEMM tiles run the experts' f32 GEMMs (:func:`call_path`; unless
+  ``KERNELIZE_CPU_GEMM`` names a library): the generated kernel still, with the GEMM library's entry as an
+  argument; from :data:`TILE_ROWS` rows per expert on average (twice that for 16-bit weights, which it
+  widens first) its many-pair path (``kz_many``): each selected expert on one thread, its products
+  transposed, its weight rows the GEMM's left operand as stored, its tokens' rows packed into the column
+  panels; with AMX (bf16 weights, sizes multiples of 32: :func:`amx_products`) every call past
+  ``FEW_PAIRS`` takes it, its products on the tile unit instead of the GEMM library. Below that the
   dot blocks (Qwen3-MoE layout, one layer's experts, 2 threads, Zen 3: 512 tokens f32 73-85 ms against
   92-134 for ``grouped_mm`` and 103-124 for the library path below; 128 tokens 25 against 47; 64 tokens,
   the dot blocks, 22 against 40);
@@ -79,6 +81,11 @@ INDEX_TYPES = {DType.I64: "int64_t", DType.I32: "int32_t", DType.I16: "int16_t",
 # Routed pairs up to which the generated kernel runs the call: its dot-product blocks read each weight
 # once per 16 rows, which is what decode needs; a GEMM's register tiles win once experts have many rows.
 FEW_PAIRS = 64
+# mean routed rows per expert from which the many-pair path takes the tiles, by GEMM panel width (twice
+# that for 16-bit weights): a panel with AVX2 (Zen 3: 128 tokens of top-4 over 32 experts, 25 against
+# 47 ms); a quarter panel with AVX-512 (Xeon, 2 threads: 64 tokens 18.9 against 20.2 ms for the dot blocks,
+# 128 tokens 21.6 against 29.6; bf16 128 tokens 24.9 against 27.2, 64 tokens 22.5 against 17.1)
+TILE_ROWS = {16: 16, 32: 8}
 PARALLEL_MIN = 1 << 16  # multiply-adds below which one thread beats waking the team
 ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
 ERRORS = {
@@ -193,17 +200,27 @@ def experts_launcher(fn, kernel: ExpertsKernel):
 def call_path(x: torch.Tensor, index: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> str:
     """Which path runs a call (see the module docstring): ``"dots"`` (the generated kernel's dot blocks),
     ``"tiles"`` (its many-pair path over the GEMM library) or ``"library"`` (:func:`gemm_experts`).
-    The tiles need the library chosen for f32 GEMMs (:func:`~kernelize.codegen.cpu_gemv.cpu_gemm`: not
-    where torch runs AVX-512, there oneDNN), sizes within its tiles, f32 weights whose rows are dense (the
-    GEMM reads them as stored), and on average a GEMM panel of rows per expert (two for 16-bit weights,
-    which it widens first)."""
+    The tiles need no library named for f32 GEMMs (:func:`~kernelize.codegen.cpu_gemv.tiles_take`), sizes
+    within its tiles, f32 weights whose rows are dense (the GEMM reads them as stored), and on average
+    :data:`TILE_ROWS` rows per expert (twice that for 16-bit weights, which it widens first)."""
     pairs, (e, _, h), i = index.numel(), up.shape, down.shape[2]
     if pairs <= FEW_PAIRS:
         return "dots"
+    if amx_products(x.dtype, h, i):
+        return "tiles"
     dense = x.dtype != torch.float32 or (up.stride()[1:] == (h, 1) and down.stride()[1:] == (i, 1))
-    if not (tiles_take(True, max(h, i)) and x.dtype != torch.float64 and dense):
+    if not (tiles_take(True, max(h, i), experts=True) and x.dtype != torch.float64 and dense):
         return "library"
-    return "tiles" if pairs >= e * panel() * (1 if x.dtype == torch.float32 else 2) else "dots"
+    rows = TILE_ROWS.get(panel(), panel()) * (1 if x.dtype == torch.float32 else 2)
+    return "tiles" if pairs >= e * rows else "dots"
+
+
+def amx_products(dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
+    """Whether the many-pair path's products run on AMX tiles (``KZ_AMX`` of ``templates/cpu_experts.cpp``):
+    bf16 operands, both sizes multiples of 32, the tile instructions built in (``-march=native`` on a Xeon
+    from Sapphire Rapids on)."""
+    amx = {"__AMX_TILE__", "__AMX_BF16__"} <= cpu_build.macros()
+    return amx and dtype == torch.bfloat16 and hidden % 32 == 0 and intermediate % 32 == 0
 
 
 def gemm_experts(

@@ -125,13 +125,13 @@ def test_cuda_emulated_matches_reference(case):
     _check(kernel, out, ins)
 
 
-# (tokens, strided views, the path an f32 call takes, a bf16 call's) over 5 experts, top-2, the generated
-# GEMM tiles chosen for f32 GEMMs (panels of 16 columns with AVX2, 32 with AVX-512)
+# (tokens, strided views, the path an f32 call takes, a bf16 call's) over 9 experts, top-2, the generated
+# GEMM tiles chosen for f32 GEMMs (TILE_ROWS: 16 rows per expert with AVX2, 8 with AVX-512)
 PATHS = [
     (1, False, "dots", "dots"),
     (7, True, "dots", "dots"),
-    (FEW_PAIRS // 2 + 1, False, "dots", "dots"),  # past FEW_PAIRS, under a panel of rows per expert
-    (170, False, "tiles", "tiles"),  # 340 pairs: past two panels of rows per expert
+    (FEW_PAIRS // 2 + 1, False, "dots", "dots"),  # past FEW_PAIRS, under TILE_ROWS rows per expert
+    (170, False, "tiles", "tiles"),  # 340 pairs: past twice TILE_ROWS rows per expert
     (170, True, "library", "tiles"),  # f32 rows the GEMM cannot read as stored; bf16 rows are widened
 ]
 
@@ -142,7 +142,7 @@ def test_cpu_backend_every_path_matches_reference(
     monkeypatch, t, views, f32_path, bf16_path, dtype, act, gated
 ):
     monkeypatch.setenv("KERNELIZE_CPU_GEMM", "generated")
-    kernel = _kernel(40, 72, 5, 2, dtype, act, gated)
+    kernel = _kernel(40, 72, 9, 2, dtype, act, gated)
     ins = _inputs(kernel, t, seed=t, views=views)
     assert cpu_experts.call_path(*ins[:2], *ins[3:5]) == (f32_path if dtype == DType.F32 else bf16_path)
     _check(kernel, grouped_experts(*ins, act=act, gated=gated), ins)
@@ -166,6 +166,56 @@ def test_cpu_transposed_gemm_path_is_bitwise_the_same_at_any_thread_count(monkey
         torch.set_num_threads(threads)
     _check(kernel, outs[0], ins)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_cpu_experts_take_the_tiles_unless_a_library_is_named(monkeypatch):
+    """The experts' transposed products run in the generated tiles wherever no library is named, also where
+    a graph's f32 GEMMs take oneDNN (AVX-512); ``KERNELIZE_CPU_GEMM`` naming a library sends them there."""
+    from kernelize.codegen import cpu_gemv
+
+    monkeypatch.delenv("KERNELIZE_CPU_GEMM", raising=False)
+    monkeypatch.setattr(cpu_gemv, "_avx512", lambda: True)
+    assert cpu_gemv.cpu_gemm() == "onednn" and not cpu_gemv.tiles_take(True, 64)
+    assert cpu_gemv.tiles_take(True, 64, experts=True) and not cpu_gemv.tiles_take(False, 64, experts=True)
+    for library in ("onednn", "torch"):
+        monkeypatch.setenv("KERNELIZE_CPU_GEMM", library)
+        assert not cpu_gemv.tiles_take(True, 64, experts=True)
+
+
+amx = pytest.mark.skipif(
+    not cpu_experts.amx_products(torch.bfloat16, 64, 96), reason="the CPU (or the compiler) has no AMX-BF16"
+)
+
+
+@amx
+@pytest.mark.parametrize("t", [FEW_PAIRS // 2 + 1, 170])
+@pytest.mark.parametrize("form", ["plain", "ungated", "oss"])
+def test_cpu_amx_tiles_match_reference(t, form):
+    """bf16 experts with sizes multiple of 32 run their many-pair products on AMX tiles (rows 32 at a time,
+    tokens padded to 32): gated or not, and gpt-oss's interleaved, biased, clamped form."""
+    g = Graph()
+    x, idx = g.input("x", ("tokens", 64), DType.BF16), g.input("index", ("tokens", 2), DType.I64)
+    w = g.input("weights", ("tokens", 2), DType.F32)
+    n = 96 if form == "ungated" else 192
+    up, down = g.input("up", (6, n, 64), DType.BF16), g.input("down", (6, 64, 96), DType.BF16)
+    keywords = {"oss": dict(OSS, act="silu"), "ungated": dict(act="gelu", gated=False)}
+    keywords = keywords.get(form, {"act": "silu"})
+    biases, extra = {}, {}
+    if form == "oss":
+        biases = dict(up_bias=g.input("ub", (6, n), DType.BF16), down_bias=g.input("db", (6, 64), DType.BF16))
+    g.output(g.experts(x, idx, w, up, down, **biases, **keywords))
+    (kernel,) = plan(g).kernels
+    ins = _inputs(kernel, t, seed=t)
+    assert cpu_experts.call_path(*ins[:2], *ins[3:5]) == "tiles"
+    if form == "oss":
+        gen = torch.Generator().manual_seed(5)
+        sizes = (("up_bias", n), ("down_bias", 64))
+        extra = {k: torch.randn(6, s, generator=gen).bfloat16() for k, s in sizes}
+    got = grouped_experts(*ins, **extra, **keywords)
+    ref = reference_experts(*ins, kernel.node.arg, *extra.values())
+    assert ref.float().abs().max() > 0.1
+    err = (got.float() - ref.float()).abs().max().item()
+    assert err <= TOL[DType.BF16] * max(1.0, ref.float().abs().max().item()), err
 
 
 @pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
@@ -204,7 +254,7 @@ def _biased(kernel: ExpertsKernel, t: int, seed: int):
 @pytest.mark.parametrize("dtype", [DType.F32, DType.BF16])
 def test_cpu_biases_interleaved_rows_and_a_clamped_gate_match_reference(monkeypatch, t, dtype):
     monkeypatch.setenv("KERNELIZE_CPU_GEMM", "generated")
-    kernel = _kernel(40, 72, 5, 2, dtype)
+    kernel = _kernel(40, 72, 9, 2, dtype)
     ins, up_bias, down_bias = _biased(kernel, t, seed=t)
     assert (cpu_experts.call_path(*ins[:2], *ins[3:5]) == "tiles") == (t == 170)
     got = grouped_experts(*ins, up_bias=up_bias, down_bias=down_bias, **OSS)

@@ -246,8 +246,8 @@ def test_on_a_gpu_the_one_call_keeps_grouped_mm_unless_asked(monkeypatch) -> Non
 def test_long_f32_calls_take_the_previous_implementation_unless_the_tiles_run_the_gemms(
     monkeypatch, tiles: bool
 ) -> None:
-    """Past a few tokens an f32 call runs the model's implementation where torch's libraries run the GEMMs
-    (AVX-512), and the kernel (its transposed GEMM path) where the generated tiles do; short calls always
+    """Past a few tokens an f32 call runs the model's implementation where `KERNELIZE_CPU_GEMM` names a
+    library, and the kernel (its transposed GEMM path) where the generated tiles run; short calls always
     run the kernel."""
     import kernelize.experts
 
@@ -275,17 +275,23 @@ def test_long_f32_calls_take_the_previous_implementation_unless_the_tiles_run_th
                     torch.testing.assert_close(model_experts.experts_forward(module, x, index, weights), want)
 
 
+@pytest.mark.parametrize("amx", [False, True])
 def test_long_bf16_calls_take_the_previous_implementation_where_the_cpu_has_bf16_dot_products(
-    monkeypatch,
+    monkeypatch, amx: bool
 ) -> None:
+    """Unless the kernel's products run on AMX tiles (`cpu_experts.amx_products`)."""
+    from kernelize.codegen import cpu_experts
+
+    monkeypatch.setattr(cpu_experts, "amx_products", lambda *args: amx)
     long = model_experts.LIBRARY_TOKENS + 1
+    down = torch.zeros(4, 8, 32, dtype=torch.bfloat16)
     for native in (True, False):
         monkeypatch.setattr(model_experts, "_native_bf16", lambda native=native: native)
-        for tokens, want in ((long, native), (long - 1, False)):
+        for tokens, want in ((long, native and not amx), (long - 1, False)):
             x = torch.zeros(tokens, 8, dtype=torch.bfloat16)
             index = torch.zeros(tokens, 2, dtype=torch.long)
-            assert model_experts._library_wins(x, index, "grouped_mm") is want, (native, tokens)
-            assert not model_experts._library_wins(x, index, model_experts.EXPERTS_NAME)
+            assert model_experts._library_wins(x, index, "grouped_mm", down) is want, (native, tokens)
+            assert not model_experts._library_wins(x, index, model_experts.EXPERTS_NAME, down)
 
 
 def test_moe_decoder_layers_run_the_attention_block_around_their_own_mlp_forward() -> None:

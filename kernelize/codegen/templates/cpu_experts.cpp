@@ -111,6 +111,100 @@ static int kz_one_expert(kz_gemm_fn gemm, const kz_t* x, const kz_t* up, const k
     return 0;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && !defined(KZ_NO_AMX)
+#define KZ_AMX 1
+}  // namespace
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+namespace {
+// AMX (Xeon from Sapphire Rapids on), bf16 weights whose sizes are multiples of 32: kz_one_expert's products
+// as tile dot products. The weight rows are the A tiles as stored (16 rows x 32 values), the tokens' rows
+// the B tiles (32 values x 16 tokens, as bf16 pairs: pair r of token c at row r, column c), 2 x 2 tiles of
+// 16 x 16 f32 sums; g = glu(h) is rounded to bf16 for the second product, as the model's bf16 forward
+// rounds it. Nothing is widened or packed but the tokens' rows: one Qwen3-MoE layer's experts, 2 threads,
+// 512 tokens 14.6 against 26.2 ms for grouped_mm (oneDNN's AMX GEMMs per expert), 128 tokens 8.9 against
+// 15.7, 24 tokens 7.8 against 12.9 (10.1 for the dot blocks); a software prefetch of the weight rows: level.
+constexpr bool AMX_FITS = PAIRS && H % 32 == 0 && I % 32 == 0;
+struct kz_tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// the process's permission to use the tile data (Linux grants it on request, once per process)
+KZ_INLINE bool kz_amx_ready() {
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ok;
+}
+
+// value pairs (j, j + 1) of rows as B tiles: b[(tb * KB + kb) * 256 + r * 16 + c] = pair kb * 16 + r of row
+// tb * 16 + c, for np rows (zeros past n); `pair(c, j)` returns the bf16 bits of values j and j + 1 of row c
+template <int64_t KB, class F> KZ_INLINE void kz_amx_pack(uint32_t* b, int64_t n, int64_t np, F pair) {
+    for (int64_t c = 0; c < np; ++c)
+        for (int64_t q = 0; q < KB * 16; ++q)
+            b[((c / 16) * KB + q / 16) * 256 + (q % 16) * 16 + c % 16] = c < n ? pair(c, 2 * q) : 0u;
+}
+
+// y[r, c] = w[r, :] . b's row c, for rows [0, R) of w (ld values apart, KB * 32 long) and np (a multiple of
+// 32) rows of b packed by kz_amx_pack; y: R x np f32
+template <int64_t KB> static void kz_amx_product(const kz_t* w, int64_t R, int64_t ld, const uint32_t* b, int64_t np, float* y) {
+    for (int64_t r = 0; r < R; r += 32)
+        for (int64_t c = 0; c < np; c += 32) {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            const uint32_t *b0 = b + (c / 16) * KB * 256, *b1 = b0 + KB * 256;
+            for (int64_t kb = 0; kb < KB; ++kb) {
+                _tile_loadd(4, w + r * ld + kb * 32, ld * 2);
+                _tile_loadd(5, w + (r + 16) * ld + kb * 32, ld * 2);
+                _tile_loadd(6, b0 + kb * 256, 64);
+                _tile_loadd(7, b1 + kb * 256, 64);
+                _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, y + r * np + c, np * 4); _tile_stored(1, y + r * np + c + 16, np * 4);
+            _tile_stored(2, y + (r + 16) * np + c, np * 4); _tile_stored(3, y + (r + 16) * np + c + 16, np * 4);
+        }
+}
+
+// kz_one_expert on the tiles
+static int kz_one_expert_amx(const kz_t* x, const kz_t* up, const kz_t* down, const kz_t* ubias, const kz_t* dbias,
+                             const int64_t* st, int64_t e, int64_t c0, int64_t n, const int64_t* tok, float* ys) {
+    const int64_t np = (n + 31) / 32 * 32, rows = NU > H ? NU : H;
+    uint32_t* bx = kz_scratch<uint32_t>(0, (H + I) / 2 * np + 1);  // x_e's rows as B tiles, then g's
+    uint32_t* bg = bx + H / 2 * np;
+    float* ph = kz_scratch<float>(1, rows * np + 1);  // h^T, then y^T
+    if (!bx || !ph) return 1;
+    kz_tilecfg cfg = {};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+    const uint16_t* xb = (const uint16_t*)x;
+    kz_amx_pack<H / 32>(bx, n, np, [&](int64_t c, int64_t j) {
+        const int64_t at = tok[c0 + c] * st[0] + j * st[1];
+        return (uint32_t)xb[at] | (uint32_t)xb[at + st[1]] << 16;
+    });
+    kz_amx_product<H / 32>(up + e * st[6], NU, st[7], bx, np, ph);
+    kz_amx_pack<I / 32>(bg, n, np, [&](int64_t c, int64_t j) {
+        uint32_t v = 0;
+        for (int64_t d = 0; d < 2; ++d) {
+            const int64_t bgi = e * st[10] + GS * (j + d) * st[11];
+            const float bgv = BIAS ? kz_ld(ubias, bgi) : 0.0f, buv = BIAS && GATED ? kz_ld(ubias, bgi + UOFF * st[11]) : 0.0f;
+            const float hg = ph[GS * (j + d) * np + c] + bgv, hu = ph[(UOFF + GS * (j + d)) * np + c] + buv;
+            v |= (uint32_t)kz_f32_to_bf16_bits(GATED ? kz_glu(hg, hu) : kz_act(hg)) << (16 * d);
+        }
+        return v;
+    });
+    kz_amx_product<I / 32>(down + e * st[8], H, st[9], bg, np, ph);
+    _tile_release();
+    for (int64_t c = 0; c < n; ++c)
+        for (int64_t h = 0; h < H; ++h)
+            ys[(c0 + c) * H + h] = ph[h * np + c] + (BIAS ? kz_ld(dbias, e * st[12] + h * st[13]) : 0.0f);
+    return 0;
+}
+#else
+#define KZ_AMX 0
+#endif
+
 // many pairs: each selected expert on one thread (kz_one_expert; the experts with the most rows first, taken
 // as threads come free), then per token the weighted sum of its slots' rows in slot order (bitwise
 // independent of the thread count). `inv`: pair -> sorted position, -1 for the sentinel expert E.
@@ -133,6 +227,12 @@ static int kz_many(kz_gemm_fn gemm, const kz_t* x, const kz_t* up, const kz_t* d
         int rc = 0;
         for (int64_t it = kz_next(nx); it < active && !rc; it = kz_next(nx)) {
             const int64_t e = items[it];
+#if KZ_AMX
+            if (AMX_FITS && kz_amx_ready()) {
+                rc = kz_one_expert_amx(x, up, down, ubias, dbias, st, e, cnt[e], cnt[e + 1] - cnt[e], tok, ys);
+                continue;
+            }
+#endif
             rc = kz_one_expert(gemm, x, up, down, ubias, dbias, st, e, cnt[e], cnt[e + 1] - cnt[e], tok, ys);
         }
         return rc;
