@@ -229,7 +229,9 @@ def _library_wins(
     f32 where `KERNELIZE_CPU_GEMM` names a library for the GEMMs (elsewhere the generated tiles run the
     kernel's transposed GEMM path, `_tiles`, and it wins: one Qwen3-MoE layer's experts at 512 tokens, AVX2,
     73-85 against 92-134 ms; AVX-512 Xeon 48 against 60),
-    and in bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX). There the kernel's
+    and in bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX) unless the kernel's products
+    run on AMX tiles (`cpu_experts.amx_products`: one layer's experts at 512 tokens, 14.6 against 26.2 ms
+    for `grouped_mm`). There the kernel's
     many-pair path (library GEMMs per expert, past `FEW_PAIRS` routed pairs) measured slower than, or level
     with, `grouped_mm` (Qwen3-MoE layout, one layer's experts, 2 threads, AVX-512 EPYC with AVX512-BF16:
     bf16 at 24 tokens 21.4 against 11.2 ms, f32 29.1 against 28.1), while its few-pair path wins up to

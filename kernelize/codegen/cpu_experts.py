@@ -202,7 +202,8 @@ def call_path(x: torch.Tensor, index: torch.Tensor, up: torch.Tensor, down: torc
     ``"tiles"`` (its many-pair path over the GEMM library) or ``"library"`` (:func:`gemm_experts`).
     The tiles need no library named for f32 GEMMs (:func:`~kernelize.codegen.cpu_gemv.tiles_take`), sizes
     within its tiles, f32 weights whose rows are dense (the GEMM reads them as stored), and on average
-    :data:`TILE_ROWS` rows per expert (twice that for 16-bit weights, which it widens first)."""
+    :data:`TILE_ROWS` rows per expert (twice that for 16-bit weights, which it widens first). Where the
+    products run on AMX tiles (:func:`amx_products`) every call past ``FEW_PAIRS`` takes them."""
     pairs, (e, _, h), i = index.numel(), up.shape, down.shape[2]
     if pairs <= FEW_PAIRS:
         return "dots"
