@@ -50,7 +50,8 @@ def library(fmt: str) -> ctypes.CDLL:
             fn = getattr(lib, f"kz_quant_{name}_{xn}_{on}")
             fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, ctypes.c_int, _I64, ctypes.c_int]
             fn.restype = ctypes.c_int
-    getattr(lib, f"kz_quant_{name}_dequant").argtypes = [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
+    for entry in ("dequant", "dequant_bf16"):
+        getattr(lib, f"kz_quant_{name}_{entry}").argtypes = [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
     getattr(lib, f"kz_quant_{name}_quantize_x").argtypes = [_P, _I64, _I64, _P, _P]
     return lib
 
@@ -92,15 +93,17 @@ def gemv(
     )  # fmt: skip
 
 
+DEQUANT_ENTRIES = {torch.float32: "dequant", torch.bfloat16: "dequant_bf16"}
+
+
 def dequantize_rows(packed: PackedWeight, n0: int, n1: int, out: torch.Tensor) -> torch.Tensor:
-    """Rows ``[n0, n1)`` of the weight as f32 into ``out`` (contiguous, at least ``(n1 - n0) * K``
-    elements); returns the ``[n1 - n0, K]`` view written."""
+    """Rows ``[n0, n1)`` of the weight in ``out``'s dtype (f32, or bf16 rounded to nearest even) into
+    ``out`` (contiguous, at least ``(n1 - n0) * K`` elements); returns the ``[n1 - n0, K]`` view written."""
     name, k = packed.format.name, packed.shape[1]
     panel = out.view(-1)[: (n1 - n0) * k].view(n1 - n0, k)
-    lib = library(name)
-    getattr(lib, f"kz_quant_{name}_dequant")(
-        packed.data.data_ptr(), _ptr(packed.scales), n0, n1, k, panel.data_ptr(), cpu_build.threads()
-    )
+    entry = getattr(library(name), f"kz_quant_{name}_{DEQUANT_ENTRIES[out.dtype]}")
+    if entry(packed.data.data_ptr(), _ptr(packed.scales), n0, n1, k, panel.data_ptr(), cpu_build.threads()):
+        raise MemoryError(f"{name} dequantization: out of memory for a row of {k} values")
     return panel
 
 

@@ -106,6 +106,8 @@ def test_dequantize_rows_is_exact(fmt: str) -> None:
     scratch = torch.empty(16 * k)
     panel = kernels.dequantize_rows(p, 20, 36, scratch)
     assert torch.equal(panel, dequantize(p)[20:36])
+    low = kernels.dequantize_rows(p, 20, 36, torch.empty(16 * k, dtype=torch.bfloat16))
+    assert low.dtype == torch.bfloat16 and torch.equal(low, panel.bfloat16())  # rounded as torch rounds
 
 
 def test_one_template_per_format() -> None:

@@ -26,6 +26,20 @@ def test_linear_matches_the_float_product(fmt: str, rows: int, dtype: torch.dtyp
         assert ((y.float() - ref).abs().max() / ref.abs().max()) < 2e-2
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_prefill_panels_are_bf16_where_the_cpu_gemms_are(monkeypatch, native: bool) -> None:
+    """Where the CPU's bf16 GEMMs are native, a bf16 prefill multiplies bf16 panels (its weights rounded
+    once), else f32 ones; both within bf16's rounding of the float product, every panel covered."""
+    monkeypatch.setattr(ops, "native_panels", lambda dtype: native and dtype == torch.bfloat16)
+    monkeypatch.setattr(ops, "PANEL_ROWS", 16)
+    w, b, x = torch.randn(33, 64), torch.randn(33), torch.randn(12, 64).bfloat16()
+    p = quantize(w, "q8_0")
+    y = ops.linear(x, p, b)
+    panel = dequantize(p).bfloat16() if native else dequantize(p)
+    ref = x.float() @ panel.float().T + b
+    assert y.dtype == torch.bfloat16 and ((y.float() - ref).abs().max() / ref.abs().max()) < 1e-2
+
+
 def test_prefill_panels_cover_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "PANEL_ROWS", 16)  # N = 33: panels of 16, 16, 1
     w, x = torch.randn(33, 64), torch.randn(2, 6, 64)

@@ -669,48 +669,72 @@ extern "C" void $NAME$_quantize_x(const float* x, int64_t m, int64_t k, int8_t* 
     kz_quantize_rows(x, m, k, xq, xd, (int16_t*)0);
 }
 
-// rows [n0, n1) of W as f32 into out [n1 - n0, k] (prefill: a panel of the weight for a library GEMM). The
-// values equal formats.dequantize's bit for bit: a k-quant's sc * q is exact in f32 (an f16 times a 6-bit
-// scale times a 4-bit q, or a single product for q6_k), so a fused multiply-subtract rounds the same.
+// one row of W (nb blocks from `row`, its scale rs) as f32 into o_row. The values equal formats.dequantize's
+// bit for bit: a k-quant's sc * q is exact in f32 (an f16 times a 6-bit scale times a 4-bit q, or a single
+// product for q6_k), so a fused multiply-subtract rounds the same.
+KZ_INLINE void kz_dequant_row(const uint8_t* row, float rs, int64_t nb, float* o_row) {
+    kz_fmt f;
+    int8_t q[kz_fmt::QK];
+    float sc[KZ_NSG], mn[KZ_NSUB];
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * kz_fmt::BYTES;
+        f.scales(blk, sc, mn);
+        float* o = o_row + b * kz_fmt::QK;
+#if KZ_QAVX2
+        // (perf) the dot product's unpack, 8 values per vector: q4_0 1.4 -> 5.9 G values/s (2 threads)
+        (void)q;
+        for (int sb = 0; sb < KZ_NSUB; ++sb) {
+            alignas(32) uint8_t raw[KZ_QK];
+            _mm256_store_si256((__m256i*)raw, f.load(blk, sb));
+            for (int g = 0; g < KZ_QK / 8; ++g) {
+                const __m128i part = _mm_loadl_epi64((const __m128i*)(raw + 8 * g));
+                __m256i iv = kz_fmt::UNSIGNED ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
+                if (kz_fmt::OFFSET) iv = _mm256_sub_epi32(iv, _mm256_set1_epi32(kz_fmt::OFFSET));
+                const float scale = sc[(KZ_QK * sb + 8 * g) / kz_fmt::SG] * rs;
+                __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(iv), _mm256_set1_ps(scale));
+                if (kz_fmt::MIN) v = _mm256_sub_ps(v, _mm256_set1_ps(mn[sb]));
+                _mm256_storeu_ps(o + KZ_QK * sb + 8 * g, v);
+            }
+        }
+#else
+        f.values(blk, q);
+        for (int i = 0; i < kz_fmt::QK; ++i) {
+            const float v = (float)q[i] * (sc[i / kz_fmt::SG] * rs);
+            o[i] = kz_fmt::MIN ? v - mn[i / KZ_QK] : v;
+        }
+#endif
+    }
+}
+
+// rows [n0, n1) of W as f32 into out [n1 - n0, k] (prefill: a panel of the weight for a library GEMM)
 extern "C" int $NAME$_dequant(const uint8_t* w, const float* wscale, int64_t n0, int64_t n1, int64_t k,
                               float* out, int nthreads) {
     const int64_t nb = k / kz_fmt::QK, rb = nb * kz_fmt::BYTES;
     return kz_parallel_for(kz_team_open(nthreads, (n1 - n0) * k >= 32768), [=](int t, int tn) KZ_BODY {
-        kz_fmt f;
         int64_t lo, hi;
         kz_range(n1 - n0, t, tn, lo, hi);
-        int8_t q[kz_fmt::QK];
-        float sc[KZ_NSG], mn[KZ_NSUB];
+        for (int64_t r = lo; r < hi; ++r) kz_dequant_row(w + (n0 + r) * rb, wscale ? wscale[n0 + r] : 1.0f, nb, out + r * k);
+        return 0;
+    });
+}
+
+// the same rows rounded to bf16 (kz_st_bf16_row: round to nearest even, as torch's conversion), for the
+// CPU's native bf16 GEMMs (quant.ops.native_panels): no f32 panel is written
+extern "C" int $NAME$_dequant_bf16(const uint8_t* w, const float* wscale, int64_t n0, int64_t n1, int64_t k,
+                                   kz_bf16* out, int nthreads) {
+    const int64_t nb = k / kz_fmt::QK, rb = nb * kz_fmt::BYTES;
+    return kz_parallel_for(kz_team_open(nthreads, (n1 - n0) * k >= 32768), [=](int t, int tn) KZ_BODY {
+        int64_t lo, hi;
+        kz_range(n1 - n0, t, tn, lo, hi);
+        float* row = kz_scratch<float>(0, k);
+        if (!row) return 1;
         for (int64_t r = lo; r < hi; ++r) {
-            const float rs = wscale ? wscale[n0 + r] : 1.0f;
-            for (int64_t b = 0; b < nb; ++b) {
-                const uint8_t* blk = w + (n0 + r) * rb + b * kz_fmt::BYTES;
-                f.scales(blk, sc, mn);
-                float* o = out + r * k + b * kz_fmt::QK;
-#if KZ_QAVX2
-                // (perf) the dot product's unpack, 8 values per vector: q4_0 1.4 -> 5.9 G values/s (2 threads)
-                (void)q;
-                for (int sb = 0; sb < KZ_NSUB; ++sb) {
-                    alignas(32) uint8_t raw[KZ_QK];
-                    _mm256_store_si256((__m256i*)raw, f.load(blk, sb));
-                    for (int g = 0; g < KZ_QK / 8; ++g) {
-                        const __m128i part = _mm_loadl_epi64((const __m128i*)(raw + 8 * g));
-                        __m256i iv = kz_fmt::UNSIGNED ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
-                        if (kz_fmt::OFFSET) iv = _mm256_sub_epi32(iv, _mm256_set1_epi32(kz_fmt::OFFSET));
-                        const float scale = sc[(KZ_QK * sb + 8 * g) / kz_fmt::SG] * rs;
-                        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(iv), _mm256_set1_ps(scale));
-                        if (kz_fmt::MIN) v = _mm256_sub_ps(v, _mm256_set1_ps(mn[sb]));
-                        _mm256_storeu_ps(o + KZ_QK * sb + 8 * g, v);
-                    }
-                }
+            kz_dequant_row(w + (n0 + r) * rb, wscale ? wscale[n0 + r] : 1.0f, nb, row);
+#if KZ_BF16_ROWS
+            kz_st_bf16_row(out + r * k, row, k);
 #else
-                f.values(blk, q);
-                for (int i = 0; i < kz_fmt::QK; ++i) {
-                    const float v = (float)q[i] * (sc[i / kz_fmt::SG] * rs);
-                    o[i] = kz_fmt::MIN ? v - mn[i / KZ_QK] : v;
-                }
+            for (int64_t i = 0; i < k; ++i) kz_st(out, r * k + i, row[i]);
 #endif
-            }
         }
         return 0;
     });
