@@ -230,6 +230,9 @@ def _llama_cpp(path: str, threads: int, prompt: list[int], ours: torch.Tensor) -
         import llama_cpp
     except ImportError:
         return {"status": "llama.cpp not installed (pip install llama-cpp-python to compare)"}, None
+    crashed = _llama_cpp_crashes(path, threads, prompt)
+    if crashed:
+        return {"status": crashed}, None
     try:
         llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_ctx=64, logits_all=True, verbose=False)
     except (ValueError, RuntimeError) as exc:  # the file is not one llama.cpp loads: that is the finding
@@ -255,6 +258,26 @@ def _llama_cpp(path: str, threads: int, prompt: list[int], ours: torch.Tensor) -
     run.prompt = prompt_run
     same = int(theirs.argmax()) == int(ours.argmax())
     return {"status": "ran", "logits_cosine": cosine, "same_argmax": same}, run
+
+
+def _llama_cpp_crashes(path: str, threads: int, prompt: list[int]) -> str | None:
+    """Why llama.cpp cannot be timed in this process, or None: it evaluates ``prompt`` on the file once in a
+    child process first, since a crash in its native code would end the benchmark and lose every figure
+    (llama-cpp-python 0.3.36's default build segfaulted in its AMX matmul on an AMX Xeon)."""
+    code = (
+        "import sys, llama_cpp\n"
+        "llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=64, verbose=False)\n"
+        "llm.eval([int(t) for t in sys.argv[3:]])\n"
+    )
+    args = [sys.executable, "-c", code, path, str(threads), *map(str, prompt)]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode >= 0:  # loaded and ran, or raised (the in-process load reports that)
+        return None
+    return (
+        f"llama.cpp crashed evaluating the file (signal {-done.returncode}); if its build uses AMX, rebuild "
+        "llama-cpp-python with CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON "
+        "-DGGML_AVX512_BF16=ON' (AMX off)"
+    )
 
 
 def _load_fresh(path: str, threads: int) -> dict:
