@@ -706,36 +706,37 @@ KZ_INLINE void kz_dequant_row(const uint8_t* row, float rs, int64_t nb, float* o
     }
 }
 
-// rows [n0, n1) of W as f32 into out [n1 - n0, k] (prefill: a panel of the weight for a library GEMM)
-extern "C" int $NAME$_dequant(const uint8_t* w, const float* wscale, int64_t n0, int64_t n1, int64_t k,
-                              float* out, int nthreads) {
+// rows [n0, n1) of W into out [n1 - n0, k] (prefill: a panel of the weight for a library GEMM): as f32, or
+// rounded to bf16 (kz_st_bf16_row: round to nearest even, as torch's conversion) for the CPU's native bf16
+// GEMMs (quant.ops.native_panels), each row dequantized in an f32 row first: no f32 panel is written
+template <class T> static int kz_dequant_rows(const uint8_t* w, const float* wscale, int64_t n0, int64_t n1, int64_t k,
+                                              T* out, int nthreads) {
     const int64_t nb = k / kz_fmt::QK, rb = nb * kz_fmt::BYTES;
     return kz_parallel_for(kz_team_open(nthreads, (n1 - n0) * k >= 32768), [=](int t, int tn) KZ_BODY {
         int64_t lo, hi;
         kz_range(n1 - n0, t, tn, lo, hi);
-        for (int64_t r = lo; r < hi; ++r) kz_dequant_row(w + (n0 + r) * rb, wscale ? wscale[n0 + r] : 1.0f, nb, out + r * k);
-        return 0;
-    });
-}
-
-// the same rows rounded to bf16 (kz_st_bf16_row: round to nearest even, as torch's conversion), for the
-// CPU's native bf16 GEMMs (quant.ops.native_panels): no f32 panel is written
-extern "C" int $NAME$_dequant_bf16(const uint8_t* w, const float* wscale, int64_t n0, int64_t n1, int64_t k,
-                                   kz_bf16* out, int nthreads) {
-    const int64_t nb = k / kz_fmt::QK, rb = nb * kz_fmt::BYTES;
-    return kz_parallel_for(kz_team_open(nthreads, (n1 - n0) * k >= 32768), [=](int t, int tn) KZ_BODY {
-        int64_t lo, hi;
-        kz_range(n1 - n0, t, tn, lo, hi);
-        float* row = kz_scratch<float>(0, k);
-        if (!row) return 1;
+        float* row = sizeof(T) == sizeof(float) ? nullptr : kz_scratch<float>(0, k);
+        if (sizeof(T) != sizeof(float) && !row) return 1;
         for (int64_t r = lo; r < hi; ++r) {
-            kz_dequant_row(w + (n0 + r) * rb, wscale ? wscale[n0 + r] : 1.0f, nb, row);
+            if constexpr (sizeof(T) == sizeof(float)) {
+                kz_dequant_row(w + (n0 + r) * rb, wscale ? wscale[n0 + r] : 1.0f, nb, out + r * k);
+            } else {
+                kz_dequant_row(w + (n0 + r) * rb, wscale ? wscale[n0 + r] : 1.0f, nb, row);
 #if KZ_BF16_ROWS
-            kz_st_bf16_row(out + r * k, row, k);
+                kz_st_bf16_row(out + r * k, row, k);
 #else
-            for (int64_t i = 0; i < k; ++i) kz_st(out, r * k + i, row[i]);
+                for (int64_t i = 0; i < k; ++i) kz_st(out, r * k + i, row[i]);
 #endif
+            }
         }
         return 0;
     });
+}
+extern "C" int $NAME$_dequant(const uint8_t* w, const float* wscale, int64_t n0, int64_t n1, int64_t k, float* out,
+                              int nthreads) {
+    return kz_dequant_rows(w, wscale, n0, n1, k, out, nthreads);
+}
+extern "C" int $NAME$_dequant_bf16(const uint8_t* w, const float* wscale, int64_t n0, int64_t n1, int64_t k,
+                                   kz_bf16* out, int nthreads) {
+    return kz_dequant_rows(w, wscale, n0, n1, k, out, nthreads);
 }
