@@ -220,8 +220,9 @@ def amx_products(dtype: torch.dtype, hidden: int, intermediate: int) -> bool:
     """Whether the many-pair path's products run on AMX tiles (``KZ_AMX`` of ``templates/cpu_experts.cpp``):
     bf16 operands, both sizes multiples of 32, the tile instructions built in (``-march=native`` on a Xeon
     from Sapphire Rapids on)."""
-    amx = {"__AMX_TILE__", "__AMX_BF16__"} <= cpu_build.macros()
-    return amx and dtype == torch.bfloat16 and hidden % 32 == 0 and intermediate % 32 == 0
+    if dtype != torch.bfloat16 or hidden % 32 or intermediate % 32:  # (perf) f32 calls ask no compiler state
+        return False
+    return {"__AMX_TILE__", "__AMX_BF16__"} <= cpu_build.macros()
 
 
 def gemm_experts(
