@@ -29,7 +29,9 @@ from kernelize.ir.ops import AttentionArgs
 # storage types of the prelude (16-bit floats as bit patterns, widened to f32 on load)
 C_TYPES = {DType.F32: "float", DType.F16: "kz_f16", DType.BF16: "kz_bf16", DType.BOOL: "bool"}
 MASK_CODES = {"none": 0, "bool": 1, "add": 2}
-ROW_GROUPS = 4  # 16-row micro tiles per prefill block: a key / value block in cache serves 64 query rows
+# 16-row micro tiles per prefill block: a key / value block in cache serves 64 query rows (with AVX-512's
+# 16-lane vectors the tiles hold 32 rows, half as many of them: still 64)
+ROW_GROUPS = 4
 DECODE_ROWS = 4  # a key head with at most this many query rows (heads sharing it x positions) decodes
 PARALLEL_MIN = 1 << 16  # multiply-adds below which one thread beats waking the team
 

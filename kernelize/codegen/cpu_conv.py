@@ -50,14 +50,16 @@ MAX_GROUP_CHANNELS = 8192  # KZ_ZERO_ROW: input channels per group
 
 DRIVERS = {"dense": "kz_conv_dense", "depthwise": "kz_conv_depthwise"}
 DW_FORMS = (31, 32, 51, 52, 71)  # the depthwise sliding forms (kz_dw_form: width x 10 + stride); 31 first
-# Dense convs with at least this many multiply-adds per output (input channels per group x taps) stay
-# oneDNN's: side by side in the models (1 thread, min of 20 runs), the 27 such convs of ResNet-50,
-# MobileNetV2, EfficientNet-B0, RegNetY-400MF and ConvNeXt-tiny took 1.07x oneDNN's time generated, the
-# 135 smaller ones 0.97x (the depthwise ones 0.6-0.8x). Compute-bound, oneDNN's kernels run at ~97% of this
-# core's FMA peak and ours at ~90%. That was with AVX-512; on AVX2 (6 x 16 tiles, see cpu_conv.h) the
-# generated form of those convs took 0.83-1.0x oneDNN's time (ResNet-50's, 1 thread, Zen 3, thread CPU
-# time: 1024 -> 256 1x1 at 14 x 14 1.21 -> 1.01x onnxruntime's time), so there every size stays generated.
-LIBRARY_K = {32: 1024, 16: None}  # by panel width (the ISA): None, no limit
+# Dense convs of every size are generated. Large ones (input channels per group x taps >= 1024) used to stay
+# oneDNN's with AVX-512: on an AVX-512 EPYC (1 thread, min of 20 runs) the 27 such convs of ResNet-50,
+# MobileNetV2, EfficientNet-B0, RegNetY-400MF and ConvNeXt-tiny took 1.07x oneDNN's time generated. On a
+# Xeon with AVX-512 (two FMA ports) the generated ones are level or faster one by one (1 thread: 1024 -> 256
+# 1x1 at 14 x 14 124 against 118 GFLOP/s, 2048 -> 512 at 7 x 7 107 / 96, 3x3 128 -> 128 at 28 x 28 147 /
+# 141), and on both a graph without oneDNN regions runs on kernelize's workers, which wake before the run
+# and never make the caller wait for a sleeping thread: ResNet-50 on the Xeon, kernelize / onnxruntime in
+# three alternating runs, 1.23-1.25 -> 1.15-1.19 at 1 thread and 1.32-1.34 -> 1.14-1.26 at 2; ResNet-18
+# on the EPYC at 2 threads after a pause 12-14 -> 4.4 ms. On AVX2 (6 x 16 tiles, see cpu_conv.h) the
+# generated form of those convs took 0.83-1.0x oneDNN's time.
 
 
 def algorithm(kernel: Kernel) -> str | None:
@@ -78,9 +80,6 @@ def algorithm(kernel: Kernel) -> str | None:
     # panel (oneDNN took 3.5 ms for a 16 -> 32 one at 112 x 112, 1 thread); wider ones stay dense below
     if cig == 1 and (co == groups or co // groups < panel() // 2):
         return "depthwise"
-    limit = LIBRARY_K[panel()]
-    if limit is not None and cig * kh * kw >= limit:
-        return None
     # many groups of few output channels each fill a fraction of a panel: RegNet's 8-wide groups ran 4x
     # slower than oneDNN's grouped conv with 32-wide panels (AVX-512); so at least half a panel a group. On
     # AVX2 that takes ShuffleNet's 10-wide groups: oneDNN took 0.45 ms for its 120 -> 30 (3 groups, 28 x 28),
