@@ -256,7 +256,7 @@ def _tiles() -> bool:
     weights as stored (`cpu_experts.call_path`)."""
     from kernelize.codegen.cpu_gemv import tiles_take
 
-    return tiles_take(True, 0, experts=True)
+    return tiles_take(True, 0)
 
 
 def _native_bf16() -> bool:

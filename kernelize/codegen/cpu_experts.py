@@ -210,7 +210,7 @@ def call_path(x: torch.Tensor, index: torch.Tensor, up: torch.Tensor, down: torc
     if amx_products(x.dtype, h, i):
         return "tiles"
     dense = x.dtype != torch.float32 or (up.stride()[1:] == (h, 1) and down.stride()[1:] == (i, 1))
-    if not (tiles_take(True, max(h, i), experts=True) and x.dtype != torch.float64 and dense):
+    if not (tiles_take(True, max(h, i)) and x.dtype != torch.float64 and dense):
         return "library"
     rows = TILE_ROWS.get(panel(), panel()) * (1 if x.dtype == torch.float32 else 2)
     return "tiles" if pairs >= e * rows else "dots"

@@ -270,20 +270,27 @@ def cpu_gemm(packed: bool = True) -> str:
     """Which library runs an f32 GEMM of more than :data:`FEW_ROWS` rows: ``"generated"`` (the conv tiles
     of ``cpu_conv.h`` as a GEMM, :class:`GeneratedGemm`), ``"onednn"`` or ``"torch"`` (MKL).
     ``KERNELIZE_CPU_GEMM`` decides; by default a compiled graph's GEMMs over constant weights (``packed``)
-    take oneDNN where torch reports AVX-512 and the generated tiles elsewhere, and the unpacked products of
-    training (:func:`onednn_linear`, ``kernelize.hub.train_linear``) oneDNN.
+    take the generated tiles, and the unpacked products of training (:func:`onednn_linear`,
+    ``kernelize.hub.train_linear``) oneDNN.
 
     Measured on AVX-512 (AMD EPYC, 1 thread), the whole ONNX BERT-base against onnxruntime: MKL 1.31x,
     oneDNN packed 0.96x at batch 1; ViT-base 1.19x -> 1.05x. On a Zen 3 EPYC (AVX2, no AVX-512), the GEMMs of
     BERT-base, DeiT-small and the Whisper encoder one by one (hot, GFLOP/s at 1 / 2 threads): MKL 60-90 /
     94-132, oneDNN packed 63-84 / 121-166, onnxruntime (MLAS) 66-91 / 131-185, the generated tiles 90-95 /
-    136-154; MKL and oneDNN each lost to the other on some shapes at 2 threads."""
+    136-154; MKL and oneDNN each lost to the other on some shapes at 2 threads. On a Xeon with AVX-512 (and
+    AMX) oneDNN took AVX-512's default until the whole models measured otherwise (kernelize / onnxruntime,
+    batch 1, two alternating runs each, 1 / 2 threads): DeiT-small 1.22-1.24 / 1.28 with oneDNN against
+    1.00-1.08 / 0.88-1.02 with the tiles, BERT-base 1.11-1.15 / 1.19-1.23 against 1.03-1.05 / 1.14,
+    ConvNeXt-tiny 1.09 / 1.10-1.15 against 0.93-0.94 / 0.97-1.03, Swin-tiny 0.89-0.91 / 0.95 against 0.78 /
+    0.79-0.80, ViT-base level; one by one the two were level (130-165 GFLOP/s at 198 rows), so the gain is
+    the graph's: oneDNN's fixed cost per call, its steps called from Python between replayed ones, and its
+    regions on torch's pool."""
     choice = os.environ.get("KERNELIZE_CPU_GEMM", "").strip()
     if choice not in ("", "onednn", "torch", "generated"):
         raise ValueError(f"KERNELIZE_CPU_GEMM={choice!r}: expected `generated`, `onednn` or `torch`")
     if choice:
         return choice
-    return "onednn" if _avx512() or not packed else "generated"
+    return "generated" if packed else "onednn"
 
 
 def onednn_gemm(av: torch.Tensor, bv: torch.Tensor, packed: bool = True) -> bool:
@@ -603,18 +610,16 @@ def tiles_fit(av: torch.Tensor, bv: torch.Tensor) -> bool:
     return tiles_take(f32, av.shape[-1])
 
 
-def tiles_take(f32: bool, k: int, experts: bool = False) -> bool:
+def tiles_take(f32: bool, k: int) -> bool:
     """Whether a GEMM runs in the generated tiles (:func:`tiles_gemm`): f32 operands, at most
-    ``KZ_ZERO_ROW`` products per output, and that library chosen (:func:`cpu_gemm`). ``experts``: the
-    grouped-expert kernel's transposed products (``cpu_experts.call_path``), which take the tiles on
-    AVX-512 too unless ``KERNELIZE_CPU_GEMM`` names a library: there a graph's GEMMs take oneDNN over
-    weights packed once, while an expert's product over its weight as stored meets MKL / oneDNN at 64 rows
+    ``KZ_ZERO_ROW`` products per output, and that library chosen (:func:`cpu_gemm`: the default unless
+    ``KERNELIZE_CPU_GEMM`` names a library). Also the grouped-expert kernel's transposed products
+    (``cpu_experts.call_path``): an expert's product over its weight as stored meets MKL / oneDNN at 64 rows
     or fewer, where they are weakest (one Qwen3-MoE layer's experts, 2 threads, Xeon with AVX-512: 128
     tokens 21.6 ms against 39.7 for ``grouped_mm``, 512 tokens 48 against 60)."""
     from kernelize.codegen.cpu_conv import MAX_GROUP_CHANNELS
 
-    chosen = cpu_gemm() == "generated" or (experts and not os.environ.get("KERNELIZE_CPU_GEMM", "").strip())
-    return f32 and k <= MAX_GROUP_CHANNELS and chosen
+    return f32 and k <= MAX_GROUP_CHANNELS and cpu_gemm() == "generated"
 
 
 def tiles_gemm(
@@ -677,7 +682,7 @@ def _matmul_forms(k: Kernel) -> set[tuple]:
 
 
 def _experts_forms(k: Kernel) -> set[tuple]:  # the many-pair path (cpu_experts.call_path)
-    return {PLAIN} if tiles_take(True, 0, experts=True) and k.node.src[0].dtype is not DType.F64 else set()
+    return {PLAIN} if tiles_take(True, 0) and k.node.src[0].dtype is not DType.F64 else set()
 
 
 _FORMS_OF = {MatmulKernel: _matmul_forms, ExpertsKernel: _experts_forms, Kernel: lambda k: set()}

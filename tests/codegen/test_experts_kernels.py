@@ -169,17 +169,15 @@ def test_cpu_transposed_gemm_path_is_bitwise_the_same_at_any_thread_count(monkey
 
 
 def test_cpu_experts_take_the_tiles_unless_a_library_is_named(monkeypatch):
-    """The experts' transposed products run in the generated tiles wherever no library is named, also where
-    a graph's f32 GEMMs take oneDNN (AVX-512); ``KERNELIZE_CPU_GEMM`` naming a library sends them there."""
+    """The experts' transposed products run in the generated tiles wherever no library is named (the
+    default GEMM library, `test_cpu_gemv`); ``KERNELIZE_CPU_GEMM`` naming a library sends them there."""
     from kernelize.codegen import cpu_gemv
 
     monkeypatch.delenv("KERNELIZE_CPU_GEMM", raising=False)
-    monkeypatch.setattr(cpu_gemv, "_avx512", lambda: True)
-    assert cpu_gemv.cpu_gemm() == "onednn" and not cpu_gemv.tiles_take(True, 64)
-    assert cpu_gemv.tiles_take(True, 64, experts=True) and not cpu_gemv.tiles_take(False, 64, experts=True)
+    assert cpu_gemv.tiles_take(True, 64) and not cpu_gemv.tiles_take(False, 64)
     for library in ("onednn", "torch"):
         monkeypatch.setenv("KERNELIZE_CPU_GEMM", library)
-        assert not cpu_gemv.tiles_take(True, 64, experts=True)
+        assert not cpu_gemv.tiles_take(True, 64) and cpu_gemv.cpu_gemm() == library
 
 
 amx = pytest.mark.skipif(

@@ -94,7 +94,7 @@ def test_a_failing_kernel_in_a_batch_names_itself():
 def test_a_library_gemm_returning_its_own_tensor_is_read_from_there(monkeypatch):
     """A GEMM over a constant f32 weight with many rows is one oneDNN call allocating its output
     (``CompiledKernel.fresh``), not the arena buffer planned for it: a replayed reader must follow it."""
-    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "onednn")  # (the default only where torch runs AVX-512)
+    monkeypatch.setenv("KERNELIZE_CPU_GEMM", "onednn")  # (not the default: the generated tiles are)
     g = Graph()
     x = g.input("x", (B, 64), "f32")
     y = g.matmul(g.exp(x), g.const(torch.randn(64, 32) * 0.1))  # exp first: the GEMM reads an intermediate
