@@ -169,17 +169,18 @@ KZ_INLINE void block_pv(Block& w, const float* const* vrow, int nb, int ng) {
     }
 }
 
-// online softmax over one key block: new row maxima, rescale factors, probabilities, row sums
-KZ_INLINE void block_softmax(Block& w, int nb) {
+// online softmax over one key block (the first `rows` rows: the micro tiles holding queries): new row maxima,
+// rescale factors, probabilities, row sums
+KZ_INLINE void block_softmax(Block& w, int nb, int rows) {
     float mnew[BQ], msafe[BQ];
 #pragma omp simd
-    for (int r = 0; r < BQ; ++r) mnew[r] = w.mx[r];
+    for (int r = 0; r < rows; ++r) mnew[r] = w.mx[r];
     for (int j = 0; j < nb; ++j) {
 #pragma omp simd
-        for (int r = 0; r < BQ; ++r) mnew[r] = w.st[j][r] > mnew[r] ? w.st[j][r] : mnew[r];
+        for (int r = 0; r < rows; ++r) mnew[r] = w.st[j][r] > mnew[r] ? w.st[j][r] : mnew[r];
     }
 #pragma omp simd
-    for (int r = 0; r < BQ; ++r) {
+    for (int r = 0; r < rows; ++r) {
         msafe[r] = mnew[r] == NEG_INF ? 0.0f : mnew[r];  // all masked so far: exp(-inf - 0) = 0
         w.alpha[r] = kz_exp_neg(w.mx[r] - msafe[r]);
         w.mx[r] = mnew[r];
@@ -187,14 +188,14 @@ KZ_INLINE void block_softmax(Block& w, int nb) {
     float sum[BQ] = {};
     for (int j = 0; j < nb; ++j) {
 #pragma omp simd
-        for (int r = 0; r < BQ; ++r) {
+        for (int r = 0; r < rows; ++r) {
             float p = kz_exp_neg(w.st[j][r] - msafe[r]);
             w.st[j][r] = p;
             sum[r] += p;
         }
     }
 #pragma omp simd
-    for (int r = 0; r < BQ; ++r) w.l[r] = w.l[r] * w.alpha[r] + sum[r];
+    for (int r = 0; r < rows; ++r) w.l[r] = w.l[r] * w.alpha[r] + sum[r];
 }
 
 void prefill_block(const Args& a, Block& w, int64_t b, int64_t hkv, int64_t r0, int64_t nr) {
@@ -241,7 +242,7 @@ void prefill_block(const Args& a, Block& w, int64_t b, int64_t hkv, int64_t r0, 
                 for (int j = 0; j < nb; ++j) w.st[j][r] = mask_score(a, mrow, w.head[r], w.pos[r], j0 + j, w.st[j][r]);
             }
         }
-        block_softmax(w, nb);
+        block_softmax(w, nb, ng * RV * PVL);
         block_pv(w, vrow, nb, ng);
     }
     for (int r = 0; r < nr; ++r) {
