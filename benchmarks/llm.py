@@ -118,6 +118,7 @@ def bench_decode(models: dict, new_tokens: int, repeat: int) -> dict:
         "speedup": {name: per_token["eager"] / t for name, t in per_token.items()},
         "generate_speedup": {name: ms["eager"] / t for name, t in ms.items()},
         "tokens_equal": all(torch.equal(t, tokens["eager"]) for t in tokens.values()),
+        "equal": {name: torch.equal(t, tokens["eager"]) for name, t in tokens.items()},
     }
 
 

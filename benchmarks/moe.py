@@ -9,19 +9,23 @@ Variants, round robin in one run (compare ratios, not absolute times):
 * `eager-loop`: the `eager` experts implementation (a loop over the experts hit);
 * `kernelized`: `kernelize_model` (the grouped-expert kernel through transformers' experts interface, plus
   the attention and norm kernels);
-* `torch.compile` of the default model (prefill only; `--no-compile` leaves it out).
+* `torch.compile` of the default model (prefill only; `--no-compile` leaves it out);
+* `kernelized q8_0`, `kernelized q4_0` (`--quantize`): `kernelize_model(quantize=...)`, the experts packed too
+  (`kernelize.quant.experts`): fewer bytes, so not the same tokens.
 
 Measured: prefill (one forward over a 512-token prompt, last logits), decode (greedy `generate` of 32 new
 tokens after a 32-token prompt: tokens/s of the tokens after the first, `llm.bench_decode`, and whether the
-tokens equal eager's), and the experts alone in
+float variants' tokens equal eager's), and the experts alone in
 decode shape: one token's call with fresh routing over `--bw-layers` layers' experts (more bytes than the
-caches hold), GB/s of the selected experts' weights, against the read bandwidth of `torch.sum` over 1 GiB
-in the same run. Writes `<out>/moe.json`.
+caches hold; packed: as many copies as make 1 GiB), GB/s of the selected experts' weights (packed: their
+packed bytes), against the read bandwidth of `torch.sum` over 1 GiB in the same run. Writes
+`<out>/moe.json`.
 
 Usage:
     python benchmarks/moe.py                      # f32 and bf16, the qwen3-moe layout
     python benchmarks/moe.py --quick              # f32 only, few repetitions
     python benchmarks/moe.py --layout large --dtypes bf16 --no-compile
+    python benchmarks/moe.py --quantize ""         # no packed variants
 """
 
 from __future__ import annotations
@@ -89,9 +93,11 @@ def with_experts(model: torch.nn.Module, implementation: str) -> torch.nn.Module
     return other
 
 
-def expert_bandwidth(model: torch.nn.Module, layers: int, repeat: int) -> dict:
-    """GB/s of the selected experts' weights in a one-token experts call with fresh routing, against a sum."""
+def expert_bandwidth(model: torch.nn.Module, layers: int, repeat: int, packed: list[str]) -> dict:
+    """GB/s of the selected experts' weights in a one-token experts call with fresh routing, against a sum
+    (`packed`: the formats whose packed experts are timed too, over their packed bytes)."""
     from kernelize.experts import grouped_experts
+    from kernelize.quant.experts import QuantizedExperts
 
     experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
     e, two_i, h = experts.gate_up_proj.shape
@@ -118,6 +124,16 @@ def expert_bandwidth(model: torch.nn.Module, layers: int, repeat: int) -> dict:
                 fn(picks[r % len(picks)], ups[layer], downs[layer])
                 times.append(time.perf_counter() - t0)
             out["gb_s"][name] = k * per_expert / statistics.median(times) / 1e9
+        for fmt in packed:  # as many copies as make 1 GiB: this host's caches may hold a few layers' bytes
+            one = QuantizedExperts.from_experts(experts, fmt)
+            size = sum(b.numel() for b in one.buffers())
+            copies = [one] + [copy.deepcopy(one) for _ in range(-(-(2**30) // size) - 1)]
+            times = []
+            for r in range(repeat * 8):
+                t0 = time.perf_counter()
+                copies[r % len(copies)](x, picks[r % len(picks)], weights)
+                times.append(time.perf_counter() - t0)
+            out["gb_s"][f"kernelized {fmt}"] = k * size / e / statistics.median(times) / 1e9
         big = torch.ones(2**30 // 4)
         sums = []
         for _ in range(max(3, repeat)):
@@ -151,6 +167,9 @@ def run(layout: str, dtype_name: str, args: argparse.Namespace) -> dict:
         "eager-loop": with_experts(eager, "eager"),
         "kernelized": kernelize_model(copy.deepcopy(eager)),
     }
+    packed = [f for f in args.quantize.split(",") if f]
+    for fmt in packed:
+        models[f"kernelized {fmt}"] = kernelize_model(copy.deepcopy(eager), quantize=fmt)
     label = f"{layout} {dtype_name}"
     print(f"{label}: {params / 1e6:.0f} M parameters", file=sys.stderr)
     record: dict = {"model": label, "parameters": params, "layout": dict(zip(_FIELDS, LAYOUTS[layout]))}
@@ -160,7 +179,9 @@ def run(layout: str, dtype_name: str, args: argparse.Namespace) -> dict:
         prefill_models["torch.compile"] = torch.compile(eager)
     record["prefill"] = bench_prefill(prefill_models, 1, args.seq, args.repeat)
     record["decode"] = bench_decode(models, args.new_tokens, args.repeat)
-    record["experts_decode"] = expert_bandwidth(eager, args.bw_layers, args.repeat)
+    equal = record["decode"]["equal"]
+    record["decode"]["tokens_equal"] = all(v for n, v in equal.items() if not n.startswith("kernelized "))
+    record["experts_decode"] = expert_bandwidth(eager, args.bw_layers, args.repeat, packed)
     p, d, b = record["prefill"], record["decode"], record["experts_decode"]
     print(
         f"  prefill s{args.seq}: " + "  ".join(f"{v} {p['speedup'][v]:.2f}x" for v in p["ms"]),
@@ -174,7 +195,8 @@ def run(layout: str, dtype_name: str, args: argparse.Namespace) -> dict:
     )
     print(
         f"  experts decode: {b['gb_s']['kernelized']:.1f} GB/s ({b['of_sum']['kernelized']:.0%} of sum "
-        f"{b['sum_gb_s']:.1f} GB/s); eager {b['gb_s']['eager']:.1f} GB/s",
+        f"{b['sum_gb_s']:.1f} GB/s); eager {b['gb_s']['eager']:.1f} GB/s"
+        + "".join(f"; {n} {v:.1f} GB/s ({b['of_sum'][n]:.0%})" for n, v in b["gb_s"].items() if " " in n),
         file=sys.stderr,
     )
     return record
@@ -183,8 +205,9 @@ def run(layout: str, dtype_name: str, args: argparse.Namespace) -> dict:
 def table(records: list[dict]) -> str:
     """The docs table: per dtype, prefill and decode against eager (same run), tokens, experts' read rate."""
     head = "| model | prefill vs eager | vs eager-loop | vs torch.compile | decode vs eager | decode tok/s "
-    head += "(eager / ours) | same tokens | experts' read rate (share of `sum`) |"
-    rows = [head, "|---|---|---|---|---|---|---|---|"]
+    head += "(eager / ours) | same tokens | experts' read rate (share of `sum`) | packed experts: decode, "
+    head += "prefill vs eager (read rate) |"
+    rows = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         p, d, b = r["prefill"]["ms"], r["decode"], r["experts_decode"]
         ours = p["kernelized"]
@@ -200,6 +223,12 @@ def table(records: list[dict]) -> str:
             str(d["tokens_equal"]),
             f"{b['gb_s']['kernelized']:.1f} GB/s ({b['of_sum']['kernelized']:.0%}; "
             f"eager {b['of_sum']['eager']:.0%})",
+            "; ".join(
+                f"{n.split()[1]} {d['speedup'][n]:.2f}x, {p['eager'] / p[n]:.2f}x ({b['of_sum'][n]:.0%})"
+                for n in p
+                if n.startswith("kernelized ")
+            )
+            or "-",
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -220,11 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bw-layers", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--quantize", default="q8_0,q4_0", help="packed variants (comma-separated formats)")
     parser.add_argument("--quick", action="store_true", help="f32 only, 3 repetitions, no torch.compile")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     if args.quick:
-        args.dtypes, args.repeat, args.compile = "f32", 3, False
+        args.dtypes, args.repeat, args.compile, args.quantize = "f32", 3, False, ""
     torch.set_num_threads(args.threads)
     records = [run(args.layout, d, args) for d in args.dtypes.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -350,7 +350,11 @@ def _moe(r: dict) -> str:
     prefill = span([x["prefill"]["ms"]["eager"] / x["prefill"]["ms"]["kernelized"] for x in recs])
     shares = sorted(round(100 * x["experts_decode"]["of_sum"]["kernelized"]) for x in recs)
     read = f"{shares[0]}%" if shares[0] == shares[-1] else f"{shares[0]}-{shares[-1]}%"
-    return f"decode {decode} eager, prefill {prefill} eager; experts read at {read} of `sum`'s bandwidth"
+    out = f"decode {decode} eager, prefill {prefill} eager; experts read at {read} of `sum`'s bandwidth"
+    packed = sorted({n for x in recs for n in x["decode"]["speedup"] if n.startswith("kernelized ")})
+    for name in packed:  # kernelize_model(quantize=...): the experts packed too
+        out += f"; {name.split()[1]} decode {span([x['decode']['speedup'][name] for x in recs])} eager"
+    return out
 
 
 def _packed(r: dict) -> str:

@@ -347,8 +347,9 @@ def use_experts_function(model: torch.nn.Module, mode: Mode, device: Any = None)
     switch or None when nothing was switched)."""
 
     found = experts_modules(model)
+    packed = _record_packed(model, mode, device)
     if not found:
-        return "no experts modules", None
+        return ("no experts modules" if not packed else f"{packed} packed experts modules"), None
     previous = getattr(getattr(model, "config", None), "_experts_implementation", None) or "grouped_mm"
     setter = getattr(model, "set_experts_implementation", None)
     why = None if setter is not None else "not a transformers PreTrainedModel"
@@ -391,6 +392,18 @@ def use_experts_function(model: torch.nn.Module, mode: Mode, device: Any = None)
     return f"experts implementation set to `{EXPERTS_NAME}` ({served} of {len(found)} modules)", previous
 
 
+def _record_packed(model: torch.nn.Module, mode: Mode, device: Any) -> int:
+    """Record each packed experts module (`kernelize_model(quantize=...)`: its own kernels) for
+    `kernelize.inspect`; returns how many there are."""
+    from kernelize.quant.experts import QuantizedExperts
+
+    packed = {p: m for p, m in model.named_modules() if isinstance(m, QuantizedExperts)}
+    kernel, where = f"{QuantizedExperts.__module__}.QuantizedExperts", None if device is None else str(device)
+    for path, module in packed.items():
+        record_choice(module, KernelChoice(path, EXPERTS_LAYER, kernel, where, mode, kernel_layer=kernel))
+    return len(packed)
+
+
 # On a GPU transformers' `grouped_mm` (torch._grouped_mm) measured faster than the generated kernels (H200,
 # Qwen3-MoE layout, bf16, two runs: prefill 0.70-0.84x and decode 0.70-0.76x eager's speed with the kernel;
 # benchmarks/results/gpu/moe.json): the one call keeps it there unless this variable is 1.
@@ -426,7 +439,10 @@ class Routing:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.modules = list(experts_modules(model).values())
+        from kernelize.quant.experts import QuantizedExperts
+
+        packed = [m for m in model.modules() if isinstance(m, QuantizedExperts)]  # quantize=: the same calls
+        self.modules = [*experts_modules(model).values(), *packed]
         self.calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """The packed-weight CPU kernels: ``templates/cpu_quant_gemv.cpp`` filled per format, compiled and cached
 through the CPU backend's build (:mod:`kernelize.codegen.cpu_build`), called through ctypes.
 
-One shared library per format holds the few-row matmul for f32 / bf16 inputs and outputs, the dequantizer
-of a panel of weight rows (prefill) and the activation quantizer (tests).
+One shared library per format holds the few-row matmul for f32 / bf16 inputs and outputs, the routed
+experts' few-pair kernel (:mod:`kernelize.quant.experts`), the dequantizer of a panel of weight rows
+(prefill) and the activation quantizer (tests).
 
 Example:
     >>> lib = library("q8_0")  # doctest: +SKIP
@@ -53,6 +54,26 @@ def library(fmt: str) -> ctypes.CDLL:
     for entry in ("dequant", "dequant_bf16"):
         getattr(lib, f"kz_quant_{name}_{entry}").argtypes = [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
     getattr(lib, f"kz_quant_{name}_quantize_x").argtypes = [_P, _I64, _I64, _P, _P]
+    for xn in _DTYPES.values():
+        fn = getattr(lib, f"kz_quant_{name}_experts_{xn}")
+        fn.argtypes = [
+            _P,
+            _P,
+            _P,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _I64,
+            _P,
+            _P,
+            _P,
+            _P,
+            _P,
+            ctypes.c_int,
+            ctypes.c_int,
+        ]
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -93,6 +114,14 @@ def gemv(
     )  # fmt: skip
 
 
+@functools.cache
+def experts_entry(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+    """Format ``name``'s routed-experts kernel for ``dtype`` (f32 / bf16) activations and outputs:
+    ``(x, index, weights, T, K, E, H, I, gate_up, gate_up_scales, down, down_scales, out, threads, act)``
+    (:class:`kernelize.quant.experts.QuantizedExperts` passes them)."""
+    return getattr(library(name), f"kz_quant_{name}_experts_{_DTYPES[dtype]}")
+
+
 DEQUANT_ENTRIES = {torch.float32: "dequant", torch.bfloat16: "dequant_bf16"}
 
 
@@ -126,4 +155,13 @@ def quantize_activations(x: torch.Tensor, fmt: str = "q8_0") -> tuple[torch.Tens
     return q, d
 
 
-__all__ = ["GLU_ACTS", "dequantize_rows", "entry", "gemv", "library", "quantize_activations", "source"]
+__all__ = [
+    "GLU_ACTS",
+    "dequantize_rows",
+    "entry",
+    "experts_entry",
+    "gemv",
+    "library",
+    "quantize_activations",
+    "source",
+]

@@ -158,8 +158,9 @@ class QuantizeSummary:
 
 def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()) -> QuantizeSummary:
     """Replace every ``nn.Linear`` of ``model`` (in place; the LM head included), and every transformers
-    ``Conv1D`` (GPT-2's projections), by a :class:`QuantizedLinear` of format ``fmt``. Embeddings and other
-    modules stay float.
+    ``Conv1D`` (GPT-2's projections), by a :class:`QuantizedLinear` of format ``fmt``, and every transformers
+    experts module of a mixture-of-experts model by a :class:`~kernelize.quant.experts.QuantizedExperts`.
+    Embeddings and other modules stay float.
 
     Args:
         model: the model (its linear layers on the CPU).
@@ -178,6 +179,7 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()
     """
     f = get_format(fmt)
     summary = QuantizeSummary()
+    _quantize_experts(model, f.name, skip, summary)
     for name, mod in list(model.named_modules()):
         weight = linear_weight(mod)
         if weight is None:
@@ -204,6 +206,29 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()
         summary.bytes_after / 1e6,
     )  # fmt: skip
     return summary
+
+
+def _quantize_experts(model: nn.Module, fmt: str, skip: Sequence[str], summary: QuantizeSummary) -> None:
+    """Replace each transformers experts module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) by a
+    :class:`~kernelize.quant.experts.QuantizedExperts`, or name why it stays float."""
+    from kernelize.model_experts import experts_modules
+    from kernelize.quant.experts import QuantizedExperts, experts_reason
+
+    for name, mod in experts_modules(model).items():
+        why = (
+            "skipped by name" if name in skip or name.rsplit(".", 1)[-1] in skip else experts_reason(mod, fmt)
+        )
+        if why is not None:
+            summary.skipped[name] = why
+            continue
+        before = sum(p.numel() * p.element_size() for p in mod.parameters())
+        q = QuantizedExperts.from_experts(mod, fmt)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, q)
+        summary.replaced.append(name)
+        summary.bytes_before += before
+        summary.bytes_after += sum(b.numel() * b.element_size() for b in q.buffers())
+        logger.debug("quantize_model: %s -> QuantizedExperts(%s)", name, fmt)
 
 
 __all__ = ["QuantizeSummary", "QuantizedLinear", "linear_weight", "quantize_model"]

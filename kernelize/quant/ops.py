@@ -216,7 +216,7 @@ def _cpu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: 
     if x.shape[0] <= FEW_ROWS:
         kernels.gemv(x, packed, bias, out)
     else:
-        _panels(x if native_panels(x.dtype) else x.float(), packed, bias, out)
+        panels(x if native_panels(x.dtype) else x.float(), packed, bias, out)
 
 
 def native_panels(dtype: torch.dtype) -> bool:
@@ -230,7 +230,7 @@ def native_panels(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not lowp_gemm_in_f32(DType.BF16)
 
 
-def _panels(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+def panels(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """Prefill: ``out[:, n0:n1] = x @ W[n0:n1].T`` panel by panel, dequantized into one scratch of x's dtype.
     In f32 the product is built transposed (``[N, M]``) so each panel's result is a contiguous slice that
     ``torch.mm`` writes; in bf16 (:func:`native_panels`) ``x @ panel.T`` (oneDNN's native bf16 GEMM: 0.86
@@ -260,4 +260,4 @@ def _panels(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, ou
 # device type -> its kernels: run(x [M, K] contiguous, packed, bias f32 or None, out [M, N]); DTYPES' keys
 RUNS = {"cpu": _cpu, "cuda": gpu.run}
 
-__all__ = ["DTYPES", "FEW_ROWS", "PANEL_ROWS", "RUNS", "FewRows", "linear"]
+__all__ = ["DTYPES", "FEW_ROWS", "PANEL_ROWS", "RUNS", "FewRows", "linear", "native_panels", "panels"]

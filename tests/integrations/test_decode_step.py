@@ -109,15 +109,19 @@ def test_a_layer_whose_graphs_are_not_all_c_calls_keeps_why(monkeypatch):
     assert isinstance(reason, str) and "pre_attention_math" in reason
 
 
-def test_an_moe_layer_replays_with_its_router_and_experts(monkeypatch):
+@pytest.mark.parametrize("quantize", [None, "q8_0"])
+def test_an_moe_layer_replays_with_its_router_and_experts(monkeypatch, quantize):
     """Qwen3-MoE: each layer's program runs the router graph and the experts kernel too (a probe showed
-    they are all the sparse block computes); tokens and logits equal the Python path's. A hook on the
-    experts sends the steps the Python way, which calls it."""
+    they are all the sparse block computes; packed: the packed q|k|v with the query / key norms, and the
+    packed experts' kernel); tokens and logits equal the Python path's. A hook on the experts sends the
+    steps the Python way, which calls it."""
     from kernelize.models import zoo
+    from kernelize.quant.experts import QuantizedExperts
 
     torch.manual_seed(0)
     model = zoo.tiny_causal_lm("qwen3_moe").to(torch.bfloat16)
-    kernelize_model(model)
+    kernelize_model(model, quantize=quantize)
+    assert isinstance(model.model.layers[0].mlp.experts, QuantizedExperts) == (quantize is not None)
     runs = _record_runs(monkeypatch)
     tokens, logits = _generate(model, 12)
     steps = [layer.__dict__.get("_kernelize_decode_step", (None, None))[1] for layer in model.model.layers]

@@ -10,6 +10,7 @@ from torch import nn
 
 from kernelize.integrations.transformers import kernelize_model
 from kernelize.layer.record import inspect
+from kernelize.quant.experts import QuantizedExperts
 from kernelize.quant.model import packed_reason, quantize_for_kernelize
 from kernelize.quant.module import QuantizedLinear
 
@@ -115,7 +116,8 @@ def test_skipped_and_reasons() -> None:
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
     log = logging.getLogger("kernelize.quant.model")
     log.addHandler(handler)
-    level, log.level = log.level, logging.INFO
+    level = log.level
+    log.setLevel(logging.INFO)  # (not `log.level =`: that keeps isEnabledFor's cached answers)
     try:
         summary = quantize_for_kernelize(model, "int8")
     finally:
@@ -161,7 +163,8 @@ def test_gpt2_conv1d_projections_are_packed_and_its_attention_serves_them() -> N
 def test_families_quantized(family: str) -> None:
     """The one call with quantize= on families whose linear layers are not all plain: Phi-MoE's router (a
     linear subclass returning scores and choices) stays float, Falcon's FalconLinear (a product of its own)
-    is packed, GPT-2's Conv1D projections are packed; logits equal the packed model's own forward."""
+    is packed, GPT-2's Conv1D projections are packed, the MoE families' experts are packed; logits equal
+    the packed model's own forward."""
     import copy
 
     from kernelize.models import zoo
@@ -172,7 +175,10 @@ def test_families_quantized(family: str) -> None:
     summary = quantize_for_kernelize(own, "q8_0")
     assert summary.replaced
     served = kernelize_model(copy.deepcopy(eager), quantize="q8_0")
-    assert {n for n, m in served.named_modules() if isinstance(m, QuantizedLinear)} == set(summary.replaced)
+    packed = (QuantizedLinear, QuantizedExperts)
+    assert {n for n, m in served.named_modules() if isinstance(m, packed)} == set(summary.replaced)
+    if family.endswith("moe"):  # the experts are packed too
+        assert any(isinstance(m, QuantizedExperts) for m in served.modules())
     want, got = zoo.logits(own, ids, mask), zoo.logits(served, ids, mask)
     real = mask.bool()
     assert (got[real] - want[real]).abs().max() <= 1e-4 * want[real].abs().max()

@@ -23,8 +23,10 @@ takes the norms of its slots:
 
 With packed projections (`kernelize_model(quantize=...)`: `QuantizedLinear`) the matmuls are packed calls
 instead (`_run_packed`): [input norm] graph, one packed q|k|v call over the merged bytes, the rotary graph
-(`rotate_math`), attention, the packed o_proj, the residual/norm graph (`residual_norm_math`), one packed
-gate|up call with `act(gate) * up` in its epilogue, the packed down_proj, and `[norm] + residual`.
+(`rotate_math`, with the query / key norms when the attention has them), attention, the packed o_proj, the
+residual/norm graph (`residual_norm_math`), one packed gate|up call with `act(gate) * up` in its epilogue,
+the packed down_proj, and `[norm] + residual`; an MoE block (its experts packed or not) runs its own forward
+in place of the gate|up and down calls.
 
 The block runs when the layer's attention runs this hub's `CausalSelfAttention` (query / key norms, if
 any, per head, in graph 1 before the rotary: Qwen3, Gemma 3), each of its norms is an RMSNorm or a
@@ -140,9 +142,17 @@ def norm_math(x, *params, norm, eps):
     return _hubs()[0].styled_norm(x, iter(params), norm, eps)
 
 
-def rotate_math(qkv, cos, sin, *, heads, kv_heads, head_dim, neox):
-    """(q, k, v) of the merged projection `qkv` (a packed call's output), q and k rotated."""
-    return _rotate(qkv, cos, sin, qkv, heads=heads, kv_heads=kv_heads, head_dim=head_dim, neox=neox)
+def rotate_math(qkv, cos, sin, *qk_weights, **p):
+    """(q, k, v) of the merged projection `qkv` (a packed call's output), q and k [normed per head and]
+    rotated (`p`: `_rotate`'s parameters)."""
+    return _rotate(qkv, cos, sin, qkv, *qk_weights, **p)
+
+
+def rotate_params(attn: nn.Module, pre: dict[str, Any]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """`rotate_math`'s weights (the query and key norms', when the block has them) and parameters."""
+    names = ("heads", "kv_heads", "head_dim", "neox", "qk_norm", "qk_eps")
+    weights = [attn.q_norm.weight, attn.k_norm.weight] if pre.get("qk_norm") else []
+    return weights, {name: pre[name] for name in names if name in pre}
 
 
 def matmul_math(x, weight):
@@ -214,7 +224,7 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     if isinstance(packed, str):
         return packed
     by_forward = {getattr(norms, name).forward: name for name in norms.NORM_MATH}
-    qk_norm = _qk_norm(layer.self_attn, by_forward, packed)
+    qk_norm = _qk_norm(layer.self_attn, by_forward)
     if isinstance(qk_norm, str):
         return qk_norm
     q_k_v = [getattr(layer.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
@@ -223,8 +233,8 @@ def _plan(layer: nn.Module, attention_layer: type) -> Block | str:
     mlp = layer.mlp
     fused = _installed(mlp) is activation.FusedGatedMLP.forward
     own_mlp = _own_mlp(mlp, fused, activation, packed is not None)
-    if own_mlp and packed is not None:
-        return f"packed projections, and {own_mlp}"
+    if packed is not None and bool(own_mlp) != (packed[1] is None):
+        return f"packed projections, and {own_mlp or 'an MLP whose projections are not packed'}"
     act = None if own_mlp else activation.hidden_act_of(mlp)
     slots = norms_of(layer)
     style, eps = dict.fromkeys(NORM_SLOTS), dict.fromkeys(NORM_SLOTS, 0.0)
@@ -268,15 +278,15 @@ def _own_mlp(mlp: nn.Module, fused: bool, activation: Any, packed: bool) -> str 
     return None
 
 
-def _qk_norm(attn: nn.Module, by_forward: dict, packed: Any) -> dict | str:
+def _qk_norm(attn: nn.Module, by_forward: dict) -> dict | str:
     """The block's query/key norm parameters: `{}` without them; `qk_norm` (style) and `qk_eps` for a
     q_norm and a k_norm per head (Qwen3, Gemma 3: `head_dim` weights, one RMSNorm kernel style and eps);
-    why not, else (over the whole projection as OLMo2's, only one of them, packed projections)."""
+    why not, else (over the whole projection as OLMo2's, only one of them)."""
     found = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
     if all(n is None for n in found):
         return {}
-    if packed is not None or any(n is None for n in found):
-        return "the attention's query/key norms are not in the block's math (packed, or only one of them)"
+    if any(n is None for n in found):
+        return "the attention's query/key norms are not in the block's math (only one of them)"
     norms = _hubs()[0]
     styles = {by_forward.get(_installed(n)) for n in found}
     eps = {norms.eps_of(n) for n in found}
@@ -287,20 +297,26 @@ def _qk_norm(attn: nn.Module, by_forward: dict, packed: Any) -> dict | str:
     return {"qk_norm": styles.pop(), "qk_eps": eps.pop()}
 
 
-def _packed_names(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]] | str | None:
+def _packed_names(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...] | None] | str | None:
     """The merged projections' names ((q|k|v), (gate|up)) when the layer's projections are packed
-    (`QuantizedLinear`), None when none is, or why the packed block cannot run them."""
+    (`QuantizedLinear`), None when none is, or why the packed block cannot run them. (gate|up) is None for
+    an MLP with no packed projection of its own (an MoE block: its experts, packed or not, run in its
+    forward)."""
     from kernelize.quant.fused import is_packed, merged_packed
 
     attn, mlp = layer.self_attn, layer.mlp
     children = [c for s in (attn, mlp) for c in s.children()]
     if not is_packed(*children):
         return None
+    mixed = "packed and float projections mixed, or packed ones in formats that do not merge"
     qkv = ("qkv_proj",) if hasattr(attn, "qkv_proj") else ("q_proj", "k_proj", "v_proj")
+    if not (merged_packed(attn, qkv) and is_packed(attn.o_proj)):
+        return mixed
+    if not is_packed(*mlp.children()):
+        return qkv, None
     gate_up = ("gate_up_proj",) if hasattr(mlp, "gate_up_proj") else ("gate_proj", "up_proj")
-    ready = merged_packed(attn, qkv) and merged_packed(mlp, gate_up)
-    if not (ready and is_packed(attn.o_proj) and is_packed(mlp.down_proj)):
-        return "packed and float projections mixed, or packed ones in formats that do not merge"
+    if not (merged_packed(mlp, gate_up) and is_packed(getattr(mlp, "down_proj", None))):
+        return mixed
     return qkv, gate_up
 
 
@@ -473,7 +489,8 @@ def _run_packed(
 ) -> torch.Tensor:
     """`run_block` with packed projections: [norm] -> one packed q|k|v call -> rotary -> attention -> packed
     o_proj -> residual and norms -> one packed gate|up call (`act(gate) * up` in its epilogue) -> packed
-    down_proj -> [norm] + residual; the submodules' forwards are not called (no module dispatch per step)."""
+    down_proj -> [norm] + residual; the submodules' forwards are not called (no module dispatch per step),
+    but an MoE block's (`own_mlp`)."""
     from kernelize.quant.fused import glu, merged_packed
     from kernelize.quant.ops import linear
 
@@ -485,11 +502,13 @@ def _run_packed(
     if pre["norm"] is not None:
         h = hub.run(layer, norm_math, [x], weight_of["input"], norm=pre["norm"], eps=pre["eps"])
     qkv = _project(calls[0], h, lambda h: linear(h, *merged_packed(attn, qkv_names)))
-    rotary = {name: pre[name] for name in ("heads", "kv_heads", "head_dim", "neox")}
-    q, k, v = hub.run(attn, rotate_math, [qkv, *rotary_tables(attn, *position_embeddings)], **rotary)
+    qk_w, rotary = rotate_params(attn, pre)
+    q, k, v = hub.run(attn, rotate_math, [qkv, *rotary_tables(attn, *position_embeddings)], qk_w, **rotary)
     o = _project(calls[1], attend(q, k, v), attn.o_proj)
     h = hub.run(layer, residual_norm_math, [o, x], _weights(weight_of, "post_attn", "pre_ff"), **block.post)
     h, residual = (h, h) if block.post["norm"] is None else h
+    if block.own_mlp:
+        return own_mlp(layer, block, h, residual, weight_of)
     act = block.mlp["act"]
     y = _project(calls[2], h, lambda h: glu(h, *_swap(merged_packed(mlp, gate_up_names), act)))
     y = _project(calls[3], y, mlp.down_proj)
@@ -508,17 +527,18 @@ def _project(call: Any, x: torch.Tensor, fallback: Any) -> torch.Tensor:
 
 
 def _packed_calls(layer: nn.Module, block: Block) -> tuple[Any, ...]:
-    """The layer's four packed products (q|k|v, o_proj, gate|up with its activation, down_proj) as resolved
-    few-row kernel calls (`kernelize.quant.ops.FewRows`; None where a bias is not the kernel's f32), made
-    once and kept while the merged weights and biases are the same objects (a replaced buffer re-merges
-    them, so the calls are made again)."""
+    """The layer's four packed products (q|k|v, o_proj, gate|up with its activation, down_proj; the first two
+    around an MLP of its own) as resolved few-row kernel calls (`kernelize.quant.ops.FewRows`; None where a
+    bias is not the kernel's f32), made once and kept while the merged weights and biases are the same
+    objects (a replaced buffer re-merges them, so the calls are made again)."""
     from kernelize.quant.fused import merged_packed
     from kernelize.quant.ops import FewRows
 
     attn, mlp = layer.self_attn, layer.mlp
-    o, down = attn.o_proj, mlp.down_proj
+    o = attn.o_proj
     parts = (*merged_packed(attn, block.packed[0]), o.packed, o.bias)
-    parts += (*merged_packed(mlp, block.packed[1]), down.packed, down.bias)
+    if block.packed[1] is not None:
+        parts += (*merged_packed(mlp, block.packed[1]), mlp.down_proj.packed, mlp.down_proj.bias)
     held = layer.__dict__.get("_kernelize_packed_calls")
     if held is not None and all(a is b for a, b in zip(held[0], parts)):
         return held[1]

@@ -61,6 +61,7 @@ from .block import (
     residual_norm_math,
     rotary_tables,
     rotate_math,
+    rotate_params,
 )
 
 logger = logging.getLogger(__name__)
@@ -282,8 +283,6 @@ def _build(layer, attn, block, x, tables, kbuf, vbuf, held, build) -> _Step | st
 
 def _build_llama(prog, layer, block, x, tables, kbuf, vbuf, held):
     """`block.run_block`'s steps: packed (`_packed`) or dense (`_dense`)."""
-    if block.packed is not None and block.own_mlp:
-        raise _NotFixed("packed projections around an MLP that runs its own forward")
     cos, sin = tables
     return (_packed if block.packed is not None else _dense)(
         prog, layer, block, x, cos, sin, kbuf, vbuf, held
@@ -359,13 +358,15 @@ def _packed(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
             prog, layer, norm_math, [x], weight_of["input"], {0: "x"}, norm=pre["norm"], eps=pre["eps"]
         )
     qkv = _project(prog, calls[0], h, h is x)
-    rotary = {name: pre[name] for name in ("heads", "kv_heads", "head_dim", "neox")}
-    q, k, v = _graph(prog, attn, rotate_math, [qkv, cos, sin], [], {1: "cos", 2: "sin"}, **rotary)
+    qk_w, rotary = rotate_params(attn, pre)
+    q, k, v = _graph(prog, attn, rotate_math, [qkv, cos, sin], qk_w, {1: "cos", 2: "sin"}, **rotary)
     o_in = _attention(prog, attn, q, k, v, kbuf, vbuf, held)
     o = _project(prog, calls[1], o_in, False)
     post_w = _weights(weight_of, "post_attn", "pre_ff")
     h = _graph(prog, layer, residual_norm_math, [o, x], post_w, {1: "x"}, **block.post)
     h, residual = (h[0], h[0]) if block.post["norm"] is None else h
+    if block.own_mlp:
+        return _own_mlp_step(prog, mlp, block, weight_of, h, residual)
     y = _project(prog, calls[3], _project(prog, calls[2], h, False), False)
     return _after_mlp_graph(prog, mlp, block, weight_of, y, residual), False
 
@@ -405,12 +406,19 @@ def _dense(prog, layer, block, x, cos, sin, kbuf, vbuf, held):
     h = _graph(prog, layer, post_attention_math, [out, x], post_w, {1: "x"}, bias=bias, **block.post)
     h, residual = (h[0], h[0]) if block.post["norm"] is None else h
     if block.own_mlp:
-        y = _moe(prog, mlp, h)
-        if y is None:  # h (and the residual): the MoE block runs its own forward next
-            return ((h,) if h is residual else (h, residual)), False
-        return _after_mlp_graph(prog, mlp, block, weight_of, y, residual), True
+        return _own_mlp_step(prog, mlp, block, weight_of, h, residual)
     mlp_w = [_gate_up(mlp, block), mlp.down_proj.weight, *_weights(weight_of, "post_ff")]
     return _graph(prog, mlp, mlp_math, [h, residual], mlp_w, {}, **block.mlp), False
+
+
+def _own_mlp_step(prog: Program, mlp: nn.Module, block: Block, weight_of: dict, h, residual) -> tuple:
+    """An MLP of its own after the attention: an MoE block as its router's and experts' calls (`_moe`) and
+    the `[norm] + residual` graph, (outputs, True); else (h and the residual, False): the block runs its own
+    forward on the program's outputs."""
+    y = _moe(prog, mlp, h)
+    if y is None:
+        return ((h,) if h is residual else (h, residual)), False
+    return _after_mlp_graph(prog, mlp, block, weight_of, y, residual), True
 
 
 def _moe(prog: Program, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
@@ -420,13 +428,14 @@ def _moe(prog: Program, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
     output). Returns the block's output, a buffer of the program."""
     from kernelize.model_experts import EXPERTS_NAME, experts_c_call
     from kernelize.model_router import RouterForward
+    from kernelize.quant.experts import QuantizedExperts
 
     gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
     router = None if gate is None else gate.__dict__.get("forward")
     config = getattr(experts, "config", None)
-    if (
-        not isinstance(router, RouterForward)
-        or getattr(config, "_experts_implementation", None) != EXPERTS_NAME
+    packed = isinstance(experts, QuantizedExperts)  # packed experts: their own kernel call
+    if not isinstance(router, RouterForward) or not (
+        packed or getattr(config, "_experts_implementation", None) == EXPERTS_NAME
     ):
         return None
     x = h.view(-1, h.shape[-1])
@@ -435,12 +444,13 @@ def _moe(prog: Program, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
         return None
     _, weights, index = fixed.outputs
     y = torch.empty_like(x)
-    call = experts_c_call(experts, x, index, weights, y)
+    call = experts.c_call(x, index, weights, y) if packed else experts_c_call(experts, x, index, weights, y)
     if call is None:
         return None
+    threads_at = QuantizedExperts.THREADS_ARG if packed else None
     probe = Program()
     probe.add_graph(fixed, {})
-    probe.add(call)
+    probe.add(call, threads_at=threads_at)
     with torch.no_grad():
         x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(0)))
         want = mlp(h.clone())
@@ -449,7 +459,7 @@ def _moe(prog: Program, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
     if not torch.equal(y.view(h.shape), want):
         return None
     prog.add_graph(fixed, {})
-    prog.add(call)
+    prog.add(call, threads_at=threads_at)
     prog.hold(y)
     return y.view(h.shape)
 
