@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,12 +138,38 @@ def _own_forward(module: nn.Module) -> bool:
     weight = module.weight
     x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
     with torch.no_grad():
-        out = module(x)
+        try:
+            out = module(x)
+        except Exception:  # a forward that wants other inputs (DeepSeek-V4's grouped o_proj): not a linear's
+            return True
         want = nn.functional.linear(x, weight, module.bias)
     if not isinstance(out, torch.Tensor) or out.shape != want.shape or out.dtype != want.dtype:
         return True
     tol = 1e-2 if weight.dtype in (torch.float16, torch.bfloat16) else 1e-4
     return not torch.allclose(out.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()) + 1e-6)
+
+
+# what a model's own code does with a child's float weight that a packed layer (which has none) cannot serve:
+# reads its dtype or device (DeepSeek-V3.2's indexer casts its input to `weights_proj.weight.dtype`, Mamba's
+# head to `lm_head.weight.dtype`) or changes it in place (RWKV rescales `output.weight` in eval mode)
+_WEIGHT_USE = re.compile(r"\.(\w+)\.weight(?:\.(?:dtype|device)\b|(?:\.data)?\.[a-z_]+_\(|\.data\b)")
+
+
+def _weights_used(model: nn.Module) -> set[str]:
+    """The child names (``lm_head``, ``weights_proj``) whose ``.weight`` the methods of ``model``'s module
+    classes (their initialisers aside) use as :data:`_WEIGHT_USE` says."""
+    import inspect
+
+    names: set[str] = set()
+    for cls in {type(m) for m in model.modules()}:
+        for attr, fn in vars(cls).items():
+            if "init" in attr or not inspect.isfunction(fn):
+                continue
+            try:
+                names.update(_WEIGHT_USE.findall(inspect.getsource(fn)))
+            except (OSError, TypeError):  # no source
+                continue
+    return names
 
 
 @dataclass
@@ -180,6 +207,7 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()
     f = get_format(fmt)
     summary = QuantizeSummary()
     _quantize_experts(model, f.name, skip, summary)
+    used = _weights_used(model)
     for name, mod in list(model.named_modules()):
         weight = linear_weight(mod)
         if weight is None:
@@ -190,11 +218,14 @@ def quantize_model(model: nn.Module, fmt: str = "q8_0", skip: Sequence[str] = ()
         if _own_forward(mod):  # a router that returns scores and choices: a QuantizedLinear would not
             summary.skipped[name] = f"{type(mod).__name__} has a forward of its own, not a linear layer's"
             continue
+        parent, _, leaf = name.rpartition(".")
+        if leaf in used:
+            summary.skipped[name] = f"the model's code uses {leaf}.weight itself (a packed layer has none)"
+            continue
         if weight.shape[1] % f.block_size:
             summary.skipped[name] = f"in_features {weight.shape[1]} is not a multiple of {f.block_size}"
             continue
         q = QuantizedLinear.from_linear(mod, f.name)
-        parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, q)
         summary.replaced.append(name)
         summary.bytes_before += weight.numel() * weight.element_size()

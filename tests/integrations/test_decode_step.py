@@ -80,6 +80,24 @@ def test_replayed_decode_steps_equal_the_python_path(monkeypatch, dtype, quantiz
     assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
 
 
+def test_packed_projections_with_query_key_norms_replay(monkeypatch):
+    """Qwen3's per-head query / key norms in the packed block (the rotary graph norms them): the layers
+    replay, bit for bit the Python path."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256,
+    )  # fmt: skip
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    kernelize_model(model, quantize="q4_0")
+    runs = _record_runs(monkeypatch)
+    tokens, logits = _generate(model, 12)
+    assert _layer_steps(runs, 2) >= 2 * 10
+    monkeypatch.setattr(_decode_step_module(), "ENABLED", False)
+    want_tokens, want_logits = _generate(model, 12)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logits, want_logits)
+
+
 def test_a_replaced_weight_builds_the_program_again(monkeypatch):
     model = _llama(torch.bfloat16, None)
     _generate(model, 4)

@@ -159,12 +159,16 @@ def test_gpt2_conv1d_projections_are_packed_and_its_attention_serves_them() -> N
     assert out.shape == (1, 9)
 
 
-@pytest.mark.parametrize("family", ["phimoe", "falcon", "gpt2", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family", ["phimoe", "falcon", "gpt2", "qwen3_moe", "deepseek_v32", "rwkv", "deepseek_v4"]
+)
 def test_families_quantized(family: str) -> None:
     """The one call with quantize= on families whose linear layers are not all plain: Phi-MoE's router (a
     linear subclass returning scores and choices) stays float, Falcon's FalconLinear (a product of its own)
-    is packed, GPT-2's Conv1D projections are packed, the MoE families' experts are packed; logits equal
-    the packed model's own forward."""
+    is packed, GPT-2's Conv1D projections are packed, the MoE families' experts are packed; a projection
+    whose weight the model's code uses itself stays float (DeepSeek-V3.2's indexer reads its dtype, RWKV
+    rescales weights in place, DeepSeek-V4's grouped o_proj is a product of its own); logits equal the
+    packed model's own forward."""
     import copy
 
     from kernelize.models import zoo
@@ -184,3 +188,6 @@ def test_families_quantized(family: str) -> None:
     assert (got[real] - want[real]).abs().max() <= 1e-4 * want[real].abs().max()
     if family == "phimoe":
         assert all("router" in n for n in summary.skipped) and summary.skipped
+    uses = {"deepseek_v32": "weights_proj", "rwkv": "output"}.get(family)
+    if uses:
+        assert any(f"uses {uses}.weight itself" in why for why in summary.skipped.values()), summary.skipped
