@@ -4,6 +4,9 @@
    tiny widths, 2 layers or one per layer kind), eager vs `kernelize_model` on a left-padded batch:
    served or eager (with the reasons), how many of its decoder layers run at least one generated kernel,
    the kernel layers used, and the max logit difference relative to the largest logit.
+   With `--quantize FMT` (`--sweep --quantize q8_0`): `kernelize_model(model, quantize=FMT)` against the
+   same packed model's own forward (`quantize_for_kernelize`), with the projections and experts modules
+   packed and those left float (with the reasons).
 2. Speed (`--speed`): decode (greedy `generate`, batch 1) and prefill (one forward over the prompt) of one
    family per group (Qwen2: gated MLP + RMSNorm; GPT-NeoX and GPT-2: LayerNorm + GELU MLP), at a realistic
    size, f32, 2 threads: eager, the one call and `torch.compile`, medians of interleaved repetitions.
@@ -12,6 +15,7 @@ Writes `<out>/models.json` (and prints the tables). Compare ratios within one ru
 
 Usage:
     python benchmarks/models.py --sweep            # a few minutes
+    python benchmarks/models.py --sweep --quantize q8_0
     python benchmarks/models.py --speed [--quick]  # --quick: small models, few repetitions
 """
 
@@ -21,6 +25,7 @@ import argparse
 import copy
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -43,10 +48,11 @@ def decoder_layers(model: torch.nn.Module) -> list[str]:
     return best
 
 
-def sweep_one(model_type: str, class_name: str) -> dict:
+def sweep_one(model_type: str, class_name: str, quantize: str | None = None) -> dict:
     import kernelize
     from kernelize.integrations.transformers import kernelize_model
     from kernelize.models import zoo
+    from kernelize.quant.model import quantize_for_kernelize
 
     record: dict = {"family": model_type, "class": class_name}
     try:
@@ -58,7 +64,12 @@ def sweep_one(model_type: str, class_name: str) -> dict:
         return record | {"status": "skipped", "reason": f"{type(exc).__name__}: {exc}"[:300]}
     start = time.perf_counter()
     try:
-        fast = kernelize_model(copy.deepcopy(eager))
+        if quantize:  # the reference: the same packed model's own forward
+            own = copy.deepcopy(eager)
+            summary = quantize_for_kernelize(own, quantize)
+            want = zoo.logits(own, ids, mask)
+            record["packed"], record["float"] = len(summary.replaced), sorted(set(summary.skipped.values()))
+        fast = kernelize_model(copy.deepcopy(eager), quantize=quantize)
         got = zoo.logits(fast, ids, mask)
     except Exception as exc:  # what the sweep test forbids: recorded, never hidden
         return record | {"status": "crash", "reason": f"{type(exc).__name__}: {exc}"[:300]}
@@ -102,14 +113,14 @@ def experts_table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def sweep(families: list[str] | None) -> list[dict]:
+def sweep(families: list[str] | None, quantize: str | None = None) -> list[dict]:
     from kernelize.models import zoo
 
     records = []
     for model_type, class_name in zoo.causal_lm_families():
         if families and model_type not in families:
             continue
-        record = sweep_one(model_type, class_name)
+        record = sweep_one(model_type, class_name, quantize)
         print(json.dumps({k: record.get(k) for k in ("family", "status", "layers_with_kernels")}), flush=True)
         records.append(record)
     return records
@@ -358,6 +369,23 @@ def speed_table(records: list[dict]) -> str:
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 
 
+def quantized_table(records: list[dict]) -> str:
+    """The `--quantize` sweep: per result, the families, and the reasons layers stayed float."""
+    rows = ["| result | classes | families |", "|---|---|---|"]
+    for status in ("ok", "wrong", "crash", "skipped"):
+        names = [r["family"] for r in records if r["status"] == status]
+        if names:
+            rows.append(f"| {status} | {len(names)} | {', '.join(names)} |")
+
+    # the kinds of reason: sizes and names as N and X, a gate form's parameters left out
+    def kind(why: str) -> str:
+        why = re.sub(r" \(.*\)$", "", why.split(":")[0])
+        return re.sub(r"uses \w+\.weight", "uses X.weight", re.sub(r"\b\d+\b", "N", why))
+
+    reasons = sorted({kind(why) for r in records for why in r.get("float", [])})
+    return "\n".join(rows) + "\n\nLayers left float because: " + ("; ".join(reasons) or "none") + "."
+
+
 def docs_page(result: dict) -> str:
     """docs/models.md, generated from models.json (never typed by hand; a test compares the two)."""
     records = result.get("sweep", [])
@@ -404,6 +432,22 @@ def docs_page(result: dict) -> str:
         experts_table(records),
         "",
     ]
+    quantized = result.get("sweep_quantized")
+    if quantized:
+        recs = quantized["records"]
+        ok = sum(r["status"] == "ok" for r in recs)
+        lines += [
+            f'## Packed weights: `kernelize_model(model, quantize="{quantized["format"]}")`',
+            "",
+            f"Measured with `{quantized['command']}`: the same tiny models, the one call with `quantize=`",
+            "against the packed model's own forward (`quantize_for_kernelize`): every projection and experts",
+            "module packed but for the kinds of layer below, left float with the reason; skipped: as above.",
+            f"{ok} of {len(recs)} classes give their packed model's logits (max difference <= 1e-4 of the",
+            "largest logit).",
+            "",
+            quantized_table(recs),
+            "",
+        ]
     if result.get("speed"):
         lines += [
             "## Speed (CPU, f32, 2 threads)",
@@ -452,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--docs", action="store_true", help="write docs/models.md from the JSON")
+    parser.add_argument("--quantize", default="", help="sweep: kernelize_model(quantize=FMT) instead")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
@@ -461,6 +506,16 @@ def main(argv: list[str] | None = None) -> int:
     path = out / "models.json"
     result = json.loads(path.read_text()) if path.exists() else {}
     if not (args.sweep or args.speed):
+        if args.docs:
+            write_docs(result)
+        return 0
+    if args.sweep and args.quantize:  # its own record: the packed model's one call against its own forward
+        fresh = sweep(families, args.quantize)
+        command = " ".join(["python", *sys.argv])
+        result["sweep_quantized"] = {"format": args.quantize, "command": command, "records": fresh}
+        result["sweep_quantized"]["date"] = time.strftime("%Y-%m-%d")
+        print(quantized_table(fresh))
+        path.write_text(json.dumps(result, indent=1))
         if args.docs:
             write_docs(result)
         return 0
