@@ -1,7 +1,8 @@
 """Routed experts whose weights stay packed: :class:`QuantizedExperts` stands in for a transformers experts
-module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, ``act(gate) * up``: Qwen3-MoE, Qwen2-MoE,
-Mixtral, OLMoE, DeepSeek-V3, ...) under ``kernelize_model(model, quantize=...)``, so that a mixture-of-experts
-model's largest weights are the ones packed.
+module (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``, a gated MLP: Qwen3-MoE, Qwen2-MoE, Mixtral,
+OLMoE, DeepSeek-V3, gpt-oss with its biases and clamped SwiGLU, ...) under
+``kernelize_model(model, quantize=...)``, so that a mixture-of-experts model's largest weights are the ones
+packed.
 
 The E experts' gate|up weights are one packed ``[E * 2I, H]`` weight (expert ``e``'s gate rows from row
 ``2I e``, its up rows ``I`` after) and their down weights one ``[E * H, I]``: a row of a packed weight runs
@@ -54,15 +55,10 @@ def experts_reason(module: nn.Module, fmt: str) -> str | None:
     if why is not None:
         return why
     keywords = _kernel_keywords(module)
-    if not keywords["gated"] or set(keywords) != {"act", "gated"}:
-        form = ", ".join(f"{k}={v}" for k, v in keywords.items() if k not in ("act", "gated"))
-        return (
-            f"packed experts take act(gate) * up over concatenated gate|up rows only ({form or 'not gated'})"
-        )
+    if not keywords["gated"]:
+        return "packed experts take gated MLPs only (gate and up rows); this module's is not gated"
     if keywords["act"] not in ACTS:
         return f"activation {keywords['act']} is not one of the packed kernel's {sorted(ACTS)}"
-    if getattr(module, "has_bias", False):
-        return "packed experts have no biases"
     up, down, _ = _operands(module, True)
     (_, two_i, h), i = up.shape, down.shape[2]
     if two_i != 2 * i or down.shape[1] != h:
@@ -76,6 +72,10 @@ class QuantizedExperts(nn.Module):
     """The routed experts' weighted sum per token, ``forward(hidden_states [T, H], top_k_index [T, K],
     top_k_weights [T, K]) -> [T, H]`` as a transformers experts module's, over packed weights (see the
     module docstring). ``top_k_index`` may hold ``num_experts`` itself (a pair routed elsewhere: skipped).
+    ``form``: the gate form's :class:`~kernelize.ir.ops.ExpertsArgs` fields (``alpha``, ``gate_limit``,
+    ``act_limit``, ``up_limit``, ``up_shift``: gpt-oss's clamped SwiGLU); ``bias``: f32 gate|up and down
+    biases per expert (``gate_up_bias [E * 2I]``, ``down_bias [E * H]``). Interleaved gate|up rows are stored
+    as gate rows then up rows (:meth:`from_experts` reorders them).
 
     Example:
         >>> q = QuantizedExperts(2, 32, 32, "q4_0")
@@ -84,8 +84,15 @@ class QuantizedExperts(nn.Module):
     """
 
     def __init__(
-        self, num_experts: int, hidden: int, intermediate: int, fmt: str = "q8_0", act: str = "silu"
-    ):
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        fmt: str = "q8_0",
+        act: str = "silu",
+        form: dict[str, float | None] | None = None,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         f = get_format(fmt)
         if hidden % f.block_size or intermediate % f.block_size:
@@ -96,7 +103,7 @@ class QuantizedExperts(nn.Module):
         if act not in ACTS:
             raise ValueError(f"QuantizedExperts: activation {act!r} is not one of {sorted(ACTS)}")
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden, intermediate
-        self.format, self.act = f.name, act
+        self.format, self.act, self.form = f.name, act, _form(form, act)
         e, i, row = num_experts, intermediate, f.scale_per == "row"
         self.register_buffer(
             "gate_up_qweight", torch.zeros(e * 2 * i, f.row_bytes(hidden), dtype=torch.uint8)
@@ -104,6 +111,8 @@ class QuantizedExperts(nn.Module):
         self.register_buffer("gate_up_qscales", torch.zeros(e * 2 * i if row else 0))
         self.register_buffer("down_qweight", torch.zeros(e * hidden, f.row_bytes(i), dtype=torch.uint8))
         self.register_buffer("down_qscales", torch.zeros(e * hidden if row else 0))
+        self.register_buffer("gate_up_bias", torch.zeros(e * 2 * i if bias else 0))
+        self.register_buffer("down_bias", torch.zeros(e * hidden if bias else 0))
 
     @classmethod
     def from_experts(cls, module: nn.Module, fmt: str) -> QuantizedExperts:
@@ -114,14 +123,28 @@ class QuantizedExperts(nn.Module):
         why = experts_reason(module, fmt)
         if why is not None:
             raise ValueError(f"QuantizedExperts.from_experts({type(module).__name__}): {why}")
-        up, down, _ = _operands(module, True)
+        up, down, biases = _operands(module, True)
         (e, _, h), i = up.shape, down.shape[2]
-        q = cls(e, h, i, fmt, _kernel_keywords(module)["act"])
+        keywords = dict(_kernel_keywords(module))
+        act, interleaved = keywords.pop("act"), keywords.pop("interleaved", False)
+        keywords.pop("gated")
+        q = cls(e, h, i, fmt, act, keywords, bias=bool(biases))
+
+        def rows(w: torch.Tensor) -> torch.Tensor:  # gate rows, then up rows
+            return torch.cat((w[..., 0::2, :], w[..., 1::2, :]), dim=-2) if interleaved else w
+
         for name, w in (("gate_up", up), ("down", down)):
-            parts = [quantize(w[x].detach().float().contiguous(), fmt) for x in range(e)]
+            parts = [
+                quantize((rows(w[x]) if name == "gate_up" else w[x]).detach().float(), fmt) for x in range(e)
+            ]
             setattr(q, f"{name}_qweight", torch.cat([p.data for p in parts]))
             if parts[0].scales is not None:
                 setattr(q, f"{name}_qscales", torch.cat([p.scales for p in parts]))
+        if biases:
+            up_bias = biases["up_bias"].detach().float()
+            up_bias = torch.cat((up_bias[:, 0::2], up_bias[:, 1::2]), dim=1) if interleaved else up_bias
+            q.gate_up_bias = up_bias.reshape(-1).contiguous()
+            q.down_bias = biases["down_bias"].detach().float().reshape(-1).contiguous()
         return q.train(module.training)
 
     @property
@@ -181,17 +204,39 @@ class QuantizedExperts(nn.Module):
         return x.contiguous(), index.to(torch.int64).contiguous(), weights.to(x.dtype).contiguous()
 
     def _args(self, x, index, weights, out, threads: int) -> tuple:
+        """The kernel's arguments, and the arrays they point into (held by a replay program's call)."""
         up, down = self.packed
-        scales = [0 if p.scales is None else p.scales.data_ptr() for p in (up, down)]
-        t, k = index.shape
-        return (
-            x.data_ptr(), index.data_ptr(), weights.data_ptr(), t, k, self.num_experts, self.hidden_dim,
-            self.intermediate_dim, up.data.data_ptr(), scales[0], down.data.data_ptr(), scales[1],
-            out.data_ptr(), threads, kernels.GLU_ACTS[ACTS[self.act]],
+        b = self._buffers
+
+        def ptr(t: torch.Tensor | None) -> int:
+            return 0 if t is None or not t.numel() else t.data_ptr()
+
+        sizes = (ctypes.c_int64 * 5)(*index.shape, self.num_experts, self.hidden_dim, self.intermediate_dim)
+        ptrs = (ctypes.c_int64 * 6)(
+            up.data.data_ptr(), ptr(up.scales), down.data.data_ptr(), ptr(down.scales),
+            ptr(b["gate_up_bias"]), ptr(b["down_bias"]),
+        )  # fmt: skip
+        form = self._form_array()
+        args = (x.data_ptr(), index.data_ptr(), weights.data_ptr(), out.data_ptr())
+        return (*args, ctypes.addressof(sizes), ctypes.addressof(ptrs), form.data_ptr(), threads), (
+            sizes, ptrs, form, up, down, b["gate_up_bias"], b["down_bias"],
         )  # fmt: skip
 
+    def _form_array(self) -> torch.Tensor:
+        """kz_qglu's form: the activation's code, alpha, the gate / activation / up limits (+inf: none), the
+        up shift (f32; made once per form)."""
+        key = (self.act, tuple(sorted(self.form.items())))
+        held = self.__dict__.get("_form")
+        if held is None or held[0] != key:
+            f, inf = self.form, float("inf")
+            values = [kernels.GLU_ACTS[ACTS[self.act]], f.get("alpha", 1.0)]
+            values += [inf if f.get(n) is None else f[n] for n in ("gate_limit", "act_limit", "up_limit")]
+            held = self.__dict__["_form"] = (key, torch.tensor([*values, f.get("up_shift", 0.0)]))
+        return held[1]
+
     def _call(self, x, index, weights, out, threads: int) -> None:
-        rc = kernels.experts_entry(self.format, x.dtype)(*self._args(x, index, weights, out, threads))
+        args, _held = self._args(x, index, weights, out, threads)
+        rc = kernels.experts_entry(self.format, x.dtype)(*args)
         if rc == 2:
             self._check_index(index)
         if rc:
@@ -199,7 +244,7 @@ class QuantizedExperts(nn.Module):
 
     # where c_call's arguments hold x's, the index's, the weights' and the output's data pointers, and the
     # thread count
-    X_ARG, INDEX_ARG, WEIGHTS_ARG, OUT_ARG, THREADS_ARG = 0, 1, 2, 12, 13
+    X_ARG, INDEX_ARG, WEIGHTS_ARG, OUT_ARG, THREADS_ARG = 0, 1, 2, 3, 7
 
     def c_call(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
         """The call ``self(x, index, weights)`` makes, writing ``out``, for a replay program
@@ -222,7 +267,8 @@ class QuantizedExperts(nn.Module):
         ):
             return None
         fn = ctypes.cast(kernels.experts_entry(self.format, x.dtype), ctypes.c_void_p).value
-        return CCall(fn, self._args(x, index, weights, out, 0), _C_ERRORS, keep=self.packed)
+        args, held = self._args(x, index, weights, out, 0)
+        return CCall(fn, args, _C_ERRORS, keep=held)
 
     def _groups(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Prefill on the CPU: the selected experts dequantized (as x's dtype) into scratch of at most
@@ -247,8 +293,18 @@ class QuantizedExperts(nn.Module):
                 kernels.dequantize_rows(self.expert(e)[0], 0, 2 * i, up[j])
                 kernels.dequantize_rows(self.expert(e)[1], 0, h, down[j])
                 where[e] = j
+            biases = {}
+            if self._buffers["gate_up_bias"].numel():
+                rows = torch.tensor(group)
+                biases = {
+                    "up_bias": self._buffers["gate_up_bias"].view(n, -1)[rows].to(x.dtype),
+                    "down_bias": self._buffers["down_bias"].view(n, -1)[rows].to(x.dtype),
+                }
             try:
-                y = grouped_experts(x, where[index], weights, up[: len(group)], down[: len(group)], self.act)
+                y = grouped_experts(
+                    x, where[index], weights, up[: len(group)], down[: len(group)], self.act,
+                    **biases, **self.form,
+                )  # fmt: skip
             except ExpertsUnsupported:
                 return self._per_expert(x, index, weights)
             if len(hit) <= size:
@@ -265,31 +321,37 @@ class QuantizedExperts(nn.Module):
 
     def _per_expert(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each selected expert through its dequantized panels, its tokens' weighted rows summed in f32."""
-        from kernelize.quant.fused import GLU_MATH
+        from kernelize.ir.experts import split_gate
+        from kernelize.ir.ops import ExpertsArgs
 
         self._check_index(index)
-        e_max = self.num_experts
+        e_max, b = self.num_experts, self._buffers
+        args = ExpertsArgs(self.act, True, **self.form)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(index).tolist():
             if e == e_max:
                 continue
             tok, slot = torch.where(index == e)
             up, down = self.expert(e)
-            gate, u = _product(x[tok], up).chunk(2, dim=-1)
-            y = _product(GLU_MATH[ACTS[self.act]](gate) * u, down)
-            out.index_add_(0, tok, y.float() * weights[tok, slot, None].float())
+            h = _product(x[tok], up).float()
+            if b["gate_up_bias"].numel():
+                h = h + b["gate_up_bias"].view(e_max, -1)[e].to(h.device)
+            y = _product(split_gate(h, args).to(x.dtype), down).float()
+            if b["down_bias"].numel():
+                y = y + b["down_bias"].view(e_max, -1)[e].to(y.device)
+            out.index_add_(0, tok, y * weights[tok, slot, None].float())
         return out.to(x.dtype)
 
     def get_extra_state(self) -> dict[str, Any]:
         return {
             "format": self.format, "num_experts": self.num_experts, "hidden": self.hidden_dim,
-            "intermediate": self.intermediate_dim, "act": self.act,
+            "intermediate": self.intermediate_dim, "act": self.act, "form": self.form,
         }  # fmt: skip
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.format, self.act = get_format(state["format"]).name, state["act"]
         self.num_experts, self.hidden_dim = state["num_experts"], state["hidden"]
-        self.intermediate_dim = state["intermediate"]
+        self.intermediate_dim, self.form = state["intermediate"], _form(state.get("form"), self.act)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001
         # a fresh module may have another format or shape: take the stored buffers' shapes first
@@ -303,6 +365,7 @@ class QuantizedExperts(nn.Module):
         return (
             f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
             f"intermediate={self.intermediate_dim}, format={self.format}, act={self.act}"
+            + "".join(f", {k}={v}" for k, v in self.form.items())
         )
 
 
@@ -315,6 +378,18 @@ def _product(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
     panels(x, packed, None, out)
     return out
+
+
+def _form(form: dict[str, float | None] | None, act: str) -> dict[str, float | None]:
+    """The gate form's fields that differ from ``act(gate) * up`` (checked by ExpertsArgs' own rules)."""
+    from kernelize.ir.ops import ExpertsArgs
+
+    fields = {"alpha": 1.0, "gate_limit": None, "act_limit": None, "up_limit": None, "up_shift": 0.0}
+    form = {k: v for k, v in (form or {}).items() if fields.get(k, object()) != v}
+    if set(form) - set(fields):
+        raise ValueError(f"QuantizedExperts: unknown gate form fields {sorted(set(form) - set(fields))}")
+    ExpertsArgs(act, True, **form)  # raises for values the kernels do not take
+    return form
 
 
 _C_ERRORS = "the packed experts kernel: 1 out of memory, 2 an index outside [0, E]"

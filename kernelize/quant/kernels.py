@@ -54,26 +54,9 @@ def library(fmt: str) -> ctypes.CDLL:
     for entry in ("dequant", "dequant_bf16"):
         getattr(lib, f"kz_quant_{name}_{entry}").argtypes = [_P, _P, _I64, _I64, _I64, _P, ctypes.c_int]
     getattr(lib, f"kz_quant_{name}_quantize_x").argtypes = [_P, _I64, _I64, _P, _P]
-    for xn in _DTYPES.values():
+    for xn in _DTYPES.values():  # x, index, weights, out, sizes, weight addresses, gate form, threads
         fn = getattr(lib, f"kz_quant_{name}_experts_{xn}")
-        fn.argtypes = [
-            _P,
-            _P,
-            _P,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _I64,
-            _P,
-            _P,
-            _P,
-            _P,
-            _P,
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
-        fn.restype = ctypes.c_int
+        fn.argtypes, fn.restype = [_P] * 7 + [ctypes.c_int], ctypes.c_int
     return lib
 
 
@@ -117,7 +100,7 @@ def gemv(
 @functools.cache
 def experts_entry(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
     """Format ``name``'s routed-experts kernel for ``dtype`` (f32 / bf16) activations and outputs:
-    ``(x, index, weights, T, K, E, H, I, gate_up, gate_up_scales, down, down_scales, out, threads, act)``
+    ``(x, index, weights, out, sizes, weight addresses, gate form, threads)``
     (:class:`kernelize.quant.experts.QuantizedExperts` passes them)."""
     return getattr(library(name), f"kz_quant_{name}_experts_{_DTYPES[dtype]}")
 

@@ -188,13 +188,56 @@ def test_kernelize_model_packs_the_experts() -> None:
     assert not isinstance(odd.model.layers[0].mlp.experts, QuantizedExperts)
 
 
-def test_reasons_for_experts_that_stay_float() -> None:
-    """gpt-oss's experts (biases, interleaved and clamped gate rows) are not the packed kernel's form."""
+def _gpt_oss_experts() -> torch.nn.Module:
     config = transformers.GptOssConfig(
         vocab_size=64, hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     )  # fmt: skip
     experts = transformers.GptOssForCausalLM(config).model.layers[0].mlp.experts
-    assert experts_reason(experts, "q8_0").startswith("packed experts take act(gate) * up over concatenated")
-    with pytest.raises(ValueError, match=r"QuantizedExperts.from_experts\(GptOssExperts\): packed experts"):
-        QuantizedExperts.from_experts(experts, "q8_0")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # gate and up values past the clamps (7) on both sides
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.2 if p.dim() == 3 else 4.0))
+    return experts
+
+
+@pytest.mark.parametrize("tokens", [3, 20])
+def test_gpt_oss_experts_pack_with_their_gate_form_and_biases(tokens: int) -> None:
+    """gpt-oss's experts (interleaved gate|up rows, biases, the clamped SwiGLU with alpha and the up shift):
+    packed with the rows reordered gate-then-up and the form kept; the few-token kernel and the prefill
+    groups against the reference experts over the packed values, and the module's own float forward."""
+    from kernelize.ir.experts import reference_experts
+    from kernelize.ir.ops import ExpertsArgs
+
+    experts = _gpt_oss_experts()
+    q = QuantizedExperts.from_experts(experts, "q8_0")
+    assert q.form == {"alpha": 1.702, "gate_limit": 7.0, "up_limit": 7.0, "up_shift": 1.0}
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(6))
+    gen = torch.Generator().manual_seed(7)  # no sentinel: transformers' biased grouped_mm does not take one
+    index = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen) + 0.1
+    with torch.no_grad():
+        got = q(x, index, weights)
+        own = experts(x, index, weights)
+    up = torch.stack([dequantize(q.expert(e)[0]) for e in range(4)])
+    down = torch.stack([dequantize(q.expert(e)[1]) for e in range(4)])
+    args = ExpertsArgs("silu", True, bias=True, **q.form)
+    want = reference_experts(
+        x, index, weights, up, down, args, q.gate_up_bias.view(4, -1), q.down_bias.view(4, -1)
+    )
+    scale = want.abs().max()
+    # the prefill groups: the float product; the few-token kernel: x and h rounded to 8-bit blocks too
+    assert (got - want).abs().max() / scale < (1e-5 if tokens > 8 else 3e-2)
+    assert (got - own).abs().max() / own.abs().max() < 3e-2  # q8_0 against the float weights
+    ignored = reference_experts(x, index, weights, up, down, ExpertsArgs("silu", True, bias=True))
+    assert (ignored - want).abs().max() / scale > 0.1  # the form matters on these values
+
+
+def test_reasons_for_experts_that_stay_float() -> None:
+    """An experts module whose sizes are not multiples of the format's block stays float."""
+    experts = _gpt_oss_experts()
+    assert experts_reason(experts, "q4_k") == (
+        "hidden 64 and intermediate 64 are not multiples of q4_k's block of 256"
+    )
+    with pytest.raises(ValueError, match=r"QuantizedExperts.from_experts\(GptOssExperts\): hidden 64"):
+        QuantizedExperts.from_experts(experts, "q4_k")

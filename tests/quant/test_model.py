@@ -160,7 +160,7 @@ def test_gpt2_conv1d_projections_are_packed_and_its_attention_serves_them() -> N
 
 
 @pytest.mark.parametrize(
-    "family", ["phimoe", "falcon", "gpt2", "qwen3_moe", "deepseek_v32", "rwkv", "deepseek_v4"]
+    "family", ["phimoe", "falcon", "gpt2", "qwen3_moe", "gpt_oss", "deepseek_v32", "rwkv", "deepseek_v4"]
 )
 def test_families_quantized(family: str) -> None:
     """The one call with quantize= on families whose linear layers are not all plain: Phi-MoE's router (a

@@ -664,20 +664,33 @@ KZ_QGEMV_ENTRY(f32, float, bf16, kz_bf16)
 KZ_QGEMV_ENTRY(bf16, kz_bf16, f32, float)
 KZ_QGEMV_ENTRY(bf16, kz_bf16, bf16, kz_bf16)
 
-// ---- routed experts (kernelize/quant/experts.py): out[t] = sum of w[t, k] * down_e(act(gate_e x_t) * up_e x_t)
-// over t's slots k, e = index[t, k] (E itself: a sentinel, skipped). The E experts' gate|up weights are one
-// packed [E * 2I, H] (expert e's gate rows from row 2I e, its up rows I after) and their down weights one
-// [E * H, I]. The (token, slot) pairs are sorted by expert (a counting sort) and each pair's row of x is
+// ---- routed experts (kernelize/quant/experts.py): out[t] = sum of w[t, k] * (down_e glu(gate_e x_t + bg_e,
+// up_e x_t + bu_e) + bd_e) over t's slots k, e = index[t, k] (E itself: a sentinel, skipped), the biases
+// optional and glu the gate form of kernelize.ir.experts.split_gate (kz_qglu). The E experts' gate|up weights
+// are one packed [E * 2I, H] (expert e's gate rows from row 2I e, its up rows I after) and their down weights
+// one [E * H, I]. The (token, slot) pairs are sorted by expert (a counting sort) and each pair's row of x is
 // quantized once; stage one: an item is (expert, column block of I), reading the block's gate and up rows
 // once for all the expert's pairs, h = act(gate) * up in f32; each pair's h is then quantized as a row of x
 // is; stage two: an item is a column block of H, taking the selected experts in turn and reading each one's
 // down rows once, w * (h . down) added into the tokens' f32 sums (a token's experts in expert order, so the
 // sums do not depend on the thread count). Only the selected experts' bytes are read, each once per call.
 #define KZ_QE_COLS 32  // columns of H per stage-two item
+// the gate form (form: the activation's KZ_SILU.. code, alpha, the gate, activation and up limits, the up
+// shift; a limit of +inf: none): split_gate's math, and as kernelize.codegen.cpu_experts.c_glu a NaN passes
+// the clamps as it does torch's
+KZ_INLINE float kz_qglu(float g, float u, const float* form) {
+    g = g > form[2] ? form[2] : g;
+    float a = form[1] != 1.0f ? g / (1.0f + expf(-form[1] * g)) : kz_glu_act(g, (int)form[0]);
+    a = a > form[3] ? form[3] : a;
+    u = u > form[4] ? form[4] : (u < -form[4] ? -form[4] : u);
+    return a * (u + form[5]);
+}
 template <class XT>
-static int kz_qexperts(const XT* x, const int64_t* index, const XT* wts, int64_t T, int64_t K, int64_t E,
-                       int64_t H, int64_t I, const uint8_t* wu, const float* su, const uint8_t* wd, const float* sd,
-                       XT* out, int nthreads, int act) {
+static int kz_qexperts(const XT* x, const int64_t* index, const XT* wts, XT* out, const int64_t* sz,
+                       const int64_t* wp, const float* form, int nthreads) {
+    const int64_t T = sz[0], K = sz[1], E = sz[2], H = sz[3], I = sz[4];
+    const uint8_t *wu = (const uint8_t*)wp[0], *wd = (const uint8_t*)wp[2];
+    const float *su = (const float*)wp[1], *sd = (const float*)wp[3], *ub = (const float*)wp[4], *db = (const float*)wp[5];
     const int64_t S = T * K;
     int64_t* cnt = kz_scratch<int64_t>(0, 3 * (E + 2) + 2 * S);
     if (!cnt) return 1;
@@ -743,8 +756,9 @@ static int kz_qexperts(const XT* x, const int64_t* index, const XT* wts, int64_t
                 for (int64_t i = 0; i < mr; ++i)
                     for (int64_t j = 0; j < cn; ++j) {
                         const int64_t n = e * 2 * I + c0 + j;
-                        const float g = blk[i * q + j] * (su ? su[n] : 1.0f), u = blu[i * q + j] * (su ? su[n + I] : 1.0f);
-                        hs[(r + i) * I + c0 + j] = kz_glu_act(g, act) * u;
+                        const float g = blk[i * q + j] * (su ? su[n] : 1.0f) + (ub ? ub[n] : 0.0f);
+                        const float u = blu[i * q + j] * (su ? su[n + I] : 1.0f) + (ub ? ub[n + I] : 0.0f);
+                        hs[(r + i) * I + c0 + j] = kz_qglu(g, u, form);
                     }
             }
         }
@@ -773,7 +787,8 @@ static int kz_qexperts(const XT* x, const int64_t* index, const XT* wts, int64_t
                                   blk, r == r0 && KZ_PREFETCH ? (const char*)nx : 0);
                         for (int64_t i = 0; i < mr; ++i)
                             for (int64_t j = 0; j < cn; ++j)
-                                acc[tok[r + i] * H + c0 + j] += ws[r + i] * blk[i * q + j] * (sd ? sd[e * H + c0 + j] : 1.0f);
+                                acc[tok[r + i] * H + c0 + j] +=
+                                    ws[r + i] * (blk[i * q + j] * (sd ? sd[e * H + c0 + j] : 1.0f) + (db ? db[e * H + c0 + j] : 0.0f));
                     }
                 }
             }
@@ -783,14 +798,13 @@ static int kz_qexperts(const XT* x, const int64_t* index, const XT* wts, int64_t
         return 0;
     });
 }
-// x [T, H], weights [T, K] and out [T, H] in XT; index [T, K] int64; wu / wd the packed weights, su / sd
-// int8's row scales (else null). Returns 1: out of memory, 2: an index outside [0, E].
+// x [T, H], weights [T, K] and out [T, H] in XT; index [T, K] int64; sz: T, K, E, H, I; wp: the addresses of
+// the packed gate|up and its int8 row scales, the packed down and its scales, the f32 gate|up bias [E * 2I]
+// and down bias [E * H] (0: none); form: kz_qglu's. Returns 1: out of memory, 2: an index outside [0, E].
 #define KZ_QEXPERTS_ENTRY(XN, XT)                                                                             \
-    extern "C" int $NAME$_experts_##XN(const XT* x, const int64_t* index, const XT* weights, int64_t T,      \
-                                       int64_t K, int64_t E, int64_t H, int64_t I, const uint8_t* wu,        \
-                                       const float* su, const uint8_t* wd, const float* sd, XT* out,         \
-                                       int nthreads, int act) {                                              \
-        return kz_qexperts(x, index, weights, T, K, E, H, I, wu, su, wd, sd, out, nthreads, act);            \
+    extern "C" int $NAME$_experts_##XN(const XT* x, const int64_t* index, const XT* weights, XT* out,       \
+                                       const int64_t* sz, const int64_t* wp, const float* form, int nthreads) { \
+        return kz_qexperts(x, index, weights, out, sz, wp, form, nthreads);                                  \
     }
 KZ_QEXPERTS_ENTRY(f32, float)
 KZ_QEXPERTS_ENTRY(bf16, kz_bf16)
