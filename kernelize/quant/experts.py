@@ -92,25 +92,27 @@ class QuantizedExperts(nn.Module):
         act: str = "silu",
         form: dict[str, float | None] | None = None,
         bias: bool = False,
+        down_fmt: str | None = None,
     ) -> None:
         super().__init__()
-        f = get_format(fmt)
-        if hidden % f.block_size or intermediate % f.block_size:
+        f, fd = get_format(fmt), get_format(down_fmt or fmt)
+        if hidden % f.block_size or intermediate % fd.block_size:
             raise ValueError(
-                f"QuantizedExperts: hidden {hidden} and intermediate {intermediate} must be multiples of "
-                f"{f.name}'s block of {f.block_size}; leave these experts unquantized"
+                f"QuantizedExperts: hidden {hidden} must be a multiple of {f.name}'s block of {f.block_size} "
+                f"and intermediate {intermediate} of {fd.name}'s of {fd.block_size}; leave these experts "
+                "unquantized"
             )
         if act not in ACTS:
             raise ValueError(f"QuantizedExperts: activation {act!r} is not one of {sorted(ACTS)}")
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden, intermediate
-        self.format, self.act, self.form = f.name, act, _form(form, act)
+        self.format, self.down_format, self.act, self.form = f.name, fd.name, act, _form(form, act)
         e, i, row = num_experts, intermediate, f.scale_per == "row"
         self.register_buffer(
             "gate_up_qweight", torch.zeros(e * 2 * i, f.row_bytes(hidden), dtype=torch.uint8)
         )
         self.register_buffer("gate_up_qscales", torch.zeros(e * 2 * i if row else 0))
-        self.register_buffer("down_qweight", torch.zeros(e * hidden, f.row_bytes(i), dtype=torch.uint8))
-        self.register_buffer("down_qscales", torch.zeros(e * hidden if row else 0))
+        self.register_buffer("down_qweight", torch.zeros(e * hidden, fd.row_bytes(i), dtype=torch.uint8))
+        self.register_buffer("down_qscales", torch.zeros(e * hidden if fd.scale_per == "row" else 0))
         self.register_buffer("gate_up_bias", torch.zeros(e * 2 * i if bias else 0))
         self.register_buffer("down_bias", torch.zeros(e * hidden if bias else 0))
 
@@ -153,13 +155,14 @@ class QuantizedExperts(nn.Module):
         buffers (made once while they stay put), with one view per expert (``experts[e]``: its gate|up and
         down rows)."""
         b = self._buffers
-        key = tuple((id(b[n]), b[n].data_ptr()) for n in sorted(b)) + (self.format,)
+        key = tuple((id(b[n]), b[n].data_ptr()) for n in sorted(b)) + (self.format, self.down_format)
         held = self.__dict__.get("_packed")
         if held is None or held[0] != key:
-            f, e, h, i = get_format(self.format), self.num_experts, self.hidden_dim, self.intermediate_dim
+            e, h, i = self.num_experts, self.hidden_dim, self.intermediate_dim
 
             def weight(name: str, rows: int, k: int) -> PackedWeight:
                 scales = b[f"{name}_qscales"]
+                f = get_format(self.format if name == "gate_up" else self.down_format)
                 return PackedWeight(b[f"{name}_qweight"], f, (rows, k), scales if scales.numel() else None)
 
             held = self.__dict__["_packed"] = (
@@ -203,24 +206,32 @@ class QuantizedExperts(nn.Module):
     def _kernel_operands(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> tuple:
         return x.contiguous(), index.to(torch.int64).contiguous(), weights.to(x.dtype).contiguous()
 
-    def _args(self, x, index, weights, out, threads: int) -> tuple:
-        """The kernel's arguments, and the arrays they point into (held by a replay program's call)."""
+    def _calls(self, x, index, weights, out, threads: int) -> list[tuple[Any, tuple, tuple]]:
+        """The kernel calls: (entry, arguments, the arrays they point into: held by a replay program's call):
+        one, or two where gate|up and down are in two formats (two libraries, h between them)."""
         up, down = self.packed
         b = self._buffers
 
         def ptr(t: torch.Tensor | None) -> int:
             return 0 if t is None or not t.numel() else t.data_ptr()
 
-        sizes = (ctypes.c_int64 * 5)(*index.shape, self.num_experts, self.hidden_dim, self.intermediate_dim)
-        ptrs = (ctypes.c_int64 * 6)(
+        split = self.format != self.down_format
+        h = torch.empty(index.numel() if split else 0, self.intermediate_dim)
+        ptrs = (ctypes.c_int64 * 7)(
             up.data.data_ptr(), ptr(up.scales), down.data.data_ptr(), ptr(down.scales),
-            ptr(b["gate_up_bias"]), ptr(b["down_bias"]),
+            ptr(b["gate_up_bias"]), ptr(b["down_bias"]), ptr(h),
         )  # fmt: skip
         form = self._form_array()
+        held = (ptrs, form, h, up, down, b["gate_up_bias"], b["down_bias"])
         args = (x.data_ptr(), index.data_ptr(), weights.data_ptr(), out.data_ptr())
-        return (*args, ctypes.addressof(sizes), ctypes.addressof(ptrs), form.data_ptr(), threads), (
-            sizes, ptrs, form, up, down, b["gate_up_bias"], b["down_bias"],
-        )  # fmt: skip
+        calls = []
+        for fmt, stages in ((self.format, 1), (self.down_format, 2)) if split else ((self.format, 3),):
+            sizes = (ctypes.c_int64 * 6)(
+                *index.shape, self.num_experts, self.hidden_dim, self.intermediate_dim, stages
+            )
+            call = (*args, ctypes.addressof(sizes), ctypes.addressof(ptrs), form.data_ptr(), threads)
+            calls.append((kernels.experts_entry(fmt, x.dtype), call, (sizes, *held)))
+        return calls
 
     def _form_array(self) -> torch.Tensor:
         """kz_qglu's form: the activation's code, alpha, the gate / activation / up limits (+inf: none), the
@@ -235,22 +246,22 @@ class QuantizedExperts(nn.Module):
         return held[1]
 
     def _call(self, x, index, weights, out, threads: int) -> None:
-        args, _held = self._args(x, index, weights, out, threads)
-        rc = kernels.experts_entry(self.format, x.dtype)(*args)
-        if rc == 2:
-            self._check_index(index)
-        if rc:
-            raise MemoryError(f"QuantizedExperts: out of memory for {index.numel()} routed pairs")
+        for entry, args, _held in self._calls(x, index, weights, out, threads):
+            rc = entry(*args)
+            if rc == 2:
+                self._check_index(index)
+            if rc:
+                raise MemoryError(f"QuantizedExperts: out of memory for {index.numel()} routed pairs")
 
-    # where c_call's arguments hold x's, the index's, the weights' and the output's data pointers, and the
+    # where c_calls' arguments hold x's, the index's, the weights' and the output's data pointers, and the
     # thread count
     X_ARG, INDEX_ARG, WEIGHTS_ARG, OUT_ARG, THREADS_ARG = 0, 1, 2, 3, 7
 
-    def c_call(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
-        """The call ``self(x, index, weights)`` makes, writing ``out``, for a replay program
-        (:class:`kernelize.runtime.replay.Program`; the thread count goes to :attr:`THREADS_ARG`); None
-        where that call would not be one kernel call (more tokens, another dtype or device, operands the
-        kernel would have to convert)."""
+    def c_calls(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
+        """The calls ``self(x, index, weights)`` makes (one, or two for two formats), writing ``out``, for a
+        replay program (:class:`kernelize.runtime.replay.Program`; the thread count goes to
+        :attr:`THREADS_ARG`); None where the call would not run the kernel (more tokens, another dtype or
+        device, operands the kernel would have to convert)."""
         from kernelize.runtime.backend import CCall
 
         ops = (x, index, weights, out)
@@ -266,9 +277,10 @@ class QuantizedExperts(nn.Module):
             or x.shape[0] > FEW_ROWS
         ):
             return None
-        fn = ctypes.cast(kernels.experts_entry(self.format, x.dtype), ctypes.c_void_p).value
-        args, held = self._args(x, index, weights, out, 0)
-        return CCall(fn, args, _C_ERRORS, keep=held)
+        return [
+            CCall(ctypes.cast(entry, ctypes.c_void_p).value, args, _C_ERRORS, keep=held)
+            for entry, args, held in self._calls(x, index, weights, out, 0)
+        ]
 
     def _groups(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Prefill on the CPU: the selected experts dequantized (as x's dtype) into scratch of at most
@@ -346,10 +358,12 @@ class QuantizedExperts(nn.Module):
         return {
             "format": self.format, "num_experts": self.num_experts, "hidden": self.hidden_dim,
             "intermediate": self.intermediate_dim, "act": self.act, "form": self.form,
+            "down_format": self.down_format,
         }  # fmt: skip
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.format, self.act = get_format(state["format"]).name, state["act"]
+        self.down_format = get_format(state.get("down_format", self.format)).name
         self.num_experts, self.hidden_dim = state["num_experts"], state["hidden"]
         self.intermediate_dim, self.form = state["intermediate"], _form(state.get("form"), self.act)
 
@@ -365,6 +379,7 @@ class QuantizedExperts(nn.Module):
         return (
             f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
             f"intermediate={self.intermediate_dim}, format={self.format}, act={self.act}"
+            + ("" if self.down_format == self.format else f", down_format={self.down_format}")
             + "".join(f", {k}={v}" for k, v in self.form.items())
         )
 

@@ -15,13 +15,15 @@ from kernelize.quant.formats import FORMATS, dequantize, quantize
 E = 5  # experts; index E is the sentinel (a pair routed to no expert here)
 
 
-def _experts(fmt: str, hidden: int, inter: int, seed: int = 0) -> tuple[QuantizedExperts, tuple]:
+def _experts(
+    fmt: str, hidden: int, inter: int, seed: int = 0, down_fmt: str | None = None
+) -> tuple[QuantizedExperts, tuple]:
     """A packed experts module of random weights, and its float gate|up [E, 2I, H] and down [E, H, I]."""
     gen = torch.Generator().manual_seed(seed)
     up, down = torch.randn(E, 2 * inter, hidden, generator=gen), torch.randn(E, hidden, inter, generator=gen)
-    q = QuantizedExperts(E, hidden, inter, fmt)
+    q = QuantizedExperts(E, hidden, inter, fmt, down_fmt=down_fmt)
     for name, w in (("gate_up", up), ("down", down)):
-        parts = [quantize(w[e], fmt) for e in range(E)]
+        parts = [quantize(w[e], fmt if name == "gate_up" else q.down_format) for e in range(E)]
         setattr(q, f"{name}_qweight", torch.cat([p.data for p in parts]))
         if parts[0].scales is not None:
             setattr(q, f"{name}_qscales", torch.cat([p.scales for p in parts]))
@@ -40,14 +42,17 @@ def _sizes(fmt: str) -> tuple[int, int]:
     return (512, 256) if FORMATS[fmt].block_size == 256 else (96, 160)
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", [*sorted(FORMATS), "q4_k/q6_k", "q4_0/q8_0"])
 @pytest.mark.parametrize("tokens,k", [(1, 2), (3, 3), (8, 4)])
 def test_few_tokens_match_the_few_row_kernel_expert_by_expert(fmt: str, tokens: int, k: int) -> None:
     """Each pair through the tested few-row kernel (gate|up with act(gate) * up in its epilogue, then down,
-    both on activations quantized the same way), weighted and summed: the one kernel call agrees to f32
-    rounding; pairs routed to the sentinel add nothing."""
+    both on activations quantized the same way), weighted and summed: the kernel agrees to f32 rounding
+    (gate|up and down in two formats, as llama.cpp's Q4_K_M files mix them: two calls, one per format's
+    library); pairs routed to the sentinel add nothing."""
+    fmt, down_fmt = (fmt.split("/") * 2)[:2]
     h, i = _sizes(fmt)
-    q, _ = _experts(fmt, h, i)
+    q, _ = _experts(fmt, h, i, down_fmt=down_fmt)
+    assert q.down_format == down_fmt
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(2))
     index, weights = _routing(tokens, k)
     out = q(x, index, weights)
@@ -100,12 +105,13 @@ def test_bf16_and_threads(dtype: torch.dtype, monkeypatch) -> None:
     torch.testing.assert_close(outs[0].float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "int8"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "int8", "q4_k/q6_k"])
 def test_prefill_groups_are_the_float_product(fmt: str, monkeypatch) -> None:
     """Past FEW_ROWS tokens the selected experts are dequantized into scratch in groups (here two at a time)
     and run by the float grouped-expert kernel: the float product of the packed values."""
+    fmt, down_fmt = (fmt.split("/") * 2)[:2]
     h, i = _sizes(fmt)
-    q, _ = _experts(fmt, h, i)
+    q, _ = _experts(fmt, h, i, down_fmt=down_fmt)
     monkeypatch.setattr(qexperts, "PREFILL_BYTES", 2 * 3 * h * i * 4)
     x = torch.randn(21, h, generator=torch.Generator().manual_seed(4))
     index, weights = _routing(21, 3)
@@ -129,11 +135,12 @@ def test_an_index_out_of_range_is_named() -> None:
 
 
 def test_state_dict_round_trip() -> None:
-    """Another format and shape load the stored buffers and format; the outputs are then equal."""
-    q, _ = _experts("q4_0", 64, 96)
+    """Another format and shape load the stored buffers and formats; the outputs are then equal."""
+    q, _ = _experts("q4_0", 64, 96, down_fmt="q8_0")
     other = QuantizedExperts(2, 32, 32, "q8_0")
     other.load_state_dict(q.state_dict())
-    assert (other.format, other.num_experts, other.hidden_dim, other.intermediate_dim) == ("q4_0", E, 64, 96)
+    assert (other.format, other.down_format, other.num_experts) == ("q4_0", "q8_0", E)
+    assert (other.hidden_dim, other.intermediate_dim) == (64, 96)
     x = torch.randn(3, 64)
     index, weights = _routing(3, 2)
     assert torch.equal(other(x, index, weights), q(x, index, weights))

@@ -688,7 +688,7 @@ KZ_INLINE float kz_qglu(float g, float u, const float* form) {
 template <class XT>
 static int kz_qexperts(const XT* x, const int64_t* index, const XT* wts, XT* out, const int64_t* sz,
                        const int64_t* wp, const float* form, int nthreads) {
-    const int64_t T = sz[0], K = sz[1], E = sz[2], H = sz[3], I = sz[4];
+    const int64_t T = sz[0], K = sz[1], E = sz[2], H = sz[3], I = sz[4], stages = sz[5];
     const uint8_t *wu = (const uint8_t*)wp[0], *wd = (const uint8_t*)wp[2];
     const float *su = (const float*)wp[1], *sd = (const float*)wp[3], *ub = (const float*)wp[4], *db = (const float*)wp[5];
     const int64_t S = T * K;
@@ -714,11 +714,12 @@ static int kz_qexperts(const XT* x, const int64_t* index, const XT* wts, XT* out
     if (!xq || !xd || (kz_fmt::MIN && !xs)) return 1;
     int8_t* hq = xq + R * H;
     float *hd = xd + R * nxh, *hs = hd + R * nxi, *ws = hs + R * I, *acc = ws + R;
+    if (wp[6]) hs = (float*)wp[6];  // h between two calls (gate|up and down in other formats)
     int16_t* hsum = xs ? xs + R * nsh : nullptr;
     for (int64_t s = 0; s < R; ++s) {
         tok[s] = slot[s] / K;
         ws[s] = kz_ld(wts, slot[s]);
-        kz_quantize_rows(x + tok[s] * H, 1, H, xq + s * H, xd + s * nxh, xs ? xs + s * nsh : nullptr);
+        if (stages & 1) kz_quantize_rows(x + tok[s] * H, 1, H, xq + s * H, xd + s * nxh, xs ? xs + s * nsh : nullptr);
     }
     int64_t active = 0, n1 = 0;  // the experts with pairs, in order; their stage-one items from first[a]
     for (int64_t e = 0; e < E; ++e)
@@ -737,7 +738,7 @@ static int kz_qexperts(const XT* x, const int64_t* index, const XT* wts, XT* out
     return kz_parallel_together(team, [=](int kz_tid, int kz_tn) KZ_BODY {
         float blk[8 * KZ_QNB], blu[8 * KZ_QNB];
         int64_t lo, hi, a = 0;  // the expert of item `it`: items come in increasing order
-        kz_range(n1, kz_tid, kz_tn, lo, hi);
+        kz_range(stages & 1 ? n1 : 0, kz_tid, kz_tn, lo, hi);
         for (int64_t it = lo; it < hi; ++it) {  // stage one
             while (first[a + 1] <= it) ++a;
             const int64_t e = items[a], r0 = cnt[e], r1 = cnt[e + 1], q = kz_qnb(r1 - r0);
@@ -762,7 +763,8 @@ static int kz_qexperts(const XT* x, const int64_t* index, const XT* wts, XT* out
                     }
             }
         }
-        kz_barrier(kz_tn);
+        if (!(stages & 2)) return 0;
+        if (stages & 1) kz_barrier(kz_tn);
         kz_range(R, kz_tid, kz_tn, lo, hi);  // each pair's h as int8 blocks
         kz_quantize_rows(hs + lo * I, hi - lo, I, hq + lo * I, hd + lo * nxi, hsum ? hsum + lo * nsi : nullptr);
         kz_barrier(kz_tn);
@@ -798,9 +800,11 @@ static int kz_qexperts(const XT* x, const int64_t* index, const XT* wts, XT* out
         return 0;
     });
 }
-// x [T, H], weights [T, K] and out [T, H] in XT; index [T, K] int64; sz: T, K, E, H, I; wp: the addresses of
-// the packed gate|up and its int8 row scales, the packed down and its scales, the f32 gate|up bias [E * 2I]
-// and down bias [E * H] (0: none); form: kz_qglu's. Returns 1: out of memory, 2: an index outside [0, E].
+// x [T, H], weights [T, K] and out [T, H] in XT; index [T, K] int64; sz: T, K, E, H, I and the stages to run
+// (1: gate|up, writing h; 2: down, reading it; 3: both); wp: the addresses of the packed gate|up and its int8
+// row scales, the packed down and its scales, the f32 gate|up bias [E * 2I] and down bias [E * H] (0: none),
+// and h's f32 rows [T * K, I] in expert order (0: scratch; stage 1 and 2 in two calls: the libraries of
+// two formats, each reading its own weight); form: kz_qglu's. Returns 1: out of memory, 2: an index outside [0, E].
 #define KZ_QEXPERTS_ENTRY(XN, XT)                                                                             \
     extern "C" int $NAME$_experts_##XN(const XT* x, const int64_t* index, const XT* weights, XT* out,       \
                                        const int64_t* sz, const int64_t* wp, const float* form, int nthreads) { \

@@ -444,13 +444,16 @@ def _moe(prog: Program, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
         return None
     _, weights, index = fixed.outputs
     y = torch.empty_like(x)
-    call = experts.c_call(x, index, weights, y) if packed else experts_c_call(experts, x, index, weights, y)
-    if call is None:
+    calls = (
+        experts.c_calls(x, index, weights, y) if packed else [experts_c_call(experts, x, index, weights, y)]
+    )
+    if calls is None or None in calls:
         return None
     threads_at = QuantizedExperts.THREADS_ARG if packed else None
     probe = Program()
     probe.add_graph(fixed, {})
-    probe.add(call, threads_at=threads_at)
+    for call in calls:
+        probe.add(call, threads_at=threads_at)
     with torch.no_grad():
         x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(0)))
         want = mlp(h.clone())
@@ -459,7 +462,8 @@ def _moe(prog: Program, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor | None:
     if not torch.equal(y.view(h.shape), want):
         return None
     prog.add_graph(fixed, {})
-    prog.add(call, threads_at=threads_at)
+    for call in calls:
+        prog.add(call, threads_at=threads_at)
     prog.hold(y)
     return y.view(h.shape)
 
