@@ -1,13 +1,15 @@
-"""GGUF files (llama.cpp's format) in and out of transformers Llama, Qwen2 and Qwen3 models with packed
-weights.
+"""GGUF files (llama.cpp's format) in and out of transformers Llama, Qwen2, Qwen3 and Qwen3-MoE models with
+packed weights.
 
-* :func:`save` writes a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` as a GGUF file
-  llama.cpp loads: architecture ``llama`` / ``qwen2`` / ``qwen3`` (:data:`ARCHITECTURES`), its
-  hyper-parameters, llama.cpp's tensor names, q/k rows permuted where llama.cpp's convert script permutes
-  them for its rotary layout (Llama's), Qwen2's q/k/v biases and Qwen3's q/k norms as F32, projections and
-  the LM head as ``Q8_0`` / ``Q4_0`` / ``Q5_0`` / ``Q4_K`` / ``Q6_K`` blocks (a
-  :class:`~kernelize.quant.module.QuantizedLinear` is written as its bytes are, a float layer is quantized
-  first), norms as F32, the token embedding in its float type, and a placeholder vocabulary.
+* :func:`save` writes a ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or
+  ``Qwen3MoeForCausalLM`` as a GGUF file llama.cpp loads: architecture ``llama`` / ``qwen2`` / ``qwen3`` /
+  ``qwen3moe`` (:data:`ARCHITECTURES`), its hyper-parameters, llama.cpp's tensor names, q/k rows permuted
+  where llama.cpp's convert script permutes them for its rotary layout (Llama's), Qwen2's q/k/v biases and
+  Qwen3's q/k norms as F32, projections and the LM head as ``Q8_0`` / ``Q4_0`` / ``Q5_0`` / ``Q4_K`` /
+  ``Q6_K`` blocks (a :class:`~kernelize.quant.module.QuantizedLinear` is written as its bytes are, a float
+  layer is quantized first), an MoE layer's router as F32 and its experts as the stacked ``ffn_gate_exps`` /
+  ``ffn_up_exps`` / ``ffn_down_exps`` of a :class:`~kernelize.quant.experts.QuantizedExperts`, norms as F32,
+  the token embedding in its float type, and a placeholder vocabulary.
 * :func:`load` builds the model back from a file: the config from the metadata, the model on the meta
   device, then ``QuantizedLinear`` modules whose packed bytes are the file's tensor bytes as stored (memory
   mapped, never dequantized; q/k rows un-permuted by moving whole rows of blocks, which is exact since the
@@ -56,6 +58,7 @@ class Architecture:
     permuted: bool
     biases: tuple[str, ...] = ()
     norms: tuple[tuple[str, str], ...] = ()
+    moe: bool = False  # every layer's MLP is a router and experts (MOE_TENSORS), not LAYER_TENSORS' MLP
 
 
 # transformers class -> its GGUF architecture (as llama.cpp's convert_hf_to_gguf writes and reads them)
@@ -70,6 +73,14 @@ ARCHITECTURES = {
             "Qwen3Config",
             False,
             norms=(("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm")),
+        ),
+        Architecture(
+            "qwen3moe",
+            "Qwen3MoeForCausalLM",
+            "Qwen3MoeConfig",
+            False,
+            norms=(("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm")),
+            moe=True,
         ),
     )
 }
@@ -99,6 +110,15 @@ LAYER_TENSORS = {
     "post_attention_layernorm": "ffn_norm",
 }
 _NORMS = ("attn_norm", "ffn_norm")
+_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# an MoE layer's MLP: the router's weight (float) and the experts' stacked gate, up and down weights
+MOE_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# <arch>.<key> -> config attribute, for MoE architectures
+MOE_CONFIG_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+}
 
 # <arch>.<key> -> config attribute (transformers' GGUF_CONFIG_MAPPING: the same for each architecture here)
 CONFIG_KEYS = {
@@ -166,6 +186,13 @@ def _check_saveable(model: nn.Module, fmt: str) -> tuple[Any, Architecture]:
         raise ValueError(
             f"gguf.save: llama.cpp's {arch.gguf} runs SiLU, the model's hidden_act is {config.hidden_act!r}"
         )
+    if arch.moe and not (
+        config.norm_topk_prob and config.decoder_sparse_step == 1 and not config.mlp_only_layers
+    ):
+        raise ValueError(
+            f"gguf.save: llama.cpp's {arch.gguf} has experts in every layer and renormalises the top-k "
+            "weights (norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])"
+        )
     return config, arch
 
 
@@ -190,6 +217,19 @@ def _packed_of(module: nn.Module, fmt: str, name: str, bias: bool = False) -> Pa
             f"gguf.save: {name} is a {type(module).__name__}, expected nn.Linear or QuantizedLinear"
         )
     return quantize(module.weight.detach(), fmt)
+
+
+def _packed_experts(module: nn.Module, fmt: str, name: str) -> Any:
+    """The QuantizedExperts GGUF stores for an experts module (a float one quantized to `fmt` first)."""
+    from kernelize.quant.experts import QuantizedExperts
+
+    q = module if isinstance(module, QuantizedExperts) else QuantizedExperts.from_experts(module, fmt)
+    if q.form or q.gate_up_bias.numel() or q.act != "silu":
+        raise ValueError(f"gguf.save: {name} is not llama.cpp's qwen3moe experts (silu gate, no biases)")
+    for f in (q.format, q.down_format):
+        if f not in PACKED_TYPES:
+            raise ValueError(f"gguf.save: {name} is packed as {f}, which GGUF has no type for")
+    return q
 
 
 def _placeholder_vocab(writer: Any, gguf: Any, vocab: int, config: Any) -> None:
@@ -246,7 +286,7 @@ def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> N
 
     config, arch = _check_saveable(model, fmt)
     writer = gguf.GGUFWriter(os.fspath(path), arch.gguf)
-    _add_metadata(writer, gguf, config, model.get_input_embeddings().weight.shape[0], fmt)
+    _add_metadata(writer, gguf, config, model.get_input_embeddings().weight.shape[0], fmt, arch)
     _add_tensors(writer, gguf, model, fmt, arch)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -257,7 +297,14 @@ def save(model: nn.Module, path: str | os.PathLike[str], fmt: str = "q8_0") -> N
     )
 
 
-def _add_metadata(writer: Any, gguf: Any, config: Any, vocab: int, fmt: str) -> None:
+def _add_metadata(
+    writer: Any,
+    gguf: Any,
+    config: Any,
+    vocab: int,
+    fmt: str,
+    arch: Architecture = ARCHITECTURES["LlamaForCausalLM"],
+) -> None:
     """The hyper-parameters llama.cpp reads (under the writer's architecture), the file type and the
     placeholder vocabulary."""
     heads = config.num_attention_heads
@@ -276,6 +323,10 @@ def _add_metadata(writer: Any, gguf: Any, config: Any, vocab: int, fmt: str) -> 
     if head_dim * heads != config.hidden_size:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch.moe:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_file_type(int(getattr(gguf.LlamaFileType, FILE_TYPES[fmt])))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _placeholder_vocab(writer, gguf, vocab, config)
@@ -296,9 +347,27 @@ def _add_tensors(writer: Any, gguf: Any, model: nn.Module, fmt: str, arch: Archi
         raw = getattr(gguf.GGMLQuantizationType, PACKED_TYPES[packed.format.name])
         writer.add_tensor(name, data.contiguous().numpy(), raw_dtype=raw)
 
+    def add_experts(i: int, module: nn.Module) -> None:  # gate, up and down as [E, rows, bytes] each
+        q = _packed_experts(module, fmt, f"model.layers.{i}.mlp.experts")
+        e, n, h = q.num_experts, q.intermediate_dim, q.hidden_dim
+        gate_up = q.gate_up_qweight.view(e, 2, n, -1)
+        parts = (
+            (gate_up[:, 0], q.format),
+            (gate_up[:, 1], q.format),
+            (q.down_qweight.view(e, h, -1), q.down_format),
+        )
+        for short, (data, f) in zip(MOE_TENSORS[1:], parts):
+            raw = getattr(gguf.GGMLQuantizationType, PACKED_TYPES[f])
+            writer.add_tensor(f"blk.{i}.{short}.weight", data.contiguous().numpy(), raw_dtype=raw)
+
     add_float("token_embd.weight", model.get_input_embeddings().weight)
     for i, layer in enumerate(model.model.layers):
+        if arch.moe:
+            add_float(f"blk.{i}.ffn_gate_inp.weight", layer.mlp.gate.weight, as_f32=True)
+            add_experts(i, layer.mlp.experts)
         for sub, short in (*LAYER_TENSORS.items(), *arch.norms):
+            if arch.moe and sub in _MLP:
+                continue
             module = layer.get_submodule(sub)
             name = f"blk.{i}.{short}.weight"
             if short in _NORMS or (sub, short) in arch.norms:
@@ -500,7 +569,7 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arc
         if not isinstance(kwargs.get(attr, 1), int):
             raise GGUFError(f"{path}: metadata for {attr} is {kwargs[attr]!r}, not an integer")
     layers = kwargs["num_hidden_layers"]
-    if layers * (len(LAYER_TENSORS) + len(arch.norms)) > len(tensors):  # before anything is sized by it
+    if layers * (len(LAYER_TENSORS) - len(_MLP) * arch.moe + len(arch.norms)) > len(tensors):  # before sizing
         raise GGUFError(
             f"{path}: {prefix}.block_count = {layers}, but the file has only {len(tensors)} tensors"
         )
@@ -517,6 +586,15 @@ def _config(path: str, meta: dict[str, Any], tensors: dict[str, TensorInfo], arc
         raise GGUFError(
             f"{path}: {heads} attention heads, {kv} key/value heads, head size {head_dim}: not {arch.model}'s"
         )
+    if arch.moe:  # llama.cpp's qwen3moe: every layer sparse, the top-k weights renormalised
+        for key, attr in MOE_CONFIG_KEYS.items():
+            value = meta.get(f"{prefix}.{key}")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise GGUFError(f"{path}: metadata {prefix}.{key} = {value!r} is not a positive integer")
+            kwargs[attr] = value
+        if kwargs["num_experts_per_tok"] > kwargs["num_experts"]:
+            raise GGUFError(f"{path}: {prefix}.expert_used_count is more than {prefix}.expert_count")
+        kwargs |= {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
     rope = {"rope_type": "default", "rope_theta": float(kwargs.pop("rope_theta", 10000.0))}
     special = {
         k: meta[f"tokenizer.ggml.{k}"]
@@ -542,6 +620,14 @@ def _expected(config: Any, arch: Architecture) -> dict[str, tuple[int, ...]]:
     }  # fmt: skip
     per_layer |= {f"{b}.bias": per_layer[f"{b}.weight"][:1] for b in arch.biases}
     per_layer |= {f"{n}.weight": (hd,) for _, n in arch.norms}
+    if arch.moe:
+        e, i = config.num_experts, config.moe_intermediate_size
+        for name in ("ffn_gate", "ffn_up", "ffn_down"):
+            del per_layer[f"{name}.weight"]
+        per_layer |= {
+            "ffn_gate_inp.weight": (e, h), "ffn_gate_exps.weight": (e, i, h), "ffn_up_exps.weight": (e, i, h),
+            "ffn_down_exps.weight": (e, h, i),
+        }  # fmt: skip
     want = {"token_embd.weight": (config.vocab_size, h), "output_norm.weight": (h,)}
     want["output.weight"] = (config.vocab_size, h)  # optional: without it the head is the embedding
     for i in range(config.num_hidden_layers):
@@ -568,7 +654,7 @@ def _check_tensors(path: str, config: Any, tensors: dict[str, TensorInfo], arch:
             raise GGUFError(
                 f"{path}: tensor {name!r} has shape {list(info.shape)}, the config says {list(shape)}"
             )
-        norm = len(shape) == 1
+        norm = len(shape) == 1 or name.endswith("ffn_gate_inp.weight")  # norms and routers: float
         allowed = FLOAT_TYPES if norm else (*FLOAT_TYPES, *packed) if name == "token_embd.weight" else packed
         if info.type_name not in allowed:
             raise GGUFError(
@@ -601,15 +687,38 @@ def _quantized(
     return q
 
 
+def _experts(get: Any, tensors: dict[str, TensorInfo], i: int) -> nn.Module:
+    """Layer `i`'s experts as a QuantizedExperts on the file's bytes: each expert's gate rows then its up rows
+    (one copy of those bytes: llama.cpp stores them as two tensors) and the down rows as stored."""
+    from kernelize.quant.experts import QuantizedExperts
+
+    gate, up, down = (tensors[f"blk.{i}.{n}.weight"] for n in MOE_TENSORS[1:])
+    if gate.type_name != up.type_name:
+        raise GGUFError(
+            f"tensors {gate.name!r} ({gate.type_name}) and {up.name!r} ({up.type_name}): the packed experts "
+            "take gate and up rows in one type"
+        )
+    fmt = {v: k for k, v in PACKED_TYPES.items()}
+    (e, n, _), hidden = gate.shape, down.shape[1]
+    with torch.device("meta"):
+        q = QuantizedExperts(e, hidden, n, fmt[gate.type_name], down_fmt=fmt[down.type_name])
+    g, u = get(gate.name).reshape(e, n, -1), get(up.name).reshape(e, n, -1)
+    q.gate_up_qweight = torch.cat((g, u), dim=1).reshape(e * 2 * n, -1)
+    q.down_qweight = get(down.name).reshape(e * hidden, -1)
+    for name in ("gate_up_qscales", "down_qscales", "gate_up_bias", "down_bias"):  # empty for GGUF types
+        setattr(q, name, torch.zeros(0))
+    return q.eval()
+
+
 def load(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` from a GGUF file, with
-    ``QuantizedLinear`` projections on the file's bytes.
+    """A ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` from a
+    GGUF file, with ``QuantizedLinear`` projections (and ``QuantizedExperts``) on the file's bytes.
 
     Args:
-        path: a GGUF file of architecture ``llama``, ``qwen2`` or ``qwen3`` (:data:`ARCHITECTURES`) whose
-            projections and output are ``Q8_0``, ``Q4_0``, ``Q5_0``,
-            ``Q4_K`` or ``Q6_K`` (mixed as llama.cpp's ``Q4_K_M`` mixes them) and whose norms are float (the
-            token embedding may be float or one of those: dequantized).
+        path: a GGUF file of architecture ``llama``, ``qwen2``, ``qwen3`` or ``qwen3moe``
+            (:data:`ARCHITECTURES`) whose projections (and experts) and output are ``Q8_0``, ``Q4_0``,
+            ``Q5_0``, ``Q4_K`` or ``Q6_K`` (mixed as llama.cpp's ``Q4_K_M`` mixes them) and whose norms (and
+            routers) are float (the token embedding may be float or one of those: dequantized).
         dtype: the float type of the embedding and the norms.
 
     Returns:
@@ -688,6 +797,8 @@ def _install(
     model.model.embed_tokens.weight = _float_param(weight, dtype)
     for i, layer in enumerate(model.model.layers):
         for sub, short in (*LAYER_TENSORS.items(), *arch.norms):
+            if arch.moe and sub in _MLP:
+                continue
             name = f"blk.{i}.{short}.weight"
             parent, _, leaf = sub.rpartition(".")
             owner = layer.get_submodule(parent) if parent else layer
@@ -699,6 +810,9 @@ def _install(
                 t = unpermute_rows(t.reshape(tensors[name].shape[0], -1), heads[short]).contiguous()
             bias = get(f"blk.{i}.{short}.bias") if short in arch.biases else None
             setattr(owner, leaf, _quantized(t, tensors[name].type_name, *tensors[name].shape, bias))
+        if arch.moe:
+            layer.mlp.gate.weight = _float_param(get(f"blk.{i}.ffn_gate_inp.weight"), dtype)
+            layer.mlp.experts = _experts(get, tensors, i)
     model.model.norm.weight = _float_param(get("output_norm.weight"), dtype)
     head = tensors.get("output.weight", embd)
     if head.type_name in FLOAT_TYPES:  # a float embedding as the head: tied, as transformers ties it

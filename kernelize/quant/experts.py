@@ -117,9 +117,10 @@ class QuantizedExperts(nn.Module):
         self.register_buffer("down_bias", torch.zeros(e * hidden if bias else 0))
 
     @classmethod
-    def from_experts(cls, module: nn.Module, fmt: str) -> QuantizedExperts:
-        """``module`` (a transformers experts module that :func:`experts_reason` passes) quantized to ``fmt``,
-        expert by expert (one expert's float copy at a time); ``module`` itself is left as it was."""
+    def from_experts(cls, module: nn.Module, fmt: str, down_fmt: str | None = None) -> QuantizedExperts:
+        """``module`` (a transformers experts module that :func:`experts_reason` passes) quantized to ``fmt``
+        (its down weights to ``down_fmt``, default ``fmt``), expert by expert (one expert's float copy at a
+        time); ``module`` itself is left as it was."""
         from kernelize.model_experts import _kernel_keywords, _operands
 
         why = experts_reason(module, fmt)
@@ -130,14 +131,14 @@ class QuantizedExperts(nn.Module):
         keywords = dict(_kernel_keywords(module))
         act, interleaved = keywords.pop("act"), keywords.pop("interleaved", False)
         keywords.pop("gated")
-        q = cls(e, h, i, fmt, act, keywords, bias=bool(biases))
+        q = cls(e, h, i, fmt, act, keywords, bias=bool(biases), down_fmt=down_fmt)
 
         def rows(w: torch.Tensor) -> torch.Tensor:  # gate rows, then up rows
             return torch.cat((w[..., 0::2, :], w[..., 1::2, :]), dim=-2) if interleaved else w
 
-        for name, w in (("gate_up", up), ("down", down)):
+        for name, w, f in (("gate_up", up, q.format), ("down", down, q.down_format)):
             parts = [
-                quantize((rows(w[x]) if name == "gate_up" else w[x]).detach().float(), fmt) for x in range(e)
+                quantize((rows(w[x]) if name == "gate_up" else w[x]).detach().float(), f) for x in range(e)
             ]
             setattr(q, f"{name}_qweight", torch.cat([p.data for p in parts]))
             if parts[0].scales is not None:

@@ -166,6 +166,54 @@ def test_other_architectures(tmp_path: Path, kind: str, fmt: str) -> None:
         assert (loaded(ids).logits - want).abs().max() < 0.03 * want.abs().max()  # x rounded to int8 apart
 
 
+@pytest.mark.parametrize("fmt,down_fmt", [("q8_0", "q8_0"), ("q4_k", "q6_k")])
+def test_qwen3_moe_experts_stay_packed(tmp_path: Path, fmt: str, down_fmt: str) -> None:
+    """A Qwen3-MoE file (architecture qwen3moe): each layer's router as F32, its experts as llama.cpp's
+    stacked ffn_gate_exps / ffn_up_exps / ffn_down_exps (down in another type, as Q4_K_M files mix them); the
+    loaded experts are a QuantizedExperts on the file's bytes, transformers' own GGUF reader dequantizes them
+    to the same values, and the loaded model gives the packed model's logits, under the one call too."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kernelize.integrations.transformers import kernelize_model
+    from kernelize.quant.experts import QuantizedExperts
+    from kernelize.quant.formats import dequantize
+
+    torch.manual_seed(0)
+    hidden = 256 if fmt.endswith("_k") else 64
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+        num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, norm_topk_prob=True, rope_theta=1e6,
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    for layer in model.model.layers:
+        layer.mlp.gate.weight.data.normal_(0, 0.5)  # routing that is no tie between experts
+        layer.mlp.experts = QuantizedExperts.from_experts(layer.mlp.experts, fmt, down_fmt)
+    quantize_for_kernelize(model, fmt)
+    path = tmp_path / "moe.gguf"
+    kg.save(model, path)
+    loaded = kg.load(path)
+    experts = loaded.model.layers[1].mlp.experts
+    assert isinstance(experts, QuantizedExperts) and (experts.format, experts.down_format) == (fmt, down_fmt)
+    want = model.model.layers[1].mlp.experts
+    assert torch.equal(experts.gate_up_qweight, want.gate_up_qweight)
+    assert torch.equal(experts.down_qweight, want.down_qweight)
+    with torch.device("meta"):
+        skeleton = transformers.Qwen3MoeForCausalLM(loaded.config)
+    theirs = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    prefix = "model.layers.1.mlp.experts"
+    for name, i in (("gate_up_proj", 0), ("down_proj", 1)):
+        ours = torch.stack([dequantize(experts.expert(e)[i]) for e in range(8)])
+        assert torch.equal(torch.as_tensor(theirs[f"{prefix}.{name}"]).float(), ours), name
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        packed = model(ids).logits
+        torch.testing.assert_close(loaded(ids).logits, packed, rtol=0, atol=0)
+        kernelize_model(loaded)
+        assert (loaded(ids).logits - packed).abs().max() < 1e-4 * packed.abs().max()
+        assert loaded.generate(ids[:, :3], max_new_tokens=4, do_sample=False).shape == (1, 7)
+
+
 def test_packed_embedding_without_output(saved: dict, tmp_path: Path) -> None:
     """A file whose token embedding is Q8_0 and which has no `output.weight` (llama.cpp's tied head): the
     embedding is dequantized, the head is a QuantizedLinear on the embedding's own bytes."""
