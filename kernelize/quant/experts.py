@@ -210,28 +210,43 @@ class QuantizedExperts(nn.Module):
     def _calls(self, x, index, weights, out, threads: int) -> list[tuple[Any, tuple, tuple]]:
         """The kernel calls: (entry, arguments, the arrays they point into: held by a replay program's call):
         one, or two where gate|up and down are in two formats (two libraries, h between them)."""
-        up, down = self.packed
+        t, k = index.shape
+        ops = (x.data_ptr(), index.data_ptr(), weights.data_ptr(), out.data_ptr())
+        return [
+            (entry, (*ops, ctypes.addressof(sizes), ctypes.addressof(ptrs), form.data_ptr(), threads), held)
+            for entry, sizes, ptrs, form, held in self._resolved(x.dtype, t, k)
+        ]
+
+    def _resolved(self, dtype: torch.dtype, t: int, k: int) -> list[tuple]:
+        """Per kernel call of ``t`` tokens of ``k`` slots: (entry, its sizes array, the weight addresses, the
+        gate form, what they point into). One format: made once per size and kept (a decode step's call then
+        pays the ctypes call and little else); two: made per call (their h buffer is the call's own)."""
+        up, down = packed = self.packed
+        split = self.format != self.down_format
+        cache = self.__dict__.setdefault("_resolved_calls", {})
+        hit = cache.get((dtype, t, k))
+        if hit is not None and hit[0] is packed and not split:
+            return hit[1]
         b = self._buffers
 
-        def ptr(t: torch.Tensor | None) -> int:
-            return 0 if t is None or not t.numel() else t.data_ptr()
+        def ptr(v: torch.Tensor | None) -> int:
+            return 0 if v is None or not v.numel() else v.data_ptr()
 
-        split = self.format != self.down_format
-        h = torch.empty(index.numel() if split else 0, self.intermediate_dim)
+        h = torch.empty(t * k if split else 0, self.intermediate_dim)
         ptrs = (ctypes.c_int64 * 7)(
             up.data.data_ptr(), ptr(up.scales), down.data.data_ptr(), ptr(down.scales),
             ptr(b["gate_up_bias"]), ptr(b["down_bias"]), ptr(h),
         )  # fmt: skip
         form = self._form_array()
-        held = (ptrs, form, h, up, down, b["gate_up_bias"], b["down_bias"])
-        args = (x.data_ptr(), index.data_ptr(), weights.data_ptr(), out.data_ptr())
         calls = []
         for fmt, stages in ((self.format, 1), (self.down_format, 2)) if split else ((self.format, 3),):
             sizes = (ctypes.c_int64 * 6)(
-                *index.shape, self.num_experts, self.hidden_dim, self.intermediate_dim, stages
+                t, k, self.num_experts, self.hidden_dim, self.intermediate_dim, stages
             )
-            call = (*args, ctypes.addressof(sizes), ctypes.addressof(ptrs), form.data_ptr(), threads)
-            calls.append((kernels.experts_entry(fmt, x.dtype), call, (sizes, *held)))
+            held = (sizes, ptrs, form, h, up, down, b["gate_up_bias"], b["down_bias"])
+            calls.append((kernels.experts_entry(fmt, dtype), sizes, ptrs, form, held))
+        if not split:
+            cache[(dtype, t, k)] = (packed, calls)
         return calls
 
     def _form_array(self) -> torch.Tensor:
