@@ -383,6 +383,12 @@ class QuantizedExperts(nn.Module):
         self.num_experts, self.hidden_dim = state["num_experts"], state["hidden"]
         self.intermediate_dim, self.form = state["intermediate"], _form(state.get("form"), self.act)
 
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
+        from kernelize.quant.module import apply_keeping_f32
+
+        names = ("gate_up_qscales", "down_qscales", "gate_up_bias", "down_bias")
+        return apply_keeping_f32(self, names, super()._apply, fn, recurse)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:  # noqa: ANN001
         # a fresh module may have another format or shape: take the stored buffers' shapes first
         for name in list(self._buffers):

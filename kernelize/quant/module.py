@@ -111,8 +111,30 @@ class QuantizedLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty_like(bias, dtype=torch.float32), requires_grad=False)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
+        return apply_keeping_f32(self, ("qscales", "bias"), super()._apply, fn, recurse)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+def apply_keeping_f32(
+    module: nn.Module, names: Sequence[str], apply: Any, fn: Any, recurse: bool
+) -> nn.Module:
+    """``module._apply(fn)`` (``apply``: the base class's) with the f32 tensors ``names`` (row scales,
+    biases: the packed kernels read them as f32) moved but never cast: ``model.to(torch.bfloat16)`` gave an
+    int8 layer's outputs of 1e36 when its scales became bf16."""
+    before = {n: t.detach() for n in names if isinstance(t := getattr(module, n), torch.Tensor)}
+    apply(fn, recurse)  # (a parameter's data is replaced in place: `before` holds the old data)
+    for name, old in before.items():
+        new = getattr(module, name)
+        if isinstance(new, torch.Tensor) and new.dtype != old.dtype:
+            kept = old.to(new.device)
+            if isinstance(new, nn.Parameter):
+                new.data = kept
+            else:
+                module._buffers[name] = kept
+    return module
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor | None:
@@ -262,4 +284,4 @@ def _quantize_experts(model: nn.Module, fmt: str, skip: Sequence[str], summary: 
         logger.debug("quantize_model: %s -> QuantizedExperts(%s)", name, fmt)
 
 
-__all__ = ["QuantizeSummary", "QuantizedLinear", "linear_weight", "quantize_model"]
+__all__ = ["QuantizeSummary", "QuantizedLinear", "apply_keeping_f32", "linear_weight", "quantize_model"]

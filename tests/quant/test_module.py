@@ -81,3 +81,27 @@ def test_quantize_model_leaves_linears_with_their_own_forward() -> None:
 def test_constructor_error() -> None:
     with pytest.raises(ValueError, match="in_features = 40 is not a multiple of q8_0's block of 32"):
         QuantizedLinear(40, 8, "q8_0")
+
+
+def test_a_dtype_cast_keeps_the_f32_scales_and_bias() -> None:
+    """`model.to(torch.bfloat16)` moves a packed layer's row scales and bias but keeps them f32, the type the
+    kernels read (cast, an int8 layer's outputs were ~1e36)."""
+    from kernelize.quant.experts import QuantizedExperts
+
+    q = QuantizedLinear.from_linear(torch.nn.Linear(64, 32), "int8")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    want = q(x)
+    q.to(torch.bfloat16)
+    assert q.qscales.dtype == torch.float32 and q.bias.dtype == torch.float32
+    torch.testing.assert_close(q(x.bfloat16()).float(), want, rtol=3e-2, atol=3e-2)
+    experts = QuantizedExperts(4, 64, 64, "int8", bias=True)
+    experts.gate_up_qscales.fill_(0.01)
+    experts.down_qscales.fill_(0.01)
+    experts.gate_up_bias.fill_(0.5)
+    index, weights = torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2)
+    want = experts(x[:2], index, weights)
+    experts.to(torch.bfloat16)
+    assert {b.dtype for n, b in experts.named_buffers() if "qweight" not in n} == {torch.float32}
+    torch.testing.assert_close(
+        experts(x[:2].bfloat16(), index, weights.bfloat16()).float(), want, rtol=3e-2, atol=3e-2
+    )
