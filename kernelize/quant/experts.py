@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from kernelize.quant.formats import PackedWeight, get_format, quantize
 from kernelize.quant.ops import FEW_ROWS, linear, native_panels, panels
 
 PREFILL_BYTES = 64 << 20  # the most scratch a prefill's dequantized experts take at once
-_SCRATCH: dict[torch.dtype, torch.Tensor] = {}  # that scratch, per dtype, kept for the next prefill
+_SCRATCH = threading.local()  # that scratch, per thread and dtype, kept for the next prefill
 # the experts' activation as the IR names it (model_experts.experts_activation) -> the kernels' GLU_ACTS name
 ACTS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
@@ -308,9 +309,10 @@ class QuantizedExperts(nn.Module):
         n, h, i = self.num_experts, self.hidden_dim, self.intermediate_dim
         hit = [e for e in torch.unique(index).tolist() if e != n]
         size = max(1, min(len(hit), PREFILL_BYTES // (3 * i * h * x.element_size())))
-        held = _SCRATCH.get(x.dtype)
+        kept = _SCRATCH.__dict__.setdefault("by_dtype", {})
+        held = kept.get(x.dtype)
         if held is None or held.numel() < size * 3 * i * h:  # kept: a fresh one page-faults on every call
-            held = _SCRATCH[x.dtype] = torch.empty(size * 3 * i * h, dtype=x.dtype)
+            held = kept[x.dtype] = torch.empty(size * 3 * i * h, dtype=x.dtype)
         up = held[: size * 2 * i * h].view(size, 2 * i, h)
         down = held[size * 2 * i * h : size * 3 * i * h].view(size, h, i)
         total = None
