@@ -44,6 +44,7 @@ __all__ = [
     "experts_forward",
     "experts_modules",
     "keep_experts",
+    "packed_experts",
     "register_experts",
     "use_experts_function",
 ]
@@ -176,11 +177,11 @@ def experts_forward(
     plan = _PLANS.get(module)
     if plan is None:  # the module's structure decides once: (why not, the kernel's keywords)
         reason = experts_blocker(module)
-        plan = _PLANS[module] = (reason, None if reason else _kernel_keywords(module))
+        plan = _PLANS[module] = (reason, None if reason else kernel_keywords(module))
     reason, keywords = plan
     fallback = _FALLBACK.get(module, "grouped_mm")
     if reason is None:
-        up, down, biases = _operands(module, keywords["gated"])
+        up, down, biases = experts_operands(module, keywords["gated"])
         if _library_wins(hidden_states, top_k_index, fallback, down):
             return fallback_forward(module, fallback)(module, hidden_states, top_k_index, top_k_weights)
         if torch.is_grad_enabled() and (hidden_states.requires_grad or up.requires_grad):
@@ -210,7 +211,7 @@ def experts_c_call(
         return None
     keywords = dict(plan[1])
     act, gated = keywords.pop("act", "silu"), keywords.pop("gated")
-    up, down, biases = _operands(module, gated)
+    up, down, biases = experts_operands(module, gated)
     if _library_wins(x, index, fallback, down):
         return None
     ops = (x, index, weights, up, down, *((biases["up_bias"], biases["down_bias"]) if biases else ()))
@@ -271,7 +272,7 @@ def _native_bf16() -> bool:
 LIBRARY_TOKENS = 16  # calls of more tokens than this run the model's previous implementation (see above)
 
 
-def _kernel_keywords(module: torch.nn.Module) -> dict:
+def kernel_keywords(module: torch.nn.Module) -> dict:
     """`grouped_experts`' act, gated and gate form for a module `experts_blocker` passed."""
     from transformers.integrations.moe import _default_apply_gate
 
@@ -292,7 +293,7 @@ def _rows_contiguous(module: torch.nn.Module) -> None:
                 p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _operands(module: torch.nn.Module, gated: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def experts_operands(module: torch.nn.Module, gated: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The module's up [E, N, H] and down [E, H, I] weights (views of transposed ones) and its biases."""
     up, down = module.gate_up_proj if gated else module.up_proj, module.down_proj
     if getattr(module, "is_transposed", False):
@@ -392,14 +393,18 @@ def use_experts_function(model: torch.nn.Module, mode: Mode, device: Any = None)
     return f"experts implementation set to `{EXPERTS_NAME}` ({served} of {len(found)} modules)", previous
 
 
-def _record_packed(model: torch.nn.Module, mode: Mode, device: Any) -> int:
-    """Record each packed experts module (`kernelize_model(quantize=...)`: its own kernels) for
-    `kernelize.inspect`; returns how many there are."""
-    from kernelize.quant.experts import QuantizedExperts
+def packed_experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """path -> module, for each packed experts module (`kernelize.quant.experts.QuantizedExperts`, marked by
+    its class's `packed_experts`: `kernelize_model(quantize=...)` put it in place of an experts module)."""
+    return {p: m for p, m in model.named_modules() if getattr(type(m), "packed_experts", False)}
 
-    packed = {p: m for p, m in model.named_modules() if isinstance(m, QuantizedExperts)}
-    kernel, where = f"{QuantizedExperts.__module__}.QuantizedExperts", None if device is None else str(device)
+
+def _record_packed(model: torch.nn.Module, mode: Mode, device: Any) -> int:
+    """Record each packed experts module (its own kernels) for `kernelize.inspect`; returns how many."""
+    packed = packed_experts(model)
+    where = None if device is None else str(device)
     for path, module in packed.items():
+        kernel = f"{type(module).__module__}.{type(module).__qualname__}"
         record_choice(module, KernelChoice(path, EXPERTS_LAYER, kernel, where, mode, kernel_layer=kernel))
     return len(packed)
 
@@ -439,10 +444,7 @@ class Routing:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from kernelize.quant.experts import QuantizedExperts
-
-        packed = [m for m in model.modules() if isinstance(m, QuantizedExperts)]  # quantize=: the same calls
-        self.modules = [*experts_modules(model).values(), *packed]
+        self.modules = [*experts_modules(model).values(), *packed_experts(model).values()]
         self.calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     @contextlib.contextmanager

@@ -38,7 +38,7 @@ from torch import nn
 
 from kernelize.codegen import cpu_build
 from kernelize.quant import kernels
-from kernelize.quant.formats import PackedWeight, get_format, quantize
+from kernelize.quant.formats import PackedWeight, apply_keeping_f32, get_format, quantize
 from kernelize.quant.ops import FEW_ROWS, linear, native_panels, panels
 
 PREFILL_BYTES = 64 << 20  # the most scratch a prefill's dequantized experts take at once
@@ -49,18 +49,18 @@ ACTS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 def experts_reason(module: nn.Module, fmt: str) -> str | None:
     """Why the transformers experts module ``module`` stays float under ``fmt`` (None: it can be packed)."""
-    from kernelize.model_experts import _kernel_keywords, _operands, experts_blocker
+    from kernelize.model_experts import experts_blocker, experts_operands, kernel_keywords
 
     f = get_format(fmt)
     why = experts_blocker(module)
     if why is not None:
         return why
-    keywords = _kernel_keywords(module)
+    keywords = kernel_keywords(module)
     if not keywords["gated"]:
         return "packed experts take gated MLPs only (gate and up rows); this module's is not gated"
     if keywords["act"] not in ACTS:
         return f"activation {keywords['act']} is not one of the packed kernel's {sorted(ACTS)}"
-    up, down, _ = _operands(module, True)
+    up, down, _ = experts_operands(module, True)
     (_, two_i, h), i = up.shape, down.shape[2]
     if two_i != 2 * i or down.shape[1] != h:
         return f"gate_up {list(up.shape)} and down {list(down.shape)} are not [E, 2I, H] and [E, H, I]"
@@ -83,6 +83,8 @@ class QuantizedExperts(nn.Module):
         >>> sorted(q.state_dict())
         ['_extra_state', 'down_qscales', 'down_qweight', 'gate_up_qscales', 'gate_up_qweight']
     """
+
+    packed_experts = True  # what kernelize.model_experts.packed_experts finds (without importing this module)
 
     def __init__(
         self,
@@ -122,14 +124,14 @@ class QuantizedExperts(nn.Module):
         """``module`` (a transformers experts module that :func:`experts_reason` passes) quantized to ``fmt``
         (its down weights to ``down_fmt``, default ``fmt``), expert by expert (one expert's float copy at a
         time); ``module`` itself is left as it was."""
-        from kernelize.model_experts import _kernel_keywords, _operands
+        from kernelize.model_experts import experts_operands, kernel_keywords
 
         why = experts_reason(module, fmt)
         if why is not None:
             raise ValueError(f"QuantizedExperts.from_experts({type(module).__name__}): {why}")
-        up, down, biases = _operands(module, True)
+        up, down, biases = experts_operands(module, True)
         (e, _, h), i = up.shape, down.shape[2]
-        keywords = dict(_kernel_keywords(module))
+        keywords = dict(kernel_keywords(module))
         act, interleaved = keywords.pop("act"), keywords.pop("interleaved", False)
         keywords.pop("gated")
         q = cls(e, h, i, fmt, act, keywords, bias=bool(biases), down_fmt=down_fmt)
@@ -386,8 +388,6 @@ class QuantizedExperts(nn.Module):
         self.intermediate_dim, self.form = state["intermediate"], _form(state.get("form"), self.act)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
-        from kernelize.quant.module import apply_keeping_f32
-
         names = ("gate_up_qscales", "down_qscales", "gate_up_bias", "down_bias")
         return apply_keeping_f32(self, names, super()._apply, fn, recurse)
 

@@ -32,7 +32,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -103,6 +105,25 @@ class PackedWeight:
         """The bytes held: data plus separate scales."""
         extra = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
         return self.data.numel() + extra
+
+
+def apply_keeping_f32(
+    module: torch.nn.Module, names: Sequence[str], apply: Any, fn: Any, recurse: bool
+) -> torch.nn.Module:
+    """``module._apply(fn)`` (``apply``: the base class's) with the f32 tensors ``names`` (row scales,
+    biases: the packed kernels read them as f32) moved but never cast: ``model.to(torch.bfloat16)`` gave an
+    int8 layer's outputs of 1e36 when its scales became bf16."""
+    before = {n: t.detach() for n in names if isinstance(t := getattr(module, n), torch.Tensor)}
+    apply(fn, recurse)  # (a parameter's data is replaced in place: `before` holds the old data)
+    for name, old in before.items():
+        new = getattr(module, name)
+        if isinstance(new, torch.Tensor) and new.dtype != old.dtype:
+            kept = old.to(new.device)
+            if isinstance(new, torch.nn.Parameter):
+                new.data = kept
+            else:
+                module._buffers[name] = kept
+    return module
 
 
 def get_format(fmt: str | QuantFormat) -> QuantFormat:
@@ -221,6 +242,7 @@ __all__ = [
     "FORMATS",
     "PackedWeight",
     "QuantFormat",
+    "apply_keeping_f32",
     "check_weight",
     "dequantize",
     "get_format",

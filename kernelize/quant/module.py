@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernelize.quant.formats import PackedWeight, get_format, quantize
+from kernelize.quant.formats import PackedWeight, apply_keeping_f32, get_format, quantize
 from kernelize.quant.ops import linear
 
 logger = logging.getLogger(__name__)
@@ -116,25 +116,6 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
-
-
-def apply_keeping_f32(
-    module: nn.Module, names: Sequence[str], apply: Any, fn: Any, recurse: bool
-) -> nn.Module:
-    """``module._apply(fn)`` (``apply``: the base class's) with the f32 tensors ``names`` (row scales,
-    biases: the packed kernels read them as f32) moved but never cast: ``model.to(torch.bfloat16)`` gave an
-    int8 layer's outputs of 1e36 when its scales became bf16."""
-    before = {n: t.detach() for n in names if isinstance(t := getattr(module, n), torch.Tensor)}
-    apply(fn, recurse)  # (a parameter's data is replaced in place: `before` holds the old data)
-    for name, old in before.items():
-        new = getattr(module, name)
-        if isinstance(new, torch.Tensor) and new.dtype != old.dtype:
-            kept = old.to(new.device)
-            if isinstance(new, nn.Parameter):
-                new.data = kept
-            else:
-                module._buffers[name] = kept
-    return module
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor | None:
@@ -284,4 +265,4 @@ def _quantize_experts(model: nn.Module, fmt: str, skip: Sequence[str], summary: 
         logger.debug("quantize_model: %s -> QuantizedExperts(%s)", name, fmt)
 
 
-__all__ = ["QuantizeSummary", "QuantizedLinear", "apply_keeping_f32", "linear_weight", "quantize_model"]
+__all__ = ["QuantizeSummary", "QuantizedLinear", "linear_weight", "quantize_model"]
