@@ -214,6 +214,50 @@ def test_qwen3_moe_experts_stay_packed(tmp_path: Path, fmt: str, down_fmt: str) 
         assert loaded.generate(ids[:, :3], max_new_tokens=4, do_sample=False).shape == (1, 7)
 
 
+def test_bad_moe_metadata_and_experts_are_named(tmp_path: Path) -> None:
+    """A qwen3moe file whose expert metadata is missing or inconsistent, or whose experts' gate and up types
+    differ: a GGUFError naming the key or tensors, before any model is built."""
+    from dataclasses import replace
+
+    from kernelize.quant.experts import QuantizedExperts
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, norm_topk_prob=True,
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    model.model.layers[0].mlp.experts = QuantizedExperts.from_experts(
+        model.model.layers[0].mlp.experts, "q8_0"
+    )
+    path = tmp_path / "moe.gguf"
+    kg.save(model, path)
+    meta, infos = kg.scan(path)
+    tensors = {t.name: t for t in infos}
+    arch = kg.ARCHITECTURES["Qwen3MoeForCausalLM"]
+    for key, value, why in (
+        ("qwen3moe.expert_count", None, "expert_count = None is not a positive integer"),
+        ("qwen3moe.expert_used_count", 9, "expert_used_count is more than qwen3moe.expert_count"),
+        ("qwen3moe.expert_feed_forward_length", 0, "expert_feed_forward_length = 0 is not a positive"),
+    ):
+        with pytest.raises(kg.GGUFError, match=why):
+            kg._config(str(path), {**meta, key: value}, tensors, arch)
+    config = kg._config(str(path), meta, tensors, arch)
+    up = tensors["blk.0.ffn_up_exps.weight"]
+    odd = {**tensors, up.name: replace(up, type_name="Q4_0")}
+    get = lambda name: torch.zeros(1)  # noqa: E731 (never read: the types are checked first)
+    with pytest.raises(
+        kg.GGUFError, match="ffn_gate_exps.weight' .Q8_0. and 'blk.0.ffn_up_exps.weight' .Q4_0."
+    ):
+        kg._experts(get, odd, 0)
+    wrong = {**tensors, up.name: replace(up, shape=(4, 32, 64))}
+    with pytest.raises(
+        kg.GGUFError, match="ffn_up_exps.weight' has shape .4, 32, 64., the config says .4, 64, 64."
+    ):
+        kg._check_tensors(str(path), config, wrong, arch)
+
+
 def test_packed_embedding_without_output(saved: dict, tmp_path: Path) -> None:
     """A file whose token embedding is Q8_0 and which has no `output.weight` (llama.cpp's tied head): the
     embedding is dequantized, the head is a QuantizedLinear on the embedding's own bytes."""
