@@ -199,7 +199,8 @@ class QuantizedExperts(nn.Module):
                 f"QuantizedExperts: hidden_states {list(x.shape)} must be [T, {self.hidden_dim}] and "
                 f"top_k_index {list(top_k_index.shape)} / top_k_weights {list(top_k_weights.shape)} [T, K]"
             )
-        if not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16):
+        grad = torch.is_grad_enabled() and (x.requires_grad or top_k_weights.requires_grad)
+        if grad or not x.is_cpu or x.dtype not in (torch.float32, torch.bfloat16):  # the kernels: no backward
             return self._per_expert(x, top_k_index, top_k_weights)
         if x.shape[0] > FEW_ROWS:
             return self._groups(x, top_k_index, top_k_weights)
@@ -410,8 +411,8 @@ class QuantizedExperts(nn.Module):
 
 def _product(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """``x @ W.T`` of the packed weight's values through dequantized panels whatever the rows (on the CPU;
-    elsewhere :func:`~kernelize.quant.ops.linear`), in x's dtype or f32."""
-    if not x.is_cpu:
+    elsewhere, or where x needs a gradient, :func:`~kernelize.quant.ops.linear`), in x's dtype or f32."""
+    if not x.is_cpu or (torch.is_grad_enabled() and x.requires_grad):
         return linear(x, packed)
     x = (x if native_panels(x.dtype) else x.float()).contiguous()
     out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)

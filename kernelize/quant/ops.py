@@ -88,13 +88,17 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     Returns:
         ``[..., N]`` in ``x``'s dtype. On the CPU, decode rows quantize ``x`` to int8 blocks of 32 (the
         llama.cpp scheme), so they differ from a float product by that rounding; prefill rows multiply in
-        f32. On CUDA, x is used as it is and products accumulate in f32.
+        f32. On CUDA, x is used as it is and products accumulate in f32. Where ``x`` needs a gradient (a
+        LoRA adapter trained over packed layers) the product is ``F.linear`` over the dequantized weight:
+        the kernels have no backward, and their output would silently cut the graph.
 
     Example:
         >>> from kernelize.quant.formats import quantize
         >>> linear(torch.ones(1, 32), quantize(torch.ones(4, 32), "int8")).tolist()  # doctest: +SKIP
         [[32.0, 32.0, 32.0, 32.0]]
     """
+    if torch.is_grad_enabled() and x.requires_grad:
+        return differentiable(x, packed, bias)
     fast = _few_rows_cpu(x, packed, bias)
     if fast is not None:
         return fast
@@ -109,6 +113,15 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     b = None if bias is None else bias.detach().float().contiguous()
     RUNS[x.device.type](x2, packed, b, out)
     return out.reshape(*lead, n)
+
+
+def differentiable(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` by ``F.linear`` over the dequantized weight (W itself stays packed and frozen): a
+    product autograd can differentiate with respect to ``x``."""
+    from kernelize.quant.formats import dequantize
+
+    w = dequantize(packed).to(device=x.device, dtype=x.dtype)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
 
 def _few_rows_cpu(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -260,4 +273,14 @@ def panels(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out
 # device type -> its kernels: run(x [M, K] contiguous, packed, bias f32 or None, out [M, N]); DTYPES' keys
 RUNS = {"cpu": _cpu, "cuda": gpu.run}
 
-__all__ = ["DTYPES", "FEW_ROWS", "PANEL_ROWS", "RUNS", "FewRows", "linear", "native_panels", "panels"]
+__all__ = [
+    "DTYPES",
+    "FEW_ROWS",
+    "PANEL_ROWS",
+    "RUNS",
+    "FewRows",
+    "differentiable",
+    "linear",
+    "native_panels",
+    "panels",
+]

@@ -248,3 +248,35 @@ def test_reasons_for_experts_that_stay_float() -> None:
     )
     with pytest.raises(ValueError, match=r"QuantizedExperts.from_experts\(GptOssExperts\): hidden 64"):
         QuantizedExperts.from_experts(experts, "q4_k")
+
+
+def test_gradients_flow_to_the_activations() -> None:
+    """Where x needs a gradient (an adapter trained over a packed model) the experts and a packed linear run
+    differentiable products over the dequantized weights: x's gradient is the float model's on those values
+    (the kernels have no backward; their output would silently cut the graph)."""
+    from kernelize.quant.module import QuantizedLinear
+
+    q, _ = _experts("q8_0", 64, 64)
+    index, weights = _routing(3, 2)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    q(x, index, weights).square().sum().backward()
+    up = torch.stack([dequantize(q.expert(e)[0]) for e in range(E)])
+    down = torch.stack([dequantize(q.expert(e)[1]) for e in range(E)])
+    ref = x.detach().double().requires_grad_()
+    y = torch.zeros(3, 64, dtype=torch.float64)
+    for t in range(3):
+        for s in range(2):
+            e = int(index[t, s])
+            if e < E:
+                gate, u = (up[e].double() @ ref[t]).chunk(2)
+                y = y.index_add(
+                    0,
+                    torch.tensor([t]),
+                    (weights[t, s] * (down[e].double() @ (torch.nn.functional.silu(gate) * u)))[None],
+                )
+    y.square().sum().backward()
+    torch.testing.assert_close(x.grad.double(), ref.grad, rtol=1e-4, atol=1e-4 * float(ref.grad.abs().max()))
+    lin = QuantizedLinear.from_linear(torch.nn.Linear(64, 16), "q4_0")
+    x1 = torch.randn(2, 64, requires_grad=True)
+    lin(x1).sum().backward()
+    torch.testing.assert_close(x1.grad, dequantize(lin.packed).sum(0).expand(2, 64), rtol=1e-5, atol=1e-5)
