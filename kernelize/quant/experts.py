@@ -216,15 +216,13 @@ class QuantizedExperts(nn.Module):
         one, or two where gate|up and down are in two formats (two libraries, h between them)."""
         t, k = index.shape
         ops = (x.data_ptr(), index.data_ptr(), weights.data_ptr(), out.data_ptr())
-        return [
-            (entry, (*ops, ctypes.addressof(sizes), ctypes.addressof(ptrs), form.data_ptr(), threads), held)
-            for entry, sizes, ptrs, form, held in self._resolved(x.dtype, t, k)
-        ]
+        return [(entry, (*ops, *tail, threads), held) for entry, tail, held in self._resolved(x.dtype, t, k)]
 
     def _resolved(self, dtype: torch.dtype, t: int, k: int) -> list[tuple]:
-        """Per kernel call of ``t`` tokens of ``k`` slots: (entry, its sizes array, the weight addresses, the
-        gate form, what they point into). One format: made once per size and kept (a decode step's call then
-        pays the ctypes call and little else); two: made per call (their h buffer is the call's own)."""
+        """Per kernel call of ``t`` tokens of ``k`` slots: (entry, the addresses of its sizes array, weight
+        addresses and gate form, the objects they point into). One format: made once per size and kept (a
+        decode step's call then pays the ctypes call and little else); two: made per call (their h buffer is
+        the call's own)."""
         up, down = packed = self.packed
         split = self.format != self.down_format
         cache = self.__dict__.setdefault("_resolved_calls", {})
@@ -247,8 +245,9 @@ class QuantizedExperts(nn.Module):
             sizes = (ctypes.c_int64 * 6)(
                 t, k, self.num_experts, self.hidden_dim, self.intermediate_dim, stages
             )
+            tail = (ctypes.addressof(sizes), ctypes.addressof(ptrs), form.data_ptr())
             held = (sizes, ptrs, form, h, up, down, b["gate_up_bias"], b["down_bias"])
-            calls.append((kernels.experts_entry(fmt, dtype), sizes, ptrs, form, held))
+            calls.append((kernels.experts_entry(fmt, dtype), tail, held))
         if not split:
             cache[(dtype, t, k)] = (packed, calls)
         return calls

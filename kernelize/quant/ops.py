@@ -25,7 +25,7 @@ import torch
 
 from kernelize.codegen import cpu_build
 from kernelize.quant import gpu, kernels
-from kernelize.quant.formats import PackedWeight
+from kernelize.quant.formats import PackedWeight, dequantize
 from kernelize.runtime.backend import CCall
 
 FEW_ROWS = 8  # rows up to which the packed kernel runs (decode); above, panels of dequantized weight
@@ -118,8 +118,6 @@ def linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
 def differentiable(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` by ``F.linear`` over the dequantized weight (W itself stays packed and frozen): a
     product autograd can differentiate with respect to ``x``."""
-    from kernelize.quant.formats import dequantize
-
     w = dequantize(packed).to(device=x.device, dtype=x.dtype)
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
 
